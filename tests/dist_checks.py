@@ -1,0 +1,97 @@
+"""Checks that run on every rank of the shared test process group (see dist_pool.py).
+
+Each returns plain Python data; the tests in test_*.py assert on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from titan_vlm.attention import SeqLayout
+from titan_vlm.config import JobConfig, Training
+from titan_vlm.data.synthetic import IGNORE_INDEX, SyntheticCaptions
+from titan_vlm.models.flavors import get_flavor
+from titan_vlm.models.vlm import VLM
+from titan_vlm.optim import build_optimizer, build_scheduler
+from titan_vlm.parallel.parallelize import parallelize_vlm
+from titan_vlm.parallel_dims import MESH_DIMS, Mesh
+from titan_vlm.train import run_training, train_step
+
+GROUPS = ("vision", "projector", "decoder")
+
+
+@lru_cache(maxsize=None)
+def make_mesh(dp_shard: int, cp: int) -> Mesh:
+    """A (dp_shard, cp) mesh; the world is split into identical copies of it (outer dim)."""
+    world = dist.get_world_size()
+    copies = world // (dp_shard * cp)
+    root = init_device_mesh("cpu", (copies, 1, dp_shard, cp, 1), mesh_dim_names=("copies", *MESH_DIMS))
+    return Mesh.from_root(root)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def parity(dp_shard: int = 1, cp: int = 2, seq_len: int = 61, batch_size: int = 2,
+           sum_image_grad: bool = True, seed: int = 3) -> dict:
+    """One optimizer step of the parallel trainer against one process with the same weights and
+    global batch. Returns both losses and grad norms and, per group (vision, projector, decoder),
+    the worst per-parameter relative error (norm of difference / norm) of the gradient and of the
+    parameter after the step."""
+    args = get_flavor("debug")
+    t = Training(lr=1e-3, warmup_steps=0, steps=10, max_norm=1.0, seq_len=seq_len, local_batch_size=batch_size)
+    data = SyntheticCaptions(args.vision.image_size, args.num_image_tokens, seq_len, seed, sentences_per_image=3)
+    mesh = make_mesh(dp_shard, cp)
+
+    # The reference: one process, the whole global batch, no sharding, torch's own clip.
+    torch.manual_seed(seed)
+    ref = VLM(args)
+    full = data.batch(0, 0, 1, dp_shard * batch_size)
+    layout = SeqLayout.unsharded(seq_len, args.num_image_tokens)
+    logits = ref(full.images, full.tokens, layout)
+    ref_loss = F.cross_entropy(logits.flatten(0, 1), full.labels.flatten(), ignore_index=IGNORE_INDEX)
+    ref_loss.backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), t.max_norm)
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}  # clipped, as the trainer's are
+    build_optimizer(ref, t).step()
+
+    # The parallel run: same seed, so the same weights before sharding.
+    torch.manual_seed(seed)
+    model = parallelize_vlm(VLM(args), mesh)
+    opt = build_optimizer(model, t)
+    sched = build_scheduler(opt, t)
+    batch = data.batch(0, mesh.dp_shard.get_local_rank(), dp_shard, batch_size)
+    stats = train_step(model, opt, sched, batch, mesh, t.max_norm, sum_image_grad=sum_image_grad)
+
+    grad_err = dict.fromkeys(GROUPS, 0.0)
+    param_err = dict.fromkeys(GROUPS, 0.0)
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        group = name.split(".")[0]
+        grad_err[group] = max(grad_err[group], _rel(_full(p.grad), ref_grads[name]))
+        param_err[group] = max(param_err[group], _rel(_full(p.detach()), ref_params[name].detach()))
+    return {"loss": stats["loss"], "ref_loss": ref_loss.item(), "grad_norm": stats["grad_norm"],
+            "ref_grad_norm": ref_norm.item(), "grad_err": grad_err, "param_err": param_err,
+            "ntokens": stats["ntokens"], "ref_ntokens": int((full.labels != IGNORE_INDEX).sum())}
+
+
+def train_run(dp_shard: int, cp: int, steps: int, **overrides) -> list[dict]:
+    """The real training loop (run_training) on a test mesh; overrides are 'section.key' -> value."""
+    cfg = JobConfig()
+    cfg.training = dataclasses.replace(cfg.training, steps=steps)
+    for dotted, value in overrides.items():
+        section, key = dotted.split("__")
+        setattr(getattr(cfg, section), key, value)
+    return run_training(cfg, make_mesh(dp_shard, cp), torch.device("cpu"))

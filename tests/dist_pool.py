@@ -1,0 +1,101 @@
+"""A pool of worker processes that share one gloo process group for the whole test session.
+
+Starting processes and process groups costs seconds on 2 cores, so the distributed tests send
+their checks (module-level functions of tests/dist_checks.py) to one long-lived group:
+`pool.run("parity", cp=2)` runs `dist_checks.parity(cp=2)` on every rank and returns the
+per-rank results. A check that fails on any rank raises here with that rank's traceback, and
+the pool is restarted so a half-finished collective cannot poison the next check.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any
+
+CHECKS_MODULE = "dist_checks"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    checks = importlib.import_module(CHECKS_MODULE)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        name, kwargs = task
+        try:
+            results.put((rank, True, getattr(checks, name)(**kwargs)))
+        except BaseException:  # noqa: BLE001 - report everything to the test process
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class DistPool:
+    def __init__(self, world_size: int, timeout_s: float = 300):
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.procs: list[mp.Process] = []
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self.results = ctx.Queue()
+        self.procs = [ctx.Process(target=_worker, args=(r, self.world_size, port, self.tasks[r], self.results),
+                                  daemon=True) for r in range(self.world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, check: str, **kwargs: Any) -> list[Any]:
+        """Run `dist_checks.<check>(**kwargs)` on every rank; results in rank order."""
+        for q in self.tasks:
+            q.put((check, kwargs))
+        out: dict[int, Any] = {}
+        errors = []
+        try:
+            while len(out) + len(errors) < self.world_size:
+                rank, ok, value = self.results.get(timeout=self.timeout_s)
+                if ok:
+                    out[rank] = value
+                else:
+                    errors.append(f"rank {rank}:\n{value}")
+        except queue.Empty:
+            errors.append(f"timed out after {self.timeout_s}s waiting for ranks {set(range(self.world_size)) - set(out)}")
+        if errors:
+            self.restart()
+            raise RuntimeError(f"check {check!r} failed:\n" + "\n".join(errors[:2]))
+        return [out[r] for r in range(self.world_size)]
+
+    def restart(self) -> None:
+        self.close(graceful=False)
+        self._start()
+
+    def close(self, graceful: bool = True) -> None:
+        if graceful:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.procs = []

@@ -1,0 +1,1 @@
+"""titan_vlm: a PyTorch-native trainer for long-context vision-language models."""

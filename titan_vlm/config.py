@@ -1,0 +1,195 @@
+"""Typed job configuration: TOML file + torchtitan-style command-line overrides.
+
+    ./run_train.sh --config train_configs/vlm_cp.toml --training.steps=50 --parallelism.context_parallel_degree=4
+
+Every key lives in one dataclass below; an unknown section or key, a value of the wrong type
+or an impossible combination raises `ConfigError` with a one-line message naming the key,
+before any process group or collective exists.
+"""
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message is one line and names the key or file."""
+
+
+@dataclass
+class Job:
+    dump_folder: str = "outputs"  # TensorBoard logs (tb/) and metrics.jsonl go here
+    description: str = ""
+
+
+@dataclass
+class Model:
+    flavor: str = "debug"  # see titan_vlm/models/flavors.py
+
+
+@dataclass
+class Training:
+    steps: int = 200
+    seed: int = 0
+    seq_len: int = 256  # tokens per row: image tokens + text tokens
+    local_batch_size: int = 4  # rows per data-parallel rank (CP ranks of one group share rows)
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    max_norm: float = 1.0  # gradient clipping on the global norm; <= 0 disables
+    mixed_precision: str = "fp32"  # "fp32" | "bf16" (bf16 params/compute, fp32 grads reduce)
+
+
+@dataclass
+class Data:
+    dataset: str = "synthetic"
+    sentences_per_image: int = 1  # long-text knob: more sentences about the image per sample
+    blank_images: bool = False  # ablation: every image black; captions are then unpredictable
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    data_parallel_shard_degree: int = 1  # -1: whatever the world size leaves over
+    context_parallel_degree: int = 1
+    tensor_parallel_degree: int = 1
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 1
+    enable_tensorboard: bool = True
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    folder: str = "checkpoint"
+    interval: int = 500
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    data: Data = field(default_factory=Data)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.type for f in dataclasses.fields(JobConfig)}
+
+
+def _coerce(key: str, value: Any, typ: type) -> Any:
+    """Convert a TOML or command-line value to the field's type, or fail naming the key."""
+    if isinstance(value, str) and typ is not str:
+        text = value.strip()
+        try:
+            if typ is bool:
+                if text.lower() in ("true", "1", "yes"):
+                    return True
+                if text.lower() in ("false", "0", "no"):
+                    return False
+                raise ValueError
+            return typ(text)
+        except ValueError:
+            raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}") from None
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is bool and not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected bool, got {value!r}")
+    if typ in (int, float) and (isinstance(value, bool) or not isinstance(value, typ)):
+        raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}")
+    if typ is str and not isinstance(value, str):
+        raise ConfigError(f"{key}: expected str, got {value!r}")
+    return value
+
+
+def _set(cfg: JobConfig, dotted: str, value: Any, where: str) -> None:
+    section, _, name = dotted.partition(".")
+    sections = _sections()
+    if section not in sections or not name:
+        raise ConfigError(f"{where}: unknown key '{dotted}' (sections: {', '.join(sections)})")
+    obj = getattr(cfg, section)
+    types = {f.name: f.type for f in dataclasses.fields(obj)}
+    if name not in types:
+        raise ConfigError(f"{where}: unknown key '{dotted}' (known in [{section}]: {', '.join(types)})")
+    setattr(obj, name, _coerce(dotted, value, types[name]))
+
+
+def load_config(argv: list[str]) -> JobConfig:
+    """Build the JobConfig from `--config FILE` (optional) and `--section.key=value` overrides."""
+    cfg = JobConfig()
+    overrides: list[tuple[str, str]] = []
+    config_file: str | None = None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"command line: expected --section.key=value, got '{arg}'")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"command line: '--{key}' needs a value")
+            value = argv[i + 1]
+            i += 1
+        i += 1
+        if key in ("config", "job.config_file"):
+            config_file = value
+        else:
+            overrides.append((key, value))
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"--config: file not found: {config_file}")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{config_file}: invalid TOML: {e}") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{config_file}: top-level key '{section}' must be a [section]")
+            for name, value in values.items():
+                _set(cfg, f"{section}.{name}", value, config_file)
+    for key, value in overrides:
+        _set(cfg, key, value, "command line")
+    return cfg
+
+
+def world_size_of(cfg: JobConfig) -> int:
+    """Processes the config's parallel degrees need (dp_shard = -1 counts as 1)."""
+    p = cfg.parallelism
+    return (p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1)
+            * p.context_parallel_degree * p.tensor_parallel_degree)
+
+
+def main() -> None:
+    """`python -m titan_vlm.config --config F [overrides]`: validate and print the process count."""
+    from titan_vlm.parallel_dims import ParallelDims
+
+    try:
+        cfg = load_config(sys.argv[1:])
+        world = world_size_of(cfg)
+        ParallelDims.from_config(cfg, world).validate_model(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(world)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Per-step metrics to stdout, TensorBoard (<dump_folder>/tb/) and <dump_folder>/metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("titan_vlm")
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """CUDA allocator peak on GPU; the process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+
+class MetricsLogger:
+    """Writes only on the rank given `enabled=True` (rank 0); the others call it as a no-op."""
+
+    def __init__(self, dump_folder: str, enable_tensorboard: bool, enabled: bool):
+        self.enabled = enabled
+        self.jsonl = None
+        self.tb = None
+        if not enabled:
+            return
+        folder = Path(dump_folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(folder / "metrics.jsonl", "a", buffering=1)
+        if enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(folder / "tb"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        logger.info(
+            "step %5d | loss %.4f | grad_norm %.3f | lr %.2e | tokens/s %9.1f | peak mem %.2f GiB",
+            step, metrics["loss"], metrics["grad_norm"], metrics["lr"], metrics["tokens_per_sec"],
+            metrics["peak_memory_gib"])
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.tb is not None:
+            for key, value in metrics.items():
+                self.tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()

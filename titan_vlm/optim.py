@@ -1,0 +1,72 @@
+"""AdamW, warmup + cosine schedule, and a global-norm clip that knows each parameter's mesh."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from titan_vlm.config import Training
+
+
+def build_optimizer(model: nn.Module, t: Training) -> torch.optim.Optimizer:
+    """One param group per (mesh, weight decay): foreach kernels cannot mix DTensor meshes.
+    Matrices decay; norms, biases and position embeddings do not."""
+    groups: dict[tuple[int, bool], list[nn.Parameter]] = defaultdict(list)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            mesh = p.device_mesh if isinstance(p, DTensor) else None
+            decay = p.ndim >= 2 and "pos_embed" not in name
+            groups[(id(mesh), decay)].append(p)
+    param_groups = [{"params": ps, "weight_decay": t.weight_decay if decay else 0.0}
+                    for (_, decay), ps in groups.items()]
+    return torch.optim.AdamW(param_groups, lr=t.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def build_scheduler(opt: torch.optim.Optimizer, t: Training) -> torch.optim.lr_scheduler.LambdaLR:
+    def factor(step: int) -> float:  # step = optimizer steps taken so far
+        if step < t.warmup_steps:
+            return (step + 1) / (t.warmup_steps + 1)
+        progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * cosine
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Global L2 norm of all gradients (as one unsharded model would have), clipped to max_norm.
+
+    Each FSDP mesh holds disjoint shards of its parameters, so the squared norm is the sum of the
+    local shards' squares all-reduced over that mesh; ranks outside a mesh's reduction (e.g. CP
+    ranks for the vision tower) hold identical copies and are not added again.
+    """
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else (None, ())
+        groups.setdefault(key, []).append(g)
+    total_sq = None
+    for (mesh, placements), grads in groups.items():
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        sq = torch.stack([x.float().pow(2).sum() for x in local]).sum()
+        for dim, placement in enumerate(placements):
+            if placement.is_shard() and mesh.size(dim) > 1:
+                dist.all_reduce(sq, group=mesh.get_group(dim))
+        total_sq = sq if total_sq is None else total_sq + sq
+    if total_sq is None:
+        return torch.tensor(0.0)
+    norm = total_sq.sqrt()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for grads in groups.values():
+            for g in grads:
+                (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device))
+    return norm

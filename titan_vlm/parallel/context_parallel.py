@@ -1,0 +1,139 @@
+"""Context parallelism (CP) for a vision-language model, as seed 000 designs it.
+
+A row is `[image tokens (N), text tokens (T)]`. On a CP group of P ranks:
+
+  * the text is padded to a multiple of 2P, cut into 2P chunks, and rank r keeps chunks r and
+    2P-1-r (head-tail balancing: one light and one heavy chunk of the causal triangle each),
+    with their row positions and labels (labels are shifted before sharding, never after);
+  * the image embeddings are NOT split: every rank holds all N of them
+    (`replicate_image_embeddings`: a DTensor with `Replicate()` on the cp mesh dim);
+  * attention is exact across ranks: each local text query sees the whole image prefix (local)
+    and every text key at an earlier row position, whichever rank holds it;
+  * in backward, each rank's image-embedding gradient only covers its own text's use of the
+    images, so it is summed over the cp group (Partial -> Replicate, an all-reduce) before the
+    projector and ViT backward. The vision tower then trains exactly as without CP, and its
+    parameters are not reduced over cp again (see parallel_dims.py).
+
+    rank:      0          1          (P = 2, chunks c0..c3 of the text)
+    holds: [I][c0 c3]  [I][c1 c2]    I = all image tokens, on every rank
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from titan_vlm.attention import SeqLayout, causal_mask, sdpa
+from titan_vlm.data.synthetic import IGNORE_INDEX
+
+
+def replicate_image_embeddings(embeds: torch.Tensor, cp_mesh: DeviceMesh, sum_grad: bool = True) -> torch.Tensor:
+    """Mark the image embeddings as whole on every CP rank and sum their gradient over cp.
+
+    Forward: identity. Every CP rank encoded the same images, so `embeds` is the local view of a
+    DTensor with placement `Replicate()` on the cp dim.
+    Backward: rank r's gradient is partial (it only comes from rank r's text). Declaring the
+    local gradient `Partial()` makes DTensor redistribute it to `Replicate()`: an all-reduce sum
+    over cp, which finishes before the projector and ViT backward start.
+
+    `sum_grad=False` exists only for the negative-control test (it must break parity).
+    """
+    if cp_mesh.size() == 1 or not sum_grad:
+        return embeds
+    replicated = DTensor.from_local(embeds, cp_mesh, [Replicate()], run_check=False)
+    return replicated.to_local(grad_placements=[Partial()])
+
+
+def padded_text_len(text_len: int, cp_size: int) -> int:
+    chunks = 2 * cp_size
+    return -(-text_len // chunks) * chunks
+
+
+def head_tail_indices(padded_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Text indices rank `cp_rank` keeps: chunks r and 2P-1-r of 2P equal chunks."""
+    chunk = padded_len // (2 * cp_size)
+    head = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    tail_start = (2 * cp_size - 1 - cp_rank) * chunk
+    return torch.cat([head, torch.arange(tail_start, tail_start + chunk)])
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    """All-gather along the sequence dim (2) of [B, H, L, D]; backward reduce-scatters the grad."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        size = dist.get_world_size(group)
+        local = x.movedim(2, 0).contiguous()
+        out = local.new_empty((size * local.shape[0], *local.shape[1:]))
+        dist.all_gather_single(out, local, group=group)
+        return out.movedim(0, 2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        size = dist.get_world_size(ctx.group)
+        full = grad.movedim(2, 0).contiguous()
+        out = full.new_empty((full.shape[0] // size, *full.shape[1:]))
+        dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=ctx.group)
+        return out.movedim(0, 2), None
+
+
+class AllGatherKV:
+    """Exact CP attention by all-gathering the text K/V of the group (reduce-scatter dK/dV).
+
+    The image K/V are already whole on every rank and are not communicated. Each rank attends
+    its local queries (image + own text) to [image keys, all text keys] under the causal rule
+    on row positions.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, all_positions: torch.Tensor):
+        self.group = group
+        self.all_positions = all_positions  # [1, N + T_padded]: image positions, then the gathered text's
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
+        n = layout.num_image_tokens
+        k_all = torch.cat([k[:, :, :n], _AllGatherSeq.apply(k[:, :, n:], self.group)], dim=2)
+        v_all = torch.cat([v[:, :, :n], _AllGatherSeq.apply(v[:, :, n:], self.group)], dim=2)
+        return sdpa(q, k_all, v_all, mask=causal_mask(layout.positions, self.all_positions))
+
+
+def shard_text(tokens: torch.Tensor, labels: torch.Tensor, num_image_tokens: int, cp_mesh: DeviceMesh,
+               pad_id: int) -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
+    """This CP rank's share of the text of rows `[image tokens, text]`, and its SeqLayout.
+
+    tokens/labels [B, T] are the whole text (labels already shifted). Text whose length is not a
+    multiple of 2P is padded at the end with `pad_id` / IGNORE_INDEX: padding comes after every
+    real token, so the causal mask hides it from them and it carries no loss.
+    """
+    n, text_len = num_image_tokens, tokens.shape[1]
+    cp_size = cp_mesh.size()
+    if cp_size == 1:
+        return tokens, labels, SeqLayout.unsharded(n + text_len, n, tokens.device)
+    padded = padded_text_len(text_len, cp_size)
+    if padded != text_len:
+        extra = padded - text_len
+        tokens = torch.nn.functional.pad(tokens, (0, extra), value=pad_id)
+        labels = torch.nn.functional.pad(labels, (0, extra), value=IGNORE_INDEX)
+    cp_rank = cp_mesh.get_local_rank()
+    idx = head_tail_indices(padded, cp_size, cp_rank).to(tokens.device)
+    image_pos = torch.arange(n, device=tokens.device)
+    all_text = torch.cat([head_tail_indices(padded, cp_size, r) for r in range(cp_size)]).to(tokens.device)
+    layout = SeqLayout(
+        positions=torch.cat([image_pos, n + idx]).unsqueeze(0),
+        num_image_tokens=n,
+        cp=AllGatherKV(cp_mesh.get_group(), torch.cat([image_pos, n + all_text]).unsqueeze(0)),
+    )
+    return tokens[:, idx], labels[:, idx], layout
+
+
+def attention_work(q_positions: torch.Tensor, k_positions: torch.Tensor) -> int:
+    """Unmasked query-key pairs of one row under the causal rule (key position <= query position)."""
+    keys = k_positions.flatten().sort().values
+    return int(torch.searchsorted(keys, q_positions.flatten(), right=True).sum())
+
+
+def layout_attention_work(layout: SeqLayout) -> int:
+    keys = layout.cp.all_positions if layout.cp is not None else layout.positions
+    return attention_work(layout.positions, keys)

@@ -1,0 +1,47 @@
+"""Apply parallelism to a VLM from the outside (the model code holds none).
+
+FSDP2 meshes (see parallel_dims.py for why):
+  vision tower + projector -> mesh.dp_shard     (complete gradients on every CP rank)
+  decoder                  -> mesh.dp_shard_cp  (each CP rank has a partial gradient)
+Gradients are summed, never averaged: the loss is already divided by the global text-token count.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from titan_vlm.models.vlm import VLM
+from titan_vlm.parallel_dims import Mesh
+
+
+def _shard(module: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy) -> None:
+    fully_shard(module, mesh=mesh, mp_policy=mp)
+    assert isinstance(module, FSDPModule)
+    # Sum over ranks: the divide factor 1 plus sum-only comms (gloo has no PREMUL_SUM / AVG).
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)
+
+
+def apply_fsdp(model: VLM, mesh: Mesh, mixed_precision: str = "fp32") -> None:
+    if mixed_precision == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp = MixedPrecisionPolicy()
+    vision_mesh, decoder_mesh = mesh.dp_shard, mesh.dp_shard_cp
+    for block in model.vision.layers:
+        _shard(block, vision_mesh, mp)
+    _shard(model.vision, vision_mesh, mp)
+    _shard(model.projector, vision_mesh, mp)
+    for block in model.decoder.layers:
+        _shard(block, decoder_mesh, mp)
+    _shard(model.decoder, decoder_mesh, mp)
+
+
+def parallelize_vlm(model: VLM, mesh: Mesh, mixed_precision: str = "fp32") -> VLM:
+    """Everything the trainer applies to the model. CP itself needs no module changes: it lives
+    in the batch sharding and the SeqLayout the attention receives (context_parallel.py)."""
+    apply_fsdp(model, mesh, mixed_precision)
+    return model

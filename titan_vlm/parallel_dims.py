@@ -1,0 +1,126 @@
+"""The one device mesh: named dims dp_replicate x dp_shard x cp x tp (any of them 1).
+
+Which mesh each piece of the model and the data uses:
+  - decoder parameters: FSDP over the flattened (dp_shard, cp) dims, "dp_shard_cp": every CP
+    rank holds different text, so decoder gradients are summed over dp and cp;
+  - vision tower + projector parameters: FSDP over dp_shard only. Every CP rank encodes the
+    same images and receives the image-embedding gradient already summed over cp
+    (parallel/context_parallel.py), so its ViT gradient is complete: reducing it over cp again
+    would count it CP-fold;
+  - the batch: one row set per (dp_replicate, dp_shard) coordinate, shared by the cp ranks;
+  - the loss normaliser (global text-token count): summed over dp_shard_cp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from titan_vlm.config import ConfigError, JobConfig
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, cfg: JobConfig, world_size: int) -> ParallelDims:
+        p = cfg.parallelism
+        for key in ("data_parallel_replicate_degree", "context_parallel_degree", "tensor_parallel_degree"):
+            if getattr(p, key) < 1:
+                raise ConfigError(f"parallelism.{key} must be >= 1, got {getattr(p, key)}")
+        dp_shard = p.data_parallel_shard_degree
+        others = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree
+        if dp_shard == -1:
+            if world_size % others:
+                raise ConfigError(
+                    f"parallelism.data_parallel_shard_degree=-1: world size {world_size} is not divisible "
+                    f"by dp_replicate*cp*tp = {others}")
+            dp_shard = world_size // others
+        elif dp_shard < 1:
+            raise ConfigError(f"parallelism.data_parallel_shard_degree must be >= 1 or -1, got {dp_shard}")
+        dims = cls(p.data_parallel_replicate_degree, dp_shard, p.context_parallel_degree,
+                   p.tensor_parallel_degree, world_size)
+        dims.validate()
+        return dims
+
+    def validate(self) -> None:
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp
+        if product != self.world_size:
+            raise ConfigError(
+                f"parallelism: data_parallel_replicate_degree({self.dp_replicate}) * data_parallel_shard_degree"
+                f"({self.dp_shard}) * context_parallel_degree({self.cp}) * tensor_parallel_degree({self.tp}) "
+                f"= {product}, but the world size is {self.world_size} (set NPROC or the degrees)")
+        if self.tp > 1:
+            raise ConfigError("parallelism.tensor_parallel_degree > 1 is not supported yet "
+                              "(tensor/sequence parallelism is a separate issue)")
+        if self.dp_replicate > 1:
+            raise ConfigError("parallelism.data_parallel_replicate_degree > 1 is not supported yet "
+                              "(HSDP is a separate issue); use data_parallel_shard_degree")
+
+    def validate_model(self, cfg: JobConfig) -> None:
+        """Checks that need both the degrees and the model/data shapes."""
+        from titan_vlm.models.flavors import get_flavor
+
+        vlm = get_flavor(cfg.model.flavor)
+        t = cfg.training
+        if t.seq_len <= vlm.num_image_tokens + 2:
+            raise ConfigError(
+                f"training.seq_len={t.seq_len} leaves no room for text after the "
+                f"{vlm.num_image_tokens} image tokens of flavor '{cfg.model.flavor}'")
+        if t.seq_len > vlm.decoder.max_seq_len:
+            raise ConfigError(f"training.seq_len={t.seq_len} exceeds the RoPE table of flavor "
+                              f"'{cfg.model.flavor}' (max_seq_len {vlm.decoder.max_seq_len})")
+        if t.local_batch_size < 1:
+            raise ConfigError(f"training.local_batch_size must be >= 1, got {t.local_batch_size}")
+        if t.steps < 1:
+            raise ConfigError(f"training.steps must be >= 1, got {t.steps}")
+        if t.mixed_precision not in ("fp32", "bf16"):
+            raise ConfigError(f"training.mixed_precision must be 'fp32' or 'bf16', got {t.mixed_precision!r}")
+        if cfg.data.dataset != "synthetic":
+            raise ConfigError(f"data.dataset={cfg.data.dataset!r}: only 'synthetic' is supported yet")
+        if cfg.data.sentences_per_image < 1:
+            raise ConfigError(f"data.sentences_per_image must be >= 1, got {cfg.data.sentences_per_image}")
+        if cfg.checkpoint.enable:
+            raise ConfigError("checkpoint.enable = true is not supported yet (checkpointing is a separate issue)")
+        dec = vlm.decoder
+        if dec.n_heads % dec.n_kv_heads:
+            raise ConfigError(f"model.flavor={cfg.model.flavor}: n_heads {dec.n_heads} not divisible by "
+                              f"n_kv_heads {dec.n_kv_heads}")
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def build_mesh(self, device_type: str) -> Mesh:
+        root = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp),
+                                mesh_dim_names=MESH_DIMS)
+        return Mesh.from_root(root)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The one device mesh and the sub-meshes the trainer uses, each made once."""
+
+    root: DeviceMesh
+    dp_shard: DeviceMesh  # FSDP of the vision tower and projector; which rows a rank reads
+    cp: DeviceMesh  # the context-parallel group: text sharded, image embeddings replicated
+    dp_shard_cp: DeviceMesh  # flattened (dp_shard, cp): FSDP of the decoder, loss normaliser
+
+    @classmethod
+    def from_root(cls, root: DeviceMesh) -> Mesh:
+        """`root` has (at least) named dims dp_shard and cp; tests add an outer dim of copies."""
+        return cls(root=root, dp_shard=root["dp_shard"], cp=root["cp"],
+                   dp_shard_cp=root["dp_shard", "cp"]._flatten("dp_shard_cp"))
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"

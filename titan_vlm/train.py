@@ -1,0 +1,180 @@
+"""The trainer: `torchrun ... -m titan_vlm.train --config train_configs/vlm_cp.toml [--key=value ...]`.
+
+Read `forward_backward` for where context parallelism happens: the image embeddings are
+replicated over cp (gradient summed there), only the text is sharded, and the loss is the mean
+over the global batch's text tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from titan_vlm.config import ConfigError, JobConfig, load_config
+from titan_vlm.data.synthetic import IGNORE_INDEX, Batch, SyntheticCaptions
+from titan_vlm.data.tokenizer import ByteTokenizer
+from titan_vlm.metrics import MetricsLogger, peak_memory_gib
+from titan_vlm.models.accounting import param_counts, train_flops_per_row
+from titan_vlm.models.flavors import get_flavor
+from titan_vlm.models.vlm import VLM
+from titan_vlm.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from titan_vlm.parallel.context_parallel import head_tail_indices, padded_text_len, replicate_image_embeddings, shard_text
+from titan_vlm.parallel.parallelize import parallelize_vlm
+from titan_vlm.parallel_dims import Mesh, ParallelDims
+
+logger = logging.getLogger("titan_vlm")
+# FSDP2 warns when a wrapped module returns a view (nn.Linear on 3-D input does); it matters only
+# for in-place ops on that output, which titan_vlm never does.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
+def forward_backward(model: VLM, batch: Batch, mesh: Mesh,
+                     sum_image_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of one batch on this rank. Returns the global loss (mean over every
+    text token of the global batch, identical on all ranks) and the global text-token count.
+
+    `sum_image_grad=False` is the negative-control switch of the parity tests; never in training.
+    """
+    # 1. Every CP rank encodes the same images (ViT + projector): the embeddings are whole here.
+    embeds = model.encode_images(batch.images)
+    # 2. Replicate(cp) DTensor; backward sums the partial image-embedding grads over cp.
+    embeds = replicate_image_embeddings(embeds, mesh.cp, sum_grad=sum_image_grad)
+    # 3. Only the text is CP-sharded (head-tail), with its row positions and shifted labels.
+    tokens, labels, layout = shard_text(batch.tokens, batch.labels, model.args.num_image_tokens, mesh.cp,
+                                        pad_id=ByteTokenizer.PAD)
+    logits = model.decoder(tokens, embeds, layout)
+    # 4. Mean over the global batch's text tokens: count across dp and cp, sum per rank.
+    loss_group = mesh.dp_shard_cp.get_group()
+    ntokens = (labels != IGNORE_INDEX).sum()
+    dist.all_reduce(ntokens, group=loss_group)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum") / ntokens.clamp(min=1)
+    loss.backward()
+    loss = loss.detach()
+    dist.all_reduce(loss, group=loss_group)
+    return loss, ntokens
+
+
+def train_step(model: VLM, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+               batch: Batch, mesh: Mesh, max_norm: float, sum_image_grad: bool = True) -> dict[str, float]:
+    optimizer.zero_grad(set_to_none=True)
+    loss, ntokens = forward_backward(model, batch, mesh, sum_image_grad)
+    grad_norm = clip_grad_norm_(list(model.parameters()), max_norm)
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    return {"loss": loss.item(), "grad_norm": grad_norm.item(), "ntokens": int(ntokens), "lr": lr}
+
+
+def describe_cp_layout(num_image_tokens: int, text_len: int, cp: int) -> list[str]:
+    """Human-readable: which CP rank holds which tokens of a row."""
+    padded = padded_text_len(text_len, cp) if cp > 1 else text_len
+    lines = [f"row = {num_image_tokens} image tokens + {text_len} text tokens"
+             + (f" (text padded to {padded})" if padded != text_len else "")]
+    for r in range(cp):
+        if cp == 1:
+            pieces = f"[0, {text_len})"
+        else:
+            idx = head_tail_indices(padded, cp, r)
+            half = len(idx) // 2
+            pieces = f"[{int(idx[0])}, {int(idx[half - 1]) + 1}) + [{int(idx[half])}, {int(idx[-1]) + 1})"
+        lines.append(f"  cp rank {r}: all {num_image_tokens} image tokens (replicated) + text {pieces}")
+    return lines
+
+
+def _init_distributed() -> tuple[torch.device, int]:
+    if "RANK" not in os.environ:  # plain `python -m titan_vlm.train`: a one-process group
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return device, dist.get_rank()
+
+
+def train(cfg: JobConfig) -> None:
+    """Entry point under torchrun: validate, start the process group, build the mesh, train."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    dims = ParallelDims.from_config(cfg, world_size)  # config errors surface before any collective
+    dims.validate_model(cfg)
+    device, rank = _init_distributed()
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="[titan_vlm] %(message)s", stream=sys.stdout, force=True)
+    mesh = dims.build_mesh(device.type)
+    logger.info("mesh: dp_replicate=%d dp_shard=%d cp=%d tp=%d on %d %s ranks", dims.dp_replicate,
+                dims.dp_shard, dims.cp, dims.tp, world_size, device.type)
+    run_training(cfg, mesh, device)
+    dist.destroy_process_group()
+
+
+def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device) -> list[dict[str, float]]:
+    """The training loop on an existing mesh. Returns every logged step's metrics."""
+    t = cfg.training
+    args = get_flavor(cfg.model.flavor)
+    torch.manual_seed(t.seed)  # identical initial weights on every rank, before sharding
+    model = VLM(args).to(device)
+    counts = param_counts(model)
+    logger.info("model %s: %s parameters (vision %s, projector %s, decoder %s)", cfg.model.flavor,
+                f"{sum(counts.values()):,}", f"{counts['vision']:,}", f"{counts['projector']:,}",
+                f"{counts['decoder']:,}")
+    parallelize_vlm(model, mesh, t.mixed_precision)
+    optimizer = build_optimizer(model, t)
+    scheduler = build_scheduler(optimizer, t)
+
+    n_img = args.num_image_tokens
+    data = SyntheticCaptions(args.vision.image_size, n_img, t.seq_len, t.seed,
+                             cfg.data.sentences_per_image, cfg.data.blank_images)
+    for line in describe_cp_layout(n_img, data.text_len, mesh.cp.size()):
+        logger.info(line)
+    dp_rank, dp = mesh.dp_shard.get_local_rank(), mesh.dp_shard.size()
+    rows = dp * t.local_batch_size
+    step_flops = rows * train_flops_per_row(args, data.text_len)
+    rank0 = dist.get_rank() == 0
+    metrics = MetricsLogger(cfg.job.dump_folder, cfg.metrics.enable_tensorboard, enabled=rank0)
+    logger.info("training %d steps, %d rows x %d tokens per step, %.3g model FLOPs per step; metrics -> %s",
+                t.steps, rows, t.seq_len, step_flops, cfg.job.dump_folder)
+
+    history = []
+    for step in range(1, t.steps + 1):
+        start = time.perf_counter()
+        batch = data.batch(step - 1, dp_rank, dp, t.local_batch_size).to(device)
+        stats = train_step(model, optimizer, scheduler, batch, mesh, t.max_norm)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if step % cfg.metrics.log_freq == 0 or step == t.steps:
+            peak = torch.tensor(peak_memory_gib(device), device=device)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.dp_shard_cp.get_group())  # worst rank
+            record = {**stats, "tokens_per_sec": rows * t.seq_len / elapsed,
+                      "tflops_per_sec": step_flops / elapsed / 1e12, "step_time_s": elapsed,
+                      "peak_memory_gib": float(peak)}
+            metrics.log(step, record)
+            history.append({"step": step, **record})
+    metrics.close()
+    logger.info("done")
+    return history
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cfg = load_config(sys.argv[1:] if argv is None else argv)
+        train(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
