@@ -1,0 +1,85 @@
+"""Configuration: TOML + overrides into typed dataclasses; bad input fails early in one line."""
+
+import subprocess
+import sys
+
+import pytest
+
+from titan_vlm.config import ConfigError, load_config, world_size_of
+from titan_vlm.parallel_dims import ParallelDims
+
+DEFAULT = "train_configs/vlm_cp.toml"
+
+
+def test_default_config_and_overrides():
+    cfg = load_config(["--config", DEFAULT, "--parallelism.context_parallel_degree=4", "--training.steps", "50",
+                       "--training.seed=7", "--job.dump_folder=out/", "--training.lr=1e-4",
+                       "--metrics.enable_tensorboard=false"])
+    assert cfg.parallelism.context_parallel_degree == 4
+    assert cfg.training.steps == 50 and cfg.training.seed == 7 and cfg.training.lr == 1e-4
+    assert cfg.job.dump_folder == "out/" and cfg.metrics.enable_tensorboard is False
+    assert world_size_of(cfg) == 4
+    ParallelDims.from_config(cfg, 4).validate_model(cfg)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--training.stepz=3"], "training.stepz"),
+    (["--trainer.steps=3"], "trainer.steps"),
+    (["--training.steps=many"], "training.steps"),
+    (["--training.lr=fast"], "training.lr"),
+    (["--config", "no/such/file.toml"], "no/such/file.toml"),
+    (["training.steps=3"], "training.steps=3"),
+])
+def test_bad_keys_and_values_name_the_key(argv, words):
+    with pytest.raises(ConfigError, match=words.replace(".", r"\.")) as e:
+        load_config(argv)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_key_in_toml_names_file_and_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training]\nsteps = 3\nlearning_rate = 1.0\n")
+    with pytest.raises(ConfigError, match=r"bad\.toml.*training\.learning_rate"):
+        load_config(["--config", str(bad)])
+
+
+@pytest.mark.parametrize("overrides, world, words", [
+    (["--parallelism.context_parallel_degree=2"], 3, "world size is 3"),
+    (["--parallelism.tensor_parallel_degree=2"], 2, "tensor_parallel_degree > 1 is not supported yet"),
+    (["--parallelism.data_parallel_replicate_degree=2"], 2, "data_parallel_replicate_degree > 1 is not supported"),
+    (["--parallelism.context_parallel_degree=0"], 1, "context_parallel_degree must be >= 1"),
+    (["--parallelism.data_parallel_shard_degree=-1", "--parallelism.context_parallel_degree=2"], 3,
+     "not divisible"),
+])
+def test_impossible_degrees_fail_before_any_collective(overrides, world, words):
+    cfg = load_config(overrides)
+    with pytest.raises(ConfigError, match=words):
+        ParallelDims.from_config(cfg, world)
+
+
+def test_auto_dp_shard_takes_the_rest():
+    cfg = load_config(["--parallelism.data_parallel_shard_degree=-1", "--parallelism.context_parallel_degree=2"])
+    assert ParallelDims.from_config(cfg, 8).dp_shard == 4
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["--training.seq_len=16"], "training.seq_len"),
+    (["--model.flavor=huge"], "model.flavor"),
+    (["--training.mixed_precision=fp8"], "training.mixed_precision"),
+    (["--checkpoint.enable=true"], "checkpoint.enable"),
+    (["--data.dataset=/data/x.jsonl"], "data.dataset"),
+])
+def test_model_and_data_checks(overrides, words):
+    cfg = load_config(overrides)
+    with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
+        ParallelDims.from_config(cfg, 1).validate_model(cfg)
+
+
+def test_config_cli_prints_process_count_or_one_line_error():
+    ok = subprocess.run([sys.executable, "-m", "titan_vlm.config", "--config", DEFAULT,
+                         "--parallelism.context_parallel_degree=4"], capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.strip() == "4"
+    bad = subprocess.run([sys.executable, "-m", "titan_vlm.config", "--config", DEFAULT, "--training.stepz=1"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().count("\n") == 0 and "training.stepz" in bad.stderr

@@ -1,0 +1,67 @@
+"""Model shapes, flavors, the built-in data, and the CP text split."""
+
+import torch
+
+from titan_vlm.attention import SeqLayout
+from titan_vlm.data.synthetic import IGNORE_INDEX, SyntheticCaptions
+from titan_vlm.data.tokenizer import ByteTokenizer
+from titan_vlm.models.accounting import param_counts, train_flops_per_row
+from titan_vlm.models.flavors import get_flavor
+from titan_vlm.models.vlm import VLM
+from titan_vlm.parallel.context_parallel import head_tail_indices, padded_text_len
+
+
+def test_debug_forward_shapes():
+    args = get_flavor("debug")
+    torch.manual_seed(0)
+    model = VLM(args)
+    data = SyntheticCaptions(args.vision.image_size, args.num_image_tokens, 64, seed=0)
+    batch = data.batch(0, 0, 1, 3)
+    logits = model(batch.images, batch.tokens, SeqLayout.unsharded(64, args.num_image_tokens))
+    assert logits.shape == (3, 64 - args.num_image_tokens, args.decoder.vocab_size)
+
+
+def test_llava7b_flavor_is_7b_shaped():
+    with torch.device("meta"):
+        model = VLM(get_flavor("llava7b"))
+    counts = param_counts(model)
+    assert 0.29e9 < counts["vision"] < 0.32e9  # CLIP ViT-L/14 tower
+    assert 6.6e9 < counts["decoder"] < 6.8e9  # Llama-2-7B
+    assert get_flavor("llava7b").num_image_tokens == 576
+    # ~6 * params * tokens dominates at short text
+    flops = train_flops_per_row(get_flavor("llava7b"), text_len=1024)
+    assert 6 * 6.5e9 * 1600 < flops < 6 * 7.5e9 * 1600 * 1.3
+
+
+def test_data_is_deterministic_per_seed_and_rank_and_labels_are_shifted():
+    data = SyntheticCaptions(32, 16, 80, seed=5, sentences_per_image=3)
+    a, b = data.batch(2, 1, 2, 4), data.batch(2, 1, 2, 4)
+    assert torch.equal(a.images, b.images) and torch.equal(a.tokens, b.tokens)
+    # rank 1 of 2 at step 2 reads rows 20..23 of the global sequence of samples
+    whole = data.batch(2, 0, 1, 8)
+    assert torch.equal(a.tokens, whole.tokens[4:])
+    other_seed = SyntheticCaptions(32, 16, 80, seed=6).batch(2, 1, 2, 4)
+    assert not torch.equal(a.tokens, other_seed.tokens)
+    tokens, labels = a.tokens[0], a.labels[0]
+    n = int((labels != IGNORE_INDEX).sum())
+    assert tokens[0] == ByteTokenizer.BOS
+    assert torch.equal(labels[: n - 1], tokens[1:n])  # label j is token j+1
+    assert labels[n - 1] == ByteTokenizer.EOS
+
+
+def test_blank_images_keep_the_captions():
+    seeing = SyntheticCaptions(32, 16, 64, seed=1).batch(0, 0, 1, 2)
+    blind = SyntheticCaptions(32, 16, 64, seed=1, blank_images=True).batch(0, 0, 1, 2)
+    assert torch.equal(seeing.tokens, blind.tokens)
+    assert blind.images.eq(-1).all() and not seeing.images.eq(-1).all()
+
+
+def test_head_tail_split_covers_the_text_once():
+    for text_len, cp in [(45, 2), (45, 4), (64, 4), (7, 8)]:
+        padded = padded_text_len(text_len, cp)
+        assert padded % (2 * cp) == 0 and text_len <= padded < text_len + 2 * cp
+        pieces = [head_tail_indices(padded, cp, r) for r in range(cp)]
+        assert torch.equal(torch.cat(pieces).sort().values, torch.arange(padded))
+        chunk = padded // (2 * cp)
+        assert pieces[0][0] == 0 and pieces[0][-1] == padded - 1  # rank 0: first and last chunk
+        assert pieces[cp - 1][0] == (cp - 1) * chunk  # last rank: the two middle chunks

@@ -1,0 +1,40 @@
+"""The user's command: ./run_train.sh --config train_configs/vlm_cp.toml [overrides]."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_train(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["./run_train.sh", "--config", "train_configs/vlm_cp.toml", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+def test_default_config_trains_and_writes_metrics(tmp_path):
+    out = run_train("--training.steps=4", "--metrics.log_freq=1", f"--job.dump_folder={tmp_path}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "cp=2" in out.stdout and "cp rank 1: all 16 image tokens (replicated)" in out.stdout
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    for s in steps:
+        assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "ntokens", "peak_memory_gib"} <= s.keys()
+        assert s["loss"] > 0 and s["tokens_per_sec"] > 0 and s["ntokens"] > 0
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    assert any((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert "step     4 | loss" in out.stdout
+
+
+def test_config_error_stops_before_torchrun(tmp_path):
+    out = run_train("--training.stepz=4", f"--job.dump_folder={tmp_path}")
+    assert out.returncode != 0
+    assert "config error: command line: unknown key 'training.stepz'" in out.stderr
+    assert "torchrun" not in out.stderr and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_nproc_that_does_not_match_the_degrees_fails_in_one_line(tmp_path):
+    out = run_train("--training.steps=1", f"--job.dump_folder={tmp_path}", env={"NPROC": "3"})
+    assert out.returncode != 0
+    assert "but the world size is 3" in out.stderr + out.stdout
