@@ -116,6 +116,7 @@ def train(cfg: JobConfig) -> None:
     logger.info("mesh: dp_replicate=%d dp_shard=%d cp=%d tp=%d on %d %s ranks", dims.dp_replicate,
                 dims.dp_shard, dims.cp, dims.tp, world_size, device.type)
     run_training(cfg, mesh, device)
+    dist.barrier()  # no rank tears down its groups while another still uses them
     dist.destroy_process_group()
 
 
