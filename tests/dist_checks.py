@@ -44,7 +44,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-def parity(dp_shard: int = 1, cp: int = 2, seq_len: int = 61, batch_size: int = 2,
+def parity(dp_shard: int = 1, cp: int = 2, seq_len: int = 61, batch_size: int = 2, comm: str = "p2p",
            sum_image_grad: bool = True, seed: int = 3) -> dict:
     """One optimizer step of the parallel trainer against one process with the same weights and
     global batch. Returns both losses and grad norms and, per group (vision, projector, decoder),
@@ -73,7 +73,7 @@ def parity(dp_shard: int = 1, cp: int = 2, seq_len: int = 61, batch_size: int = 
     opt = build_optimizer(model, t)
     sched = build_scheduler(opt, t)
     batch = data.batch(0, mesh.dp_shard.get_local_rank(), dp_shard, batch_size)
-    stats = train_step(model, opt, sched, batch, mesh, t.max_norm, sum_image_grad=sum_image_grad)
+    stats = train_step(model, opt, sched, batch, mesh, t.max_norm, comm, sum_image_grad=sum_image_grad)
 
     grad_err = dict.fromkeys(GROUPS, 0.0)
     param_err = dict.fromkeys(GROUPS, 0.0)

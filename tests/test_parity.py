@@ -5,9 +5,14 @@ import pytest
 
 LOSS_TOL = 1e-5  # relative
 GRAD_TOL = 1e-4  # relative, per parameter: norm(g - g_ref) / norm(g_ref)
-PARAM_TOL = 1e-5  # relative, per parameter, after the AdamW step
+# relative, per parameter, after the AdamW step. Adam's first step is about lr * sign(g), so
+# gradient elements near zero turn their rounding into whole-lr differences: looser than 1e-5.
+PARAM_TOL = 5e-5
 
 LAYOUTS = {"cp2": dict(cp=2), "cp4": dict(cp=4), "dp2xcp2": dict(dp_shard=2, cp=2)}
+# The debug decoder has 4 query heads and 2 K/V heads (grouped-query attention); at cp=4 "a2a"
+# expands the K/V heads, at cp=2 it splits them.
+COMM_TYPES = ("p2p", "allgather", "a2a")
 # debug flavor: 16 image tokens. Text 64 divides by 2*cp for every layout; text 45 needs padding.
 SEQ_LENS = {"text64": 80, "text45_padded": 61}
 
@@ -36,19 +41,21 @@ def report(name: str, result: dict) -> None:
 
 @pytest.mark.parametrize("seq_len", SEQ_LENS.values(), ids=SEQ_LENS.keys())
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
-def test_one_step_matches_single_process(pool, layout, seq_len):
-    results = pool.run("parity", seq_len=seq_len, **layout)
-    report(f"{layout} seq_len={seq_len}", results[0])
+@pytest.mark.parametrize("comm", COMM_TYPES)
+def test_one_step_matches_single_process(pool, comm, layout, seq_len):
+    results = pool.run("parity", comm=comm, seq_len=seq_len, **layout)
+    report(f"{comm} {layout} seq_len={seq_len}", results[0])
     for rank, result in enumerate(results):
         assert mismatches(result) == [], f"rank {rank}: {mismatches(result)}"
         assert result["grad_norm"] == pytest.approx(result["ref_grad_norm"], rel=GRAD_TOL)
 
 
-def test_negative_control_without_image_grad_sum_fails(pool):
+@pytest.mark.parametrize("comm", COMM_TYPES)
+def test_negative_control_without_image_grad_sum_fails(pool, comm):
     """Switch off the cp all-reduce of the image-embedding gradient: each rank's vision tower
     then trains on its own text's gradient only, and the same harness must report it."""
-    results = pool.run("parity", cp=2, seq_len=61, sum_image_grad=False)
-    report("cp2 without image-grad sum", results[0])
+    results = pool.run("parity", comm=comm, cp=2, seq_len=61, sum_image_grad=False)
+    report(f"{comm} cp2 without image-grad sum", results[0])
     for result in results:
         problems = mismatches(result)
         assert any(p.startswith("vision gradient") for p in problems), problems

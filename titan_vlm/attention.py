@@ -1,29 +1,33 @@
-"""The one attention entry point of titan_vlm.
+"""The one attention entry point of titan_vlm, and its pluggable block kernels.
 
 Model code calls `attention(q, k, v, layout)` and knows nothing about parallelism. The
 `SeqLayout` it passes along was built outside the model (by the data pipeline or by
 `parallel/context_parallel.py`) and says where each local token sits in its row; when the row's
 text is sharded over a context-parallel group, `layout.cp` carries the algorithm that makes the
-attention exact across ranks.
+attention exact across ranks (parallel/cp_attention.py).
 
 Mask rule (decoder): a query at row position p sees every key at position <= p. The image
 tokens of a row come first, so every text query sees the whole image prefix and the image
 queries see only image keys.
+
+Every attention, local or context-parallel, is computed from blocks by one `BlockKernel`:
+forward(q, k, v, causal) -> (out, log-sum-exp), and a backward that takes the final (merged)
+out and lse. Blocks are either dense or causal on the diagonal, so no kernel needs an
+arbitrary mask. Adding a kernel is adding a class to `KERNELS` and a line to `select_kernel`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
+
+aten = torch.ops.aten
 
 
 class CPAttention(Protocol):
-    """A context-parallel attention algorithm (see parallel/context_parallel.py)."""
-
-    all_positions: torch.Tensor  # [1 or B, N + T]: row positions of every key the group holds
+    """A context-parallel attention algorithm (see parallel/cp_attention.py)."""
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout) -> torch.Tensor: ...
 
@@ -35,24 +39,105 @@ class SeqLayout:
     positions: [1 or B, L] row position of each local token: the order key of the causal mask and
         the RoPE position. The first `num_image_tokens` local tokens are the row's image tokens
         (whole on every CP rank); the rest is this rank's text.
-    causal_arange: positions are 0..L-1 in order (no sharding), so plain causal attention applies.
-    cp: set when the text is sharded over a CP group.
+    cp: set when the text is sharded over a CP group; then the local text is two equal
+        head-tail chunks and `cp` knows the group.
     """
 
     positions: torch.Tensor
     num_image_tokens: int
-    causal_arange: bool = False
     cp: CPAttention | None = None
 
     @classmethod
     def unsharded(cls, seq_len: int, num_image_tokens: int, device: torch.device | str = "cpu") -> SeqLayout:
-        positions = torch.arange(seq_len, device=device).unsqueeze(0)
-        return cls(positions=positions, num_image_tokens=num_image_tokens, causal_arange=True)
+        return cls(positions=torch.arange(seq_len, device=device).unsqueeze(0), num_image_tokens=num_image_tokens)
 
 
-def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-    """[B, 1, Lq, Lk] bool mask, True where the key is visible: key position <= query position."""
-    return (k_pos[:, None, None, :] <= q_pos[:, None, :, None])
+# ----------------------------------------------------------------------------------------------
+# Block kernels
+
+
+class BlockKernel:
+    """out, lse = forward(q, k, v, causal, scale); dq, dk, dv = backward(...).
+
+    q [B, H, Lq, D], k/v [B, H, Lk, D] (heads already expanded); lse [B, H, Lq] float32, the
+    natural-log sum of exp(scale * q.k) over the visible keys. `causal` is only used with
+    Lq == Lk (a diagonal block). `aux` is whatever the kernel's backward needs from its forward.
+    """
+
+    name = "abstract"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        raise NotImplementedError
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, causal: bool, scale: float, aux: Any) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+
+class CpuFlash(BlockKernel):
+    """aten's CPU flash attention (fp32/bf16), which returns the log-sum-exp."""
+
+    name = "cpu_flash"
+
+    def forward(self, q, k, v, causal, scale):
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=None, scale=scale)
+        return out, lse, None
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale, aux):
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse.contiguous(), 0.0, causal, attn_mask=None, scale=scale)
+
+
+class CudaFlash(BlockKernel):
+    """FlashAttention-2 through aten (CUDA, fp16/bf16)."""
+
+    name = "cuda_flash"
+
+    def forward(self, q, k, v, causal, scale):
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale, aux):
+        cum_q, cum_k, max_q, max_k, seed, offset = aux
+        return aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
+
+
+class CudaEfficient(BlockKernel):
+    """Memory-efficient attention through aten (CUDA, fp32/bf16/fp16). Its lse is padded along
+    the query dim to a multiple of 32; we hand out the first Lq rows and pad back in backward."""
+
+    name = "cuda_efficient"
+
+    def forward(self, q, k, v, causal, scale):
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, causal, scale=scale)
+        return out, lse[..., : q.shape[2]], (seed, offset, lse.shape[-1])
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale, aux):
+        seed, offset, lse_len = aux
+        lse = torch.nn.functional.pad(lse, (0, lse_len - lse.shape[-1])).contiguous()
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+        return dq, dk, dv
+
+
+KERNELS: dict[str, BlockKernel] = {k.name: k for k in (CpuFlash(), CudaFlash(), CudaEfficient())}
+
+
+def select_kernel(device: torch.device, dtype: torch.dtype) -> BlockKernel:
+    """The kernel for a device and dtype: CPU flash on CPU; flash (16-bit) or efficient (fp32) on CUDA."""
+    if device.type == "cpu":
+        return KERNELS["cpu_flash"]
+    if device.type == "cuda":
+        return KERNELS["cuda_flash" if dtype in (torch.float16, torch.bfloat16) else "cuda_efficient"]
+    raise RuntimeError(f"no attention kernel for device type {device.type!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers shared by the local and the context-parallel attention
 
 
 def expand_kv_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -61,20 +146,53 @@ def expand_kv_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
     return x if n_kv == n_heads else x.repeat_interleave(n_heads // n_kv, dim=1)
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-         is_causal: bool = False) -> torch.Tensor:
-    """The block kernel: q [B, H, Lq, D], k/v [B, Hkv, Lk, D] -> [B, H, Lq, D]."""
-    k, v = expand_kv_heads(k, q.shape[1]), expand_kv_heads(v, q.shape[1])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+def reduce_kv_heads(grad: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """Backward of `expand_kv_heads`: sum the gradients of the query heads sharing a K/V head."""
+    b, h, length, d = grad.shape
+    return grad if h == n_kv else grad.view(b, n_kv, h // n_kv, length, d).sum(2)
+
+
+def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Merge one block's result into the float32 accumulators (in place), exactly:
+    lse' = log(e^lse + e^lse_b); out' = e^(lse - lse') out + e^(lse_b - lse') out_b."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - new_lse).unsqueeze(-1)).add_(block_out.float() * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    lse.copy_(new_lse)
+
+
+class _BlockAttention(torch.autograd.Function):
+    """One dense or causal block, through the kernel; GQA heads expanded inside."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        kernel = select_kernel(q.device, q.dtype)
+        scale = q.shape[-1] ** -0.5
+        ke, ve = expand_kv_heads(k, q.shape[1]), expand_kv_heads(v, q.shape[1])
+        out, lse, aux = kernel.forward(q, ke, ve, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.meta = (kernel, causal, scale, aux)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        kernel, causal, scale, aux = ctx.meta
+        h, n_kv = q.shape[1], k.shape[1]
+        dq, dk, dv = kernel.backward(dout.contiguous(), q, expand_kv_heads(k, h), expand_kv_heads(v, h), out, lse,
+                                     causal, scale, aux)
+        return dq, reduce_kv_heads(dk, n_kv), reduce_kv_heads(dv, n_kv), None
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Attention of one block: every query sees every key, or (causal, Lq == Lk) the keys up to itself."""
+    return _BlockAttention.apply(q, k, v, causal)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout | None) -> torch.Tensor:
     """q [B, H, L, D], k/v [B, Hkv, L, D] for the local tokens. layout=None: bidirectional (ViT)."""
     if layout is None:
-        return sdpa(q, k, v)
+        return block_attention(q, k, v, causal=False)
     if layout.cp is not None:
         return layout.cp(q, k, v, layout)
-    if layout.causal_arange:
-        return sdpa(q, k, v, is_causal=True)
-    pos = layout.positions
-    return sdpa(q, k, v, mask=causal_mask(pos, pos))
+    # Unsharded row, tokens in row order: [image prefix, text] is one causal block.
+    return block_attention(q, k, v, causal=True)

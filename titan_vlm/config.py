@@ -61,6 +61,7 @@ class Parallelism:
     data_parallel_shard_degree: int = 1  # -1: whatever the world size leaves over
     context_parallel_degree: int = 1
     tensor_parallel_degree: int = 1
+    cp_comm_type: str = "p2p"  # exact CP attention: "p2p" (ring) | "allgather" | "a2a" (Ulysses)
 
 
 @dataclass

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titan_vlm.config import ConfigError, JobConfig
+from titan_vlm.parallel.cp_attention import CP_COMM_TYPES
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
@@ -95,6 +96,12 @@ class ParallelDims:
         if dec.n_heads % dec.n_kv_heads:
             raise ConfigError(f"model.flavor={cfg.model.flavor}: n_heads {dec.n_heads} not divisible by "
                               f"n_kv_heads {dec.n_kv_heads}")
+        comm = cfg.parallelism.cp_comm_type
+        if comm not in CP_COMM_TYPES:
+            raise ConfigError(f"parallelism.cp_comm_type must be one of {', '.join(CP_COMM_TYPES)}, got {comm!r}")
+        if comm == "a2a" and dec.n_heads % self.cp:
+            raise ConfigError(f"parallelism.cp_comm_type='a2a' needs the {dec.n_heads} attention heads of flavor "
+                              f"'{cfg.model.flavor}' to divide by context_parallel_degree={self.cp}")
 
     @property
     def dp(self) -> int:

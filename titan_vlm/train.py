@@ -35,7 +35,7 @@ logger = logging.getLogger("titan_vlm")
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
-def forward_backward(model: VLM, batch: Batch, mesh: Mesh,
+def forward_backward(model: VLM, batch: Batch, mesh: Mesh, cp_comm_type: str = "p2p",
                      sum_image_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of one batch on this rank. Returns the global loss (mean over every
     text token of the global batch, identical on all ranks) and the global text-token count.
@@ -48,7 +48,7 @@ def forward_backward(model: VLM, batch: Batch, mesh: Mesh,
     embeds = replicate_image_embeddings(embeds, mesh.cp, sum_grad=sum_image_grad)
     # 3. Only the text is CP-sharded (head-tail), with its row positions and shifted labels.
     tokens, labels, layout = shard_text(batch.tokens, batch.labels, model.args.num_image_tokens, mesh.cp,
-                                        pad_id=ByteTokenizer.PAD)
+                                        pad_id=ByteTokenizer.PAD, cp_comm_type=cp_comm_type)
     logits = model.decoder(tokens, embeds, layout)
     # 4. Mean over the global batch's text tokens: count across dp and cp, sum per rank.
     loss_group = mesh.dp_shard_cp.get_group()
@@ -63,9 +63,10 @@ def forward_backward(model: VLM, batch: Batch, mesh: Mesh,
 
 
 def train_step(model: VLM, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-               batch: Batch, mesh: Mesh, max_norm: float, sum_image_grad: bool = True) -> dict[str, float]:
+               batch: Batch, mesh: Mesh, max_norm: float, cp_comm_type: str = "p2p",
+               sum_image_grad: bool = True) -> dict[str, float]:
     optimizer.zero_grad(set_to_none=True)
-    loss, ntokens = forward_backward(model, batch, mesh, sum_image_grad)
+    loss, ntokens = forward_backward(model, batch, mesh, cp_comm_type, sum_image_grad)
     grad_norm = clip_grad_norm_(list(model.parameters()), max_norm)
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
@@ -151,7 +152,7 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device) -> list[dict[
     for step in range(1, t.steps + 1):
         start = time.perf_counter()
         batch = data.batch(step - 1, dp_rank, dp, t.local_batch_size).to(device)
-        stats = train_step(model, optimizer, scheduler, batch, mesh, t.max_norm)
+        stats = train_step(model, optimizer, scheduler, batch, mesh, t.max_norm, cfg.parallelism.cp_comm_type)
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start

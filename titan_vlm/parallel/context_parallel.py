@@ -8,7 +8,8 @@ A row is `[image tokens (N), text tokens (T)]`. On a CP group of P ranks:
   * the image embeddings are NOT split: every rank holds all N of them
     (`replicate_image_embeddings`: a DTensor with `Replicate()` on the cp mesh dim);
   * attention is exact across ranks: each local text query sees the whole image prefix (local)
-    and every text key at an earlier row position, whichever rank holds it;
+    and every text key at an earlier row position, whichever rank holds it (ring, all-to-all
+    or all-gather: cp_attention.py);
   * in backward, each rank's image-embedding gradient only covers its own text's use of the
     images, so it is summed over the cp group (Partial -> Replicate, an all-reduce) before the
     projector and ViT backward. The vision tower then trains exactly as without CP, and its
@@ -21,12 +22,12 @@ A row is `[image tokens (N), text tokens (T)]`. On a CP group of P ranks:
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from titan_vlm.attention import SeqLayout, causal_mask, sdpa
+from titan_vlm.attention import SeqLayout
 from titan_vlm.data.synthetic import IGNORE_INDEX
+from titan_vlm.parallel.cp_attention import CP_ATTENTION
 
 
 def replicate_image_embeddings(embeds: torch.Tensor, cp_mesh: DeviceMesh, sum_grad: bool = True) -> torch.Tensor:
@@ -59,53 +60,14 @@ def head_tail_indices(padded_len: int, cp_size: int, cp_rank: int) -> torch.Tens
     return torch.cat([head, torch.arange(tail_start, tail_start + chunk)])
 
 
-class _AllGatherSeq(torch.autograd.Function):
-    """All-gather along the sequence dim (2) of [B, H, L, D]; backward reduce-scatters the grad."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        size = dist.get_world_size(group)
-        local = x.movedim(2, 0).contiguous()
-        out = local.new_empty((size * local.shape[0], *local.shape[1:]))
-        dist.all_gather_single(out, local, group=group)
-        return out.movedim(0, 2)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        size = dist.get_world_size(ctx.group)
-        full = grad.movedim(2, 0).contiguous()
-        out = full.new_empty((full.shape[0] // size, *full.shape[1:]))
-        dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=ctx.group)
-        return out.movedim(0, 2), None
-
-
-class AllGatherKV:
-    """Exact CP attention by all-gathering the text K/V of the group (reduce-scatter dK/dV).
-
-    The image K/V are already whole on every rank and are not communicated. Each rank attends
-    its local queries (image + own text) to [image keys, all text keys] under the causal rule
-    on row positions.
-    """
-
-    def __init__(self, group: dist.ProcessGroup, all_positions: torch.Tensor):
-        self.group = group
-        self.all_positions = all_positions  # [1, N + T_padded]: image positions, then the gathered text's
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
-        n = layout.num_image_tokens
-        k_all = torch.cat([k[:, :, :n], _AllGatherSeq.apply(k[:, :, n:], self.group)], dim=2)
-        v_all = torch.cat([v[:, :, :n], _AllGatherSeq.apply(v[:, :, n:], self.group)], dim=2)
-        return sdpa(q, k_all, v_all, mask=causal_mask(layout.positions, self.all_positions))
-
-
 def shard_text(tokens: torch.Tensor, labels: torch.Tensor, num_image_tokens: int, cp_mesh: DeviceMesh,
-               pad_id: int) -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
+               pad_id: int, cp_comm_type: str = "p2p") -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
     """This CP rank's share of the text of rows `[image tokens, text]`, and its SeqLayout.
 
     tokens/labels [B, T] are the whole text (labels already shifted). Text whose length is not a
     multiple of 2P is padded at the end with `pad_id` / IGNORE_INDEX: padding comes after every
     real token, so the causal mask hides it from them and it carries no loss.
+    `cp_comm_type` picks the exact attention across the group (cp_attention.py).
     """
     n, text_len = num_image_tokens, tokens.shape[1]
     cp_size = cp_mesh.size()
@@ -123,7 +85,7 @@ def shard_text(tokens: torch.Tensor, labels: torch.Tensor, num_image_tokens: int
     layout = SeqLayout(
         positions=torch.cat([image_pos, n + idx]).unsqueeze(0),
         num_image_tokens=n,
-        cp=AllGatherKV(cp_mesh.get_group(), torch.cat([image_pos, n + all_text]).unsqueeze(0)),
+        cp=CP_ATTENTION[cp_comm_type](cp_mesh, torch.cat([image_pos, n + all_text]).unsqueeze(0)),
     )
     return tokens[:, idx], labels[:, idx], layout
 
