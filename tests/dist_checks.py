@@ -22,7 +22,7 @@ from titan_vlm.models.vlm import VLM
 from titan_vlm.optim import build_optimizer, build_scheduler
 from titan_vlm.parallel.parallelize import parallelize_vlm
 from titan_vlm.parallel_dims import MESH_DIMS, Mesh
-from titan_vlm.train import run_training, train_step
+from titan_vlm.train import forward_backward, run_training, train_step
 
 GROUPS = ("vision", "projector", "decoder")
 
@@ -95,3 +95,29 @@ def train_run(dp_shard: int, cp: int, steps: int, **overrides) -> list[dict]:
         section, key = dotted.split("__")
         setattr(getattr(cfg, section), key, value)
     return run_training(cfg, make_mesh(dp_shard, cp), torch.device("cpu"))
+
+
+def saved_for_backward(cp: int, comm: str = "p2p", seq_len: int = 528, batch_size: int = 1) -> dict:
+    """What autograd saves for backward on this rank during one forward (CP only, no FSDP):
+    bytes, counting each storage once and leaving out the parameters, and the longest dim of
+    any saved tensor (a whole-sequence K/V would show up there)."""
+    args = get_flavor("debug")
+    mesh = make_mesh(1, cp)
+    torch.manual_seed(0)
+    model = VLM(args)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    data = SyntheticCaptions(args.vision.image_size, args.num_image_tokens, seq_len, 0, sentences_per_image=40)
+    seen: dict[int, int] = {}
+    longest = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal longest
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+            longest = max([longest, *t.shape])
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward_backward(model, data.batch(0, 0, 1, batch_size), mesh, comm)
+    return {"bytes": sum(seen.values()), "longest_dim": longest}

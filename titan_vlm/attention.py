@@ -89,18 +89,26 @@ class CpuFlash(BlockKernel):
             dout, q, k, v, out, lse.contiguous(), 0.0, causal, attn_mask=None, scale=scale)
 
 
+def _dense(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """[B, H, L, D] views laid out in memory as [B, L, H, D], the layout the CUDA kernels produce
+    and read (the efficient kernel's bf16 backward misreads `out` in any other layout)."""
+    return tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in tensors)
+
+
 class CudaFlash(BlockKernel):
     """FlashAttention-2 through aten (CUDA, fp16/bf16)."""
 
     name = "cuda_flash"
 
     def forward(self, q, k, v, causal, scale):
+        q, k, v = _dense(q, k, v)
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale)
         return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, aux):
         cum_q, cum_k, max_q, max_k, seed, offset = aux
+        dout, q, k, v, out = _dense(dout, q, k, v, out)
         return aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
 
@@ -112,6 +120,7 @@ class CudaEfficient(BlockKernel):
     name = "cuda_efficient"
 
     def forward(self, q, k, v, causal, scale):
+        q, k, v = _dense(q, k, v)
         out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, causal, scale=scale)
         return out, lse[..., : q.shape[2]], (seed, offset, lse.shape[-1])
@@ -119,6 +128,7 @@ class CudaEfficient(BlockKernel):
     def backward(self, dout, q, k, v, out, lse, causal, scale, aux):
         seed, offset, lse_len = aux
         lse = torch.nn.functional.pad(lse, (0, lse_len - lse.shape[-1])).contiguous()
+        dout, q, k, v, out = _dense(dout, q, k, v, out)
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
             dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
         return dq, dk, dv
