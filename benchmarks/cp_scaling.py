@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.models.flavors import get_flavor
 from titan_vlm.models.vlm import VLM
-from titan_vlm.parallel.context_parallel import attention_work, head_tail_indices, padded_text_len
+from titan_vlm.parallel.context_parallel import CPOptions, attention_work, head_tail_indices, padded_text_len
 from titan_vlm.parallel.cp_attention import CP_COMM_TYPES
 from titan_vlm.parallel_dims import MESH_DIMS, Mesh
 from titan_vlm.train import forward_backward
@@ -104,7 +104,7 @@ def worker(rank: int, cp: int, port: int, configs: list, flavor: str, results) -
     model = VLM(args)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     for comm, seq_len in configs:
-        data = SyntheticCaptions(args.vision.image_size, args.num_image_tokens, seq_len, 0,
+        data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, seq_len, 0,
                                  sentences_per_image=seq_len // 8)
         batch = data.batch(0, 0, 1, 1)
         saved: dict[int, int] = {}
@@ -115,11 +115,11 @@ def worker(rank: int, cp: int, port: int, configs: list, flavor: str, results) -
             return t
 
         with count_sent_bytes() as sent, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            forward_backward(model, batch, mesh, comm)  # warm-up, counted
+            forward_backward(model, batch, mesh, CPOptions(comm))  # warm-up, counted
         model.zero_grad(set_to_none=True)
         dist.barrier()
         start = time.perf_counter()
-        forward_backward(model, batch, mesh, comm)
+        forward_backward(model, batch, mesh, CPOptions(comm))
         elapsed = torch.tensor(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
@@ -128,8 +128,8 @@ def worker(rank: int, cp: int, port: int, configs: list, flavor: str, results) -
         if rank == 0:
             results.put(dict(cp=cp, comm=comm if cp > 1 else "-", seq_len=seq_len, step_s=float(elapsed),
                              saved_mib=float(stats[0]) / 2**20, sent_mib=float(stats[1]) / 2**20,
-                             analytic_mib=analytic_bytes(comm, cp, args.num_image_tokens, data.text_len, flavor, 1)
-                             / 2**20, balance=balance(cp, args.num_image_tokens, data.text_len)))
+                             analytic_mib=analytic_bytes(comm, cp, args.tokens_per_image, data.text_len, flavor, 1)
+                             / 2**20, balance=balance(cp, args.tokens_per_image, data.text_len)))
     dist.barrier()
     dist.destroy_process_group()
 

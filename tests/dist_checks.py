@@ -20,6 +20,7 @@ from titan_vlm.data.synthetic import IGNORE_INDEX, SyntheticCaptions
 from titan_vlm.models.flavors import get_flavor
 from titan_vlm.models.vlm import VLM
 from titan_vlm.optim import build_optimizer, build_scheduler
+from titan_vlm.parallel.context_parallel import CPOptions
 from titan_vlm.parallel.parallelize import parallelize_vlm
 from titan_vlm.parallel_dims import MESH_DIMS, Mesh
 from titan_vlm.train import forward_backward, run_training, train_step
@@ -45,45 +46,52 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def parity(dp_shard: int = 1, cp: int = 2, seq_len: int = 61, batch_size: int = 2, comm: str = "p2p",
-           sum_image_grad: bool = True, seed: int = 3) -> dict:
+           vision: str = "shard", images: int = 1, sum_image_grad: bool = True, seed: int = 3) -> dict:
     """One optimizer step of the parallel trainer against one process with the same weights and
     global batch. Returns both losses and grad norms and, per group (vision, projector, decoder),
     the worst per-parameter relative error (norm of difference / norm) of the gradient and of the
     parameter after the step."""
     args = get_flavor("debug")
     t = Training(lr=1e-3, warmup_steps=0, steps=10, max_norm=1.0, seq_len=seq_len, local_batch_size=batch_size)
-    data = SyntheticCaptions(args.vision.image_size, args.num_image_tokens, seq_len, seed, sentences_per_image=3)
+    data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, seq_len, seed, sentences_per_image=3,
+                             images_per_sample=images)
     mesh = make_mesh(dp_shard, cp)
+    options = CPOptions(comm_type=comm, vision=vision)
 
     # The reference: one process, the whole global batch, no sharding, torch's own clip.
     torch.manual_seed(seed)
     ref = VLM(args)
     full = data.batch(0, 0, 1, dp_shard * batch_size)
-    layout = SeqLayout.unsharded(seq_len, args.num_image_tokens)
+    layout = SeqLayout.unsharded(seq_len, images * args.tokens_per_image)
     logits = ref(full.images, full.tokens, layout)
     ref_loss = F.cross_entropy(logits.flatten(0, 1), full.labels.flatten(), ignore_index=IGNORE_INDEX)
     ref_loss.backward()
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), t.max_norm)
-    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}  # clipped, as the trainer's are
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}  # clipped
     build_optimizer(ref, t).step()
 
     # The parallel run: same seed, so the same weights before sharding.
     torch.manual_seed(seed)
-    model = parallelize_vlm(VLM(args), mesh)
+    model = parallelize_vlm(VLM(args), mesh, cp_vision=vision)
     opt = build_optimizer(model, t)
     sched = build_scheduler(opt, t)
     batch = data.batch(0, mesh.dp_shard.get_local_rank(), dp_shard, batch_size)
-    stats = train_step(model, opt, sched, batch, mesh, t.max_norm, comm, sum_image_grad=sum_image_grad)
+    stats = train_step(model, opt, sched, batch, mesh, t.max_norm, options, sum_image_grad=sum_image_grad)
 
     grad_err = dict.fromkeys(GROUPS, 0.0)
     param_err = dict.fromkeys(GROUPS, 0.0)
     ref_params = dict(ref.named_parameters())
+    missing = []  # parameters with a gradient on one side only
     for name, p in model.named_parameters():
         group = name.split(".")[0]
-        grad_err[group] = max(grad_err[group], _rel(_full(p.grad), ref_grads[name]))
+        if (p.grad is None) != (ref_params[name].grad is None):
+            missing.append(name)
+            continue
+        if p.grad is not None:
+            grad_err[group] = max(grad_err[group], _rel(_full(p.grad), ref_grads[name]))
         param_err[group] = max(param_err[group], _rel(_full(p.detach()), ref_params[name].detach()))
     return {"loss": stats["loss"], "ref_loss": ref_loss.item(), "grad_norm": stats["grad_norm"],
-            "ref_grad_norm": ref_norm.item(), "grad_err": grad_err, "param_err": param_err,
+            "ref_grad_norm": ref_norm.item(), "grad_err": grad_err, "param_err": param_err, "missing_grads": missing,
             "ntokens": stats["ntokens"], "ref_ntokens": int((full.labels != IGNORE_INDEX).sum())}
 
 
@@ -106,7 +114,7 @@ def saved_for_backward(cp: int, comm: str = "p2p", seq_len: int = 528, batch_siz
     torch.manual_seed(0)
     model = VLM(args)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    data = SyntheticCaptions(args.vision.image_size, args.num_image_tokens, seq_len, 0, sentences_per_image=40)
+    data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, seq_len, 0, sentences_per_image=40)
     seen: dict[int, int] = {}
     longest = 0
 
@@ -119,5 +127,5 @@ def saved_for_backward(cp: int, comm: str = "p2p", seq_len: int = 528, batch_siz
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward_backward(model, data.batch(0, 0, 1, batch_size), mesh, comm)
+        forward_backward(model, data.batch(0, 0, 1, batch_size), mesh, CPOptions(comm_type=comm))
     return {"bytes": sum(seen.values()), "longest_dim": longest}

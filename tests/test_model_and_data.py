@@ -15,10 +15,10 @@ def test_debug_forward_shapes():
     args = get_flavor("debug")
     torch.manual_seed(0)
     model = VLM(args)
-    data = SyntheticCaptions(args.vision.image_size, args.num_image_tokens, 64, seed=0)
+    data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, 64, seed=0)
     batch = data.batch(0, 0, 1, 3)
-    logits = model(batch.images, batch.tokens, SeqLayout.unsharded(64, args.num_image_tokens))
-    assert logits.shape == (3, 64 - args.num_image_tokens, args.decoder.vocab_size)
+    logits = model(batch.images, batch.tokens, SeqLayout.unsharded(64, args.tokens_per_image))
+    assert logits.shape == (3, 64 - args.tokens_per_image, args.decoder.vocab_size)
 
 
 def test_llava7b_flavor_is_7b_shaped():
@@ -27,7 +27,7 @@ def test_llava7b_flavor_is_7b_shaped():
     counts = param_counts(model)
     assert 0.29e9 < counts["vision"] < 0.32e9  # CLIP ViT-L/14 tower
     assert 6.6e9 < counts["decoder"] < 6.8e9  # Llama-2-7B
-    assert get_flavor("llava7b").num_image_tokens == 576
+    assert get_flavor("llava7b").tokens_per_image == 576
     # ~6 * params * tokens dominates at short text
     flops = train_flops_per_row(get_flavor("llava7b"), text_len=1024)
     assert 6 * 6.5e9 * 1600 < flops < 6 * 7.5e9 * 1600 * 1.3

@@ -23,6 +23,8 @@ def mismatches(result: dict) -> list[str]:
     loss_err = abs(result["loss"] - result["ref_loss"]) / abs(result["ref_loss"])
     if loss_err > LOSS_TOL:
         out.append(f"loss {result['loss']} vs {result['ref_loss']} (rel {loss_err:.2e})")
+    if result["missing_grads"]:
+        out.append(f"gradient on one side only: {result['missing_grads'][:3]}")
     if result["ntokens"] != result["ref_ntokens"]:
         out.append(f"text tokens {result['ntokens']} vs {result['ref_ntokens']}")
     for group, err in result["grad_err"].items():

@@ -53,6 +53,7 @@ class Data:
     dataset: str = "synthetic"
     sentences_per_image: int = 1  # long-text knob: more sentences about the image per sample
     blank_images: bool = False  # ablation: every image black; captions are then unpredictable
+    images_per_sample: int = 1  # images per row (0: text only)
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Parallelism:
     context_parallel_degree: int = 1
     tensor_parallel_degree: int = 1
     cp_comm_type: str = "p2p"  # exact CP attention: "p2p" (ring) | "allgather" | "a2a" (Ulysses)
+    cp_vision: str = "shard"  # where the ViT runs in a CP group: "shard" | "replicate" | "broadcast"
 
 
 @dataclass

@@ -1,12 +1,8 @@
 """The one device mesh: named dims dp_replicate x dp_shard x cp x tp (any of them 1).
 
 Which mesh each piece of the model and the data uses:
-  - decoder parameters: FSDP over the flattened (dp_shard, cp) dims, "dp_shard_cp": every CP
-    rank holds different text, so decoder gradients are summed over dp and cp;
-  - vision tower + projector parameters: FSDP over dp_shard only. Every CP rank encodes the
-    same images and receives the image-embedding gradient already summed over cp
-    (parallel/context_parallel.py), so its ViT gradient is complete: reducing it over cp again
-    would count it CP-fold;
+  - parameters: FSDP over dp_shard or the flattened (dp_shard, cp) dims, "dp_shard_cp"; which
+    one, and why, is in parallel/parallelize.py;
   - the batch: one row set per (dp_replicate, dp_shard) coordinate, shared by the cp ranks;
   - the loss normaliser (global text-token count): summed over dp_shard_cp.
 """
@@ -19,6 +15,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titan_vlm.config import ConfigError, JobConfig
+from titan_vlm.parallel.context_parallel import CP_VISION_MODES
 from titan_vlm.parallel.cp_attention import CP_COMM_TYPES
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
@@ -73,10 +70,13 @@ class ParallelDims:
 
         vlm = get_flavor(cfg.model.flavor)
         t = cfg.training
-        if t.seq_len <= vlm.num_image_tokens + 2:
+        k = cfg.data.images_per_sample
+        if not 0 <= k <= 64:
+            raise ConfigError(f"data.images_per_sample must be in 0..64, got {k}")
+        if t.seq_len <= k * vlm.tokens_per_image + 2:
             raise ConfigError(
-                f"training.seq_len={t.seq_len} leaves no room for text after the "
-                f"{vlm.num_image_tokens} image tokens of flavor '{cfg.model.flavor}'")
+                f"training.seq_len={t.seq_len} leaves no room for text after {k} images of "
+                f"{vlm.tokens_per_image} tokens (flavor '{cfg.model.flavor}', data.images_per_sample={k})")
         if t.seq_len > vlm.decoder.max_seq_len:
             raise ConfigError(f"training.seq_len={t.seq_len} exceeds the RoPE table of flavor "
                               f"'{cfg.model.flavor}' (max_seq_len {vlm.decoder.max_seq_len})")
@@ -96,6 +96,9 @@ class ParallelDims:
         if dec.n_heads % dec.n_kv_heads:
             raise ConfigError(f"model.flavor={cfg.model.flavor}: n_heads {dec.n_heads} not divisible by "
                               f"n_kv_heads {dec.n_kv_heads}")
+        if cfg.parallelism.cp_vision not in CP_VISION_MODES:
+            raise ConfigError(f"parallelism.cp_vision must be one of {', '.join(CP_VISION_MODES)}, "
+                              f"got {cfg.parallelism.cp_vision!r}")
         comm = cfg.parallelism.cp_comm_type
         if comm not in CP_COMM_TYPES:
             raise ConfigError(f"parallelism.cp_comm_type must be one of {', '.join(CP_COMM_TYPES)}, got {comm!r}")

@@ -25,7 +25,8 @@ from titan_vlm.models.accounting import param_counts, train_flops_per_row
 from titan_vlm.models.flavors import get_flavor
 from titan_vlm.models.vlm import VLM
 from titan_vlm.optim import build_optimizer, build_scheduler, clip_grad_norm_
-from titan_vlm.parallel.context_parallel import head_tail_indices, padded_text_len, replicate_image_embeddings, shard_text
+from titan_vlm.parallel.context_parallel import (CPOptions, encode_images_over_cp, head_tail_indices,
+                                                 padded_text_len, shard_text, sync_broadcast_vision_grads)
 from titan_vlm.parallel.parallelize import parallelize_vlm
 from titan_vlm.parallel_dims import Mesh, ParallelDims
 
@@ -35,20 +36,24 @@ logger = logging.getLogger("titan_vlm")
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
-def forward_backward(model: VLM, batch: Batch, mesh: Mesh, cp_comm_type: str = "p2p",
+def forward_backward(model: VLM, batch: Batch, mesh: Mesh, cp: CPOptions = CPOptions(),
                      sum_image_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of one batch on this rank. Returns the global loss (mean over every
     text token of the global batch, identical on all ranks) and the global text-token count.
 
     `sum_image_grad=False` is the negative-control switch of the parity tests; never in training.
     """
-    # 1. Every CP rank encodes the same images (ViT + projector): the embeddings are whole here.
-    embeds = model.encode_images(batch.images)
-    # 2. Replicate(cp) DTensor; backward sums the partial image-embedding grads over cp.
-    embeds = replicate_image_embeddings(embeds, mesh.cp, sum_grad=sum_image_grad)
+    rows, k = batch.images.shape[:2]
+    n_img = k * model.args.tokens_per_image
+    embeds = None
+    if k:
+        # 1-2. The image embeddings of all the rows' images, whole on every CP rank (Replicate on
+        # cp); in backward their gradient is summed over cp before the projector and ViT.
+        embeds = encode_images_over_cp(model, batch.images.flatten(0, 1), mesh.cp, cp.vision, sum_image_grad)
+        embeds = embeds.reshape(rows, n_img, -1)
     # 3. Only the text is CP-sharded (head-tail), with its row positions and shifted labels.
-    tokens, labels, layout = shard_text(batch.tokens, batch.labels, model.args.num_image_tokens, mesh.cp,
-                                        pad_id=ByteTokenizer.PAD, cp_comm_type=cp_comm_type)
+    tokens, labels, layout = shard_text(batch.tokens, batch.labels, n_img, mesh.cp, pad_id=ByteTokenizer.PAD,
+                                        cp_comm_type=cp.comm_type)
     logits = model.decoder(tokens, embeds, layout)
     # 4. Mean over the global batch's text tokens: count across dp and cp, sum per rank.
     loss_group = mesh.dp_shard_cp.get_group()
@@ -57,16 +62,18 @@ def forward_backward(model: VLM, batch: Batch, mesh: Mesh, cp_comm_type: str = "
     loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum") / ntokens.clamp(min=1)
     loss.backward()
+    if k and cp.vision == "broadcast":
+        sync_broadcast_vision_grads(model, mesh.cp)
     loss = loss.detach()
     dist.all_reduce(loss, group=loss_group)
     return loss, ntokens
 
 
 def train_step(model: VLM, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-               batch: Batch, mesh: Mesh, max_norm: float, cp_comm_type: str = "p2p",
+               batch: Batch, mesh: Mesh, max_norm: float, cp: CPOptions = CPOptions(),
                sum_image_grad: bool = True) -> dict[str, float]:
     optimizer.zero_grad(set_to_none=True)
-    loss, ntokens = forward_backward(model, batch, mesh, cp_comm_type, sum_image_grad)
+    loss, ntokens = forward_backward(model, batch, mesh, cp, sum_image_grad)
     grad_norm = clip_grad_norm_(list(model.parameters()), max_norm)
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
@@ -131,18 +138,28 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device) -> list[dict[
     logger.info("model %s: %s parameters (vision %s, projector %s, decoder %s)", cfg.model.flavor,
                 f"{sum(counts.values()):,}", f"{counts['vision']:,}", f"{counts['projector']:,}",
                 f"{counts['decoder']:,}")
-    parallelize_vlm(model, mesh, t.mixed_precision)
+    p = cfg.parallelism
+    cp = CPOptions(comm_type=p.cp_comm_type, vision=p.cp_vision)
+    parallelize_vlm(model, mesh, t.mixed_precision, cp.vision)
     optimizer = build_optimizer(model, t)
     scheduler = build_scheduler(optimizer, t)
 
-    n_img = args.num_image_tokens
-    data = SyntheticCaptions(args.vision.image_size, n_img, t.seq_len, t.seed,
-                             cfg.data.sentences_per_image, cfg.data.blank_images)
+    k = cfg.data.images_per_sample
+    n_img = k * args.tokens_per_image
+    data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, t.seq_len, t.seed,
+                             cfg.data.sentences_per_image, cfg.data.blank_images, k)
     for line in describe_cp_layout(n_img, data.text_len, mesh.cp.size()):
         logger.info(line)
+    if k and mesh.cp.size() > 1:
+        where = {"replicate": "every CP rank encodes all of them",
+                 "broadcast": "CP rank 0 encodes them and broadcasts the embeddings",
+                 "shard": f"each CP rank encodes at most {-(-k * t.local_batch_size // mesh.cp.size())} "
+                          "and the embeddings are all-gathered"}[cp.vision]
+        logger.info("vision (cp_vision=%s): %d images per step per CP group; %s", cp.vision,
+                    k * t.local_batch_size, where)
     dp_rank, dp = mesh.dp_shard.get_local_rank(), mesh.dp_shard.size()
     rows = dp * t.local_batch_size
-    step_flops = rows * train_flops_per_row(args, data.text_len)
+    step_flops = rows * train_flops_per_row(args, data.text_len, k)
     rank0 = dist.get_rank() == 0
     metrics = MetricsLogger(cfg.job.dump_folder, cfg.metrics.enable_tensorboard, enabled=rank0)
     logger.info("training %d steps, %d rows x %d tokens per step, %.3g model FLOPs per step; metrics -> %s",
@@ -152,7 +169,7 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device) -> list[dict[
     for step in range(1, t.steps + 1):
         start = time.perf_counter()
         batch = data.batch(step - 1, dp_rank, dp, t.local_batch_size).to(device)
-        stats = train_step(model, optimizer, scheduler, batch, mesh, t.max_norm, cfg.parallelism.cp_comm_type)
+        stats = train_step(model, optimizer, scheduler, batch, mesh, t.max_norm, cp)
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start

@@ -3,7 +3,8 @@
 Each image holds 1-4 copies of one shape in one colour, placed in distinct cells of a 2x2 grid.
 The caption names the count, colour and shape ("three red circles."); with
 `data.sentences_per_image > 1` more sentences follow (where each object is, ...), so the text is
-long and context parallelism has real work.
+long and context parallelism has real work. With `data.images_per_sample = k` a row holds k
+images (0 is a text-only row) and the text describes each in turn ("image 2: one blue cross.").
 
 Sample `i` is a pure function of (seed, i); the rows of a global batch are numbered
 `step * global_batch + dp_rank * local_batch + j`, so the data is deterministic per seed and per
@@ -31,7 +32,7 @@ CELLS = ("top left", "top right", "bottom left", "bottom right")
 
 @dataclass
 class Batch:
-    images: torch.Tensor  # [B, 3, H, W], one image per row, values in [-1, 1]
+    images: torch.Tensor  # [B, k, 3, H, W]: k images per row (k may be 0), values in [-1, 1]
     tokens: torch.Tensor  # [B, T] text input ids (starts with BOS)
     labels: torch.Tensor  # [B, T] next-token targets, IGNORE_INDEX where there is no loss
 
@@ -83,14 +84,17 @@ def describe(count: int, color: str, shape: str, cells: list[int], sentences: in
 
 
 class SyntheticCaptions:
-    """Rows `[image tokens, BOS caption EOS pad...]` of a fixed length, loss on the text only."""
+    """Rows `[image tokens of k images, BOS caption EOS pad...]` of a fixed length, loss on the
+    text only. `tokens_per_image` is the model's image-token count for one image."""
 
-    def __init__(self, image_size: int, num_image_tokens: int, seq_len: int, seed: int,
-                 sentences_per_image: int = 1, blank_images: bool = False):
+    def __init__(self, image_size: int, tokens_per_image: int, seq_len: int, seed: int,
+                 sentences_per_image: int = 1, blank_images: bool = False, images_per_sample: int = 1):
         self.image_size = image_size
-        self.text_len = seq_len - num_image_tokens
+        self.images_per_sample = images_per_sample
+        self.text_len = seq_len - images_per_sample * tokens_per_image
         if self.text_len < 2:
-            raise ValueError(f"seq_len {seq_len} leaves no room for text after {num_image_tokens} image tokens")
+            raise ValueError(f"seq_len {seq_len} leaves no room for text after {images_per_sample} images of "
+                             f"{tokens_per_image} tokens")
         self.seed = seed
         self.sentences = sentences_per_image
         self.blank = blank_images
@@ -98,14 +102,23 @@ class SyntheticCaptions:
 
     def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
         rng = random.Random(f"{self.seed}/{index}")
-        count = rng.randint(1, 4)
-        color = rng.choice(sorted(COLORS))
-        shape = rng.choice(SHAPES)
-        cells = sorted(rng.sample(range(4), count))
-        image = draw_image(self.image_size, shape, COLORS[color], cells, rng)
+        images, captions = [], []
+        for _ in range(self.images_per_sample):
+            count = rng.randint(1, 4)
+            color = rng.choice(sorted(COLORS))
+            shape = rng.choice(SHAPES)
+            cells = sorted(rng.sample(range(4), count))
+            images.append(draw_image(self.image_size, shape, COLORS[color], cells, rng))
+            captions.append(describe(count, color, shape, cells, self.sentences))
+        image = torch.stack(images) if images else torch.zeros(0, 3, self.image_size, self.image_size)
         if self.blank:
             image.zero_()
-        text = describe(count, color, shape, cells, self.sentences)
+        if len(captions) == 1:
+            text = captions[0]
+        elif captions:
+            text = " ".join(f"image {i + 1}: {c}" for i, c in enumerate(captions))
+        else:
+            text = "no image."
         ids = self.tokenizer.encode(text)[: self.text_len + 1]
         tokens = torch.full((self.text_len,), ByteTokenizer.PAD, dtype=torch.long)
         labels = torch.full((self.text_len,), IGNORE_INDEX, dtype=torch.long)

@@ -15,8 +15,8 @@ def param_counts(model: nn.Module) -> dict[str, int]:
     return {name: count_params(getattr(model, name)) for name in ("vision", "projector", "decoder")}
 
 
-def train_flops_per_row(args: VLMArgs, text_len: int) -> float:
-    """Model FLOPs of forward + backward (3x forward) for one row `[image tokens, text]`.
+def train_flops_per_row(args: VLMArgs, text_len: int, num_images: int = 1) -> float:
+    """Model FLOPs of forward + backward (3x forward) for one row `[k images' tokens, text]`.
 
     Matmuls: 2 FLOPs per parameter per token; attention: QK^T and AV, 4 * L * L * dim per layer
     (bidirectional ViT) or half of it (causal decoder). The CP-replicated image tokens are counted
@@ -24,11 +24,11 @@ def train_flops_per_row(args: VLMArgs, text_len: int) -> float:
     v, d = args.vision, args.decoder
     n = v.num_patches
     vit_params = v.n_layers * (4 * v.dim * v.dim + 2 * v.dim * v.mlp_dim)
-    vision = 2 * vit_params * n + v.n_layers * 4 * n * n * v.dim
-    projector = 2 * (v.dim * d.dim + d.dim * d.dim) * n
+    vision = num_images * (2 * vit_params * n + v.n_layers * 4 * n * n * v.dim)
+    projector = num_images * 2 * (v.dim * d.dim + d.dim * d.dim) * n
     kv_dim = d.n_kv_heads * d.head_dim
     layer_params = 2 * d.dim * d.dim + 2 * d.dim * kv_dim + 3 * d.dim * d.ffn_dim
-    seq = n + text_len
+    seq = num_images * n + text_len
     decoder = 2 * d.n_layers * layer_params * seq + d.n_layers * 2 * seq * seq * d.dim
     head = 2 * d.dim * d.vocab_size * text_len
     return 3.0 * (vision + projector + decoder + head)

@@ -48,7 +48,7 @@ class VLMArgs:
     decoder: DecoderArgs = field(default_factory=DecoderArgs)
 
     @property
-    def num_image_tokens(self) -> int:
+    def tokens_per_image(self) -> int:
         """Tokens one image occupies in the decoder's sequence (one per ViT patch)."""
         return self.vision.num_patches
 

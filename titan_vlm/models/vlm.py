@@ -33,11 +33,13 @@ class VLM(nn.Module):
         self.decoder = Decoder(args.decoder)
 
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        """images [B, C, H, W] (one per row) -> image embeddings [B, num_image_tokens, decoder dim]."""
+        """images [n, C, H, W] -> image embeddings [n, tokens_per_image, decoder dim]."""
         return self.projector(self.vision(images))
 
-    def forward(self, images: torch.Tensor | None, tokens: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
-        """Single-device forward: logits of the text positions. The trainer runs the same three
-        steps itself so that context parallelism can step in between encoder and decoder."""
-        embeds = None if images is None else self.encode_images(images)
+    def forward(self, images: torch.Tensor, tokens: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
+        """Single-device forward of rows `[k images, text]`: images [B, k, C, H, W] (k may be 0),
+        returns the logits of the text positions. The trainer runs the same steps itself so that
+        context parallelism can step in between encoder and decoder."""
+        b, k = images.shape[:2]
+        embeds = self.encode_images(images.flatten(0, 1)).reshape(b, k * self.args.tokens_per_image, -1) if k else None
         return self.decoder(tokens, embeds, layout)

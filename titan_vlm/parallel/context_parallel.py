@@ -5,15 +5,18 @@ A row is `[image tokens (N), text tokens (T)]`. On a CP group of P ranks:
   * the text is padded to a multiple of 2P, cut into 2P chunks, and rank r keeps chunks r and
     2P-1-r (head-tail balancing: one light and one heavy chunk of the causal triangle each),
     with their row positions and labels (labels are shifted before sharding, never after);
-  * the image embeddings are NOT split: every rank holds all N of them
-    (`replicate_image_embeddings`: a DTensor with `Replicate()` on the cp mesh dim);
+  * the image embeddings are NOT split: every rank holds all N of them (`encode_images_over_cp`:
+    a DTensor with `Replicate()` on the cp mesh dim). Where the ViT runs is `cp_vision`: on
+    every rank ("replicate"), on cp rank 0 and broadcast ("broadcast"), or each rank encodes
+    its share of the images and the embeddings are all-gathered ("shard", Shard(0) -> Replicate);
   * attention is exact across ranks: each local text query sees the whole image prefix (local)
     and every text key at an earlier row position, whichever rank holds it (ring, all-to-all
     or all-gather: cp_attention.py);
   * in backward, each rank's image-embedding gradient only covers its own text's use of the
-    images, so it is summed over the cp group (Partial -> Replicate, an all-reduce) before the
-    projector and ViT backward. The vision tower then trains exactly as without CP, and its
-    parameters are not reduced over cp again (see parallel_dims.py).
+    images, so it is summed over the cp group before the projector and ViT backward: an
+    all-reduce (replicate), a reduce to rank 0 (broadcast) or a reduce-scatter to each image's
+    encoder (shard). The vision tower then trains exactly as without CP; its parameters are
+    reduced over cp only where the ranks encoded different images (see parallel/parallelize.py).
 
     rank:      0          1          (P = 2, chunks c0..c3 of the text)
     holds: [I][c0 c3]  [I][c1 c2]    I = all image tokens, on every rank
@@ -21,13 +24,24 @@ A row is `[image tokens (N), text tokens (T)]`. On a CP group of P ranks:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from titan_vlm.attention import SeqLayout
 from titan_vlm.data.synthetic import IGNORE_INDEX
 from titan_vlm.parallel.cp_attention import CP_ATTENTION
+
+CP_VISION_MODES = ("replicate", "broadcast", "shard")
+
+
+@dataclass(frozen=True)
+class CPOptions:
+    comm_type: str = "p2p"  # attention across the group: "p2p" | "allgather" | "a2a"
+    vision: str = "shard"  # where the ViT runs: "replicate" | "broadcast" | "shard"
 
 
 def replicate_image_embeddings(embeds: torch.Tensor, cp_mesh: DeviceMesh, sum_grad: bool = True) -> torch.Tensor:
@@ -45,6 +59,80 @@ def replicate_image_embeddings(embeds: torch.Tensor, cp_mesh: DeviceMesh, sum_gr
         return embeds
     replicated = DTensor.from_local(embeds, cp_mesh, [Replicate()], run_check=False)
     return replicated.to_local(grad_placements=[Partial()])
+
+
+def image_shard_sizes(num_images: int, cp_size: int) -> list[int]:
+    """Images each CP rank encodes in "shard" mode: torch.chunk's split (DTensor's Shard(0)),
+    which gives no rank more than ceil(n/P) images; all images have the same patch count, so
+    this is also the split balanced by patches. Trailing ranks may get none."""
+    sizes = [len(c) for c in torch.arange(num_images).chunk(cp_size)]
+    return sizes + [0] * (cp_size - len(sizes))
+
+
+class _BroadcastFromSource(torch.autograd.Function):
+    """Forward: the source rank's tensor on every rank. Backward: the gradients summed onto the
+    source rank (the others pass nothing on)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, src: int, sum_grad: bool) -> torch.Tensor:
+        ctx.group, ctx.src, ctx.sum_grad = group, src, sum_grad
+        out = x.detach().clone()
+        dist.broadcast(out, src=src, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        if ctx.sum_grad:
+            dist.reduce(grad, dst=ctx.src, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None, None, None
+
+
+def encode_images_over_cp(model: torch.nn.Module, images: torch.Tensor, cp_mesh: DeviceMesh, mode: str,
+                          sum_grad: bool = True) -> torch.Tensor:
+    """Image embeddings [n, tokens_per_image, D] of all n images, whole on every CP rank, their
+    gradient summed over cp before it reaches the projector and ViT. `mode` is where the ViT
+    runs (CPOptions.vision). `sum_grad=False` only for the negative-control test."""
+    cp_size = cp_mesh.size()
+    if cp_size == 1 or mode == "replicate":
+        return replicate_image_embeddings(model.encode_images(images), cp_mesh, sum_grad)
+    rank = cp_mesh.get_local_rank()
+    if mode == "broadcast":
+        group = cp_mesh.get_group()
+        src = dist.get_global_rank(group, 0)
+        if rank == 0:
+            local = model.encode_images(images).float()  # travels in fp32 (the receivers' dtype)
+        else:  # a leaf that wants a gradient, so this rank joins the backward reduce
+            args = model.args
+            local = images.new_zeros((images.shape[0], args.tokens_per_image, args.decoder.dim),
+                                     dtype=torch.float32).requires_grad_()
+        return _BroadcastFromSource.apply(local, group, src, sum_grad)
+    if mode == "shard":
+        sizes = image_shard_sizes(images.shape[0], cp_size)
+        start = sum(sizes[:rank])
+        local = model.encode_images(images[start:start + sizes[rank]])  # may be empty: still runs
+        shape = torch.Size((images.shape[0], *local.shape[1:]))
+        sharded = DTensor.from_local(local, cp_mesh, [Shard(0)], run_check=False, shape=shape,
+                                     stride=torch.empty(shape, device="meta").stride())
+        full = sharded.redistribute(cp_mesh, [Replicate()])  # all-gather; backward: reduce-scatter
+        return full.to_local(grad_placements=[Partial()] if sum_grad else None)
+    raise ValueError(f"unknown cp_vision mode {mode!r} (expected one of {', '.join(CP_VISION_MODES)})")
+
+
+@torch.no_grad()
+def sync_broadcast_vision_grads(model: torch.nn.Module, cp_mesh: DeviceMesh) -> None:
+    """"broadcast" mode: only cp rank 0 ran the ViT and holds its (complete) gradients; hand them
+    to the other cp ranks so every replica takes the same optimizer step."""
+    if cp_mesh.size() == 1:
+        return
+    group = cp_mesh.get_group()
+    src = dist.get_global_rank(group, 0)
+    for module in (model.vision, model.projector):
+        for p in module.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            dist.broadcast(local, src=src, group=group)
 
 
 def padded_text_len(text_len: int, cp_size: int) -> int:

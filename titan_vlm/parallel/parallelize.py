@@ -1,8 +1,13 @@
 """Apply parallelism to a VLM from the outside (the model code holds none).
 
-FSDP2 meshes (see parallel_dims.py for why):
-  vision tower + projector -> mesh.dp_shard     (complete gradients on every CP rank)
-  decoder                  -> mesh.dp_shard_cp  (each CP rank has a partial gradient)
+FSDP2 meshes: a parameter is reduced over exactly the ranks whose gradients are different parts
+of its whole gradient.
+  decoder                  -> mesh.dp_shard_cp  (each CP rank's gradient comes from its own text)
+  vision tower + projector -> cp_vision "shard": mesh.dp_shard_cp (each CP rank encoded its own
+                              images); "replicate" / "broadcast": mesh.dp_shard (the CP ranks
+                              hold identical, already complete gradients: the cp sum happened on
+                              the image embeddings, and reducing over cp again would count it
+                              CP-fold)
 Gradients are summed, never averaged: the loss is already divided by the global text-token count.
 """
 
@@ -25,12 +30,13 @@ def _shard(module: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy) -> Non
     module.set_force_sum_reduction_for_comms(True)
 
 
-def apply_fsdp(model: VLM, mesh: Mesh, mixed_precision: str = "fp32") -> None:
+def apply_fsdp(model: VLM, mesh: Mesh, mixed_precision: str = "fp32", cp_vision: str = "shard") -> None:
     if mixed_precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         mp = MixedPrecisionPolicy()
-    vision_mesh, decoder_mesh = mesh.dp_shard, mesh.dp_shard_cp
+    vision_mesh = mesh.dp_shard_cp if cp_vision == "shard" else mesh.dp_shard
+    decoder_mesh = mesh.dp_shard_cp
     for block in model.vision.layers:
         _shard(block, vision_mesh, mp)
     _shard(model.vision, vision_mesh, mp)
@@ -40,8 +46,8 @@ def apply_fsdp(model: VLM, mesh: Mesh, mixed_precision: str = "fp32") -> None:
     _shard(model.decoder, decoder_mesh, mp)
 
 
-def parallelize_vlm(model: VLM, mesh: Mesh, mixed_precision: str = "fp32") -> VLM:
+def parallelize_vlm(model: VLM, mesh: Mesh, mixed_precision: str = "fp32", cp_vision: str = "shard") -> VLM:
     """Everything the trainer applies to the model. CP itself needs no module changes: it lives
     in the batch sharding and the SeqLayout the attention receives (context_parallel.py)."""
-    apply_fsdp(model, mesh, mixed_precision)
+    apply_fsdp(model, mesh, mixed_precision, cp_vision)
     return model

@@ -1,0 +1,36 @@
+"""Where the ViT runs inside the CP group (parallelism.cp_vision) changes no number: every mode
+reproduces one process, with rows of 0, 1 and 5 images, including ranks that encode no image."""
+
+import pytest
+
+from test_parity import GRAD_TOL, mismatches, report
+from titan_vlm.parallel.context_parallel import image_shard_sizes
+
+MODES = ("replicate", "broadcast", "shard")
+
+
+@pytest.mark.parametrize("images", [0, 1, 5])
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("vision", MODES)
+def test_every_vision_placement_matches_single_process(pool, vision, cp, images):
+    # 2 rows per step: 0, 2 or 10 images to place; text of 45 tokens (padded for every cp)
+    results = pool.run("parity", cp=cp, vision=vision, images=images, seq_len=16 * images + 45)
+    report(f"cp_vision={vision} cp={cp} images/row={images}", results[0])
+    for rank, result in enumerate(results):
+        assert mismatches(result) == [], f"rank {rank}: {mismatches(result)}"
+
+
+def test_shard_mode_leaves_ranks_without_images():
+    """The case the parity test above covers at cp=4 with one image per row (2 images, 4 ranks)."""
+    assert image_shard_sizes(2, 4) == [1, 1, 0, 0]
+    assert image_shard_sizes(10, 4) == [3, 3, 3, 1]
+    assert image_shard_sizes(0, 2) == [0, 0]
+    assert max(image_shard_sizes(10, 4)) == -(-10 // 4)  # nobody encodes more than ceil(n/P)
+
+
+@pytest.mark.parametrize("vision", MODES)
+def test_negative_control_each_mode_needs_its_gradient_sum(pool, vision):
+    results = pool.run("parity", cp=2, vision=vision, images=1, seq_len=61, sum_image_grad=False)
+    report(f"cp_vision={vision} without the image-gradient sum", results[0])
+    for result in results:
+        assert result["grad_err"]["vision"] > 100 * GRAD_TOL, mismatches(result)
