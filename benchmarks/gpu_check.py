@@ -17,7 +17,8 @@ import torch
 
 from titan_vlm.attention import KERNELS, merge_into
 from titan_vlm.parallel.context_parallel import head_tail_indices
-from titan_vlm.parallel.cp_attention import _accumulators, _Blocks, _ring_block
+from titan_vlm.attention import Blocks
+from titan_vlm.parallel.cp_attention import _accumulators, _ring_block
 
 
 def reference(q, k, v, n):
@@ -34,7 +35,7 @@ def simulate_ring(q, k, v, n, p, kernel):
     c = (q.shape[2] - n) // (2 * p)
     idx = [torch.cat([torch.arange(n), n + head_tail_indices(2 * p * c, p, r)]).to(q.device) for r in range(p)]
     local = [(q[:, :, i], k[:, :, i], v[:, :, i]) for i in idx]
-    blocks = _Blocks(q)
+    blocks = Blocks(q)
     blocks.kernel = kernel
     outs, lses, auxes = [], [], []
     for r, (ql, kl, vl) in enumerate(local):

@@ -29,6 +29,7 @@ def test_default_config_and_overrides():
     (["--training.lr=fast"], "training.lr"),
     (["--config", "no/such/file.toml"], "no/such/file.toml"),
     (["training.steps=3"], "training.steps=3"),
+    (["--training.steps", "--training.seed=3"], "needs a value"),
 ])
 def test_bad_keys_and_values_name_the_key(argv, words):
     with pytest.raises(ConfigError, match=words.replace(".", r"\.")) as e:
@@ -57,6 +58,11 @@ def test_impossible_degrees_fail_before_any_collective(overrides, world, words):
         ParallelDims.from_config(cfg, world)
 
 
+def test_bare_bool_flag_means_true():
+    cfg = load_config(["--metrics.enable_tensorboard", "--training.steps=5", "--data.blank_images"])
+    assert cfg.metrics.enable_tensorboard is True and cfg.data.blank_images is True and cfg.training.steps == 5
+
+
 def test_auto_dp_shard_takes_the_rest():
     cfg = load_config(["--parallelism.data_parallel_shard_degree=-1", "--parallelism.context_parallel_degree=2"])
     assert ParallelDims.from_config(cfg, 8).dp_shard == 4
@@ -68,11 +74,30 @@ def test_auto_dp_shard_takes_the_rest():
     (["--training.mixed_precision=fp8"], "training.mixed_precision"),
     (["--checkpoint.enable=true"], "checkpoint.enable"),
     (["--data.dataset=/data/x.jsonl"], "data.dataset"),
+    (["--metrics.log_freq=0"], "metrics.log_freq"),
+    (["--training.lr=nan"], "training.lr"),
+    (["--training.min_lr_ratio=7"], "training.min_lr_ratio"),
+    (["--training.warmup_steps=-1"], "training.warmup_steps"),
+    (["--parallelism.cp_vision=gpu0"], "parallelism.cp_vision"),
+    (["--parallelism.cp_comm_type=nccl"], "parallelism.cp_comm_type"),
+    (["--data.images_per_sample=9", "--training.seq_len=128"], "training.seq_len"),
 ])
 def test_model_and_data_checks(overrides, words):
     cfg = load_config(overrides)
     with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
         ParallelDims.from_config(cfg, 1).validate_model(cfg)
+
+
+def test_padding_for_cp_must_fit_the_rope_table():
+    cfg = load_config(["--training.seq_len=65536", "--parallelism.context_parallel_degree=16"])
+    with pytest.raises(ConfigError, match=r"padded to 65552 for cp=16"):
+        ParallelDims.from_config(cfg, 16).validate_model(cfg)
+
+
+def test_a2a_needs_heads_divisible_by_cp():
+    cfg = load_config(["--parallelism.cp_comm_type=a2a", "--parallelism.context_parallel_degree=8"])
+    with pytest.raises(ConfigError, match=r"cp_comm_type='a2a' needs the 4 attention heads"):
+        ParallelDims.from_config(cfg, 8).validate_model(cfg)
 
 
 def test_config_cli_prints_process_count_or_one_line_error():

@@ -37,4 +37,5 @@ def test_config_error_stops_before_torchrun(tmp_path):
 def test_nproc_that_does_not_match_the_degrees_fails_in_one_line(tmp_path):
     out = run_train("--training.steps=1", f"--job.dump_folder={tmp_path}", env={"NPROC": "3"})
     assert out.returncode != 0
-    assert "but the world size is 3" in out.stderr + out.stdout
+    assert out.stderr.strip().startswith("config error:") and "but the world size is 3" in out.stderr
+    assert out.stderr.strip().count("\n") == 0, out.stderr  # before torchrun: no per-rank traces

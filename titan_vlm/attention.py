@@ -36,11 +36,12 @@ class CPAttention(Protocol):
 class SeqLayout:
     """Where the local tokens of each row sit in the (unsharded) row.
 
-    positions: [1 or B, L] row position of each local token: the order key of the causal mask and
-        the RoPE position. The first `num_image_tokens` local tokens are the row's image tokens
-        (whole on every CP rank); the rest is this rank's text.
-    cp: set when the text is sharded over a CP group; then the local text is two equal
-        head-tail chunks and `cp` knows the group.
+    positions: [1 or B, L] row position of each local token (the RoPE position). The first
+        `num_image_tokens` local tokens are the row's image tokens (whole on every CP rank); the
+        rest is text.
+    cp: None: the tokens are the whole row in row order, and the mask is plain causal.
+        Set: the text is sharded over a CP group in the head-tail layout (two equal chunks, r and
+        2P-1-r, context_parallel.shard_text); the CP algorithm relies on that layout.
     """
 
     positions: torch.Tensor
@@ -170,27 +171,42 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, bl
     lse.copy_(new_lse)
 
 
+class Blocks:
+    """The kernel for q's device and dtype, with grouped-query heads handled: K/V come with their
+    own (fewer) heads, are expanded for the kernel, and their gradients reduced back."""
+
+    def __init__(self, q: torch.Tensor):
+        self.kernel = select_kernel(q.device, q.dtype)
+        self.scale = q.shape[-1] ** -0.5
+        self.heads = q.shape[1]
+
+    def forward(self, q, k, v, causal):
+        h = self.heads
+        return self.kernel.forward(q, expand_kv_heads(k, h), expand_kv_heads(v, h), causal, self.scale)
+
+    def backward(self, dout, q, k, v, out, lse, causal, aux):
+        n_kv, h = k.shape[1], self.heads
+        dq, dk, dv = self.kernel.backward(dout, q, expand_kv_heads(k, h), expand_kv_heads(v, h), out, lse,
+                                          causal, self.scale, aux)
+        return dq, reduce_kv_heads(dk, n_kv), reduce_kv_heads(dv, n_kv)
+
+
 class _BlockAttention(torch.autograd.Function):
-    """One dense or causal block, through the kernel; GQA heads expanded inside."""
+    """One dense or causal block through the kernel."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        kernel = select_kernel(q.device, q.dtype)
-        scale = q.shape[-1] ** -0.5
-        ke, ve = expand_kv_heads(k, q.shape[1]), expand_kv_heads(v, q.shape[1])
-        out, lse, aux = kernel.forward(q, ke, ve, causal, scale)
+        blocks = Blocks(q)
+        out, lse, aux = blocks.forward(q, k, v, causal)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta = (kernel, causal, scale, aux)
+        ctx.meta = (blocks, causal, aux)
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        kernel, causal, scale, aux = ctx.meta
-        h, n_kv = q.shape[1], k.shape[1]
-        dq, dk, dv = kernel.backward(dout.contiguous(), q, expand_kv_heads(k, h), expand_kv_heads(v, h), out, lse,
-                                     causal, scale, aux)
-        return dq, reduce_kv_heads(dk, n_kv), reduce_kv_heads(dv, n_kv), None
+        blocks, causal, aux = ctx.meta
+        return (*blocks.backward(dout.contiguous(), q, k, v, out, lse, causal, aux), None)
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:

@@ -89,9 +89,6 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 def _sections() -> dict[str, type]:
     return {f.name: f.type for f in dataclasses.fields(JobConfig)}
@@ -131,6 +128,10 @@ def _set(cfg: JobConfig, dotted: str, value: Any, where: str) -> None:
     types = {f.name: f.type for f in dataclasses.fields(obj)}
     if name not in types:
         raise ConfigError(f"{where}: unknown key '{dotted}' (known in [{section}]: {', '.join(types)})")
+    if value is None:
+        if types[name] is not bool:
+            raise ConfigError(f"{where}: '--{dotted}' needs a value")
+        value = True
     setattr(obj, name, _coerce(dotted, value, types[name]))
 
 
@@ -146,10 +147,11 @@ def load_config(argv: list[str]) -> JobConfig:
             raise ConfigError(f"command line: expected --section.key=value, got '{arg}'")
         key, eq, value = arg[2:].partition("=")
         if not eq:
-            if i + 1 >= len(argv):
-                raise ConfigError(f"command line: '--{key}' needs a value")
-            value = argv[i + 1]
-            i += 1
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                value = None  # a bare flag: true for a bool key, an error for any other
+            else:
+                value = argv[i + 1]
+                i += 1
         i += 1
         if key in ("config", "job.config_file"):
             config_file = value
@@ -181,12 +183,21 @@ def world_size_of(cfg: JobConfig) -> int:
 
 
 def main() -> None:
-    """`python -m titan_vlm.config --config F [overrides]`: validate and print the process count."""
+    """`python -m titan_vlm.config --config F [overrides]`: validate and print the process count
+    (the environment's NPROC, when set, is checked against the degrees instead)."""
+    import os
+
+    # Under `python -m` this file is __main__: use the package's own module, so that the
+    # ConfigError raised by parallel_dims is the one caught here.
+    from titan_vlm.config import ConfigError, load_config
     from titan_vlm.parallel_dims import ParallelDims
 
     try:
         cfg = load_config(sys.argv[1:])
-        world = world_size_of(cfg)
+        nproc = os.environ.get("NPROC")
+        if nproc is not None and not nproc.isdigit():
+            raise ConfigError(f"NPROC must be a process count, got {nproc!r}")
+        world = int(nproc) if nproc else world_size_of(cfg)
         ParallelDims.from_config(cfg, world).validate_model(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

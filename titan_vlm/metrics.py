@@ -30,7 +30,10 @@ class MetricsLogger:
             return
         folder = Path(dump_folder)
         folder.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(folder / "metrics.jsonl", "a", buffering=1)
+        path = folder / "metrics.jsonl"
+        if path.exists() and path.stat().st_size:
+            logger.warning("overwriting %s from an earlier run", path)
+        self.jsonl = open(path, "w", buffering=1)
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

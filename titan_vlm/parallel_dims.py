@@ -9,13 +9,14 @@ Which mesh each piece of the model and the data uses:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titan_vlm.config import ConfigError, JobConfig
-from titan_vlm.parallel.context_parallel import CP_VISION_MODES
+from titan_vlm.parallel.context_parallel import CP_VISION_MODES, padded_text_len
 from titan_vlm.parallel.cp_attention import CP_COMM_TYPES
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
@@ -77,9 +78,20 @@ class ParallelDims:
             raise ConfigError(
                 f"training.seq_len={t.seq_len} leaves no room for text after {k} images of "
                 f"{vlm.tokens_per_image} tokens (flavor '{cfg.model.flavor}', data.images_per_sample={k})")
-        if t.seq_len > vlm.decoder.max_seq_len:
-            raise ConfigError(f"training.seq_len={t.seq_len} exceeds the RoPE table of flavor "
-                              f"'{cfg.model.flavor}' (max_seq_len {vlm.decoder.max_seq_len})")
+        padded = k * vlm.tokens_per_image + padded_text_len(t.seq_len - k * vlm.tokens_per_image, self.cp)
+        if padded > vlm.decoder.max_seq_len:  # CP pads the text to a multiple of 2*cp
+            raise ConfigError(f"training.seq_len={t.seq_len} (padded to {padded} for cp={self.cp}) exceeds the "
+                              f"RoPE table of flavor '{cfg.model.flavor}' (max_seq_len {vlm.decoder.max_seq_len})")
+        for key, value, ok, want in (
+                ("training.lr", t.lr, math.isfinite(t.lr) and t.lr > 0, "a positive number"),
+                ("training.max_norm", t.max_norm, math.isfinite(t.max_norm), "a number (<= 0 disables clipping)"),
+                ("training.warmup_steps", t.warmup_steps, t.warmup_steps >= 0, ">= 0"),
+                ("training.min_lr_ratio", t.min_lr_ratio, 0 <= t.min_lr_ratio <= 1, "in [0, 1]"),
+                ("training.weight_decay", t.weight_decay, math.isfinite(t.weight_decay) and t.weight_decay >= 0,
+                 ">= 0"),
+                ("metrics.log_freq", cfg.metrics.log_freq, cfg.metrics.log_freq >= 1, ">= 1")):
+            if not ok:
+                raise ConfigError(f"{key} must be {want}, got {value}")
         if t.local_batch_size < 1:
             raise ConfigError(f"training.local_batch_size must be >= 1, got {t.local_batch_size}")
         if t.steps < 1:
@@ -105,10 +117,6 @@ class ParallelDims:
         if comm == "a2a" and dec.n_heads % self.cp:
             raise ConfigError(f"parallelism.cp_comm_type='a2a' needs the {dec.n_heads} attention heads of flavor "
                               f"'{cfg.model.flavor}' to divide by context_parallel_degree={self.cp}")
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
 
     def build_mesh(self, device_type: str) -> Mesh:
         root = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp),

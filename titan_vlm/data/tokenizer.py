@@ -4,8 +4,8 @@ from __future__ import annotations
 
 
 class ByteTokenizer:
-    BOS, EOS, PAD, IMAGE = 256, 257, 258, 259
-    vocab_size = 260
+    BOS, EOS, PAD = 256, 257, 258
+    vocab_size = 259
 
     def encode(self, text: str, bos: bool = True, eos: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))

@@ -166,15 +166,9 @@ def shard_text(tokens: torch.Tensor, labels: torch.Tensor, num_image_tokens: int
         extra = padded - text_len
         tokens = torch.nn.functional.pad(tokens, (0, extra), value=pad_id)
         labels = torch.nn.functional.pad(labels, (0, extra), value=IGNORE_INDEX)
-    cp_rank = cp_mesh.get_local_rank()
-    idx = head_tail_indices(padded, cp_size, cp_rank).to(tokens.device)
-    image_pos = torch.arange(n, device=tokens.device)
-    all_text = torch.cat([head_tail_indices(padded, cp_size, r) for r in range(cp_size)]).to(tokens.device)
-    layout = SeqLayout(
-        positions=torch.cat([image_pos, n + idx]).unsqueeze(0),
-        num_image_tokens=n,
-        cp=CP_ATTENTION[cp_comm_type](cp_mesh, torch.cat([image_pos, n + all_text]).unsqueeze(0)),
-    )
+    idx = head_tail_indices(padded, cp_size, cp_mesh.get_local_rank()).to(tokens.device)
+    layout = SeqLayout(positions=torch.cat([torch.arange(n, device=tokens.device), n + idx]).unsqueeze(0),
+                       num_image_tokens=n, cp=CP_ATTENTION[cp_comm_type](cp_mesh))
     return tokens[:, idx], labels[:, idx], layout
 
 
@@ -182,8 +176,3 @@ def attention_work(q_positions: torch.Tensor, k_positions: torch.Tensor) -> int:
     """Unmasked query-key pairs of one row under the causal rule (key position <= query position)."""
     keys = k_positions.flatten().sort().values
     return int(torch.searchsorted(keys, q_positions.flatten(), right=True).sum())
-
-
-def layout_attention_work(layout: SeqLayout) -> int:
-    keys = layout.cp.all_positions if layout.cp is not None else layout.positions
-    return attention_work(layout.positions, keys)

@@ -19,12 +19,13 @@ algorithm here keeps that contract: summed over ranks, its image gradients are t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_vlm.attention import (SeqLayout, block_attention, expand_kv_heads, merge_into, reduce_kv_heads,
-                                 select_kernel)
+from titan_vlm.attention import Blocks, SeqLayout, block_attention, expand_kv_heads, merge_into
 
 CP_COMM_TYPES = ("p2p", "allgather", "a2a")
 
@@ -77,30 +78,15 @@ class CPGroup:
         return buf, dist.batch_isend_irecv(ops)
 
 
+@functools.lru_cache(maxsize=None)
+def cp_group(mesh: DeviceMesh) -> CPGroup:
+    """One CPGroup per CP mesh, made once (its neighbour look-ups are not free)."""
+    return CPGroup(mesh)
+
+
 def _wait(reqs: list) -> None:
     for req in reqs:
         req.wait()
-
-
-class _Blocks:
-    """Forward results of the blocks of one attention call, for the ring-style backward: each
-    block's backward runs with the FINAL merged out and lse of its query rows, which makes the
-    per-block gradients exact (dS = P * (dP - rowsum(dO * O)) with the global P and O)."""
-
-    def __init__(self, q: torch.Tensor):
-        self.kernel = select_kernel(q.device, q.dtype)
-        self.scale = q.shape[-1] ** -0.5
-        self.heads = q.shape[1]
-
-    def forward(self, q, k, v, causal):
-        h = self.heads
-        return self.kernel.forward(q, expand_kv_heads(k, h), expand_kv_heads(v, h), causal, self.scale)
-
-    def backward(self, dout, q, k, v, out, lse, causal, aux):
-        n_kv, h = k.shape[1], self.heads
-        dq, dk, dv = self.kernel.backward(dout, q, expand_kv_heads(k, h), expand_kv_heads(v, h), out, lse,
-                                          causal, self.scale, aux)
-        return dq, reduce_kv_heads(dk, n_kv), reduce_kv_heads(dv, n_kv)
 
 
 def _accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +106,7 @@ def _ring_block(step: int, src: int, rank: int, c: int) -> tuple[slice, slice, b
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, n: int, g: CPGroup):
-        blocks = _Blocks(q)
+        blocks = Blocks(q)
         c = (q.shape[2] - n) // 2
         qt = q[:, :, n:]
         out, lse = _accumulators(q)
@@ -152,7 +138,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         n, g, aux_img, aux_ring = ctx.meta
-        blocks = _Blocks(q)
+        blocks = Blocks(q)
         c = (q.shape[2] - n) // 2
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
@@ -189,14 +175,15 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-class RingAttention:
+class _CPAttention:
+    def __init__(self, mesh: DeviceMesh):
+        self.g = cp_group(mesh)
+
+
+class RingAttention(_CPAttention):
     """cp_comm_type = "p2p": text K/V blocks travel the ring (async send/recv overlapped with the
     block in hand); partial results merge by log-sum-exp; in backward dK/dV travel with their
     block. A rank holds its own text K/V and one block in flight, never the whole sequence's."""
-
-    def __init__(self, mesh: DeviceMesh, all_positions: torch.Tensor):
-        self.g = CPGroup(mesh)
-        self.all_positions = all_positions
 
     def __call__(self, q, k, v, layout: SeqLayout) -> torch.Tensor:
         return _RingAttention.apply(q, k, v, layout.num_image_tokens, self.g)
@@ -219,7 +206,7 @@ class _AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, n: int, g: CPGroup):
-        blocks = _Blocks(q)
+        blocks = Blocks(q)
         c = (q.shape[2] - n) // 2
         kv_text = torch.stack([k[:, :, n:], v[:, :, n:]])  # [2, B, Hkv, 2c, D]
         gathered = g.all_gather(kv_text.movedim(3, 0)).movedim(0, 3)  # [2, B, Hkv, P*2c, D], rank-major
@@ -240,7 +227,7 @@ class _AllGatherAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k_all, v_all, out, lse = ctx.saved_tensors
         n, c, g, auxes = ctx.meta
-        blocks = _Blocks(q)
+        blocks = Blocks(q)
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
         dk_all = torch.zeros_like(k_all, dtype=torch.float32)
@@ -258,13 +245,9 @@ class _AllGatherAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k_all.dtype), dv.to(v_all.dtype), None, None
 
 
-class AllGatherAttention:
+class AllGatherAttention(_CPAttention):
     """cp_comm_type = "allgather": every rank gathers the whole text K/V (simple; memory grows
     with the sequence)."""
-
-    def __init__(self, mesh: DeviceMesh, all_positions: torch.Tensor):
-        self.g = CPGroup(mesh)
-        self.all_positions = all_positions
 
     def __call__(self, q, k, v, layout: SeqLayout) -> torch.Tensor:
         return _AllGatherAttention.apply(q, k, v, layout.num_image_tokens, self.g)
@@ -299,15 +282,11 @@ class _AllGatherHeads(torch.autograd.Function):
         return ctx.g.reduce_scatter(grad.movedim(1, 0)).movedim(0, 1), None
 
 
-class UlyssesAttention:
+class UlyssesAttention(_CPAttention):
     """cp_comm_type = "a2a": all-to-all from sequence-sharded to head-sharded, whole-sequence
     attention on H/P heads, all-to-all back. The replicated image tokens are not sent: each rank
     takes its own heads of them locally (so the image K/V are not counted CP-fold), and the image
     queries' output heads are all-gathered at the end."""
-
-    def __init__(self, mesh: DeviceMesh, all_positions: torch.Tensor):
-        self.g = CPGroup(mesh)
-        self.all_positions = all_positions
 
     def _seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's text [B, H, T, D] -> all text, row order, this rank's heads [B, H/P, P*T, D]."""
