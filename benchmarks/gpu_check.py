@@ -111,7 +111,7 @@ def kernel_speed() -> None:
     print("| kernel | dtype | L | ms | TFLOP/s |")
     print("|---|---|---|---|---|")
     for name, dtype in (("cuda_flash", torch.bfloat16), ("cuda_efficient", torch.bfloat16),
-                        ("cuda_efficient", torch.float32)):
+                        ("cuda_efficient", torch.float32), ("cuda_cudnn", torch.bfloat16)):
         kernel = KERNELS[name]
         for length in (8192, 32768):
             q, k, v = (torch.randn(1, 32, length, 128, device="cuda", dtype=dtype) for _ in range(3))
@@ -140,7 +140,8 @@ if __name__ == "__main__":
     print("## ring schedule on CUDA kernels vs float64 reference (B=2, H=8, Hkv=2, D=64, 64 image + 1024 text)")
     print("| kernel | dtype | P | out | dQ | dK | dV |")
     print("|---|---|---|---|---|---|---|", flush=True)
-    for name, dtype in (("cuda_flash", "bfloat16"), ("cuda_efficient", "float32"), ("cuda_efficient", "bfloat16")):
+    for name, dtype in (("cuda_flash", "bfloat16"), ("cuda_efficient", "float32"), ("cuda_efficient", "bfloat16"),
+                        ("cuda_cudnn", "bfloat16")):
         done = subprocess.run([sys.executable, __file__, name, dtype], capture_output=True, text=True)
         print(done.stdout, end="" if done.returncode == 0 else f"| {name} | {dtype} | failed: "
               f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode} |\n", flush=True)

@@ -8,7 +8,7 @@ RUN = dict(dp_shard=2, cp=2, steps=STEPS, training__seq_len=48, training__local_
 
 
 def final_loss(history: list[dict]) -> float:
-    last = history[-3:]
+    last = history[-20:]
     return sum(h["loss"] for h in last) / len(last)
 
 

@@ -5,7 +5,7 @@ import torch
 from titan_vlm.attention import SeqLayout
 from titan_vlm.data.synthetic import IGNORE_INDEX, SyntheticCaptions
 from titan_vlm.data.tokenizer import ByteTokenizer
-from titan_vlm.models.accounting import param_counts, train_flops_per_row
+from titan_vlm.models.accounting import param_counts, state_bytes_per_rank, train_flops_per_row
 from titan_vlm.models.flavors import get_flavor
 from titan_vlm.models.vlm import VLM
 from titan_vlm.parallel.context_parallel import head_tail_indices, padded_text_len
@@ -31,6 +31,9 @@ def test_llava7b_flavor_is_7b_shaped():
     # ~6 * params * tokens dominates at short text
     flops = train_flops_per_row(get_flavor("llava7b"), text_len=1024)
     assert 6 * 6.5e9 * 1600 < flops < 6 * 7.5e9 * 1600 * 1.3
+    # dp_shard=2 x cp=4: 16 bytes per parameter, decoder and vision sharded 8 ways -> ~13.9 GB a rank
+    assert 13.5e9 < state_bytes_per_rank(counts, 8, 8) < 14.5e9
+    assert state_bytes_per_rank(counts, 8, 2) > state_bytes_per_rank(counts, 8, 8)
 
 
 def test_data_is_deterministic_per_seed_and_rank_and_labels_are_shifted():

@@ -14,7 +14,7 @@ def run_train(*args: str, env: dict | None = None) -> subprocess.CompletedProces
 
 
 def test_default_config_trains_and_writes_metrics(tmp_path):
-    out = run_train("--training.steps=4", "--metrics.log_freq=1", f"--job.dump_folder={tmp_path}")
+    out = run_train("--training.steps=4", "--metrics.log_freq=2", f"--job.dump_folder={tmp_path}")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "cp=2" in out.stdout and "cp rank 1: all 16 image tokens (replicated)" in out.stdout
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -24,7 +24,8 @@ def test_default_config_trains_and_writes_metrics(tmp_path):
         assert s["loss"] > 0 and s["tokens_per_sec"] > 0 and s["ntokens"] > 0
     assert steps[-1]["loss"] < steps[0]["loss"]
     assert any((tmp_path / "tb").glob("events.out.tfevents.*"))
-    assert "step     4 | loss" in out.stdout
+    assert "step     2 | loss" in out.stdout and "step     4 | loss" in out.stdout  # every log_freq steps
+    assert "step     3 | loss" not in out.stdout  # ... while metrics.jsonl has every step
 
 
 def test_config_error_stops_before_torchrun(tmp_path):

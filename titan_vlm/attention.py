@@ -13,7 +13,8 @@ queries see only image keys.
 Every attention, local or context-parallel, is computed from blocks by one `BlockKernel`:
 forward(q, k, v, causal) -> (out, log-sum-exp), and a backward that takes the final (merged)
 out and lse. Blocks are either dense or causal on the diagonal, so no kernel needs an
-arbitrary mask. Adding a kernel is adding a class to `KERNELS` and a line to `select_kernel`.
+arbitrary mask. Adding a kernel is adding a class to `KERNELS` (and, to make it the default
+somewhere, a line to `select_kernel`); `model.attention_kernel` can force any of them.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class BlockKernel:
     """
 
     name = "abstract"
+    device_type = "abstract"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor, Any]:
@@ -80,6 +82,7 @@ class CpuFlash(BlockKernel):
     """aten's CPU flash attention (fp32/bf16), which returns the log-sum-exp."""
 
     name = "cpu_flash"
+    device_type = "cpu"
 
     def forward(self, q, k, v, causal, scale):
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=None, scale=scale)
@@ -100,6 +103,7 @@ class CudaFlash(BlockKernel):
     """FlashAttention-2 through aten (CUDA, fp16/bf16)."""
 
     name = "cuda_flash"
+    device_type = "cuda"
 
     def forward(self, q, k, v, causal, scale):
         q, k, v = _dense(q, k, v)
@@ -119,6 +123,7 @@ class CudaEfficient(BlockKernel):
     the query dim to a multiple of 32; we hand out the first Lq rows and pad back in backward."""
 
     name = "cuda_efficient"
+    device_type = "cuda"
 
     def forward(self, q, k, v, causal, scale):
         q, k, v = _dense(q, k, v)
@@ -135,11 +140,46 @@ class CudaEfficient(BlockKernel):
         return dq, dk, dv
 
 
-KERNELS: dict[str, BlockKernel] = {k.name: k for k in (CpuFlash(), CudaFlash(), CudaEfficient())}
+class CudaCudnn(BlockKernel):
+    """cuDNN attention through aten (CUDA, fp16/bf16). Its lse keeps a trailing dim of 1."""
+
+    name = "cuda_cudnn"
+    device_type = "cuda"
+
+    def forward(self, q, k, v, causal, scale):
+        q, k, v = _dense(q, k, v)
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale)
+        return out, lse.reshape(q.shape[:3]), (cum_q, cum_k, max_q, max_k, seed, offset, lse.shape)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale, aux):
+        cum_q, cum_k, max_q, max_k, seed, offset, lse_shape = aux
+        dout, q, k, v, out = _dense(dout, q, k, v, out)
+        return aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse.reshape(lse_shape).contiguous(), seed, offset, None, cum_q, cum_k, max_q, max_k,
+            0.0, causal, scale=scale)
+
+
+KERNELS: dict[str, BlockKernel] = {k.name: k for k in (CpuFlash(), CudaFlash(), CudaEfficient(), CudaCudnn())}
+_forced: BlockKernel | None = None
+
+
+def use_kernel(name: str) -> None:
+    """model.attention_kernel: "auto" chooses per device and dtype; a kernel name forces it."""
+    global _forced
+    _forced = None if name == "auto" else KERNELS[name]
 
 
 def select_kernel(device: torch.device, dtype: torch.dtype) -> BlockKernel:
-    """The kernel for a device and dtype: CPU flash on CPU; flash (16-bit) or efficient (fp32) on CUDA."""
+    """The kernel for a device and dtype, or the one `use_kernel` forced. CPU: CPU flash. CUDA:
+    FlashAttention-2 for 16-bit, memory-efficient for fp32 (the only one that takes fp32). cuDNN
+    is faster on Hopper (docs/performance.md) but opt-in (model.attention_kernel = "cuda_cudnn"):
+    it is checked at the kernel level only, not yet in a full training run."""
+    if _forced is not None:
+        if _forced.device_type != device.type:
+            raise RuntimeError(f"model.attention_kernel={_forced.name} runs on {_forced.device_type}, "
+                               f"the tensors are on {device.type}")
+        return _forced
     if device.type == "cpu":
         return KERNELS["cpu_flash"]
     if device.type == "cuda":

@@ -32,6 +32,7 @@ class Job:
 @dataclass
 class Model:
     flavor: str = "debug"  # see titan_vlm/models/flavors.py
+    attention_kernel: str = "auto"  # auto | cpu_flash | cuda_flash | cuda_efficient | cuda_cudnn
 
 
 @dataclass

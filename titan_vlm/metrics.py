@@ -39,13 +39,14 @@ class MetricsLogger:
 
             self.tb = SummaryWriter(log_dir=str(folder / "tb"))
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], echo: bool = True) -> None:
         if not self.enabled:
             return
-        logger.info(
-            "step %5d | loss %.4f | grad_norm %.3f | lr %.2e | tokens/s %9.1f | peak mem %.2f GiB",
-            step, metrics["loss"], metrics["grad_norm"], metrics["lr"], metrics["tokens_per_sec"],
-            metrics["peak_memory_gib"])
+        if echo:
+            logger.info(
+                "step %5d | loss %.4f | grad_norm %.3f | lr %.2e | tokens/s %9.1f | peak mem %.2f GiB",
+                step, metrics["loss"], metrics["grad_norm"], metrics["lr"], metrics["tokens_per_sec"],
+                metrics["peak_memory_gib"])
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.tb is not None:
             for key, value in metrics.items():

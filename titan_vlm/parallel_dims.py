@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from titan_vlm.attention import KERNELS
 from titan_vlm.config import ConfigError, JobConfig
 from titan_vlm.parallel.context_parallel import CP_VISION_MODES, padded_text_len
 from titan_vlm.parallel.cp_attention import CP_COMM_TYPES
@@ -108,6 +109,9 @@ class ParallelDims:
         if dec.n_heads % dec.n_kv_heads:
             raise ConfigError(f"model.flavor={cfg.model.flavor}: n_heads {dec.n_heads} not divisible by "
                               f"n_kv_heads {dec.n_kv_heads}")
+        if cfg.model.attention_kernel != "auto" and cfg.model.attention_kernel not in KERNELS:
+            raise ConfigError(f"model.attention_kernel must be auto or one of {', '.join(KERNELS)}, "
+                              f"got {cfg.model.attention_kernel!r}")
         if cfg.parallelism.cp_vision not in CP_VISION_MODES:
             raise ConfigError(f"parallelism.cp_vision must be one of {', '.join(CP_VISION_MODES)}, "
                               f"got {cfg.parallelism.cp_vision!r}")

@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from titan_vlm.attention import select_kernel, use_kernel
 from titan_vlm.config import ConfigError, JobConfig, load_config
 from titan_vlm.data.synthetic import IGNORE_INDEX, Batch, SyntheticCaptions
 from titan_vlm.data.tokenizer import ByteTokenizer
 from titan_vlm.metrics import MetricsLogger, peak_memory_gib
-from titan_vlm.models.accounting import param_counts, train_flops_per_row
+from titan_vlm.models.accounting import param_counts, state_bytes_per_rank, train_flops_per_row
 from titan_vlm.models.flavors import get_flavor
 from titan_vlm.models.vlm import VLM
 from titan_vlm.optim import build_optimizer, build_scheduler, clip_grad_norm_
@@ -132,6 +133,7 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device) -> list[dict[
     """The training loop on an existing mesh. Returns every logged step's metrics."""
     t = cfg.training
     args = get_flavor(cfg.model.flavor)
+    use_kernel(cfg.model.attention_kernel)
     torch.manual_seed(t.seed)  # identical initial weights on every rank, before sharding
     model = VLM(args).to(device)
     counts = param_counts(model)
@@ -140,7 +142,14 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device) -> list[dict[
                 f"{counts['decoder']:,}")
     p = cfg.parallelism
     cp = CPOptions(comm_type=p.cp_comm_type, vision=p.cp_vision)
+    dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
+    logger.info("attention kernel: %s (model.attention_kernel=%s)", select_kernel(device, dtype).name,
+                cfg.model.attention_kernel)
     parallelize_vlm(model, mesh, t.mixed_precision, cp.vision)
+    vision_shards = (mesh.dp_shard if cp.vision == "broadcast" else mesh.dp_shard_cp).size()
+    logger.info("model state per rank: %.3f GiB (fp32 params, grads and AdamW moments; decoder sharded %d ways, "
+                "vision %d ways)", state_bytes_per_rank(counts, mesh.dp_shard_cp.size(), vision_shards) / 2**30,
+                mesh.dp_shard_cp.size(), vision_shards)
     optimizer = build_optimizer(model, t)
     scheduler = build_scheduler(optimizer, t)
 
@@ -173,14 +182,14 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device) -> list[dict[
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        if step % cfg.metrics.log_freq == 0 or step == t.steps:
-            peak = torch.tensor(peak_memory_gib(device), device=device)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.dp_shard_cp.get_group())  # worst rank
-            record = {**stats, "tokens_per_sec": rows * t.seq_len / elapsed,
-                      "tflops_per_sec": step_flops / elapsed / 1e12, "step_time_s": elapsed,
-                      "peak_memory_gib": float(peak)}
-            metrics.log(step, record)
-            history.append({"step": step, **record})
+        peak = torch.tensor(peak_memory_gib(device), device=device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.dp_shard_cp.get_group())  # worst rank
+        record = {**stats, "tokens_per_sec": rows * t.seq_len / elapsed,
+                  "tflops_per_sec": step_flops / elapsed / 1e12, "step_time_s": elapsed,
+                  "peak_memory_gib": float(peak)}
+        # metrics.jsonl and TensorBoard get every step; stdout every log_freq steps and the last
+        metrics.log(step, record, echo=step % cfg.metrics.log_freq == 0 or step == t.steps)
+        history.append({"step": step, **record})
     metrics.close()
     logger.info("done")
     return history

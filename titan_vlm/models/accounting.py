@@ -32,3 +32,15 @@ def train_flops_per_row(args: VLMArgs, text_len: int, num_images: int = 1) -> fl
     decoder = 2 * d.n_layers * layer_params * seq + d.n_layers * 2 * seq * seq * d.dim
     head = 2 * d.dim * d.vocab_size * text_len
     return 3.0 * (vision + projector + decoder + head)
+
+
+# fp32 parameter + fp32 gradient + AdamW's two fp32 moments
+STATE_BYTES_PER_PARAM = 16
+
+
+def state_bytes_per_rank(counts: dict[str, int], decoder_shards: int, vision_shards: int) -> float:
+    """Bytes of parameters, gradients and optimizer state one rank holds under FSDP, where the
+    decoder is sharded `decoder_shards` ways and the vision tower + projector `vision_shards` ways
+    (activations and communication buffers not included)."""
+    vision = counts["vision"] + counts["projector"]
+    return STATE_BYTES_PER_PARAM * (counts["decoder"] / decoder_shards + vision / vision_shards)
