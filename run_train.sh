@@ -5,5 +5,8 @@ set -euo pipefail
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one thread per rank: ranks share the cores
 # Validate the config (and NPROC, if set) and count processes before any worker starts:
 # a bad key or an impossible layout is one line here, not a trace from every rank.
-NPROC="$(python -m titan_vlm.config "$@")"
-exec torchrun --standalone --nnodes=1 --nproc_per_node="$NPROC" -m titan_vlm.train "$@"
+counts="$(python -m titan_vlm.config "$@")"  # fails here, under set -e, on a bad config
+read -r NPROC RESTARTS <<< "$counts"
+# On a failure torchrun restarts every worker (job.max_restarts times); with checkpoint.enable the
+# restarted job resumes from the latest complete checkpoint.
+exec torchrun --standalone --nnodes=1 --nproc_per_node="$NPROC" --max-restarts="$RESTARTS" -m titan_vlm.train "$@"

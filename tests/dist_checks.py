@@ -96,14 +96,16 @@ def parity(dp_shard: int = 1, cp: int = 2, seq_len: int = 61, batch_size: int = 
             "ntokens": stats["ntokens"], "ref_ntokens": int((full.labels != IGNORE_INDEX).sum())}
 
 
-def train_run(dp_shard: int, cp: int, steps: int, **overrides) -> list[dict]:
-    """The real training loop (run_training) on a test mesh; overrides are 'section.key' -> value."""
+def train_run(dp_shard: int, cp: int, steps: int, stop_after: int | None = None, **overrides) -> list[dict]:
+    """The real training loop (run_training) on a test mesh; overrides are section__key=value.
+    Each copy of the mesh in the world writes under <job.dump_folder>/copy<i>."""
     cfg = JobConfig()
     cfg.training = dataclasses.replace(cfg.training, steps=steps)
     for dotted, value in overrides.items():
         section, key = dotted.split("__")
         setattr(getattr(cfg, section), key, value)
-    return run_training(cfg, make_mesh(dp_shard, cp), torch.device("cpu"))
+    cfg.job.dump_folder = f"{cfg.job.dump_folder}/copy{dist.get_rank() // (dp_shard * cp)}"
+    return run_training(cfg, make_mesh(dp_shard, cp), torch.device("cpu"), stop_after=stop_after)
 
 
 def saved_for_backward(cp: int, comm: str = "p2p", seq_len: int = 528, batch_size: int = 1) -> dict:

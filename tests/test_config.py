@@ -72,7 +72,7 @@ def test_auto_dp_shard_takes_the_rest():
     (["--training.seq_len=16"], "training.seq_len"),
     (["--model.flavor=huge"], "model.flavor"),
     (["--training.mixed_precision=fp8"], "training.mixed_precision"),
-    (["--checkpoint.enable=true"], "checkpoint.enable"),
+    (["--checkpoint.interval=0"], "checkpoint.interval"),
     (["--data.dataset=/data/x.jsonl"], "data.dataset"),
     (["--metrics.log_freq=0"], "metrics.log_freq"),
     (["--training.lr=nan"], "training.lr"),
@@ -103,7 +103,7 @@ def test_a2a_needs_heads_divisible_by_cp():
 def test_config_cli_prints_process_count_or_one_line_error():
     ok = subprocess.run([sys.executable, "-m", "titan_vlm.config", "--config", DEFAULT,
                          "--parallelism.context_parallel_degree=4"], capture_output=True, text=True)
-    assert ok.returncode == 0 and ok.stdout.strip() == "4"
+    assert ok.returncode == 0 and ok.stdout.split() == ["4", "0"]  # processes, job.max_restarts
     bad = subprocess.run([sys.executable, "-m", "titan_vlm.config", "--config", DEFAULT, "--training.stepz=1"],
                          capture_output=True, text=True)
     assert bad.returncode == 2

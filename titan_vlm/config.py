@@ -27,6 +27,7 @@ class ConfigError(ValueError):
 class Job:
     dump_folder: str = "outputs"  # TensorBoard logs (tb/) and metrics.jsonl go here
     description: str = ""
+    max_restarts: int = 0  # torchrun restarts a failed job this often; it resumes from the latest checkpoint
 
 
 @dataclass
@@ -184,8 +185,9 @@ def world_size_of(cfg: JobConfig) -> int:
 
 
 def main() -> None:
-    """`python -m titan_vlm.config --config F [overrides]`: validate and print the process count
-    (the environment's NPROC, when set, is checked against the degrees instead)."""
+    """`python -m titan_vlm.config --config F [overrides]`: validate, then print the process count
+    (the environment's NPROC, when set, is checked against the degrees instead) and
+    job.max_restarts, for run_train.sh."""
     import os
 
     # Under `python -m` this file is __main__: use the package's own module, so that the
@@ -200,10 +202,12 @@ def main() -> None:
             raise ConfigError(f"NPROC must be a process count, got {nproc!r}")
         world = int(nproc) if nproc else world_size_of(cfg)
         ParallelDims.from_config(cfg, world).validate_model(cfg)
+        if cfg.job.max_restarts < 0:
+            raise ConfigError(f"job.max_restarts must be >= 0, got {cfg.job.max_restarts}")
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(world)
+    print(world, cfg.job.max_restarts)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ def peak_memory_gib(device: torch.device) -> float:
 class MetricsLogger:
     """Writes only on the rank given `enabled=True` (rank 0); the others call it as a no-op."""
 
-    def __init__(self, dump_folder: str, enable_tensorboard: bool, enabled: bool):
+    def __init__(self, dump_folder: str, enable_tensorboard: bool, enabled: bool, append: bool = False):
+        """append: a resumed run adds to the metrics.jsonl of the run it continues."""
         self.enabled = enabled
         self.jsonl = None
         self.tb = None
@@ -31,9 +32,9 @@ class MetricsLogger:
         folder = Path(dump_folder)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / "metrics.jsonl"
-        if path.exists() and path.stat().st_size:
+        if not append and path.exists() and path.stat().st_size:
             logger.warning("overwriting %s from an earlier run", path)
-        self.jsonl = open(path, "w", buffering=1)
+        self.jsonl = open(path, "a" if append else "w", buffering=1)
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

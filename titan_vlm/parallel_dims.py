@@ -103,8 +103,8 @@ class ParallelDims:
             raise ConfigError(f"data.dataset={cfg.data.dataset!r}: only 'synthetic' is supported yet")
         if cfg.data.sentences_per_image < 1:
             raise ConfigError(f"data.sentences_per_image must be >= 1, got {cfg.data.sentences_per_image}")
-        if cfg.checkpoint.enable:
-            raise ConfigError("checkpoint.enable = true is not supported yet (checkpointing is a separate issue)")
+        if cfg.checkpoint.interval < 1:
+            raise ConfigError(f"checkpoint.interval must be >= 1, got {cfg.checkpoint.interval}")
         dec = vlm.decoder
         if dec.n_heads % dec.n_kv_heads:
             raise ConfigError(f"model.flavor={cfg.model.flavor}: n_heads {dec.n_heads} not divisible by "

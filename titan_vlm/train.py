@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from titan_vlm.attention import select_kernel, use_kernel
+from titan_vlm.checkpoint import Checkpointer
 from titan_vlm.config import ConfigError, JobConfig, load_config
 from titan_vlm.data.synthetic import IGNORE_INDEX, Batch, SyntheticCaptions
 from titan_vlm.data.tokenizer import ByteTokenizer
@@ -129,8 +130,10 @@ def train(cfg: JobConfig) -> None:
     dist.destroy_process_group()
 
 
-def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device) -> list[dict[str, float]]:
-    """The training loop on an existing mesh. Returns every logged step's metrics."""
+def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
+                 stop_after: int | None = None) -> list[dict[str, float]]:
+    """The training loop on an existing mesh. Returns the metrics of the steps it ran.
+    `stop_after` ends the run after that step as a crash would (tests of resuming)."""
     t = cfg.training
     args = get_flavor(cfg.model.flavor)
     use_kernel(cfg.model.attention_kernel)
@@ -152,6 +155,13 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device) -> list[dict[
                 mesh.dp_shard_cp.size(), vision_shards)
     optimizer = build_optimizer(model, t)
     scheduler = build_scheduler(optimizer, t)
+    checkpointer = None
+    start = 0
+    if cfg.checkpoint.enable:
+        checkpointer = Checkpointer(cfg, model, optimizer, scheduler, mesh.dp_shard_cp.get_group())
+        start = checkpointer.resume()
+        if start:
+            logger.info("resumed from %s at step %d", checkpointer.folder / f"step-{start}", start)
 
     k = cfg.data.images_per_sample
     n_img = k * args.tokens_per_image
@@ -170,18 +180,18 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device) -> list[dict[
     rows = dp * t.local_batch_size
     step_flops = rows * train_flops_per_row(args, data.text_len, k)
     rank0 = dist.get_rank() == 0
-    metrics = MetricsLogger(cfg.job.dump_folder, cfg.metrics.enable_tensorboard, enabled=rank0)
+    metrics = MetricsLogger(cfg.job.dump_folder, cfg.metrics.enable_tensorboard, enabled=rank0, append=start > 0)
     logger.info("training %d steps, %d rows x %d tokens per step, %.3g model FLOPs per step; metrics -> %s",
                 t.steps, rows, t.seq_len, step_flops, cfg.job.dump_folder)
 
     history = []
-    for step in range(1, t.steps + 1):
-        start = time.perf_counter()
+    for step in range(start + 1, t.steps + 1):
+        begin = time.perf_counter()
         batch = data.batch(step - 1, dp_rank, dp, t.local_batch_size).to(device)
         stats = train_step(model, optimizer, scheduler, batch, mesh, t.max_norm, cp)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - begin
         peak = torch.tensor(peak_memory_gib(device), device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.dp_shard_cp.get_group())  # worst rank
         record = {**stats, "tokens_per_sec": rows * t.seq_len / elapsed,
@@ -190,6 +200,10 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device) -> list[dict[
         # metrics.jsonl and TensorBoard get every step; stdout every log_freq steps and the last
         metrics.log(step, record, echo=step % cfg.metrics.log_freq == 0 or step == t.steps)
         history.append({"step": step, **record})
+        if checkpointer and (step % cfg.checkpoint.interval == 0 or step == t.steps):
+            logger.info("checkpoint saved: %s", checkpointer.save(step))
+        if step == stop_after:
+            break
     metrics.close()
     logger.info("done")
     return history

@@ -1,0 +1,134 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): save, resume, reshard, export.
+
+<checkpoint.folder>/step-<N>/   one DCP checkpoint: the model's and the optimizer's sharded state
+                               (each rank writes its own shards), plus trainer.pt (step, lr
+                               scheduler, RNG) and config.json (the JobConfig that wrote it)
+<checkpoint.folder>/latest     the step of the newest complete checkpoint
+
+`latest` is replaced (write, then atomic rename) only after every rank has finished writing
+its step folder, so a crash during a save leaves the previous checkpoint as the latest one.
+The data is a pure function of the step (data/synthetic.py), so the step is the data position.
+DCP stores DTensor shards with their global shapes, so a checkpoint written at one CP / DP layout
+loads into another.
+
+    python -m titan_vlm.checkpoint --export <checkpoint dir or step dir> <out.safetensors>
+writes the full model weights into one safetensors file for inference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+
+from titan_vlm.config import JobConfig
+
+
+def checkpoint_folder(cfg: JobConfig) -> Path:
+    """checkpoint.folder, relative to job.dump_folder unless absolute."""
+    folder = Path(cfg.checkpoint.folder)
+    return folder if folder.is_absolute() else Path(cfg.job.dump_folder) / folder
+
+
+def latest_step_dir(folder: Path) -> Path | None:
+    """The newest complete checkpoint under `folder` (or `folder` itself if it is a step dir)."""
+    if (folder / "trainer.pt").is_file():
+        return folder
+    latest = folder / "latest"
+    if not latest.is_file():
+        return None
+    step_dir = folder / f"step-{int(latest.read_text().strip())}"
+    if not (step_dir / "trainer.pt").is_file():
+        raise FileNotFoundError(f"{latest} names {step_dir.name}, which is incomplete or missing")
+    return step_dir
+
+
+class Checkpointer:
+    """Saves and restores model, optimizer, lr scheduler, step and RNG state on a process group
+    (the ranks of one training job)."""
+
+    def __init__(self, cfg: JobConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, group: dist.ProcessGroup):
+        self.cfg = cfg
+        self.folder = checkpoint_folder(cfg)
+        self.model, self.optimizer, self.scheduler, self.group = model, optimizer, scheduler, group
+        self.rank0 = dist.get_rank(group) == 0
+
+    def _state(self) -> dict:
+        return {"model": get_model_state_dict(self.model),
+                "optim": get_optimizer_state_dict(self.model, self.optimizer)}
+
+    def save(self, step: int) -> Path:
+        step_dir = self.folder / f"step-{step}"
+        dcp.save(self._state(), checkpoint_id=str(step_dir), process_group=self.group)
+        if self.rank0:
+            trainer = {"step": step, "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state()}
+            torch.save(trainer, step_dir / "trainer.pt.tmp")
+            (step_dir / "config.json").write_text(json.dumps(dataclasses.asdict(self.cfg), indent=1))
+            os.replace(step_dir / "trainer.pt.tmp", step_dir / "trainer.pt")
+        dist.barrier(group=self.group)  # every rank's shards are on disk before `latest` moves
+        if self.rank0:
+            tmp = self.folder / "latest.tmp"
+            tmp.write_text(f"{step}\n")
+            os.replace(tmp, self.folder / "latest")
+        dist.barrier(group=self.group)
+        return step_dir
+
+    def resume(self) -> int:
+        """Load the latest checkpoint if there is one; returns the step it was taken after (0: none)."""
+        step_dir = latest_step_dir(self.folder)
+        if step_dir is None:
+            return 0
+        state = self._state()
+        dcp.load(state, checkpoint_id=str(step_dir), process_group=self.group)
+        set_model_state_dict(self.model, state["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        trainer = torch.load(step_dir / "trainer.pt", weights_only=False)
+        self.scheduler.load_state_dict(trainer["scheduler"])
+        torch.set_rng_state(trainer["rng"])
+        return int(trainer["step"])
+
+
+def load_model_for_inference(path: str | Path) -> tuple[torch.nn.Module, JobConfig]:
+    """A whole (unsharded) model from a checkpoint folder or step dir, in one process, no
+    process group: DCP assembles every shard into plain tensors."""
+    from titan_vlm.config import load_config
+    from titan_vlm.models.flavors import get_flavor
+    from titan_vlm.models.vlm import VLM
+
+    step_dir = latest_step_dir(Path(path))
+    if step_dir is None:
+        raise FileNotFoundError(f"{path}: no checkpoint (expected a 'latest' file or a step-N folder)")
+    saved = json.loads((step_dir / "config.json").read_text())
+    cfg = load_config([f"--model.{k}={v}" for k, v in saved["model"].items()])
+    model = VLM(get_flavor(cfg.model.flavor))
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+    model.load_state_dict(state["model"])
+    return model.eval(), cfg
+
+
+def export_safetensors(path: str | Path, out: str | Path) -> None:
+    from safetensors.torch import save_file
+
+    model, _ = load_model_for_inference(path)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out))
+
+
+def main() -> None:
+    if len(sys.argv) != 4 or sys.argv[1] != "--export":
+        sys.exit("usage: python -m titan_vlm.checkpoint --export <checkpoint dir or step dir> <out.safetensors>")
+    export_safetensors(sys.argv[2], sys.argv[3])
+    print(f"wrote {sys.argv[3]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Ask a trained model about an image:
+
+    python -m titan_vlm.generate --checkpoint outputs/vlm_cp/checkpoint --image shapes.png [--prompt "..."]
+
+Greedy decoding, one process, no parallelism. The image is resized to the model's input size;
+the answer continues the prompt after the image (a row `[image tokens, BOS prompt ...]`, as in
+training) until EOS or --max-new-tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from titan_vlm.attention import SeqLayout
+from titan_vlm.data.tokenizer import ByteTokenizer
+from titan_vlm.models.vlm import VLM
+
+
+def load_image(path: str, size: int) -> torch.Tensor:
+    """An image file as a [3, size, size] tensor in [-1, 1], the training data's range."""
+    from PIL import Image
+
+    with Image.open(path) as img:
+        img = img.convert("RGB").resize((size, size), Image.NEAREST)
+        pixels = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(size, size, 3)
+    return pixels.permute(2, 0, 1).float() / 255 * 2 - 1
+
+
+@torch.no_grad()
+def generate(model: VLM, image: torch.Tensor, prompt: str = "", max_new_tokens: int = 64) -> str:
+    """Greedy continuation of `prompt` after `image` ([3, H, W] in [-1, 1])."""
+    tok = ByteTokenizer()
+    ids = tok.encode(prompt, eos=False)
+    embeds = model.encode_images(image.unsqueeze(0))  # [1, N, D], computed once
+    n = embeds.shape[1]
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        tokens = torch.tensor([ids + out])
+        logits = model.decoder(tokens, embeds, SeqLayout.unsharded(n + tokens.shape[1], n))
+        nxt = int(logits[0, -1].argmax())
+        if nxt == tok.EOS:
+            break
+        out.append(nxt)
+    return tok.decode(out)
+
+
+def main() -> None:
+    from titan_vlm.checkpoint import load_model_for_inference
+    from titan_vlm.models.flavors import get_flavor
+
+    parser = argparse.ArgumentParser(description="Describe an image with a trained titan_vlm checkpoint.")
+    parser.add_argument("--checkpoint", required=True, help="checkpoint folder (with 'latest') or a step-N folder")
+    parser.add_argument("--image", required=True)
+    parser.add_argument("--prompt", default="")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    opts = parser.parse_args()
+    model, cfg = load_model_for_inference(opts.checkpoint)
+    image = load_image(opts.image, get_flavor(cfg.model.flavor).vision.image_size)
+    print(opts.prompt + generate(model, image, opts.prompt, opts.max_new_tokens))
+
+
+if __name__ == "__main__":
+    main()
