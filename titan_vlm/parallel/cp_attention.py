@@ -94,6 +94,35 @@ def _accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros_like(q, dtype=torch.float32), q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
 
 
+Schedule = list[tuple[slice, slice, bool]]  # (query rows, key rows, causal) of local blocks
+
+
+def _blocks_forward(blocks: Blocks, q, k, v, schedule: Schedule, out, lse) -> list:
+    """Run blocks whose K/V are all local, merging into the out/lse accumulators; their auxes."""
+    auxes = []
+    for rows, keys, causal in schedule:
+        o, block_lse, aux = blocks.forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal)
+        merge_into(out[:, :, rows], lse[:, :, rows], o, block_lse)
+        auxes.append(aux)
+    return auxes
+
+
+def _blocks_backward(blocks: Blocks, dout, q, k, v, out, lse, schedule: Schedule, auxes, dq, dk, dv) -> None:
+    """Backward of `_blocks_forward` with the final out/lse, accumulating into dq/dk/dv."""
+    for (rows, keys, causal), aux in zip(schedule, auxes):
+        dq_, dk_, dv_ = blocks.backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
+                                        out[:, :, rows], lse[:, :, rows], causal, aux)
+        dq[:, :, rows] += dq_
+        dk[:, :, keys] += dk_
+        dv[:, :, keys] += dv_
+
+
+def _image_schedule(n: int) -> Schedule:
+    """The replicated image prefix: image queries over image keys (causal), text queries over
+    image keys (dense). Local on every rank."""
+    return [(slice(0, n), slice(0, n), True), (slice(n, None), slice(0, n), False)] if n > 0 else []
+
+
 def _ring_block(step: int, src: int, rank: int, c: int) -> tuple[slice, slice, bool]:
     """(local text query rows, rows of src's text K/V, causal) of ring step `step`."""
     if step == 0:
@@ -111,12 +140,7 @@ class _RingAttention(torch.autograd.Function):
         qt = q[:, :, n:]
         out, lse = _accumulators(q)
         out_t, lse_t = out[:, :, n:], lse[:, :, n:]
-        aux_img = []
-        if n > 0:  # the replicated image prefix: local, never sent
-            for rows, causal in ((slice(0, n), True), (slice(n, None), False)):
-                o, block_lse, aux = blocks.forward(q[:, :, rows], k[:, :, :n], v[:, :, :n], causal)
-                merge_into(out[:, :, rows], lse[:, :, rows], o, block_lse)
-                aux_img.append(aux)
+        aux_img = _blocks_forward(blocks, q, k, v, _image_schedule(n), out, lse)  # never sent
         kv = torch.stack([k[:, :, n:], v[:, :, n:]]).contiguous()  # travels the ring as one buffer
         aux_ring = []
         for step in range(g.size):
@@ -144,12 +168,7 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=torch.float32)
         dk = torch.zeros_like(k, dtype=torch.float32)
         dv = torch.zeros_like(v, dtype=torch.float32)
-        for (rows, causal), aux in zip(((slice(0, n), True), (slice(n, None), False)), aux_img):
-            dq_, dk_, dv_ = blocks.backward(dout[:, :, rows], q[:, :, rows], k[:, :, :n], v[:, :, :n],
-                                            out[:, :, rows], lse[:, :, rows], causal, aux)
-            dq[:, :, rows] += dq_
-            dk[:, :, :n] += dk_
-            dv[:, :, :n] += dv_
+        _blocks_backward(blocks, dout, q, k, v, out, lse, _image_schedule(n), aux_img, dq, dk, dv)
         qt, dq_t, dout_t, out_t, lse_t = q[:, :, n:], dq[:, :, n:], dout[:, :, n:], out[:, :, n:], lse[:, :, n:]
         kv = torch.stack([k[:, :, n:], v[:, :, n:]]).contiguous()
         dkv = torch.zeros_like(kv, dtype=torch.float32)  # gradient of the block in hand; travels with it
@@ -189,7 +208,7 @@ class RingAttention(_CPAttention):
         return _RingAttention.apply(q, k, v, layout.num_image_tokens, self.g)
 
 
-def _allgather_blocks(n: int, c: int, g: CPGroup) -> list[tuple[slice, slice, bool]]:
+def _allgather_blocks(n: int, c: int, g: CPGroup) -> Schedule:
     """(local query rows, key rows of the row-order sequence, causal) of the all-gather method."""
     out = [(slice(0, n), slice(0, n), True)] if n > 0 else []
     for half, chunk in ((0, g.rank), (1, 2 * g.size - 1 - g.rank)):
@@ -213,11 +232,7 @@ class _AllGatherAttention(torch.autograd.Function):
         k_all = torch.cat([k[:, :, :n], _to_natural(gathered[0], g.order)], dim=2)  # row order
         v_all = torch.cat([v[:, :, :n], _to_natural(gathered[1], g.order)], dim=2)
         out, lse = _accumulators(q)
-        auxes = []
-        for rows, keys, causal in _allgather_blocks(n, c, g):
-            o, block_lse, aux = blocks.forward(q[:, :, rows], k_all[:, :, keys], v_all[:, :, keys], causal)
-            merge_into(out[:, :, rows], lse[:, :, rows], o, block_lse)
-            auxes.append(aux)
+        auxes = _blocks_forward(blocks, q, k_all, v_all, _allgather_blocks(n, c, g), out, lse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k_all, v_all, out, lse)
         ctx.meta = (n, c, g, auxes)
@@ -232,12 +247,7 @@ class _AllGatherAttention(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=torch.float32)
         dk_all = torch.zeros_like(k_all, dtype=torch.float32)
         dv_all = torch.zeros_like(v_all, dtype=torch.float32)
-        for (rows, keys, causal), aux in zip(_allgather_blocks(n, c, g), auxes):
-            dq_, dk_, dv_ = blocks.backward(dout[:, :, rows], q[:, :, rows], k_all[:, :, keys], v_all[:, :, keys],
-                                            out[:, :, rows], lse[:, :, rows], causal, aux)
-            dq[:, :, rows] += dq_
-            dk_all[:, :, keys] += dk_
-            dv_all[:, :, keys] += dv_
+        _blocks_backward(blocks, dout, q, k_all, v_all, out, lse, _allgather_blocks(n, c, g), auxes, dq, dk_all, dv_all)
         dkv_text = torch.stack([_to_gathered(dk_all[:, :, n:], g.order), _to_gathered(dv_all[:, :, n:], g.order)])
         local = g.reduce_scatter(dkv_text.movedim(3, 0)).movedim(0, 3)  # [2, B, Hkv, 2c, D], summed
         dk = torch.cat([dk_all[:, :, :n], local[0]], dim=2)
