@@ -21,7 +21,7 @@ from titan_vlm.models.flavors import get_flavor
 from titan_vlm.models.vlm import VLM
 from titan_vlm.optim import build_optimizer, build_scheduler
 from titan_vlm.parallel.context_parallel import CPOptions
-from titan_vlm.parallel.parallelize import parallelize_vlm
+from titan_vlm.parallel.parallelize import apply_ac, parallelize_vlm
 from titan_vlm.parallel_dims import MESH_DIMS, Mesh
 from titan_vlm.train import forward_backward, run_training, train_step
 
@@ -29,11 +29,11 @@ GROUPS = ("vision", "projector", "decoder")
 
 
 @lru_cache(maxsize=None)
-def make_mesh(dp_shard: int, cp: int) -> Mesh:
-    """A (dp_shard, cp) mesh; the world is split into identical copies of it (outer dim)."""
+def make_mesh(dp_shard: int, cp: int, dp_replicate: int = 1) -> Mesh:
+    """A (dp_replicate, dp_shard, cp) mesh; the world is split into identical copies of it."""
     world = dist.get_world_size()
-    copies = world // (dp_shard * cp)
-    root = init_device_mesh("cpu", (copies, 1, dp_shard, cp, 1), mesh_dim_names=("copies", *MESH_DIMS))
+    copies = world // (dp_replicate * dp_shard * cp)
+    root = init_device_mesh("cpu", (copies, dp_replicate, dp_shard, cp, 1), mesh_dim_names=("copies", *MESH_DIMS))
     return Mesh.from_root(root)
 
 
@@ -45,9 +45,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-def parity(dp_shard: int = 1, cp: int = 2, seq_len: int = 61, batch_size: int = 2, comm: str = "p2p",
+def parity(dp_shard: int = 1, cp: int = 2, dp_replicate: int = 1, seq_len: int = 61, batch_size: int = 2, comm: str = "p2p",
            vision: str = "shard", images: int = 1, sum_image_grad: bool = True, seed: int = 3,
-           mixed_precision: str = "fp32") -> dict:
+           mixed_precision: str = "fp32", ac: str = "none") -> dict:
     """One optimizer step of the parallel trainer against one process with the same weights and
     global batch. Returns both losses and grad norms and, per group (vision, projector, decoder),
     the worst per-parameter relative error (norm of difference / norm) of the gradient and of the
@@ -56,13 +56,14 @@ def parity(dp_shard: int = 1, cp: int = 2, seq_len: int = 61, batch_size: int = 
     t = Training(lr=1e-3, warmup_steps=0, steps=10, max_norm=1.0, seq_len=seq_len, local_batch_size=batch_size)
     data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, seq_len, seed, sentences_per_image=3,
                              images_per_sample=images)
-    mesh = make_mesh(dp_shard, cp)
+    mesh = make_mesh(dp_shard, cp, dp_replicate)
+    dp = dp_replicate * dp_shard
     options = CPOptions(comm_type=comm, vision=vision)
 
     # The reference: one process, the whole global batch, no sharding, torch's own clip.
     torch.manual_seed(seed)
     ref = VLM(args)
-    full = data.batch(0, 0, 1, dp_shard * batch_size)
+    full = data.batch(0, 0, 1, dp * batch_size)
     layout = SeqLayout.unsharded(seq_len, images * args.tokens_per_image)
     logits = ref(full.images, full.tokens, layout)
     ref_loss = F.cross_entropy(logits.flatten(0, 1), full.labels.flatten(), ignore_index=IGNORE_INDEX)
@@ -73,10 +74,10 @@ def parity(dp_shard: int = 1, cp: int = 2, seq_len: int = 61, batch_size: int = 
 
     # The parallel run: same seed, so the same weights before sharding.
     torch.manual_seed(seed)
-    model = parallelize_vlm(VLM(args), mesh, mixed_precision, cp_vision=vision)
+    model = parallelize_vlm(VLM(args), mesh, mixed_precision, cp_vision=vision, ac_mode=ac)
     opt = build_optimizer(model, t)
     sched = build_scheduler(opt, t)
-    batch = data.batch(0, mesh.dp_shard.get_local_rank(), dp_shard, batch_size)
+    batch = data.batch(0, mesh.dp.get_local_rank(), dp, batch_size)
     stats = train_step(model, opt, sched, batch, mesh, t.max_norm, options, sum_image_grad=sum_image_grad)
 
     grad_err = dict.fromkeys(GROUPS, 0.0)
@@ -84,6 +85,7 @@ def parity(dp_shard: int = 1, cp: int = 2, seq_len: int = 61, batch_size: int = 
     ref_params = dict(ref.named_parameters())
     missing = []  # parameters with a gradient on one side only
     for name, p in model.named_parameters():
+        name = name.replace("_checkpoint_wrapped_module.", "")
         group = name.split(".")[0]
         if (p.grad is None) != (ref_params[name].grad is None):
             missing.append(name)
@@ -96,7 +98,8 @@ def parity(dp_shard: int = 1, cp: int = 2, seq_len: int = 61, batch_size: int = 
             "ntokens": stats["ntokens"], "ref_ntokens": int((full.labels != IGNORE_INDEX).sum())}
 
 
-def train_run(dp_shard: int, cp: int, steps: int, stop_after: int | None = None, **overrides) -> list[dict]:
+def train_run(dp_shard: int, cp: int, steps: int, stop_after: int | None = None, dp_replicate: int = 1,
+              **overrides) -> list[dict]:
     """The real training loop (run_training) on a test mesh; overrides are section__key=value.
     Each copy of the mesh in the world writes under <job.dump_folder>/copy<i>."""
     cfg = JobConfig()
@@ -104,11 +107,11 @@ def train_run(dp_shard: int, cp: int, steps: int, stop_after: int | None = None,
     for dotted, value in overrides.items():
         section, key = dotted.split("__")
         setattr(getattr(cfg, section), key, value)
-    cfg.job.dump_folder = f"{cfg.job.dump_folder}/copy{dist.get_rank() // (dp_shard * cp)}"
-    return run_training(cfg, make_mesh(dp_shard, cp), torch.device("cpu"), stop_after=stop_after)
+    cfg.job.dump_folder = f"{cfg.job.dump_folder}/copy{dist.get_rank() // (dp_replicate * dp_shard * cp)}"
+    return run_training(cfg, make_mesh(dp_shard, cp, dp_replicate), torch.device("cpu"), stop_after=stop_after)
 
 
-def saved_for_backward(cp: int, comm: str = "p2p", seq_len: int = 528, batch_size: int = 1) -> dict:
+def saved_for_backward(cp: int, comm: str = "p2p", seq_len: int = 528, batch_size: int = 1, ac: str = "none") -> dict:
     """What autograd saves for backward on this rank during one forward (CP only, no FSDP):
     bytes, counting each storage once and leaving out the parameters, and the longest dim of
     any saved tensor (a whole-sequence K/V would show up there)."""
@@ -116,6 +119,7 @@ def saved_for_backward(cp: int, comm: str = "p2p", seq_len: int = 528, batch_siz
     mesh = make_mesh(1, cp)
     torch.manual_seed(0)
     model = VLM(args)
+    apply_ac(model, ac)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, seq_len, 0, sentences_per_image=40)
     seen: dict[int, int] = {}

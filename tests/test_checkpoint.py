@@ -80,3 +80,14 @@ def test_load_image_matches_the_training_range(tmp_path):
     Image.fromarray(pixels.numpy()).save(tmp_path / "half.png")
     image = load_image(str(tmp_path / "half.png"), 32)
     assert image.shape == (3, 32, 32) and image.min() == -1 and image.max() == 1
+
+
+def test_resume_into_hsdp_with_the_same_global_batch(pool, tmp_path, uninterrupted):
+    """cp=2 with 2 rows a rank, resumed as dp_replicate=2 x cp=2 with 1 row a rank: the same rows."""
+    ckpt = dict(checkpoint__enable=True, checkpoint__interval=3, job__dump_folder=str(tmp_path), **RUN)
+    pool.run("train_run", dp_shard=1, cp=2, stop_after=3, **ckpt)
+    hsdp = {**ckpt, "training__local_batch_size": 1}
+    resumed = losses(pool.run("train_run", dp_shard=1, cp=2, dp_replicate=2, **hsdp)[0])
+    assert sorted(resumed) == [4, 5, 6]
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(uninterrupted[step], rel=1e-5)

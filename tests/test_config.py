@@ -47,7 +47,6 @@ def test_unknown_key_in_toml_names_file_and_key(tmp_path):
 @pytest.mark.parametrize("overrides, world, words", [
     (["--parallelism.context_parallel_degree=2"], 3, "world size is 3"),
     (["--parallelism.tensor_parallel_degree=2"], 2, "tensor_parallel_degree > 1 is not supported yet"),
-    (["--parallelism.data_parallel_replicate_degree=2"], 2, "data_parallel_replicate_degree > 1 is not supported"),
     (["--parallelism.context_parallel_degree=0"], 1, "context_parallel_degree must be >= 1"),
     (["--parallelism.data_parallel_shard_degree=-1", "--parallelism.context_parallel_degree=2"], 3,
      "not divisible"),

@@ -18,3 +18,11 @@ def test_p2p_saves_a_quarter_at_cp4_and_never_the_whole_sequence(pool):
             assert longest >= TEXT_LEN
     assert ratios["p2p"] <= 0.35
     assert cp1["longest_dim"] >= TEXT_LEN
+
+
+def test_activation_checkpointing_saves_less(pool):
+    none, selective, full = (pool.run("saved_for_backward", cp=2, seq_len=SEQ_LEN, ac=ac)[0]["bytes"]
+                             for ac in ("none", "selective", "full"))
+    print(f"cp=2 saved-for-backward MiB: none {none / 2**20:.1f}, selective {selective / 2**20:.1f}, "
+          f"full {full / 2**20:.1f}")
+    assert full < 0.5 * none and full < selective < none

@@ -9,7 +9,8 @@ GRAD_TOL = 1e-4  # relative, per parameter: norm(g - g_ref) / norm(g_ref)
 # gradient elements near zero turn their rounding into whole-lr differences: looser than 1e-5.
 PARAM_TOL = 5e-5
 
-LAYOUTS = {"cp2": dict(cp=2), "cp4": dict(cp=4), "dp2xcp2": dict(dp_shard=2, cp=2)}
+LAYOUTS = {"cp2": dict(cp=2), "cp4": dict(cp=4), "dp2xcp2": dict(dp_shard=2, cp=2),
+           "hsdp_rep2xcp2": dict(dp_replicate=2, cp=2)}
 # The debug decoder has 4 query heads and 2 K/V heads (grouped-query attention); at cp=4 "a2a"
 # expands the K/V heads, at cp=2 it splits them.
 COMM_TYPES = ("p2p", "allgather", "a2a")
@@ -73,3 +74,21 @@ def test_bf16_mixed_precision_stays_within_bf16_rounding(pool, comm):
     report(f"{comm} cp2 bf16", result)
     assert abs(result["loss"] - result["ref_loss"]) / result["ref_loss"] < 1e-3
     assert max(result["grad_err"].values()) < 3e-2
+
+
+def test_hsdp_without_cp_matches_single_process(pool):
+    """dp_replicate=2 x dp_shard=2: sharded within a replica, all-reduced across replicas."""
+    results = pool.run("parity", dp_replicate=2, dp_shard=2, cp=1)
+    report("dp_replicate=2 x dp_shard=2", results[0])
+    for result in results:
+        assert mismatches(result) == []
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+@pytest.mark.parametrize("comm", COMM_TYPES)
+def test_activation_checkpointing_changes_no_number(pool, comm, ac):
+    """Recomputing blocks in backward reruns the CP attention (collectives included) exactly."""
+    results = pool.run("parity", comm=comm, cp=2, seq_len=61, ac=ac)
+    report(f"{comm} cp2 activation_checkpoint={ac}", results[0])
+    for result in results:
+        assert mismatches(result) == []

@@ -2,6 +2,8 @@
 
 import json
 import os
+
+import pytest
 import subprocess
 from pathlib import Path
 
@@ -66,3 +68,12 @@ def test_a_killed_worker_is_restarted_and_resumes(tmp_path):
     assert "resumed from" in output
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 40 and set(range(1, 41)) <= set(steps)
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "train_configs").glob("*.toml")))
+def test_every_train_config_runs(config, tmp_path):
+    out = subprocess.run(["./run_train.sh", "--config", f"train_configs/{config}", "--training.steps=2",
+                          "--metrics.enable_tensorboard=false", f"--job.dump_folder={tmp_path}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2

@@ -69,6 +69,11 @@ class Parallelism:
 
 
 @dataclass
+class ActivationCheckpoint:
+    mode: str = "none"  # "none" | "full" (every transformer block) | "selective" (every other block)
+
+
+@dataclass
 class Metrics:
     log_freq: int = 1
     enable_tensorboard: bool = True
@@ -88,6 +93,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     data: Data = field(default_factory=Data)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
 

@@ -1,10 +1,11 @@
 """The one device mesh: named dims dp_replicate x dp_shard x cp x tp (any of them 1).
 
 Which mesh each piece of the model and the data uses:
-  - parameters: FSDP over dp_shard or the flattened (dp_shard, cp) dims, "dp_shard_cp"; which
-    one, and why, is in parallel/parallelize.py;
+  - parameters: FSDP over the flattened (dp_shard, cp) dims or over dp_shard alone, as HSDP
+    (replicated over dp_replicate, sharded over the rest) when dp_replicate > 1; which one, and
+    why, is in parallel/parallelize.py;
   - the batch: one row set per (dp_replicate, dp_shard) coordinate, shared by the cp ranks;
-  - the loss normaliser (global text-token count): summed over dp_shard_cp.
+  - the loss normaliser (global text-token count): summed over (dp_replicate, dp_shard, cp).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from titan_vlm.attention import KERNELS
 from titan_vlm.config import ConfigError, JobConfig
 from titan_vlm.parallel.context_parallel import CP_VISION_MODES, padded_text_len
 from titan_vlm.parallel.cp_attention import CP_COMM_TYPES
+from titan_vlm.parallel.parallelize import AC_MODES
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
@@ -62,9 +64,6 @@ class ParallelDims:
         if self.tp > 1:
             raise ConfigError("parallelism.tensor_parallel_degree > 1 is not supported yet "
                               "(tensor/sequence parallelism is a separate issue)")
-        if self.dp_replicate > 1:
-            raise ConfigError("parallelism.data_parallel_replicate_degree > 1 is not supported yet "
-                              "(HSDP is a separate issue); use data_parallel_shard_degree")
 
     def validate_model(self, cfg: JobConfig) -> None:
         """Checks that need both the degrees and the model/data shapes."""
@@ -112,6 +111,9 @@ class ParallelDims:
         if cfg.model.attention_kernel != "auto" and cfg.model.attention_kernel not in KERNELS:
             raise ConfigError(f"model.attention_kernel must be auto or one of {', '.join(KERNELS)}, "
                               f"got {cfg.model.attention_kernel!r}")
+        if cfg.activation_checkpoint.mode not in AC_MODES:
+            raise ConfigError(f"activation_checkpoint.mode must be one of {', '.join(AC_MODES)}, "
+                              f"got {cfg.activation_checkpoint.mode!r}")
         if cfg.parallelism.cp_vision not in CP_VISION_MODES:
             raise ConfigError(f"parallelism.cp_vision must be one of {', '.join(CP_VISION_MODES)}, "
                               f"got {cfg.parallelism.cp_vision!r}")
@@ -133,15 +135,25 @@ class Mesh:
     """The one device mesh and the sub-meshes the trainer uses, each made once."""
 
     root: DeviceMesh
-    dp_shard: DeviceMesh  # FSDP of the vision tower and projector; which rows a rank reads
     cp: DeviceMesh  # the context-parallel group: text sharded, image embeddings replicated
-    dp_shard_cp: DeviceMesh  # flattened (dp_shard, cp): FSDP of the decoder, loss normaliser
+    dp: DeviceMesh  # flattened (dp_replicate, dp_shard): which rows a rank reads
+    job: DeviceMesh  # flattened (dp_replicate, dp_shard, cp): loss normaliser, checkpoints, metrics
+    fsdp: DeviceMesh  # (dp_shard x cp) flattened, HSDP's (dp_replicate, dp_shard x cp) when dp_replicate > 1
+    fsdp_no_cp: DeviceMesh  # the same without cp: dp_shard, or (dp_replicate, dp_shard)
 
     @classmethod
     def from_root(cls, root: DeviceMesh) -> Mesh:
-        """`root` has (at least) named dims dp_shard and cp; tests add an outer dim of copies."""
-        return cls(root=root, dp_shard=root["dp_shard"], cp=root["cp"],
-                   dp_shard_cp=root["dp_shard", "cp"]._flatten("dp_shard_cp"))
+        """`root` has named dims dp_replicate, dp_shard and cp; tests add an outer dim of copies."""
+        dp_shard_cp = root["dp_shard", "cp"]._flatten("dp_shard_cp")
+        hsdp = root["dp_replicate"].size() > 1
+        return cls(root=root, cp=root["cp"], dp=root["dp_replicate", "dp_shard"]._flatten("dp"),
+                   job=root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+                   fsdp=root["dp_replicate", "dp_shard_cp"] if hsdp else dp_shard_cp,
+                   fsdp_no_cp=root["dp_replicate", "dp_shard"] if hsdp else root["dp_shard"])
+
+    def shards(self, fsdp_mesh: DeviceMesh) -> int:
+        """How many ways an FSDP mesh shards a parameter (its last dim; HSDP replicates over the first)."""
+        return fsdp_mesh.size(fsdp_mesh.ndim - 1)
 
 
 def device_type() -> str:

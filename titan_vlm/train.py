@@ -36,6 +36,9 @@ logger = logging.getLogger("titan_vlm")
 # FSDP2 warns when a wrapped module returns a view (nn.Linear on 3-D input does); it matters only
 # for in-place ops on that output, which titan_vlm never does.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+# The HSDP mesh is sliced from the root by a flattened dim, torchtitan-style; torch says that
+# spelling will change, which is for a later torch pin to follow.
+warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
 
 
 def forward_backward(model: VLM, batch: Batch, mesh: Mesh, cp: CPOptions = CPOptions(),
@@ -58,7 +61,7 @@ def forward_backward(model: VLM, batch: Batch, mesh: Mesh, cp: CPOptions = CPOpt
                                         cp_comm_type=cp.comm_type)
     logits = model.decoder(tokens, embeds, layout)
     # 4. Mean over the global batch's text tokens: count across dp and cp, sum per rank.
-    loss_group = mesh.dp_shard_cp.get_group()
+    loss_group = mesh.job.get_group()
     ntokens = (labels != IGNORE_INDEX).sum()
     dist.all_reduce(ntokens, group=loss_group)
     loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
@@ -148,17 +151,18 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
     dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
     logger.info("attention kernel: %s (model.attention_kernel=%s)", select_kernel(device, dtype).name,
                 cfg.model.attention_kernel)
-    parallelize_vlm(model, mesh, t.mixed_precision, cp.vision)
-    vision_shards = (mesh.dp_shard if cp.vision == "broadcast" else mesh.dp_shard_cp).size()
+    parallelize_vlm(model, mesh, t.mixed_precision, cp.vision, cfg.activation_checkpoint.mode)
+    vision_shards = mesh.shards(mesh.fsdp_no_cp if cp.vision == "broadcast" else mesh.fsdp)
+    decoder_shards = mesh.shards(mesh.fsdp)
     logger.info("model state per rank: %.3f GiB (fp32 params, grads and AdamW moments; decoder sharded %d ways, "
-                "vision %d ways)", state_bytes_per_rank(counts, mesh.dp_shard_cp.size(), vision_shards) / 2**30,
-                mesh.dp_shard_cp.size(), vision_shards)
+                "vision %d ways)", state_bytes_per_rank(counts, decoder_shards, vision_shards) / 2**30,
+                decoder_shards, vision_shards)
     optimizer = build_optimizer(model, t)
     scheduler = build_scheduler(optimizer, t)
     checkpointer = None
     start = 0
     if cfg.checkpoint.enable:
-        checkpointer = Checkpointer(cfg, model, optimizer, scheduler, mesh.dp_shard_cp.get_group())
+        checkpointer = Checkpointer(cfg, model, optimizer, scheduler, mesh.job.get_group())
         start = checkpointer.resume()
         if start:
             logger.info("resumed from %s at step %d", checkpointer.folder / f"step-{start}", start)
@@ -176,7 +180,7 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
                           "and the embeddings are all-gathered"}[cp.vision]
         logger.info("vision (cp_vision=%s): %d images per step per CP group; %s", cp.vision,
                     k * t.local_batch_size, where)
-    dp_rank, dp = mesh.dp_shard.get_local_rank(), mesh.dp_shard.size()
+    dp_rank, dp = mesh.dp.get_local_rank(), mesh.dp.size()
     rows = dp * t.local_batch_size
     step_flops = rows * train_flops_per_row(args, data.text_len, k)
     rank0 = dist.get_rank() == 0
@@ -193,7 +197,7 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - begin
         peak = torch.tensor(peak_memory_gib(device), device=device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.dp_shard_cp.get_group())  # worst rank
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.job.get_group())  # worst rank
         record = {**stats, "tokens_per_sec": rows * t.seq_len / elapsed,
                   "tflops_per_sec": step_flops / elapsed / 1e12, "step_time_s": elapsed,
                   "peak_memory_gib": float(peak)}

@@ -2,28 +2,38 @@
 
 FSDP2 meshes: a parameter is reduced over exactly the ranks whose gradients are different parts
 of its whole gradient.
-  decoder                  -> mesh.dp_shard_cp  (each CP rank's gradient comes from its own text)
-  vision tower + projector -> cp_vision "shard": mesh.dp_shard_cp, summed (each CP rank encoded
-                              its own images);
-                              "replicate": mesh.dp_shard_cp, averaged over cp (every CP rank
+  decoder                  -> mesh.fsdp (dp_shard x cp), summed (each CP rank's gradient comes
+                              from its own text)
+  vision tower + projector -> cp_vision "shard": mesh.fsdp, summed (each CP rank encoded its own
+                              images);
+                              "replicate": mesh.fsdp, averaged over cp (every CP rank
                               holds the same complete gradient: the cp sum happened on the image
                               embeddings, and summing over cp again would count it CP-fold; one
                               owner per shard also keeps the copies from drifting apart where
                               GPU kernels are not bit-deterministic);
-                              "broadcast": mesh.dp_shard (only cp rank 0 runs the ViT; its
+                              "broadcast": mesh.fsdp_no_cp (only cp rank 0 runs the ViT; its
                               gradients are copied to the other CP ranks)
+With dp_replicate > 1 both meshes are HSDP: the gradient is also all-reduced (summed) over
+dp_replicate, whose ranks read different rows.
 Gradients are summed, never averaged: the loss is already divided by the global text-token count.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from titan_vlm.models.vlm import VLM
-from titan_vlm.parallel_dims import Mesh
+
+if TYPE_CHECKING:
+    from titan_vlm.parallel_dims import Mesh
+
+AC_MODES = ("none", "full", "selective")
 
 
 def _shard(module: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, divide_by: int = 1) -> None:
@@ -40,9 +50,9 @@ def apply_fsdp(model: VLM, mesh: Mesh, mixed_precision: str = "fp32", cp_vision:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         mp = MixedPrecisionPolicy()
-    vision_mesh = mesh.dp_shard if cp_vision == "broadcast" else mesh.dp_shard_cp
+    vision_mesh = mesh.fsdp_no_cp if cp_vision == "broadcast" else mesh.fsdp
     vision_divide = mesh.cp.size() if cp_vision == "replicate" else 1
-    decoder_mesh = mesh.dp_shard_cp
+    decoder_mesh = mesh.fsdp
     for module in [*model.vision.layers, model.vision, model.projector]:
         _shard(module, vision_mesh, mp, vision_divide)
     for block in model.decoder.layers:
@@ -50,8 +60,24 @@ def apply_fsdp(model: VLM, mesh: Mesh, mixed_precision: str = "fp32", cp_vision:
     _shard(model.decoder, decoder_mesh, mp)
 
 
-def parallelize_vlm(model: VLM, mesh: Mesh, mixed_precision: str = "fp32", cp_vision: str = "shard") -> VLM:
-    """Everything the trainer applies to the model. CP itself needs no module changes: it lives
-    in the batch sharding and the SeqLayout the attention receives (context_parallel.py)."""
+def apply_ac(model: VLM, mode: str) -> None:
+    """Activation checkpointing of the ViT and decoder blocks: "full" recomputes every block in
+    backward, "selective" every other block (half the activation memory saved for half the
+    recomputation). The recomputed forward reruns the CP attention, collectives included, in the
+    same order on every rank."""
+    if mode == "none":
+        return
+    every = 1 if mode == "full" else 2
+    for layers in (model.vision.layers, model.decoder.layers):
+        for i in range(0, len(layers), every):
+            layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
+
+
+def parallelize_vlm(model: VLM, mesh: Mesh, mixed_precision: str = "fp32", cp_vision: str = "shard",
+                    ac_mode: str = "none") -> VLM:
+    """Everything the trainer applies to the model, torchtitan's order: activation checkpointing,
+    then FSDP. CP itself needs no module changes: it lives in the batch sharding and the
+    SeqLayout the attention receives (context_parallel.py)."""
+    apply_ac(model, ac_mode)
     apply_fsdp(model, mesh, mixed_precision, cp_vision)
     return model
