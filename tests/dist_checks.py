@@ -47,7 +47,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def parity(dp_shard: int = 1, cp: int = 2, dp_replicate: int = 1, seq_len: int = 61, batch_size: int = 2, comm: str = "p2p",
            vision: str = "shard", images: int = 1, sum_image_grad: bool = True, seed: int = 3,
-           mixed_precision: str = "fp32", ac: str = "none") -> dict:
+           mixed_precision: str = "fp32", ac: str = "none", compile_blocks: bool = False) -> dict:
     """One optimizer step of the parallel trainer against one process with the same weights and
     global batch. Returns both losses and grad norms and, per group (vision, projector, decoder),
     the worst per-parameter relative error (norm of difference / norm) of the gradient and of the
@@ -74,7 +74,8 @@ def parity(dp_shard: int = 1, cp: int = 2, dp_replicate: int = 1, seq_len: int =
 
     # The parallel run: same seed, so the same weights before sharding.
     torch.manual_seed(seed)
-    model = parallelize_vlm(VLM(args), mesh, mixed_precision, cp_vision=vision, ac_mode=ac)
+    model = parallelize_vlm(VLM(args), mesh, mixed_precision, cp_vision=vision, ac_mode=ac,
+                            compile_blocks=compile_blocks)
     opt = build_optimizer(model, t)
     sched = build_scheduler(opt, t)
     batch = data.batch(0, mesh.dp.get_local_rank(), dp, batch_size)

@@ -92,3 +92,11 @@ def test_activation_checkpointing_changes_no_number(pool, comm, ac):
     report(f"{comm} cp2 activation_checkpoint={ac}", results[0])
     for result in results:
         assert mismatches(result) == []
+
+
+def test_torch_compile_with_cp_matches_single_process(pool):
+    """Each ViT and decoder block compiled (inductor), CP=2 ring attention, FSDP."""
+    results = pool.run("parity", comm="p2p", cp=2, seq_len=61, compile_blocks=True)
+    report("p2p cp2 compiled blocks", results[0])
+    for result in results:
+        assert mismatches(result) == []

@@ -74,6 +74,11 @@ class ActivationCheckpoint:
 
 
 @dataclass
+class Compile:
+    enable: bool = False  # torch.compile each ViT and decoder block
+
+
+@dataclass
 class Metrics:
     log_freq: int = 1
     enable_tensorboard: bool = True
@@ -94,6 +99,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
 

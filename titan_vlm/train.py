@@ -151,7 +151,7 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
     dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
     logger.info("attention kernel: %s (model.attention_kernel=%s)", select_kernel(device, dtype).name,
                 cfg.model.attention_kernel)
-    parallelize_vlm(model, mesh, t.mixed_precision, cp.vision, cfg.activation_checkpoint.mode)
+    parallelize_vlm(model, mesh, t.mixed_precision, cp.vision, cfg.activation_checkpoint.mode, cfg.compile.enable)
     vision_shards = mesh.shards(mesh.fsdp_no_cp if cp.vision == "broadcast" else mesh.fsdp)
     decoder_shards = mesh.shards(mesh.fsdp)
     logger.info("model state per rank: %.3f GiB (fp32 params, grads and AdamW moments; decoder sharded %d ways, "

@@ -73,11 +73,20 @@ def apply_ac(model: VLM, mode: str) -> None:
             layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
 
 
+def apply_compile(model: VLM) -> None:
+    """torch.compile each ViT and decoder block in place (the blocks share one compiled graph)."""
+    for layers in (model.vision.layers, model.decoder.layers):
+        for block in layers:
+            block.compile()
+
+
 def parallelize_vlm(model: VLM, mesh: Mesh, mixed_precision: str = "fp32", cp_vision: str = "shard",
-                    ac_mode: str = "none") -> VLM:
+                    ac_mode: str = "none", compile_blocks: bool = False) -> VLM:
     """Everything the trainer applies to the model, torchtitan's order: activation checkpointing,
-    then FSDP. CP itself needs no module changes: it lives in the batch sharding and the
-    SeqLayout the attention receives (context_parallel.py)."""
+    torch.compile, then FSDP. CP itself needs no module changes: it lives in the batch sharding
+    and the SeqLayout the attention receives (context_parallel.py)."""
     apply_ac(model, ac_mode)
+    if compile_blocks:
+        apply_compile(model)
     apply_fsdp(model, mesh, mixed_precision, cp_vision)
     return model
