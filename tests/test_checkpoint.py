@@ -1,6 +1,8 @@
 """Checkpoints: a run that is killed and resumed continues exactly; a checkpoint loads at another
 CP degree; the model can be exported and asked about an image."""
 
+import json
+
 import pytest
 import torch
 
@@ -32,7 +34,7 @@ def test_kill_and_resume_is_bit_exact(pool, tmp_path, uninterrupted):
     for step, loss in second.items():
         assert loss == uninterrupted[step], (step, loss, uninterrupted[step])
     lines = (tmp_path / "copy0" / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 4 + 3  # the resumed run appends
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6]  # step 4 once, redone
 
 
 def test_resume_at_another_cp_degree(pool, tmp_path, uninterrupted):
@@ -91,3 +93,20 @@ def test_resume_into_hsdp_with_the_same_global_batch(pool, tmp_path, uninterrupt
     assert sorted(resumed) == [4, 5, 6]
     for step, loss in resumed.items():
         assert loss == pytest.approx(uninterrupted[step], rel=1e-5)
+
+
+def test_resume_into_another_vision_placement(pool, tmp_path, uninterrupted):
+    """The optimizer state is keyed by parameter name, so the param groups (which follow the
+    meshes, and so cp_vision) may differ between the saving and the resuming run."""
+    ckpt = dict(checkpoint__enable=True, checkpoint__interval=3, job__dump_folder=str(tmp_path), **RUN)
+    pool.run("train_run", dp_shard=1, cp=2, stop_after=3, parallelism__cp_vision="shard", **ckpt)
+    resumed = losses(pool.run("train_run", dp_shard=1, cp=2, parallelism__cp_vision="broadcast", **ckpt)[0])
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(uninterrupted[step], rel=1e-5)
+
+
+def test_resuming_another_model_fails_in_one_line(pool, tmp_path):
+    ckpt = dict(checkpoint__enable=True, job__dump_folder=str(tmp_path), **{**RUN, "steps": 1})
+    pool.run("train_run", dp_shard=1, cp=2, **ckpt)
+    with pytest.raises(RuntimeError, match=r"model.flavor='small', but the checkpoint .* holds a 'debug' model"):
+        pool.run("train_run", dp_shard=1, cp=2, model__flavor="small", **ckpt)

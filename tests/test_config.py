@@ -30,6 +30,7 @@ def test_default_config_and_overrides():
     (["--config", "no/such/file.toml"], "no/such/file.toml"),
     (["training.steps=3"], "training.steps=3"),
     (["--training.steps", "--training.seed=3"], "needs a value"),
+    (["--config", "--training.steps=3"], "'--config' needs a file"),
 ])
 def test_bad_keys_and_values_name_the_key(argv, words):
     with pytest.raises(ConfigError, match=words.replace(".", r"\.")) as e:
@@ -79,6 +80,7 @@ def test_auto_dp_shard_takes_the_rest():
     (["--training.warmup_steps=-1"], "training.warmup_steps"),
     (["--parallelism.cp_vision=gpu0"], "parallelism.cp_vision"),
     (["--parallelism.cp_comm_type=nccl"], "parallelism.cp_comm_type"),
+    (["--model.attention_kernel=cuda_flash"], "model.attention_kernel=cuda_flash runs on cuda"),
     (["--data.images_per_sample=9", "--training.seq_len=128"], "training.seq_len"),
 ])
 def test_model_and_data_checks(overrides, words):
@@ -97,6 +99,12 @@ def test_a2a_needs_heads_divisible_by_cp():
     cfg = load_config(["--parallelism.cp_comm_type=a2a", "--parallelism.context_parallel_degree=8"])
     with pytest.raises(ConfigError, match=r"cp_comm_type='a2a' needs the 4 attention heads"):
         ParallelDims.from_config(cfg, 8).validate_model(cfg)
+
+
+def test_restarts_need_checkpoints():
+    bad = subprocess.run([sys.executable, "-m", "titan_vlm.config", "--config", DEFAULT, "--job.max_restarts=2"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "job.max_restarts needs checkpoint.enable" in bad.stderr
 
 
 def test_config_cli_prints_process_count_or_one_line_error():

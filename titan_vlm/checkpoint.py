@@ -26,10 +26,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 
-from titan_vlm.config import JobConfig
+from titan_vlm.config import ConfigError, JobConfig
 
 
 def checkpoint_folder(cfg: JobConfig) -> Path:
@@ -62,9 +63,13 @@ class Checkpointer:
         self.model, self.optimizer, self.scheduler, self.group = model, optimizer, scheduler, group
         self.rank0 = dist.get_rank(group) == 0
 
+    # Optimizer state keyed by parameter name, not by param group: the groups follow the meshes,
+    # which change with the layout (cp_vision) a run resumes into.
+    _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+
     def _state(self) -> dict:
         return {"model": get_model_state_dict(self.model),
-                "optim": get_optimizer_state_dict(self.model, self.optimizer)}
+                "optim": get_optimizer_state_dict(self.model, self.optimizer, options=self._OPTIM)}
 
     def save(self, step: int) -> Path:
         step_dir = self.folder / f"step-{step}"
@@ -87,10 +92,14 @@ class Checkpointer:
         step_dir = latest_step_dir(self.folder)
         if step_dir is None:
             return 0
+        saved = json.loads((step_dir / "config.json").read_text())["model"]["flavor"]
+        if saved != self.cfg.model.flavor:
+            raise ConfigError(f"model.flavor={self.cfg.model.flavor!r}, but the checkpoint {step_dir} holds a "
+                              f"{saved!r} model (use another checkpoint.folder)")
         state = self._state()
         dcp.load(state, checkpoint_id=str(step_dir), process_group=self.group)
         set_model_state_dict(self.model, state["model"])
-        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=self._OPTIM)
         trainer = torch.load(step_dir / "trainer.pt", weights_only=False)
         self.scheduler.load_state_dict(trainer["scheduler"])
         torch.set_rng_state(trainer["rng"])

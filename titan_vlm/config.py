@@ -168,6 +168,8 @@ def load_config(argv: list[str]) -> JobConfig:
                 i += 1
         i += 1
         if key in ("config", "job.config_file"):
+            if value is None:
+                raise ConfigError("command line: '--config' needs a file")
             config_file = value
         else:
             overrides.append((key, value))
@@ -216,6 +218,14 @@ def main() -> None:
         ParallelDims.from_config(cfg, world).validate_model(cfg)
         if cfg.job.max_restarts < 0:
             raise ConfigError(f"job.max_restarts must be >= 0, got {cfg.job.max_restarts}")
+        if cfg.job.max_restarts and not cfg.checkpoint.enable:
+            raise ConfigError("job.max_restarts needs checkpoint.enable = true: a restarted job resumes from "
+                              "its latest checkpoint, else it would start over")
+        import torch
+
+        if torch.cuda.is_available() and world > torch.cuda.device_count():
+            raise ConfigError(f"{world} processes but {torch.cuda.device_count()} GPUs on this machine "
+                              "(one process per GPU; set NPROC or the degrees)")
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)

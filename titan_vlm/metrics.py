@@ -22,8 +22,9 @@ def peak_memory_gib(device: torch.device) -> float:
 class MetricsLogger:
     """Writes only on the rank given `enabled=True` (rank 0); the others call it as a no-op."""
 
-    def __init__(self, dump_folder: str, enable_tensorboard: bool, enabled: bool, append: bool = False):
-        """append: a resumed run adds to the metrics.jsonl of the run it continues."""
+    def __init__(self, dump_folder: str, enable_tensorboard: bool, enabled: bool, resume_after: int = 0):
+        """resume_after: a run resumed after that step keeps the earlier run's metrics.jsonl lines
+        up to it (the steps redone after the checkpoint are written again, once)."""
         self.enabled = enabled
         self.jsonl = None
         self.tb = None
@@ -32,9 +33,14 @@ class MetricsLogger:
         folder = Path(dump_folder)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / "metrics.jsonl"
-        if not append and path.exists() and path.stat().st_size:
-            logger.warning("overwriting %s from an earlier run", path)
-        self.jsonl = open(path, "a" if append else "w", buffering=1)
+        kept = []
+        if path.exists() and path.stat().st_size:
+            lines = path.read_text().splitlines()
+            kept = [line for line in lines if resume_after and json.loads(line)["step"] <= resume_after]
+            if len(kept) < len(lines):
+                logger.warning("%s: replacing %d lines from an earlier run", path, len(lines) - len(kept))
+        self.jsonl = open(path, "w", buffering=1)
+        self.jsonl.writelines(line + "\n" for line in kept)
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -14,14 +14,15 @@ from titan_vlm.config import Training
 
 
 def build_optimizer(model: nn.Module, t: Training) -> torch.optim.Optimizer:
-    """One param group per (mesh, weight decay): foreach kernels cannot mix DTensor meshes.
+    """One param group per (top-level module, weight decay). Each group's parameters live on one
+    mesh (foreach kernels cannot mix DTensor meshes), and the groups are the same whatever the
+    parallel layout, so optimizer state saved at one layout loads at another.
     Matrices decay; norms, biases and position embeddings do not."""
-    groups: dict[tuple[int, bool], list[nn.Parameter]] = defaultdict(list)
+    groups: dict[tuple[str, bool], list[nn.Parameter]] = defaultdict(list)
     for name, p in model.named_parameters():
         if p.requires_grad:
-            mesh = p.device_mesh if isinstance(p, DTensor) else None
             decay = p.ndim >= 2 and "pos_embed" not in name
-            groups[(id(mesh), decay)].append(p)
+            groups[(name.split(".")[0], decay)].append(p)
     param_groups = [{"params": ps, "weight_decay": t.weight_decay if decay else 0.0}
                     for (_, decay), ps in groups.items()]
     return torch.optim.AdamW(param_groups, lr=t.lr, betas=(0.9, 0.95), eps=1e-8)

@@ -108,9 +108,15 @@ class ParallelDims:
         if dec.n_heads % dec.n_kv_heads:
             raise ConfigError(f"model.flavor={cfg.model.flavor}: n_heads {dec.n_heads} not divisible by "
                               f"n_kv_heads {dec.n_kv_heads}")
-        if cfg.model.attention_kernel != "auto" and cfg.model.attention_kernel not in KERNELS:
-            raise ConfigError(f"model.attention_kernel must be auto or one of {', '.join(KERNELS)}, "
-                              f"got {cfg.model.attention_kernel!r}")
+        kernel = cfg.model.attention_kernel
+        if kernel != "auto":
+            if kernel not in KERNELS:
+                raise ConfigError(f"model.attention_kernel must be auto or one of {', '.join(KERNELS)}, got {kernel!r}")
+            if KERNELS[kernel].device_type != device_type():
+                raise ConfigError(f"model.attention_kernel={kernel} runs on {KERNELS[kernel].device_type}, "
+                                  f"this machine trains on {device_type()}")
+            if kernel in ("cuda_flash", "cuda_cudnn") and t.mixed_precision != "bf16":
+                raise ConfigError(f"model.attention_kernel={kernel} needs training.mixed_precision = 'bf16'")
         if cfg.activation_checkpoint.mode not in AC_MODES:
             raise ConfigError(f"activation_checkpoint.mode must be one of {', '.join(AC_MODES)}, "
                               f"got {cfg.activation_checkpoint.mode!r}")

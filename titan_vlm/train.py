@@ -166,6 +166,9 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
         start = checkpointer.resume()
         if start:
             logger.info("resumed from %s at step %d", checkpointer.folder / f"step-{start}", start)
+        if start >= t.steps:
+            logger.warning("the latest checkpoint is at step %d >= training.steps=%d: nothing to train "
+                           "(raise training.steps to train on)", start, t.steps)
 
     k = cfg.data.images_per_sample
     n_img = k * args.tokens_per_image
@@ -184,7 +187,7 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
     rows = dp * t.local_batch_size
     step_flops = rows * train_flops_per_row(args, data.text_len, k)
     rank0 = dist.get_rank() == 0
-    metrics = MetricsLogger(cfg.job.dump_folder, cfg.metrics.enable_tensorboard, enabled=rank0, append=start > 0)
+    metrics = MetricsLogger(cfg.job.dump_folder, cfg.metrics.enable_tensorboard, enabled=rank0, resume_after=start)
     logger.info("training %d steps, %d rows x %d tokens per step, %.3g model FLOPs per step; metrics -> %s",
                 t.steps, rows, t.seq_len, step_flops, cfg.job.dump_folder)
 

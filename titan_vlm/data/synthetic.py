@@ -131,3 +131,25 @@ class SyntheticCaptions:
         rows = [self.sample(first + j) for j in range(batch_size)]
         return Batch(torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]),
                      torch.stack([r[2] for r in rows]))
+
+
+def main() -> None:
+    """`python -m titan_vlm.data.synthetic OUT.png [--seed S] [--size N]`: draw one image of the
+    built-in kind (e.g. to ask a trained model about) and print its caption."""
+    import argparse
+
+    from PIL import Image
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("out")
+    parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--size", type=int, default=32, help="pixels (the model resizes anyway)")
+    opts = parser.parse_args()
+    image, _, _, caption = SyntheticCaptions(opts.size, 1, 64, opts.seed).sample(0)
+    pixels = ((image[0] + 1) / 2 * 255).round().byte().permute(1, 2, 0).contiguous()
+    Image.fromarray(pixels.numpy()).save(opts.out)
+    print(caption)
+
+
+if __name__ == "__main__":
+    main()

@@ -94,8 +94,11 @@ def encode_images_over_cp(model: torch.nn.Module, images: torch.Tensor, cp_mesh:
     gradient summed over cp before it reaches the projector and ViT. `mode` is where the ViT
     runs (CPOptions.vision). `sum_grad=False` only for the negative-control test."""
     cp_size = cp_mesh.size()
-    if cp_size == 1 or mode == "replicate":
-        return replicate_image_embeddings(model.encode_images(images), cp_mesh, sum_grad)
+    if cp_size == 1:
+        return model.encode_images(images)
+    # The cp sums below run in fp32 whatever the compute dtype (the decoder casts back).
+    if mode == "replicate":
+        return replicate_image_embeddings(model.encode_images(images).float(), cp_mesh, sum_grad)
     rank = cp_mesh.get_local_rank()
     if mode == "broadcast":
         group = cp_mesh.get_group()
@@ -110,7 +113,7 @@ def encode_images_over_cp(model: torch.nn.Module, images: torch.Tensor, cp_mesh:
     if mode == "shard":
         sizes = image_shard_sizes(images.shape[0], cp_size)
         start = sum(sizes[:rank])
-        local = model.encode_images(images[start:start + sizes[rank]])  # may be empty: still runs
+        local = model.encode_images(images[start:start + sizes[rank]]).float()  # may be empty: still runs
         shape = torch.Size((images.shape[0], *local.shape[1:]))
         sharded = DTensor.from_local(local, cp_mesh, [Shard(0)], run_check=False, shape=shape,
                                      stride=torch.empty(shape, device="meta").stride())
