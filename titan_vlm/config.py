@@ -34,6 +34,8 @@ class Job:
 class Model:
     flavor: str = "debug"  # see titan_vlm/models/flavors.py
     attention_kernel: str = "auto"  # auto | cpu_flash | cuda_flash | cuda_efficient | cuda_cudnn
+    hf_vision_path: str = ""  # SigLIP-style vision tower (+ LLaVA projector) safetensors to start from
+    hf_text_path: str = ""  # Llama/Qwen-style decoder safetensors to start from
 
 
 @dataclass

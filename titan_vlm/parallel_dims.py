@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -108,6 +109,10 @@ class ParallelDims:
         if dec.n_heads % dec.n_kv_heads:
             raise ConfigError(f"model.flavor={cfg.model.flavor}: n_heads {dec.n_heads} not divisible by "
                               f"n_kv_heads {dec.n_kv_heads}")
+        for key in ("hf_vision_path", "hf_text_path"):
+            path = getattr(cfg.model, key)
+            if path and not Path(path).is_file():
+                raise ConfigError(f"model.{key}: file not found: {path}")
         kernel = cfg.model.attention_kernel
         if kernel != "auto":
             if kernel not in KERNELS:

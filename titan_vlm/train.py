@@ -25,6 +25,7 @@ from titan_vlm.data.tokenizer import ByteTokenizer
 from titan_vlm.metrics import MetricsLogger, peak_memory_gib
 from titan_vlm.models.accounting import param_counts, state_bytes_per_rank, train_flops_per_row
 from titan_vlm.models.flavors import get_flavor
+from titan_vlm.models.hf_weights import load_hf_weights
 from titan_vlm.models.vlm import VLM
 from titan_vlm.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from titan_vlm.parallel.context_parallel import (CPOptions, encode_images_over_cp, head_tail_indices,
@@ -141,7 +142,12 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
     args = get_flavor(cfg.model.flavor)
     use_kernel(cfg.model.attention_kernel)
     torch.manual_seed(t.seed)  # identical initial weights on every rank, before sharding
-    model = VLM(args).to(device)
+    model = VLM(args)
+    if cfg.model.hf_vision_path or cfg.model.hf_text_path:
+        loaded = load_hf_weights(model, cfg.model.hf_vision_path, cfg.model.hf_text_path)
+        logger.info("loaded %d tensors from %s", len(loaded),
+                    " and ".join(p for p in (cfg.model.hf_vision_path, cfg.model.hf_text_path) if p))
+    model = model.to(device)
     counts = param_counts(model)
     logger.info("model %s: %s parameters (vision %s, projector %s, decoder %s)", cfg.model.flavor,
                 f"{sum(counts.values()):,}", f"{counts['vision']:,}", f"{counts['projector']:,}",

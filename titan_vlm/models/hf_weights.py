@@ -1,0 +1,114 @@
+"""Load Hugging Face safetensors into titan_vlm's modules.
+
+    model.hf_vision_path = "siglip/model.safetensors"   # SigLIP-style vision tower (+ LLaVA projector)
+    model.hf_text_path   = "llama/model.safetensors"    # Llama/Qwen-style decoder
+
+Names follow the public checkpoints: `vision_model.*` (SigLIP: no class token, separate q/k/v,
+`post_layernorm`), `multi_modal_projector.linear_{1,2}` (LLaVA), `model.*` + `lm_head` (Llama).
+Both sides use the rotate-half RoPE layout, so decoder weights map one to one. Every tensor of
+the titan_vlm module must be found with the right shape; a missing or mis-shaped tensor fails
+with its Hugging Face name. The flavor must match the checkpoint's shapes (model.flavor).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from titan_vlm.config import ConfigError
+
+
+def vision_names(n_layers: int) -> dict[str, str | tuple[str, ...]]:
+    """titan_vlm name -> Hugging Face name (a tuple: concatenated along dim 0, q/k/v)."""
+    names: dict[str, str | tuple[str, ...]] = {
+        "vision.patch_embed.weight": "vision_model.embeddings.patch_embedding.weight",
+        "vision.patch_embed.bias": "vision_model.embeddings.patch_embedding.bias",
+        "vision.pos_embed": "vision_model.embeddings.position_embedding.weight",
+        "vision.norm.weight": "vision_model.post_layernorm.weight",
+        "vision.norm.bias": "vision_model.post_layernorm.bias",
+        "projector.fc1.weight": "multi_modal_projector.linear_1.weight",
+        "projector.fc1.bias": "multi_modal_projector.linear_1.bias",
+        "projector.fc2.weight": "multi_modal_projector.linear_2.weight",
+        "projector.fc2.bias": "multi_modal_projector.linear_2.bias",
+    }
+    for i in range(n_layers):
+        ours, hf = f"vision.layers.{i}.", f"vision_model.encoder.layers.{i}."
+        for kind in ("weight", "bias"):
+            names[f"{ours}attn.qkv.{kind}"] = tuple(f"{hf}self_attn.{p}_proj.{kind}" for p in "qkv")
+            names[f"{ours}attn.proj.{kind}"] = f"{hf}self_attn.out_proj.{kind}"
+            names[f"{ours}norm1.{kind}"] = f"{hf}layer_norm1.{kind}"
+            names[f"{ours}norm2.{kind}"] = f"{hf}layer_norm2.{kind}"
+            names[f"{ours}fc1.{kind}"] = f"{hf}mlp.fc1.{kind}"
+            names[f"{ours}fc2.{kind}"] = f"{hf}mlp.fc2.{kind}"
+    return names
+
+
+def text_names(n_layers: int) -> dict[str, str]:
+    names = {"decoder.tok_embeddings.weight": "model.embed_tokens.weight",
+             "decoder.norm.weight": "model.norm.weight",
+             "decoder.output.weight": "lm_head.weight"}
+    ours_to_hf = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+                  "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+                  "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+                  "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm",
+                  "ffn_norm": "post_attention_layernorm"}
+    for i in range(n_layers):
+        for ours, hf in ours_to_hf.items():
+            names[f"decoder.layers.{i}.{ours}.weight"] = f"model.layers.{i}.{hf}.weight"
+    return names
+
+
+def _load_file(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if not Path(path).is_file():
+        raise ConfigError(f"Hugging Face weights not found: {path}")
+    return load_file(path)
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, vision_path: str = "", text_path: str = "") -> list[str]:
+    """Copy the named checkpoints into `model` (before any sharding). Returns the loaded names."""
+    params = dict(model.named_parameters())
+    loaded = []
+    for path, names in ((vision_path, vision_names(len(model.vision.layers))),
+                        (text_path, text_names(len(model.decoder.layers)))):
+        if not path:
+            continue
+        hf = _load_file(path)
+        if names.get("decoder.output.weight") == "lm_head.weight" and "lm_head.weight" not in hf:
+            names["decoder.output.weight"] = "model.embed_tokens.weight"  # tied embeddings
+        for ours, theirs in names.items():
+            parts = (theirs,) if isinstance(theirs, str) else theirs
+            missing = [p for p in parts if p not in hf]
+            if missing:
+                raise ConfigError(f"{path}: tensor '{missing[0]}' not found (needed for {ours})")
+            value = torch.cat([hf[p] for p in parts]) if len(parts) > 1 else hf[parts[0]]
+            target = params[ours]
+            if ours == "vision.pos_embed":
+                value = value.unsqueeze(0)  # HF: an Embedding table [patches, dim]
+            if value.shape != target.shape:
+                raise ConfigError(f"{path}: tensor '{parts[0]}' has shape {tuple(value.shape)}, "
+                                  f"{ours} needs {tuple(target.shape)} (check model.flavor)")
+            target.copy_(value.to(target.dtype))
+            loaded.append(ours)
+    return loaded
+
+
+def save_hf_weights(model: torch.nn.Module, vision_path: str, text_path: str) -> None:
+    """The inverse of `load_hf_weights`: write the model's weights under the public names."""
+    from safetensors.torch import save_file
+
+    params = dict(model.named_parameters())
+    for path, names in ((vision_path, vision_names(len(model.vision.layers))),
+                        (text_path, text_names(len(model.decoder.layers)))):
+        out = {}
+        for ours, theirs in names.items():
+            value = params[ours].detach()
+            if isinstance(theirs, tuple):
+                for name, chunk in zip(theirs, value.chunk(len(theirs))):
+                    out[name] = chunk.contiguous()
+            else:
+                out[theirs] = (value.squeeze(0) if ours == "vision.pos_embed" else value).contiguous()
+        save_file(out, path)
