@@ -36,6 +36,7 @@ class Model:
     attention_kernel: str = "auto"  # auto | cpu_flash | cuda_flash | cuda_efficient | cuda_cudnn
     hf_vision_path: str = ""  # SigLIP-style vision tower (+ LLaVA projector) safetensors to start from
     hf_text_path: str = ""  # Llama/Qwen-style decoder safetensors to start from
+    tokenizer_path: str = ""  # a Hugging Face tokenizer.json; "" is the built-in byte tokenizer
 
 
 @dataclass

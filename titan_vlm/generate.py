@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from titan_vlm.attention import SeqLayout
-from titan_vlm.data.tokenizer import ByteTokenizer
+from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 from titan_vlm.models.vlm import VLM
 
 
@@ -29,9 +29,10 @@ def load_image(path: str, size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate(model: VLM, image: torch.Tensor, prompt: str = "", max_new_tokens: int = 64) -> str:
+def generate(model: VLM, image: torch.Tensor, prompt: str = "", max_new_tokens: int = 64,
+             tok: ByteTokenizer | HFTokenizer | None = None) -> str:
     """Greedy continuation of `prompt` after `image` ([3, H, W] in [-1, 1])."""
-    tok = ByteTokenizer()
+    tok = tok or ByteTokenizer()
     ids = tok.encode(prompt, eos=False)
     embeds = model.encode_images(image.unsqueeze(0))  # [1, N, D], computed once
     n = embeds.shape[1]
@@ -48,6 +49,7 @@ def generate(model: VLM, image: torch.Tensor, prompt: str = "", max_new_tokens: 
 
 def main() -> None:
     from titan_vlm.checkpoint import load_model_for_inference
+    from titan_vlm.data.tokenizer import build_tokenizer
     from titan_vlm.models.flavors import get_flavor
 
     parser = argparse.ArgumentParser(description="Describe an image with a trained titan_vlm checkpoint.")
@@ -58,7 +60,8 @@ def main() -> None:
     opts = parser.parse_args()
     model, cfg = load_model_for_inference(opts.checkpoint)
     image = load_image(opts.image, get_flavor(cfg.model.flavor).vision.image_size)
-    print(opts.prompt + generate(model, image, opts.prompt, opts.max_new_tokens))
+    tok = build_tokenizer(cfg.model.tokenizer_path)
+    print(opts.prompt + generate(model, image, opts.prompt, opts.max_new_tokens, tok))
 
 
 if __name__ == "__main__":

@@ -113,6 +113,12 @@ class ParallelDims:
             path = getattr(cfg.model, key)
             if path and not Path(path).is_file():
                 raise ConfigError(f"model.{key}: file not found: {path}")
+        from titan_vlm.data.tokenizer import build_tokenizer
+
+        vocab = build_tokenizer(cfg.model.tokenizer_path).vocab_size
+        if vocab > vlm.decoder.vocab_size:
+            raise ConfigError(f"model.tokenizer_path: the tokenizer has {vocab} ids, flavor '{cfg.model.flavor}' "
+                              f"embeds {vlm.decoder.vocab_size}")
         kernel = cfg.model.attention_kernel
         if kernel != "auto":
             if kernel not in KERNELS:

@@ -21,7 +21,7 @@ from titan_vlm.attention import select_kernel, use_kernel
 from titan_vlm.checkpoint import Checkpointer
 from titan_vlm.config import ConfigError, JobConfig, load_config
 from titan_vlm.data.synthetic import IGNORE_INDEX, Batch, SyntheticCaptions
-from titan_vlm.data.tokenizer import ByteTokenizer
+from titan_vlm.data.tokenizer import build_tokenizer
 from titan_vlm.metrics import MetricsLogger, peak_memory_gib
 from titan_vlm.models.accounting import param_counts, state_bytes_per_rank, train_flops_per_row
 from titan_vlm.models.flavors import get_flavor
@@ -58,8 +58,7 @@ def forward_backward(model: VLM, batch: Batch, mesh: Mesh, cp: CPOptions = CPOpt
         embeds = encode_images_over_cp(model, batch.images.flatten(0, 1), mesh.cp, cp.vision, sum_image_grad)
         embeds = embeds.reshape(rows, n_img, -1)
     # 3. Only the text is CP-sharded (head-tail), with its row positions and shifted labels.
-    tokens, labels, layout = shard_text(batch.tokens, batch.labels, n_img, mesh.cp, pad_id=ByteTokenizer.PAD,
-                                        cp_comm_type=cp.comm_type)
+    tokens, labels, layout = shard_text(batch.tokens, batch.labels, n_img, mesh.cp, cp.comm_type)
     logits = model.decoder(tokens, embeds, layout)
     # 4. Mean over the global batch's text tokens: count across dp and cp, sum per rank.
     loss_group = mesh.job.get_group()
@@ -179,7 +178,8 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
     k = cfg.data.images_per_sample
     n_img = k * args.tokens_per_image
     data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, t.seq_len, t.seed,
-                             cfg.data.sentences_per_image, cfg.data.blank_images, k)
+                             cfg.data.sentences_per_image, cfg.data.blank_images, k,
+                             build_tokenizer(cfg.model.tokenizer_path))
     for line in describe_cp_layout(n_img, data.text_len, mesh.cp.size()):
         logger.info(line)
     if k and mesh.cp.size() > 1:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_vlm.data.tokenizer import ByteTokenizer
+from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 
 IGNORE_INDEX = -100
 COLORS = {
@@ -88,7 +88,8 @@ class SyntheticCaptions:
     text only. `tokens_per_image` is the model's image-token count for one image."""
 
     def __init__(self, image_size: int, tokens_per_image: int, seq_len: int, seed: int,
-                 sentences_per_image: int = 1, blank_images: bool = False, images_per_sample: int = 1):
+                 sentences_per_image: int = 1, blank_images: bool = False, images_per_sample: int = 1,
+                 tokenizer: ByteTokenizer | HFTokenizer | None = None):
         self.image_size = image_size
         self.images_per_sample = images_per_sample
         self.text_len = seq_len - images_per_sample * tokens_per_image
@@ -98,7 +99,7 @@ class SyntheticCaptions:
         self.seed = seed
         self.sentences = sentences_per_image
         self.blank = blank_images
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = tokenizer or ByteTokenizer()
 
     def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
         rng = random.Random(f"{self.seed}/{index}")
@@ -120,7 +121,7 @@ class SyntheticCaptions:
         else:
             text = "no image."
         ids = self.tokenizer.encode(text)[: self.text_len + 1]
-        tokens = torch.full((self.text_len,), ByteTokenizer.PAD, dtype=torch.long)
+        tokens = torch.full((self.text_len,), self.tokenizer.PAD, dtype=torch.long)
         labels = torch.full((self.text_len,), IGNORE_INDEX, dtype=torch.long)
         tokens[: len(ids) - 1] = torch.tensor(ids[:-1])
         labels[: len(ids) - 1] = torch.tensor(ids[1:])

@@ -152,12 +152,12 @@ def head_tail_indices(padded_len: int, cp_size: int, cp_rank: int) -> torch.Tens
 
 
 def shard_text(tokens: torch.Tensor, labels: torch.Tensor, num_image_tokens: int, cp_mesh: DeviceMesh,
-               pad_id: int, cp_comm_type: str = "p2p") -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
+               cp_comm_type: str = "p2p") -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
     """This CP rank's share of the text of rows `[image tokens, text]`, and its SeqLayout.
 
     tokens/labels [B, T] are the whole text (labels already shifted). Text whose length is not a
-    multiple of 2P is padded at the end with `pad_id` / IGNORE_INDEX: padding comes after every
-    real token, so the causal mask hides it from them and it carries no loss.
+    multiple of 2P is padded at the end with token 0 / IGNORE_INDEX: padding comes after every
+    real token, so the causal mask hides it from them and it carries no loss (so its id is moot).
     `cp_comm_type` picks the exact attention across the group (cp_attention.py).
     """
     n, text_len = num_image_tokens, tokens.shape[1]
@@ -167,7 +167,7 @@ def shard_text(tokens: torch.Tensor, labels: torch.Tensor, num_image_tokens: int
     padded = padded_text_len(text_len, cp_size)
     if padded != text_len:
         extra = padded - text_len
-        tokens = torch.nn.functional.pad(tokens, (0, extra), value=pad_id)
+        tokens = torch.nn.functional.pad(tokens, (0, extra), value=0)
         labels = torch.nn.functional.pad(labels, (0, extra), value=IGNORE_INDEX)
     idx = head_tail_indices(padded, cp_size, cp_mesh.get_local_rank()).to(tokens.device)
     layout = SeqLayout(positions=torch.cat([torch.arange(n, device=tokens.device), n + idx]).unsqueeze(0),
