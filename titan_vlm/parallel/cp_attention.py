@@ -172,6 +172,7 @@ class _RingAttention(torch.autograd.Function):
         qt, dq_t, dout_t, out_t, lse_t = q[:, :, n:], dq[:, :, n:], dout[:, :, n:], out[:, :, n:], lse[:, :, n:]
         kv = torch.stack([k[:, :, n:], v[:, :, n:]]).contiguous()
         dkv = torch.zeros_like(kv, dtype=torch.float32)  # gradient of the block in hand; travels with it
+        dkv_incoming, dreqs = dkv, []  # set by the first step's shift
         for step in range(g.size):
             if step < g.size - 1:
                 incoming, reqs = g.shift(kv)
