@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import sys
 import time
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _group import run_group
 from torch.distributed.device_mesh import init_device_mesh
 
 from titan_vlm.data.synthetic import SyntheticCaptions
+from titan_vlm.metrics import SavedForBackward
 from titan_vlm.models.flavors import get_flavor
 from titan_vlm.models.vlm import VLM
 from titan_vlm.parallel.context_parallel import CPOptions, attention_work, head_tail_indices, padded_text_len
@@ -94,27 +93,16 @@ def balance(cp: int, n_img: int, text_len: int) -> float:
     return max(work) / (sum(work) / cp)
 
 
-def worker(rank: int, cp: int, port: int, configs: list, flavor: str, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cp))
-    dist.init_process_group("gloo", rank=rank, world_size=cp)
+def worker(rank: int, cp: int, results, configs: list, flavor: str) -> None:
     mesh = Mesh.from_root(init_device_mesh("cpu", (1, 1, cp, 1), mesh_dim_names=MESH_DIMS))
     args = get_flavor(flavor)
     torch.manual_seed(0)
     model = VLM(args)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     for comm, seq_len in configs:
         data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, seq_len, 0,
                                  sentences_per_image=seq_len // 8)
         batch = data.batch(0, 0, 1, 1)
-        saved: dict[int, int] = {}
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in params:
-                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with count_sent_bytes() as sent, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with count_sent_bytes() as sent, SavedForBackward(model.parameters()) as saved:
             forward_backward(model, batch, mesh, CPOptions(comm))  # warm-up, counted
         model.zero_grad(set_to_none=True)
         dist.barrier()
@@ -123,21 +111,13 @@ def worker(rank: int, cp: int, port: int, configs: list, flavor: str, results) -
         elapsed = torch.tensor(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        stats = torch.tensor([sum(saved.values()), sent["bytes"]], dtype=torch.float64)
+        stats = torch.tensor([saved.bytes, sent["bytes"]], dtype=torch.float64)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
         if rank == 0:
             results.put(dict(cp=cp, comm=comm if cp > 1 else "-", seq_len=seq_len, step_s=float(elapsed),
                              saved_mib=float(stats[0]) / 2**20, sent_mib=float(stats[1]) / 2**20,
                              analytic_mib=analytic_bytes(comm, cp, args.tokens_per_image, data.text_len, flavor, 1)
                              / 2**20, balance=balance(cp, args.tokens_per_image, data.text_len)))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -148,26 +128,15 @@ def main() -> None:
     parser.add_argument("--flavor", default="debug")
     opts = parser.parse_args()
     seq_lens = [int(x) for x in opts.seq_lens.split(",")]
-    ctx = mp.get_context("spawn")
     print(f"# {opts.flavor} flavor, batch 1, fp32, {os.cpu_count()} CPU cores, torch {torch.__version__}")
     print("| cp | comm | seq len | step s | saved MiB/rank | sent MiB/rank | analytic MiB | balance |")
     print("|---|---|---|---|---|---|---|---|")
     for cp in (int(x) for x in opts.cps.split(",")):
         comms = opts.comms.split(",") if cp > 1 else ["p2p"]
         configs = [(comm, s) for s in seq_lens for comm in comms]
-        results = ctx.Queue()
-        port = free_port()
-        procs = [ctx.Process(target=worker, args=(r, cp, port, configs, opts.flavor, results)) for r in range(cp)]
-        for p in procs:
-            p.start()
-        for _ in configs:
-            r = results.get()
+        for r in run_group(worker, cp, len(configs), configs, opts.flavor):
             print(f"| {r['cp']} | {r['comm']} | {r['seq_len']} | {r['step_s']:.2f} | {r['saved_mib']:.1f} | "
                   f"{r['sent_mib']:.2f} | {r['analytic_mib']:.2f} | {r['balance']:.3f} |", flush=True)
-        for p in procs:
-            p.join()
-        if any(p.exitcode for p in procs):
-            sys.exit(f"cp={cp}: a worker failed")
 
 
 if __name__ == "__main__":

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _group import run_group
 from torch.distributed.device_mesh import init_device_mesh
 
+from titan_vlm.metrics import SavedForBackward
 from titan_vlm.models.flavors import get_flavor
 from titan_vlm.models.vlm import VLM
 from titan_vlm.parallel.context_parallel import CP_VISION_MODES, encode_images_over_cp, image_shard_sizes
@@ -33,37 +33,27 @@ def sent_bytes(mode: str, cp: int, embed_bytes: int) -> int:
     return 2 * (cp - 1) * embed_bytes // cp  # all-reduce, or all-gather + reduce-scatter
 
 
-def worker(rank: int, cp: int, port: int, flavor: str, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cp))
-    dist.init_process_group("gloo", rank=rank, world_size=cp)
+def worker(rank: int, cp: int, results, flavor: str) -> None:
     mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
     args = get_flavor(flavor)
     torch.manual_seed(0)
     model = VLM(args)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     n = IMAGES_PER_ROW * ROWS
     images = torch.randn(n, 3, args.vision.image_size, args.vision.image_size)
     for mode in CP_VISION_MODES:
-        saved: dict[int, int] = {}
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in params:
-                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
+        saved = SavedForBackward(model.parameters())
         times = []
         for i in range(REPEATS + 1):
             dist.barrier()
             start = time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if i == 0 else torch.enable_grad():
+            with saved if i == 0 else torch.enable_grad():
                 embeds = encode_images_over_cp(model, images, mesh, mode)
             embeds.backward(torch.full_like(embeds, 1e-3))  # a partial gradient from this rank's text
             times.append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)
         elapsed = torch.tensor(min(times[1:]))
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        activations = torch.tensor(float(sum(saved.values())))
+        activations = torch.tensor(float(saved.bytes))
         dist.all_reduce(activations, op=dist.ReduceOp.MAX)
         encoded = {"replicate": n, "broadcast": n if rank == 0 else 0, "shard": image_shard_sizes(n, cp)[rank]}[mode]
         most = torch.tensor(encoded)
@@ -72,8 +62,6 @@ def worker(rank: int, cp: int, port: int, flavor: str, results) -> None:
             results.put(dict(mode=mode, cp=cp, ms=float(elapsed) * 1e3, images=int(most),
                              saved_mib=float(activations) / 2**20,
                              sent_mib=sent_bytes(mode, cp, embeds.numel() * 4) / 2**20))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -81,24 +69,13 @@ def main() -> None:
     parser.add_argument("--flavor", default="small")
     parser.add_argument("--cps", default="2,4")
     opts = parser.parse_args()
-    ctx = mp.get_context("spawn")
     print(f"# {opts.flavor} flavor, {IMAGES_PER_ROW} images per row x {ROWS} rows, fp32, {os.cpu_count()} CPU cores")
     print("| cp | cp_vision | ViT+projector step ms | images encoded (max rank) | saved MiB/rank | sent MiB/rank |")
     print("|---|---|---|---|---|---|")
     for cp in (int(x) for x in opts.cps.split(",")):
-        results = ctx.Queue()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = [ctx.Process(target=worker, args=(r, cp, port, opts.flavor, results)) for r in range(cp)]
-        for p in procs:
-            p.start()
-        for _ in CP_VISION_MODES:
-            r = results.get()
+        for r in run_group(worker, cp, len(CP_VISION_MODES), opts.flavor):
             print(f"| {r['cp']} | {r['mode']} | {r['ms']:.1f} | {r['images']} | {r['saved_mib']:.1f} | "
                   f"{r['sent_mib']:.2f} |", flush=True)
-        for p in procs:
-            p.join()
 
 
 if __name__ == "__main__":

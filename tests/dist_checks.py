@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from titan_vlm.attention import SeqLayout
 from titan_vlm.config import JobConfig, Training
 from titan_vlm.data.synthetic import IGNORE_INDEX, SyntheticCaptions
+from titan_vlm.metrics import SavedForBackward
 from titan_vlm.models.flavors import get_flavor
 from titan_vlm.models.vlm import VLM
 from titan_vlm.optim import build_optimizer, build_scheduler
@@ -121,19 +122,7 @@ def saved_for_backward(cp: int, comm: str = "p2p", seq_len: int = 528, batch_siz
     torch.manual_seed(0)
     model = VLM(args)
     apply_ac(model, ac)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, seq_len, 0, sentences_per_image=40)
-    seen: dict[int, int] = {}
-    longest = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal longest
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-            longest = max([longest, *t.shape])
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedForBackward(model.parameters()) as saved:
         forward_backward(model, data.batch(0, 0, 1, batch_size), mesh, CPOptions(comm_type=comm))
-    return {"bytes": sum(seen.values()), "longest_dim": longest}
+    return {"bytes": saved.bytes, "longest_dim": saved.longest_dim}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import resource
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -64,3 +65,32 @@ class MetricsLogger:
             self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+
+
+class SavedForBackward:
+    """Context manager counting what autograd saves for backward inside it: `bytes` (each storage
+    once, the given parameters left out) and `longest_dim` (of any saved tensor)."""
+
+    def __init__(self, params: Iterable[torch.Tensor] = ()):
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.storages: dict[int, int] = {}
+        self.longest_dim = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.params:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+            self.longest_dim = max([self.longest_dim, *t.shape])
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+    def __enter__(self) -> SavedForBackward:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
