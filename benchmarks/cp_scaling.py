@@ -21,10 +21,11 @@ from _group import run_group
 from torch.distributed.device_mesh import init_device_mesh
 
 from titan_vlm.data.synthetic import SyntheticCaptions
+from titan_vlm.layout import build_layout
 from titan_vlm.metrics import SavedForBackward
 from titan_vlm.models.flavors import get_flavor
 from titan_vlm.models.vlm import VLM
-from titan_vlm.parallel.context_parallel import CPOptions, attention_work, head_tail_indices, padded_text_len
+from titan_vlm.parallel.context_parallel import CPOptions
 from titan_vlm.parallel.cp_attention import CP_COMM_TYPES
 from titan_vlm.parallel_dims import MESH_DIMS, Mesh
 from titan_vlm.train import forward_backward
@@ -66,12 +67,12 @@ def count_sent_bytes():
             setattr(dist, name, fn)
 
 
-def analytic_bytes(comm: str, cp: int, n_img: int, text_len: int, flavor: str, batch: int, elem: int = 4) -> int:
-    """Bytes one rank sends per step for the CP attention, from the design (all decoder layers)."""
+def analytic_bytes(comm: str, cp: int, n_img: int, t_local: int, flavor: str, batch: int, elem: int = 4) -> int:
+    """Bytes one rank sends per step for the CP attention, from the design (all decoder layers):
+    `n_img` image slots and `t_local` text slots per rank."""
     if cp == 1:
         return 0
     d = get_flavor(flavor).decoder
-    t_local = padded_text_len(text_len, cp) // cp
     kv = 2 * batch * d.n_kv_heads * t_local * d.head_dim  # this rank's text K and V, elements
     if comm == "p2p":  # K/V go P-1 hops each way; the fp32 dK/dV accumulators go P hops
         per_layer = (cp - 1) * kv * elem * 2 + cp * kv * 4
@@ -85,14 +86,6 @@ def analytic_bytes(comm: str, cp: int, n_img: int, text_len: int, flavor: str, b
     return per_layer * d.n_layers
 
 
-def balance(cp: int, n_img: int, text_len: int) -> float:
-    padded = padded_text_len(text_len, cp)
-    keys = torch.arange(n_img + padded)
-    work = [attention_work(torch.cat([torch.arange(n_img), n_img + head_tail_indices(padded, cp, r)]), keys)
-            for r in range(cp)]
-    return max(work) / (sum(work) / cp)
-
-
 def worker(rank: int, cp: int, results, configs: list, flavor: str) -> None:
     mesh = Mesh.from_root(init_device_mesh("cpu", (1, 1, cp, 1), mesh_dim_names=MESH_DIMS))
     args = get_flavor(flavor)
@@ -102,6 +95,7 @@ def worker(rank: int, cp: int, results, configs: list, flavor: str) -> None:
         data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, seq_len, 0,
                                  sentences_per_image=seq_len // 8)
         batch = data.batch(0, 0, 1, 1)
+        _, layout = build_layout(batch.doc, batch.image, cp, 0)
         with count_sent_bytes() as sent, SavedForBackward(model.parameters()) as saved:
             forward_backward(model, batch, mesh, CPOptions(comm))  # warm-up, counted
         model.zero_grad(set_to_none=True)
@@ -116,8 +110,8 @@ def worker(rank: int, cp: int, results, configs: list, flavor: str) -> None:
         if rank == 0:
             results.put(dict(cp=cp, comm=comm if cp > 1 else "-", seq_len=seq_len, step_s=float(elapsed),
                              saved_mib=float(stats[0]) / 2**20, sent_mib=float(stats[1]) / 2**20,
-                             analytic_mib=analytic_bytes(comm, cp, args.tokens_per_image, data.text_len, flavor, 1)
-                             / 2**20, balance=balance(cp, args.tokens_per_image, data.text_len)))
+                             analytic_mib=analytic_bytes(comm, cp, layout.num_image_tokens, len(layout.texts[0]),
+                                                         flavor, 1) / 2**20, balance=layout.balance()))
 
 
 def main() -> None:

@@ -1,9 +1,11 @@
 """GPU checks of titan_vlm's attention kernels: python benchmarks/gpu_check.py (needs CUDA).
 
-1. Every CUDA block kernel (flash for bf16, memory-efficient for fp32 and bf16) used exactly as
-   the ring attention uses it: the head-tail ring schedule of P virtual ranks is replayed in one
-   process (blocks, log-sum-exp merges, and the backward of every block with the merged out and
-   lse), and the output and dQ/dK/dV are compared with a float64 reference of the whole row.
+1. Every CUDA block kernel (flash for bf16, memory-efficient for fp32 and bf16, cuDNN) used
+   exactly as the ring attention uses it: the block plans of P virtual ranks on packed rows
+   (several samples, an image mid-text) are replayed in one process (blocks, log-sum-exp merges,
+   and the backward of every block with the merged out and lse), and the output and dQ/dK/dV
+   are compared with a float64 masked reference of the whole rows.
+   `python benchmarks/gpu_check.py cpu_flash float32 cpu` runs the same check on a CPU.
 2. The block kernel's own speed: causal forward + backward at long lengths, in TFLOP/s.
 
 The multi-rank runs (NCCL, several GPUs) are not here: this machine has one GPU.
@@ -15,95 +17,97 @@ import time
 
 import torch
 
-from titan_vlm.attention import KERNELS, merge_into
-from titan_vlm.parallel.context_parallel import head_tail_indices
-from titan_vlm.attention import Blocks
-from titan_vlm.parallel.cp_attention import _accumulators, _ring_block
+from titan_vlm.attention import KERNELS, Blocks, accumulators, blocks_backward, blocks_forward
+from titan_vlm.data.batch import Sample, collate
+from titan_vlm.layout import Slots, build_layout, visible
+
+TPI = 64  # image slots per image in this check
 
 
-def reference(q, k, v, n):
-    """float64 causal attention of the whole row (image prefix first, then text), with grads."""
+def packed_row(batch_rows: int = 2):
+    """Rows of three samples: an image first, an image mid-text, text only (1,088 slots)."""
+    image = torch.zeros(3, 8, 8)
+    rows = [[Sample([image, list(range(300))]), Sample([list(range(50)), image, list(range(200))]),
+             Sample([list(range(410))])]] * batch_rows
+    return collate(rows, 1088, TPI, 8, pad_id=0)
+
+
+def reference(q, k, v, batch):
+    """float64 attention of the whole rows under the mask rule, with grads."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
     h = q.shape[1]
     ke, ve = k.repeat_interleave(h // k.shape[1], 1), v.repeat_interleave(h // v.shape[1], 1)
-    out = torch.nn.functional.scaled_dot_product_attention(q, ke, ve, is_causal=True)
-    return out, (q, k, v)
+    row = Slots(batch.doc, torch.arange(batch.doc.shape[1]).expand_as(batch.doc), batch.image)
+    mask = visible(row, row, False).to(q.device)[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(q, ke, ve, attn_mask=mask)
+    return out.masked_fill((batch.doc < 0).to(q.device)[:, None, :, None], 0), (q, k, v)
 
 
-def simulate_ring(q, k, v, n, p, kernel):
-    """Replay the ring schedule of p ranks on one device. q/k/v hold the whole row in row order."""
-    c = (q.shape[2] - n) // (2 * p)
-    idx = [torch.cat([torch.arange(n), n + head_tail_indices(2 * p * c, p, r)]).to(q.device) for r in range(p)]
-    local = [(q[:, :, i], k[:, :, i], v[:, :, i]) for i in idx]
+def simulate_ring(q, k, v, batch, p, kernel):
+    """Replay the ring of p ranks on one device: each rank's block plans (images, then every
+    rank's text), log-sum-exp merges, and the backward of every block with the merged out/lse.
+    q/k/v hold the whole rows in row order."""
+    layouts = [build_layout(batch.doc, batch.image, p, r)[1] for r in range(p)]
+    idx = [torch.cat([lay.images.order, lay.texts[r].order], 1).to(q.device) for r, lay in enumerate(layouts)]
+
+    def take(x, i):  # [B, H, S, D] at local slots i [B, L]; padding slots read zeros
+        got = x.gather(2, i.clamp(min=0)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+        return got.masked_fill((i < 0)[:, None, :, None], 0)
+
+    local = [(take(q, i), take(k, i), take(v, i)) for i in idx]
+    n = layouts[0].num_image_tokens
     blocks = Blocks(q)
     blocks.kernel = kernel
-    outs, lses, auxes = [], [], []
+    dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
+    out_row = torch.zeros_like(q)
     for r, (ql, kl, vl) in enumerate(local):
-        out, lse = _accumulators(ql)
-        aux_r = []
-        for rows, causal in ((slice(0, n), True), (slice(n, None), False)):
-            o, l, a = blocks.forward(ql[:, :, rows], kl[:, :, :n], vl[:, :, :n], causal)
-            merge_into(out[:, :, rows], lse[:, :, rows], o, l)
-            aux_r.append(a)
-        for step in range(p):
-            src = (r - step) % p
-            rows, keys, causal = _ring_block(step, src, r, c)
-            kt, vt = local[src][1][:, :, n:], local[src][2][:, :, n:]
-            o, l, a = blocks.forward(ql[:, :, n:][:, :, rows], kt[:, :, keys], vt[:, :, keys], causal)
-            merge_into(out[:, :, n:][:, :, rows], lse[:, :, n:][:, :, rows], o, l)
-            aux_r.append(a)
-        outs.append(out.to(q.dtype))
-        lses.append(lse)
-        auxes.append(aux_r)
-    # backward with dout = 1 / numel on every output element (the image rows once: rank 0's)
-    dq = torch.zeros_like(q, dtype=torch.float32)
-    dk = torch.zeros_like(k, dtype=torch.float32)
-    dv = torch.zeros_like(v, dtype=torch.float32)
-    for r, (ql, kl, vl) in enumerate(local):
-        dout = torch.ones_like(outs[r])
+        lay = layouts[r]
+        out, lse = accumulators(ql)
+        plans = [(lay.blocks("local", "images"), kl[:, :, :n], vl[:, :, :n])]
+        plans += [(lay.blocks("local", s), local[s][1][:, :, n:], local[s][2][:, :, n:]) for s in range(p)]
+        auxes = [blocks_forward(blocks, ql, kk, vv, plan, out, lse) for plan, kk, vv in plans]
+        out = out.to(q.dtype)
+        # backward with dout = 1 on every real output slot (the replicated image rows once: rank 0's)
+        dout = torch.ones_like(out)
         if r > 0:
-            dout[:, :, :n] = 0  # image rows are replicated: count their loss once
-        out, lse, i = outs[r], lses[r], idx[r]
-        grads = []
-        for (rows, causal), a in zip(((slice(0, n), True), (slice(n, None), False)), auxes[r][:2]):
-            dq_, dk_, dv_ = blocks.backward(dout[:, :, rows].contiguous(), ql[:, :, rows], kl[:, :, :n], vl[:, :, :n],
-                                            out[:, :, rows], lse[:, :, rows], causal, a)
-            grads.append((i[rows], dq_, i[:n], dk_, dv_))
-        for step in range(p):
-            src = (r - step) % p
-            rows, keys, causal = _ring_block(step, src, r, c)
-            kt, vt = local[src][1][:, :, n:], local[src][2][:, :, n:]
-            dq_, dk_, dv_ = blocks.backward(dout[:, :, n:][:, :, rows].contiguous(), ql[:, :, n:][:, :, rows],
-                                            kt[:, :, keys], vt[:, :, keys], out[:, :, n:][:, :, rows],
-                                            lse[:, :, n:][:, :, rows], causal, auxes[r][2 + step])
-            grads.append((i[n:][rows], dq_, idx[src][n:][keys], dk_, dv_))
-        for qi, dq_, ki, dk_, dv_ in grads:
-            dq[:, :, qi] += dq_.float()
-            dk[:, :, ki] += dk_.float()
-            dv[:, :, ki] += dv_.float()
-    out_row = torch.empty_like(q)
-    for r in range(p):
-        out_row[:, :, idx[r]] = outs[r]
+            dout[:, :, :n] = 0
+        dql = torch.zeros_like(ql, dtype=torch.float32)
+        for (plan, kk, vv), aux, s in zip(plans, auxes, [None, *range(p)]):
+            dkk, dvv = torch.zeros_like(kk, dtype=torch.float32), torch.zeros_like(vv, dtype=torch.float32)
+            blocks_backward(blocks, dout, ql, kk, vv, out, lse, plan, aux, dql, dkk, dvv)
+            keys = idx[r][:, :n] if s is None else idx[s][:, n:]
+            for grad, acc in ((dkk, dk), (dvv, dv)):
+                scatter(acc, keys, grad)
+        scatter(dq, idx[r], dql)
+        mine = idx[r] if r == 0 else idx[r][:, n:]
+        scatter(out_row, mine, out if r == 0 else out[:, :, n:])
     return out_row, dq, dk, dv
 
 
+def scatter(acc, index, values):
+    """acc[b, :, index[b, j]] += values[b, :, j] for the real (>= 0) slots."""
+    keep = (index >= 0)[:, None, :, None].to(values.dtype)
+    acc.scatter_add_(2, index.clamp(min=0)[:, None, :, None].expand(-1, acc.shape[1], -1, acc.shape[3]),
+                     (values * keep).to(acc.dtype))
+
+
 def rel(a, b):
-    return float((a.detach().double() - b.double()).norm() / b.double().norm())
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
 
 
-def check_kernel(name: str, dtype: torch.dtype) -> None:
-    if True:
-        for p in (2, 4):
-            torch.manual_seed(0)
-            n, text = 64, 1024
-            q = torch.randn(2, 8, n + text, 64, device="cuda", dtype=dtype)
-            k = torch.randn(2, 2, n + text, 64, device="cuda", dtype=dtype)
-            v = torch.randn(2, 2, n + text, 64, device="cuda", dtype=dtype)
-            out, dq, dk, dv = simulate_ring(q, k, v, n, p, KERNELS[name])
-            ref, (rq, rk, rv) = reference(q, k, v, n)
-            ref.sum().backward()
-            print(f"| {name} | {str(dtype).split('.')[1]} | {p} | {rel(out, ref):.1e} | {rel(dq, rq.grad):.1e} | "
-                  f"{rel(dk, rk.grad):.1e} | {rel(dv, rv.grad):.1e} |", flush=True)
+def check_kernel(name: str, dtype: torch.dtype, device: str = "cuda") -> None:
+    for p in (2, 4):
+        torch.manual_seed(0)
+        batch = packed_row()
+        shape = (batch.num_rows, 8, batch.doc.shape[1], 64)
+        q = torch.randn(shape, device=device, dtype=dtype)
+        k = torch.randn(shape[0], 2, *shape[2:], device=device, dtype=dtype)
+        v = torch.randn(shape[0], 2, *shape[2:], device=device, dtype=dtype)
+        out, dq, dk, dv = simulate_ring(q, k, v, batch, p, KERNELS[name])
+        ref, (rq, rk, rv) = reference(q, k, v, batch)
+        ref.sum().backward()
+        print(f"| {name} | {str(dtype).split('.')[1]} | {p} | {rel(out, ref):.1e} | {rel(dq, rq.grad):.1e} | "
+              f"{rel(dk, rk.grad):.1e} | {rel(dv, rv.grad):.1e} |", flush=True)
 
 
 def kernel_speed() -> None:
@@ -131,13 +135,14 @@ def kernel_speed() -> None:
 if __name__ == "__main__":
     import sys
 
-    if len(sys.argv) == 3:  # one kernel check per process: a kernel fault cannot spoil the others
-        check_kernel(sys.argv[1], getattr(torch, sys.argv[2]))
+    if len(sys.argv) >= 3:  # one kernel check per process: a kernel fault cannot spoil the others
+        check_kernel(sys.argv[1], getattr(torch, sys.argv[2]), *sys.argv[3:])
         sys.exit()
     import subprocess
 
     print(torch.__version__, torch.cuda.get_device_name())
-    print("## ring schedule on CUDA kernels vs float64 reference (B=2, H=8, Hkv=2, D=64, 64 image + 1024 text)")
+    print("## ring schedule on CUDA kernels vs float64 reference (B=2, H=8, Hkv=2, D=64; packed rows of 3 "
+          "samples, 2 images of 64 slots, one mid-text)")
     print("| kernel | dtype | P | out | dQ | dK | dV |")
     print("|---|---|---|---|---|---|---|", flush=True)
     for name, dtype in (("cuda_flash", "bfloat16"), ("cuda_efficient", "float32"), ("cuda_efficient", "bfloat16"),

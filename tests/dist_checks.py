@@ -14,14 +14,14 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from titan_vlm.attention import SeqLayout
 from titan_vlm.config import JobConfig, Training
-from titan_vlm.data.synthetic import IGNORE_INDEX, SyntheticCaptions
+from titan_vlm.data.batch import IGNORE_INDEX, Batch, Sample, collate
+from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.metrics import SavedForBackward
-from titan_vlm.models.flavors import get_flavor
+from titan_vlm.models.flavors import get_flavor, model_args
 from titan_vlm.models.vlm import VLM
 from titan_vlm.optim import build_optimizer, build_scheduler
-from titan_vlm.parallel.context_parallel import CPOptions
+from titan_vlm.parallel.context_parallel import CPOptions, shard_batch
 from titan_vlm.parallel.parallelize import apply_ac, parallelize_vlm
 from titan_vlm.parallel_dims import MESH_DIMS, Mesh
 from titan_vlm.train import forward_backward, run_training, train_step
@@ -46,28 +46,69 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
+def special_rows(name: str, seq_len: int, seed: int = 0) -> Batch:
+    """Hand-built packed rows for the packing tests (debug flavor: 16 slots per image).
+    "mixed": samples with 0, 1 and 3 images, an image in the middle and one at the end of its
+    text; "no_image": text-only samples; "half_images": a text-only row and a row with images;
+    "one_rank_images": a long sample whose two images sit inside its first text chunk, i.e.
+    among one CP rank's text at cp=2 and cp=4."""
+    args = get_flavor("debug")
+    data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, seq_len, seed, sentences_per_image=2)
+    enc = data.tokenizer.encode
+    rng = __import__("random").Random(seed)
+
+    def image() -> torch.Tensor:
+        return data.random_image(rng, 1)[0]
+
+    def text(n: int, bos: bool = False, eos: bool = False) -> list[int]:
+        return enc("".join(rng.choice("abcdefgh ") for _ in range(n)), bos=bos, eos=eos)
+
+    if name == "mixed":
+        rows = [[Sample([image(), text(20, True, True)]), Sample([text(9, True, True)]),
+                 Sample([text(4, True), image(), text(7), image(), text(5), image(), text(6, eos=True)])],
+                [Sample([text(11, True), image(), text(23, eos=True)]), Sample([text(6, True), image()]),
+                 Sample([text(30, True, True)])]]
+    elif name == "no_image":
+        rows = [[Sample([text(25, True, True)]), Sample([text(40, True, True)])], [Sample([text(70, True, True)])]]
+    elif name == "half_images":  # one row without, one with images (at dp=2: a dp rank has none)
+        rows = [[Sample([text(25, True, True)]), Sample([text(40, True, True)])],
+                [Sample([image(), text(30, True, True)]), Sample([text(3, True), image(), text(20, eos=True)])]]
+    elif name == "one_rank_images":
+        rows = [[Sample([text(2, True), image(), text(1), image(), text(70, eos=True)])],
+                [Sample([text(3, True), image(), text(60, eos=True)]), Sample([text(12, True, True)])]]
+    else:
+        raise ValueError(name)
+    return collate(rows, seq_len, args.tokens_per_image, args.vision.image_size, data.tokenizer.PAD)
+
+
 def parity(dp_shard: int = 1, cp: int = 2, dp_replicate: int = 1, seq_len: int = 61, batch_size: int = 2, comm: str = "p2p",
            vision: str = "shard", images: int = 1, sum_image_grad: bool = True, seed: int = 3,
-           mixed_precision: str = "fp32", ac: str = "none", compile_blocks: bool = False) -> dict:
+           mixed_precision: str = "fp32", ac: str = "none", compile_blocks: bool = False, packing: bool = False,
+           rows: str | None = None, image_attention: str = "causal", merge_samples: bool = False) -> dict:
     """One optimizer step of the parallel trainer against one process with the same weights and
     global batch. Returns both losses and grad norms and, per group (vision, projector, decoder),
     the worst per-parameter relative error (norm of difference / norm) of the gradient and of the
-    parameter after the step."""
-    args = get_flavor("debug")
+    parameter after the step. Rows: the synthetic data (`packing` on or off) or `special_rows`.
+    `merge_samples` (negative control only) lets the parallel run's samples attend to each other."""
+    args = model_args("debug", image_attention)
     t = Training(lr=1e-3, warmup_steps=0, steps=10, max_norm=1.0, seq_len=seq_len, local_batch_size=batch_size)
-    data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, seq_len, seed, sentences_per_image=3,
-                             images_per_sample=images)
     mesh = make_mesh(dp_shard, cp, dp_replicate)
     dp = dp_replicate * dp_shard
     options = CPOptions(comm_type=comm, vision=vision)
+    if rows is None:
+        data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, seq_len, seed, sentences_per_image=3,
+                                 images_per_sample=images, packing=packing)
+        full = data.batch(0, 0, 1, dp * batch_size)
+    else:
+        full = special_rows(rows, seq_len, seed)
+        assert full.num_rows == dp * batch_size, "special rows: one per (dp rank, local row)"
 
     # The reference: one process, the whole global batch, no sharding, torch's own clip.
     torch.manual_seed(seed)
     ref = VLM(args)
-    full = data.batch(0, 0, 1, dp * batch_size)
-    layout = SeqLayout.unsharded(seq_len, images * args.tokens_per_image)
-    logits = ref(full.images, full.tokens, layout)
-    ref_loss = F.cross_entropy(logits.flatten(0, 1), full.labels.flatten(), ignore_index=IGNORE_INDEX)
+    tokens, labels, layout = shard_batch(full, None, bidirectional_images=image_attention == "bidirectional")
+    logits = ref(full.images, tokens, layout)
+    ref_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
     ref_loss.backward()
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), t.max_norm)
     ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}  # clipped
@@ -79,7 +120,10 @@ def parity(dp_shard: int = 1, cp: int = 2, dp_replicate: int = 1, seq_len: int =
                             compile_blocks=compile_blocks)
     opt = build_optimizer(model, t)
     sched = build_scheduler(opt, t)
-    batch = data.batch(0, mesh.dp.get_local_rank(), dp, batch_size)
+    dp_rank = mesh.dp.get_local_rank()
+    batch = full.rows(dp_rank * batch_size, (dp_rank + 1) * batch_size)
+    if merge_samples:
+        batch.doc = torch.where(batch.doc >= 0, 0, batch.doc)
     stats = train_step(model, opt, sched, batch, mesh, t.max_norm, options, sum_image_grad=sum_image_grad)
 
     grad_err = dict.fromkeys(GROUPS, 0.0)
@@ -97,7 +141,8 @@ def parity(dp_shard: int = 1, cp: int = 2, dp_replicate: int = 1, seq_len: int =
         param_err[group] = max(param_err[group], _rel(_full(p.detach()), ref_params[name].detach()))
     return {"loss": stats["loss"], "ref_loss": ref_loss.item(), "grad_norm": stats["grad_norm"],
             "ref_grad_norm": ref_norm.item(), "grad_err": grad_err, "param_err": param_err, "missing_grads": missing,
-            "ntokens": stats["ntokens"], "ref_ntokens": int((full.labels != IGNORE_INDEX).sum())}
+            "ntokens": stats["ntokens"], "ref_ntokens": int((full.labels != IGNORE_INDEX).sum()),
+            "cp_balance": stats["cp_balance"]}
 
 
 def train_run(dp_shard: int, cp: int, steps: int, stop_after: int | None = None, dp_replicate: int = 1,

@@ -1,37 +1,50 @@
-"""Head-tail CP sharding balances the causal attention work, image prefix included."""
+"""Per-sample head-tail CP sharding balances the attention work, image slots included.
+
+Work of a CP rank = the query-key pairs its queries (every image slot of the row + its text)
+compute against the whole row under the mask rule (SeqLayout.rank_work), what the ring and
+all-gather algorithms execute. Reported per training step as `cp_balance` = max/mean."""
+
+from pathlib import Path
 
 import pytest
 import torch
 
-from titan_vlm.parallel.context_parallel import attention_work, head_tail_indices, padded_text_len
+from titan_vlm.config import load_config
+from titan_vlm.data.batch import Sample, collate
+from titan_vlm.data.synthetic import SyntheticCaptions
+from titan_vlm.layout import SeqLayout, Slots, build_layout
+from titan_vlm.models.flavors import get_flavor
 
 N_IMAGE, TEXT = 64, 4000
+DEFAULT_CONFIG = Path(__file__).parent.parent / "train_configs" / "vlm_cp.toml"
 
 
-def work_per_rank(cp: int, split: str) -> list[int]:
-    """Unmasked query-key pairs each rank computes for one row: its queries (all image tokens +
-    its text) against every key of the row."""
-    padded = padded_text_len(TEXT, cp)
-    all_positions = torch.arange(N_IMAGE + padded)
-    image = torch.arange(N_IMAGE)
-    work = []
+def contiguous_split(doc: torch.Tensor, image: torch.Tensor, cp: int) -> SeqLayout:
+    """The split head-tail replaces: rank r takes the r-th of P equal pieces of each row's text,
+    blind to sample boundaries."""
+    _, layout = build_layout(doc, image)
+    texts = []
     for r in range(cp):
-        if split == "head_tail":
-            text = head_tail_indices(padded, cp, r)
-        else:  # contiguous: rank r takes the r-th of P equal pieces
-            piece = padded // cp
-            text = torch.arange(r * piece, (r + 1) * piece)
-        work.append(attention_work(torch.cat([image, N_IMAGE + text]), all_positions))
-    return work
+        pieces = []
+        for b in range(doc.shape[0]):
+            text = ((doc[b] >= 0) & (image[b] < 0)).nonzero().flatten()
+            text = torch.nn.functional.pad(text, (0, -len(text) % cp), value=-1)
+            pieces.append(text.view(cp, -1)[r])
+        texts.append(Slots.gather(doc, image, torch.nn.utils.rnn.pad_sequence(pieces, True, -1)))
+    return SeqLayout(layout.positions, layout.images, texts, 0, layout.image_counts)
 
 
-def imbalance(work: list[int]) -> float:
-    return max(work) / (sum(work) / len(work))
+def one_long_sample(cp: int, split: str) -> SeqLayout:
+    rows = [[Sample([torch.zeros(3, 8, 8)] * (N_IMAGE // 16) + [list(range(TEXT))])]]
+    batch = collate(rows, N_IMAGE + TEXT, 16, 8, pad_id=0)
+    if split == "head_tail":
+        return build_layout(batch.doc, batch.image, cp)[1]
+    return contiguous_split(batch.doc, batch.image, cp)
 
 
 @pytest.mark.parametrize("cp", [2, 4, 8])
-def test_head_tail_balances_attention_work(cp):
-    head_tail, contiguous = imbalance(work_per_rank(cp, "head_tail")), imbalance(work_per_rank(cp, "contiguous"))
+def test_head_tail_balances_one_long_sample(cp):
+    head_tail, contiguous = one_long_sample(cp, "head_tail").balance(), one_long_sample(cp, "contiguous").balance()
     print(f"cp={cp}: max/mean head-tail {head_tail:.4f}, contiguous {contiguous:.4f} "
           f"(text-only bound (2P-1)/P = {(2 * cp - 1) / cp:.3f})")
     assert head_tail <= 1.05
@@ -43,7 +56,28 @@ def test_work_counts_every_row_pair_once():
     """Summed over ranks, the work is the whole row's causal triangle (nothing lost or doubled
     except the image queries, which every rank computes)."""
     cp = 4
-    total = sum(work_per_rank(cp, "head_tail"))
-    n = N_IMAGE + padded_text_len(TEXT, cp)
+    total = sum(one_long_sample(cp, "head_tail").rank_work())
+    n = N_IMAGE + TEXT
     image_queries = N_IMAGE * (N_IMAGE + 1) // 2
     assert total == n * (n + 1) // 2 + (cp - 1) * image_queries
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_packed_default_workload_is_balanced(cp):
+    """The built-in packed data of the default config: every step's cp_balance <= 1.10."""
+    cfg = load_config(["--config", str(DEFAULT_CONFIG)])
+    assert cfg.data.packing, "the default config trains packed rows"
+    args = get_flavor(cfg.model.flavor)
+    t = cfg.training
+    data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, t.seq_len, t.seed,
+                             cfg.data.sentences_per_image, images_per_sample=cfg.data.images_per_sample, packing=True)
+    head_tail, contiguous = [], []
+    for step in range(10):
+        batch = data.batch(step, 0, 1, t.local_batch_size)
+        head_tail.append(build_layout(batch.doc, batch.image, cp)[1].balance())
+        contiguous.append(contiguous_split(batch.doc, batch.image, cp).balance())
+    print(f"cp={cp}, 10 steps of {t.local_batch_size} x {t.seq_len}: cp_balance per-sample head-tail "
+          f"worst {max(head_tail):.3f} mean {sum(head_tail) / 10:.3f}; contiguous split worst "
+          f"{max(contiguous):.3f} mean {sum(contiguous) / 10:.3f}")
+    assert max(head_tail) <= 1.10
+    assert sum(contiguous) > sum(head_tail)

@@ -89,9 +89,11 @@ def test_model_and_data_checks(overrides, words):
         ParallelDims.from_config(cfg, 1).validate_model(cfg)
 
 
-def test_padding_for_cp_must_fit_the_rope_table():
-    cfg = load_config(["--training.seq_len=65536", "--parallelism.context_parallel_degree=16"])
-    with pytest.raises(ConfigError, match=r"padded to 65552 for cp=16"):
+def test_rows_must_fit_the_rope_table():
+    """Positions restart at every sample and CP padding takes no position, so seq_len is the bound."""
+    ParallelDims.from_config(cfg := load_config(["--training.seq_len=65536"]), 1).validate_model(cfg)
+    cfg = load_config(["--training.seq_len=65537", "--parallelism.context_parallel_degree=16"])
+    with pytest.raises(ConfigError, match=r"training.seq_len=65537 exceeds the RoPE table"):
         ParallelDims.from_config(cfg, 16).validate_model(cfg)
 
 

@@ -5,12 +5,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from titan_vlm.attention import SeqLayout
 from titan_vlm.config import ConfigError, load_config
 from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.models.flavors import get_flavor
 from titan_vlm.models.hf_weights import load_hf_weights, save_hf_weights
 from titan_vlm.models.vlm import VLM
+from titan_vlm.parallel.context_parallel import shard_batch
 from titan_vlm.parallel_dims import ParallelDims
 
 
@@ -30,8 +30,8 @@ def test_loading_hf_names_gives_the_same_outputs(tmp_path):
     loaded = load_hf_weights(target, str(tmp_path / "vision.safetensors"), str(tmp_path / "text.safetensors"))
     assert sorted(loaded) == sorted(n for n, _ in target.named_parameters())
     batch = SyntheticCaptions(32, 16, 64, seed=0).batch(0, 0, 1, 2)
-    layout = SeqLayout.unsharded(64, 16)
-    assert torch.equal(source(batch.images, batch.tokens, layout), target(batch.images, batch.tokens, layout))
+    tokens, _, layout = shard_batch(batch, None)
+    assert torch.equal(source(batch.images, tokens, layout), target(batch.images, tokens, layout))
 
 
 def test_tied_embeddings_fill_the_output_head(tmp_path):

@@ -34,7 +34,7 @@ def test_vision_learns_through_cp(pool, tmp_path):
     fresh = SyntheticCaptions(32, 16, 48, seed=12345)
     right = {"count": 0, "colour": 0, "shape": 0}
     for i in range(20):
-        image, _, _, truth = fresh.sample(i)
+        image, truth = fresh.sample(i)
         said = generate(model, image[0], max_new_tokens=40).split(".")[0].split() + ["", "", ""]
         want = truth.split(".")[0].split()
         for j, attribute in enumerate(right):

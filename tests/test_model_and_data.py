@@ -1,14 +1,14 @@
-"""Model shapes, flavors, the built-in data, and the CP text split."""
+"""Model shapes, flavors and the built-in data."""
 
 import torch
 
-from titan_vlm.attention import SeqLayout
-from titan_vlm.data.synthetic import IGNORE_INDEX, SyntheticCaptions
+from titan_vlm.data.batch import IGNORE_INDEX
+from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.data.tokenizer import ByteTokenizer
-from titan_vlm.models.accounting import param_counts, state_bytes_per_rank, train_flops_per_row
+from titan_vlm.models.accounting import param_counts, state_bytes_per_rank, train_flops
 from titan_vlm.models.flavors import get_flavor
 from titan_vlm.models.vlm import VLM
-from titan_vlm.parallel.context_parallel import head_tail_indices, padded_text_len
+from titan_vlm.parallel.context_parallel import shard_batch
 
 
 def test_debug_forward_shapes():
@@ -17,8 +17,10 @@ def test_debug_forward_shapes():
     model = VLM(args)
     data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, 64, seed=0)
     batch = data.batch(0, 0, 1, 3)
-    logits = model(batch.images, batch.tokens, SeqLayout.unsharded(64, args.tokens_per_image))
-    assert logits.shape == (3, 64 - args.tokens_per_image, args.decoder.vocab_size)
+    tokens, _, layout = shard_batch(batch, None)
+    logits = model(batch.images, tokens, layout)
+    longest_text = int(((batch.doc >= 0) & (batch.image < 0)).sum(1).max())  # row padding is not computed
+    assert logits.shape == (3, longest_text, args.decoder.vocab_size)
 
 
 def test_llava7b_flavor_is_7b_shaped():
@@ -29,7 +31,7 @@ def test_llava7b_flavor_is_7b_shaped():
     assert 6.6e9 < counts["decoder"] < 6.8e9  # Llama-2-7B
     assert get_flavor("llava7b").tokens_per_image == 576
     # ~6 * params * tokens dominates at short text
-    flops = train_flops_per_row(get_flavor("llava7b"), text_len=1024)
+    flops = train_flops(get_flavor("llava7b"), num_images=1, text_tokens=1024, attention_pairs=1600 * 1601 // 2)
     assert 6 * 6.5e9 * 1600 < flops < 6 * 7.5e9 * 1600 * 1.3
     # dp_shard=2 x cp=4: 16 bytes per parameter, decoder and vision sharded 8 ways -> ~13.9 GB a rank
     assert 13.5e9 < state_bytes_per_rank(counts, 8, 8) < 14.5e9
@@ -45,11 +47,11 @@ def test_data_is_deterministic_per_seed_and_rank_and_labels_are_shifted():
     assert torch.equal(a.tokens, whole.tokens[4:])
     other_seed = SyntheticCaptions(32, 16, 80, seed=6).batch(2, 1, 2, 4)
     assert not torch.equal(a.tokens, other_seed.tokens)
-    tokens, labels = a.tokens[0], a.labels[0]
+    tokens, labels = a.tokens[0, 16:], a.labels[0, 16:]  # after the image's 16 slots
     n = int((labels != IGNORE_INDEX).sum())
     assert tokens[0] == ByteTokenizer.BOS
-    assert torch.equal(labels[: n - 1], tokens[1:n])  # label j is token j+1
-    assert labels[n - 1] == ByteTokenizer.EOS
+    assert torch.equal(labels[:n], tokens[1:n + 1])  # label j is token j+1
+    assert labels[n - 1] == ByteTokenizer.EOS and (a.labels[0, :16] == IGNORE_INDEX).all()
 
 
 def test_blank_images_keep_the_captions():
@@ -57,14 +59,3 @@ def test_blank_images_keep_the_captions():
     blind = SyntheticCaptions(32, 16, 64, seed=1, blank_images=True).batch(0, 0, 1, 2)
     assert torch.equal(seeing.tokens, blind.tokens)
     assert blind.images.eq(-1).all() and not seeing.images.eq(-1).all()
-
-
-def test_head_tail_split_covers_the_text_once():
-    for text_len, cp in [(45, 2), (45, 4), (64, 4), (7, 8)]:
-        padded = padded_text_len(text_len, cp)
-        assert padded % (2 * cp) == 0 and text_len <= padded < text_len + 2 * cp
-        pieces = [head_tail_indices(padded, cp, r) for r in range(cp)]
-        assert torch.equal(torch.cat(pieces).sort().values, torch.arange(padded))
-        chunk = padded // (2 * cp)
-        assert pieces[0][0] == 0 and pieces[0][-1] == padded - 1  # rank 0: first and last chunk
-        assert pieces[cp - 1][0] == (cp - 1) * chunk  # last rank: the two middle chunks

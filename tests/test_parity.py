@@ -6,8 +6,9 @@ import pytest
 LOSS_TOL = 1e-5  # relative
 GRAD_TOL = 1e-4  # relative, per parameter: norm(g - g_ref) / norm(g_ref)
 # relative, per parameter, after the AdamW step. Adam's first step is about lr * sign(g), so
-# gradient elements near zero turn their rounding into whole-lr differences: looser than 1e-5.
-PARAM_TOL = 5e-5
+# gradient elements near zero turn their rounding into whole-lr differences: measured up to
+# 5e-5, so the gradient's tolerance.
+PARAM_TOL = 1e-4
 
 LAYOUTS = {"cp2": dict(cp=2), "cp4": dict(cp=4), "dp2xcp2": dict(dp_shard=2, cp=2),
            "hsdp_rep2xcp2": dict(dp_replicate=2, cp=2)}

@@ -28,8 +28,8 @@ def test_hf_tokenizer_encodes_the_captions(tmp_path):
     assert ids[0] == tok.BOS and ids[-1] == tok.EOS and len(ids) == 2 + 4
     assert tok.decode(ids) == "three red circles ."
     data = SyntheticCaptions(32, 16, 48, seed=0, tokenizer=tok)
-    tokens, labels = data.sample(0)[1:3]
-    assert tokens[0] == tok.BOS and int(labels.max()) < tok.vocab_size
+    batch = data.batch(0, 0, 1, 1)
+    assert batch.tokens[0, 16] == tok.BOS and int(batch.labels.max()) < tok.vocab_size
 
 
 def test_training_with_a_hf_tokenizer(pool, tmp_path):

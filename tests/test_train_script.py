@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 import subprocess
@@ -18,11 +19,13 @@ def run_train(*args: str, env: dict | None = None) -> subprocess.CompletedProces
 def test_default_config_trains_and_writes_metrics(tmp_path):
     out = run_train("--training.steps=4", "--metrics.log_freq=2", f"--job.dump_folder={tmp_path}")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "cp=2" in out.stdout and "cp rank 1: all 16 image tokens (replicated)" in out.stdout
+    assert "cp=2" in out.stdout and re.search(r"cp rank 1: all \d+ image slots \(replicated\)", out.stdout)
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     for s in steps:
-        assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "ntokens", "peak_memory_gib"} <= s.keys()
+        assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "ntokens", "peak_memory_gib",
+                "cp_balance"} <= s.keys()
+        assert 1.0 <= s["cp_balance"] <= 1.10
         assert s["loss"] > 0 and s["tokens_per_sec"] > 0 and s["ntokens"] > 0
     assert steps[-1]["loss"] < steps[0]["loss"]
     assert any((tmp_path / "tb").glob("events.out.tfevents.*"))

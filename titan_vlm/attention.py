@@ -6,23 +6,24 @@ Model code calls `attention(q, k, v, layout)` and knows nothing about parallelis
 text is sharded over a context-parallel group, `layout.cp` carries the algorithm that makes the
 attention exact across ranks (parallel/cp_attention.py).
 
-Mask rule (decoder): a query at row position p sees every key at position <= p. The image
-tokens of a row come first, so every text query sees the whole image prefix and the image
-queries see only image keys.
+Mask rule (decoder, layout.py): a query sees the keys of its own sample at earlier row
+positions (and itself); the tokens of one image see each other causally or, with
+model.image_attention = "bidirectional", all at once.
 
 Every attention, local or context-parallel, is computed from blocks by one `BlockKernel`:
 forward(q, k, v, causal) -> (out, log-sum-exp), and a backward that takes the final (merged)
-out and lse. Blocks are either dense or causal on the diagonal, so no kernel needs an
-arbitrary mask. Adding a kernel is adding a class to `KERNELS` (and, to make it the default
+out and lse. The layout turns the mask rule into a plan of dense blocks and causal diagonal
+blocks (layout.plan), so no kernel needs an arbitrary mask. Adding a kernel is adding a class to `KERNELS` (and, to make it the default
 somewhere, a line to `select_kernel`); `model.attention_kernel` can force any of them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+from titan_vlm.layout import Block, SeqLayout
 
 aten = torch.ops.aten
 
@@ -31,27 +32,6 @@ class CPAttention(Protocol):
     """A context-parallel attention algorithm (see parallel/cp_attention.py)."""
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout) -> torch.Tensor: ...
-
-
-@dataclass
-class SeqLayout:
-    """Where the local tokens of each row sit in the (unsharded) row.
-
-    positions: [1 or B, L] row position of each local token (the RoPE position). The first
-        `num_image_tokens` local tokens are the row's image tokens (whole on every CP rank); the
-        rest is text.
-    cp: None: the tokens are the whole row in row order, and the mask is plain causal.
-        Set: the text is sharded over a CP group in the head-tail layout (two equal chunks, r and
-        2P-1-r, context_parallel.shard_text); the CP algorithm relies on that layout.
-    """
-
-    positions: torch.Tensor
-    num_image_tokens: int
-    cp: CPAttention | None = None
-
-    @classmethod
-    def unsharded(cls, seq_len: int, num_image_tokens: int, device: torch.device | str = "cpu") -> SeqLayout:
-        return cls(positions=torch.arange(seq_len, device=device).unsqueeze(0), num_image_tokens=num_image_tokens)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,8 +211,60 @@ class Blocks:
         return dq, reduce_kv_heads(dk, n_kv), reduce_kv_heads(dv, n_kv)
 
 
+def accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 output and lse accumulators for q's rows: nothing seen yet (out 0, lse -inf).
+    Padding slots are in no block, so they keep out 0 (and are never backpropagated through)."""
+    return torch.zeros_like(q, dtype=torch.float32), q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
+
+
+def blocks_forward(blocks: Blocks, q, k, v, plan: list[Block], out, lse) -> list:
+    """Run the plan's blocks, merging into the out/lse accumulators; returns their auxes."""
+    auxes = []
+    for rows, qs, ks, causal in plan:
+        o, block_lse, aux = blocks.forward(q[rows, :, qs], k[rows, :, ks], v[rows, :, ks], causal)
+        merge_into(out[rows, :, qs], lse[rows, :, qs], o, block_lse)
+        auxes.append(aux)
+    return auxes
+
+
+def blocks_backward(blocks: Blocks, dout, q, k, v, out, lse, plan: list[Block], auxes, dq, dk, dv) -> None:
+    """Backward of `blocks_forward` with the final out/lse, accumulating into dq/dk/dv."""
+    for (rows, qs, ks, causal), aux in zip(plan, auxes):
+        dq_, dk_, dv_ = blocks.backward(dout[rows, :, qs], q[rows, :, qs], k[rows, :, ks], v[rows, :, ks],
+                                        out[rows, :, qs], lse[rows, :, qs], causal, aux)
+        dq[rows, :, qs] += dq_
+        dk[rows, :, ks] += dk_
+        dv[rows, :, ks] += dv_
+
+
+class _PlannedAttention(torch.autograd.Function):
+    """Attention as a list of dense and causal blocks (layout.plan), merged by log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: list[Block]) -> torch.Tensor:
+        blocks = Blocks(q)
+        out, lse = accumulators(q)
+        auxes = blocks_forward(blocks, q, k, v, plan, out, lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.meta = (blocks, plan, auxes)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        blocks, plan, auxes = ctx.meta
+        dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
+        blocks_backward(blocks, dout.contiguous(), q, k, v, out, lse, plan, auxes, dq, dk, dv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: list[Block]) -> torch.Tensor:
+    return _PlannedAttention.apply(q, k, v, plan)
+
+
 class _BlockAttention(torch.autograd.Function):
-    """One dense or causal block through the kernel."""
+    """One dense or causal block straight through the kernel (no accumulators to merge into)."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -254,11 +286,17 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return _BlockAttention.apply(q, k, v, causal)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout | None) -> torch.Tensor:
-    """q [B, H, L, D], k/v [B, Hkv, L, D] for the local tokens. layout=None: bidirectional (ViT)."""
-    if layout is None:
-        return block_attention(q, k, v, causal=False)
+@torch.compiler.disable  # the block plan is Python data that changes with every batch
+def _decoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
     if layout.cp is not None:
         return layout.cp(q, k, v, layout)
-    # Unsharded row, tokens in row order: [image prefix, text] is one causal block.
-    return block_attention(q, k, v, causal=True)
+    return planned_attention(q, k, v, layout.blocks("local", "local"))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout | None) -> torch.Tensor:
+    """q [B, H, L, D], k/v [B, Hkv, L, D] for the local slots. layout=None: bidirectional (ViT).
+    Otherwise the decoder's mask rule (layout.py) over the layout's local slots, exact across the
+    CP group when the text is sharded (layout.cp)."""
+    if layout is None:
+        return block_attention(q, k, v, causal=False)
+    return _decoder_attention(q, k, v, layout)

@@ -110,7 +110,7 @@ def load_model_for_inference(path: str | Path) -> tuple[torch.nn.Module, JobConf
     """A whole (unsharded) model from a checkpoint folder or step dir, in one process, no
     process group: DCP assembles every shard into plain tensors."""
     from titan_vlm.config import load_config
-    from titan_vlm.models.flavors import get_flavor
+    from titan_vlm.models.flavors import model_args
     from titan_vlm.models.vlm import VLM
 
     step_dir = latest_step_dir(Path(path))
@@ -118,7 +118,7 @@ def load_model_for_inference(path: str | Path) -> tuple[torch.nn.Module, JobConf
         raise FileNotFoundError(f"{path}: no checkpoint (expected a 'latest' file or a step-N folder)")
     saved = json.loads((step_dir / "config.json").read_text())
     cfg = load_config([f"--model.{k}={v}" for k, v in saved["model"].items()])
-    model = VLM(get_flavor(cfg.model.flavor))
+    model = VLM(model_args(cfg.model.flavor, cfg.model.image_attention))
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
     model.load_state_dict(state["model"])

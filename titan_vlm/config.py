@@ -37,6 +37,7 @@ class Model:
     hf_vision_path: str = ""  # SigLIP-style vision tower (+ LLaVA projector) safetensors to start from
     hf_text_path: str = ""  # Llama/Qwen-style decoder safetensors to start from
     tokenizer_path: str = ""  # a Hugging Face tokenizer.json; "" is the built-in byte tokenizer
+    image_attention: str = "causal"  # tokens of one image see each other: "causal" | "bidirectional"
 
 
 @dataclass
@@ -58,7 +59,8 @@ class Data:
     dataset: str = "synthetic"
     sentences_per_image: int = 1  # long-text knob: more sentences about the image per sample
     blank_images: bool = False  # ablation: every image black; captions are then unpredictable
-    images_per_sample: int = 1  # images per row (0: text only)
+    images_per_sample: int = 1  # images per sample (0: text only); with packing, at most this many
+    packing: bool = False  # several samples per row, each attending only to itself (README: packed rows)
 
 
 @dataclass

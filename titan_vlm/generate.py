@@ -13,9 +13,10 @@ import argparse
 
 import torch
 
-from titan_vlm.attention import SeqLayout
+from titan_vlm.data.batch import Sample, collate
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 from titan_vlm.models.vlm import VLM
+from titan_vlm.parallel.context_parallel import shard_batch
 
 
 def load_image(path: str, size: int) -> torch.Tensor:
@@ -35,11 +36,13 @@ def generate(model: VLM, image: torch.Tensor, prompt: str = "", max_new_tokens: 
     tok = tok or ByteTokenizer()
     ids = tok.encode(prompt, eos=False)
     embeds = model.encode_images(image.unsqueeze(0))  # [1, N, D], computed once
-    n = embeds.shape[1]
+    tpi = model.args.tokens_per_image
     out: list[int] = []
     for _ in range(max_new_tokens):
-        tokens = torch.tensor([ids + out])
-        logits = model.decoder(tokens, embeds, SeqLayout.unsharded(n + tokens.shape[1], n))
+        row = Sample([image, ids + out])
+        batch = collate([[row]], row.num_slots(tpi), tpi, image.shape[-1], tok.PAD)
+        tokens, _, layout = shard_batch(batch, None, bidirectional_images=model.args.image_attention == "bidirectional")
+        logits = model.decoder(tokens, layout.place_images(embeds), layout)
         nxt = int(logits[0, -1].argmax())
         if nxt == tok.EOS:
             break
@@ -50,7 +53,6 @@ def generate(model: VLM, image: torch.Tensor, prompt: str = "", max_new_tokens: 
 def main() -> None:
     from titan_vlm.checkpoint import load_model_for_inference
     from titan_vlm.data.tokenizer import build_tokenizer
-    from titan_vlm.models.flavors import get_flavor
 
     parser = argparse.ArgumentParser(description="Describe an image with a trained titan_vlm checkpoint.")
     parser.add_argument("--checkpoint", required=True, help="checkpoint folder (with 'latest') or a step-N folder")
@@ -59,7 +61,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     opts = parser.parse_args()
     model, cfg = load_model_for_inference(opts.checkpoint)
-    image = load_image(opts.image, get_flavor(cfg.model.flavor).vision.image_size)
+    image = load_image(opts.image, model.args.vision.image_size)
     tok = build_tokenizer(cfg.model.tokenizer_path)
     print(opts.prompt + generate(model, image, opts.prompt, opts.max_new_tokens, tok))
 

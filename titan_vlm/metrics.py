@@ -52,9 +52,9 @@ class MetricsLogger:
             return
         if echo:
             logger.info(
-                "step %5d | loss %.4f | grad_norm %.3f | lr %.2e | tokens/s %9.1f | peak mem %.2f GiB",
-                step, metrics["loss"], metrics["grad_norm"], metrics["lr"], metrics["tokens_per_sec"],
-                metrics["peak_memory_gib"])
+                "step %5d | loss %.4f | grad_norm %.3f | lr %.2e | tokens/s %9.1f | peak mem %.2f GiB | "
+                "cp_balance %.3f", step, metrics["loss"], metrics["grad_norm"], metrics["lr"],
+                metrics["tokens_per_sec"], metrics["peak_memory_gib"], metrics.get("cp_balance", 1.0))
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.tb is not None:
             for key, value in metrics.items():

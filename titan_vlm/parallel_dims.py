@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titan_vlm.attention import KERNELS
 from titan_vlm.config import ConfigError, JobConfig
-from titan_vlm.parallel.context_parallel import CP_VISION_MODES, padded_text_len
+from titan_vlm.parallel.context_parallel import CP_VISION_MODES
 from titan_vlm.parallel.cp_attention import CP_COMM_TYPES
 from titan_vlm.parallel.parallelize import AC_MODES
 
@@ -68,9 +68,9 @@ class ParallelDims:
 
     def validate_model(self, cfg: JobConfig) -> None:
         """Checks that need both the degrees and the model/data shapes."""
-        from titan_vlm.models.flavors import get_flavor
+        from titan_vlm.models.flavors import model_args
 
-        vlm = get_flavor(cfg.model.flavor)
+        vlm = model_args(cfg.model.flavor, cfg.model.image_attention)
         t = cfg.training
         k = cfg.data.images_per_sample
         if not 0 <= k <= 64:
@@ -79,10 +79,9 @@ class ParallelDims:
             raise ConfigError(
                 f"training.seq_len={t.seq_len} leaves no room for text after {k} images of "
                 f"{vlm.tokens_per_image} tokens (flavor '{cfg.model.flavor}', data.images_per_sample={k})")
-        padded = k * vlm.tokens_per_image + padded_text_len(t.seq_len - k * vlm.tokens_per_image, self.cp)
-        if padded > vlm.decoder.max_seq_len:  # CP pads the text to a multiple of 2*cp
-            raise ConfigError(f"training.seq_len={t.seq_len} (padded to {padded} for cp={self.cp}) exceeds the "
-                              f"RoPE table of flavor '{cfg.model.flavor}' (max_seq_len {vlm.decoder.max_seq_len})")
+        if t.seq_len > vlm.decoder.max_seq_len:  # RoPE positions restart at every sample, so this bounds them
+            raise ConfigError(f"training.seq_len={t.seq_len} exceeds the RoPE table of flavor "
+                              f"'{cfg.model.flavor}' (max_seq_len {vlm.decoder.max_seq_len})")
         for key, value, ok, want in (
                 ("training.lr", t.lr, math.isfinite(t.lr) and t.lr > 0, "a positive number"),
                 ("training.max_norm", t.max_norm, math.isfinite(t.max_norm), "a number (<= 0 disables clipping)"),

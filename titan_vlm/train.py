@@ -20,16 +20,17 @@ import torch.nn.functional as F
 from titan_vlm.attention import select_kernel, use_kernel
 from titan_vlm.checkpoint import Checkpointer
 from titan_vlm.config import ConfigError, JobConfig, load_config
-from titan_vlm.data.synthetic import IGNORE_INDEX, Batch, SyntheticCaptions
+from titan_vlm.data.batch import IGNORE_INDEX, Batch
+from titan_vlm.data.synthetic import SyntheticCaptions
+from titan_vlm.layout import SeqLayout
 from titan_vlm.data.tokenizer import build_tokenizer
 from titan_vlm.metrics import MetricsLogger, peak_memory_gib
-from titan_vlm.models.accounting import param_counts, state_bytes_per_rank, train_flops_per_row
-from titan_vlm.models.flavors import get_flavor
+from titan_vlm.models.accounting import batch_train_flops, param_counts, state_bytes_per_rank
+from titan_vlm.models.flavors import model_args
 from titan_vlm.models.hf_weights import load_hf_weights
 from titan_vlm.models.vlm import VLM
 from titan_vlm.optim import build_optimizer, build_scheduler, clip_grad_norm_
-from titan_vlm.parallel.context_parallel import (CPOptions, encode_images_over_cp, head_tail_indices,
-                                                 padded_text_len, shard_text, sync_broadcast_vision_grads)
+from titan_vlm.parallel.context_parallel import CPOptions, encode_images_over_cp, shard_batch, sync_broadcast_vision_grads
 from titan_vlm.parallel.parallelize import parallelize_vlm
 from titan_vlm.parallel_dims import Mesh, ParallelDims
 
@@ -43,23 +44,20 @@ warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mes
 
 
 def forward_backward(model: VLM, batch: Batch, mesh: Mesh, cp: CPOptions = CPOptions(),
-                     sum_image_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                     sum_image_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
     """Forward and backward of one batch on this rank. Returns the global loss (mean over every
-    text token of the global batch, identical on all ranks) and the global text-token count.
+    text token of the global batch, identical on all ranks), the global text-token count, and
+    this rank's layout.
 
     `sum_image_grad=False` is the negative-control switch of the parity tests; never in training.
     """
-    rows, k = batch.images.shape[:2]
-    n_img = k * model.args.tokens_per_image
-    embeds = None
-    if k:
-        # 1-2. The image embeddings of all the rows' images, whole on every CP rank (Replicate on
-        # cp); in backward their gradient is summed over cp before the projector and ViT.
-        embeds = encode_images_over_cp(model, batch.images.flatten(0, 1), mesh.cp, cp.vision, sum_image_grad)
-        embeds = embeds.reshape(rows, n_img, -1)
-    # 3. Only the text is CP-sharded (head-tail), with its row positions and shifted labels.
-    tokens, labels, layout = shard_text(batch.tokens, batch.labels, n_img, mesh.cp, cp.comm_type)
-    logits = model.decoder(tokens, embeds, layout)
+    # 1-2. The image embeddings of every image of the batch, whole on every CP rank (Replicate on
+    # cp); in backward their gradient is summed over cp before the projector and ViT. This runs
+    # even for a batch without images, so every rank enters the same collectives.
+    embeds = encode_images_over_cp(model, batch.images, mesh.cp, cp.vision, sum_image_grad)
+    # 3. Only the text is CP-sharded (head-tail per sample), with its positions and shifted labels.
+    tokens, labels, layout = shard_batch(batch, mesh.cp, cp.comm_type, model.args.image_attention == "bidirectional")
+    logits = model.decoder(tokens, layout.place_images(embeds), layout)
     # 4. Mean over the global batch's text tokens: count across dp and cp, sum per rank.
     loss_group = mesh.job.get_group()
     ntokens = (labels != IGNORE_INDEX).sum()
@@ -67,38 +65,45 @@ def forward_backward(model: VLM, batch: Batch, mesh: Mesh, cp: CPOptions = CPOpt
     loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum") / ntokens.clamp(min=1)
     loss.backward()
-    if k and cp.vision == "broadcast":
+    if cp.vision == "broadcast":
         sync_broadcast_vision_grads(model, mesh.cp)
     loss = loss.detach()
     dist.all_reduce(loss, group=loss_group)
-    return loss, ntokens
+    return loss, ntokens, layout
 
 
 def train_step(model: VLM, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                batch: Batch, mesh: Mesh, max_norm: float, cp: CPOptions = CPOptions(),
                sum_image_grad: bool = True) -> dict[str, float]:
     optimizer.zero_grad(set_to_none=True)
-    loss, ntokens = forward_backward(model, batch, mesh, cp, sum_image_grad)
+    loss, ntokens, layout = forward_backward(model, batch, mesh, cp, sum_image_grad)
     grad_norm = clip_grad_norm_(list(model.parameters()), max_norm)
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
     scheduler.step()
-    return {"loss": loss.item(), "grad_norm": grad_norm.item(), "ntokens": int(ntokens), "lr": lr}
+    return {"loss": loss.item(), "grad_norm": grad_norm.item(), "ntokens": int(ntokens), "lr": lr,
+            "cp_balance": layout.balance()}
 
 
-def describe_cp_layout(num_image_tokens: int, text_len: int, cp: int) -> list[str]:
-    """Human-readable: which CP rank holds which tokens of a row."""
-    padded = padded_text_len(text_len, cp) if cp > 1 else text_len
-    lines = [f"row = {num_image_tokens} image tokens + {text_len} text tokens"
-             + (f" (text padded to {padded})" if padded != text_len else "")]
-    for r in range(cp):
-        if cp == 1:
-            pieces = f"[0, {text_len})"
-        else:
-            idx = head_tail_indices(padded, cp, r)
-            half = len(idx) // 2
-            pieces = f"[{int(idx[0])}, {int(idx[half - 1]) + 1}) + [{int(idx[half])}, {int(idx[-1]) + 1})"
-        lines.append(f"  cp rank {r}: all {num_image_tokens} image tokens (replicated) + text {pieces}")
+def describe_layout(layout: SeqLayout, row: int = 0) -> list[str]:
+    """Human-readable: which CP rank holds which slots of one row."""
+    images = layout.images.order[row]
+    n_img = int((images >= 0).sum())
+    docs = layout.slots("all").doc[row]
+    text = sum(int((t.doc[row] >= 0).sum()) for t in layout.texts)
+    lines = [f"row {row}: {len(torch.unique(docs[docs >= 0]))} sample(s), {layout.image_counts[row]} image(s) "
+             f"= {n_img} image slots, {text} text slots"]
+    for r, t in enumerate(layout.texts):
+        where = t.order[row][t.order[row] >= 0].tolist()
+        runs, start = [], None
+        for i, pos in enumerate(where):
+            if start is None:
+                start = pos
+            if i + 1 == len(where) or where[i + 1] != pos + 1:
+                runs.append(f"[{start}, {pos + 1})")
+                start = None
+        lines.append(f"  cp rank {r}: all {n_img} image slots (replicated) + {len(where)} text slots "
+                     f"{' '.join(runs) or '-'}")
     return lines
 
 
@@ -138,7 +143,7 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
     """The training loop on an existing mesh. Returns the metrics of the steps it ran.
     `stop_after` ends the run after that step as a crash would (tests of resuming)."""
     t = cfg.training
-    args = get_flavor(cfg.model.flavor)
+    args = model_args(cfg.model.flavor, cfg.model.image_attention)
     use_kernel(cfg.model.attention_kernel)
     torch.manual_seed(t.seed)  # identical initial weights on every rank, before sharding
     model = VLM(args)
@@ -176,39 +181,43 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
                            "(raise training.steps to train on)", start, t.steps)
 
     k = cfg.data.images_per_sample
-    n_img = k * args.tokens_per_image
     data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, t.seq_len, t.seed,
                              cfg.data.sentences_per_image, cfg.data.blank_images, k,
-                             build_tokenizer(cfg.model.tokenizer_path))
-    for line in describe_cp_layout(n_img, data.text_len, mesh.cp.size()):
+                             build_tokenizer(cfg.model.tokenizer_path), packing=cfg.data.packing)
+    dp_rank, dp = mesh.dp.get_local_rank(), mesh.dp.size()
+    first = data.batch(start, dp_rank, dp, t.local_batch_size)
+    _, _, layout = shard_batch(first, mesh.cp, cp.comm_type, args.image_attention == "bidirectional")
+    logger.info("data: %s, %s", "packed rows (data.packing)" if cfg.data.packing else "one sample per row",
+                f"up to {k} image(s) per sample" if cfg.data.packing else f"{k} image(s) per sample")
+    for line in describe_layout(layout):
         logger.info(line)
     if k and mesh.cp.size() > 1:
         where = {"replicate": "every CP rank encodes all of them",
                  "broadcast": "CP rank 0 encodes them and broadcasts the embeddings",
-                 "shard": f"each CP rank encodes at most {-(-k * t.local_batch_size // mesh.cp.size())} "
-                          "and the embeddings are all-gathered"}[cp.vision]
-        logger.info("vision (cp_vision=%s): %d images per step per CP group; %s", cp.vision,
-                    k * t.local_batch_size, where)
-    dp_rank, dp = mesh.dp.get_local_rank(), mesh.dp.size()
+                 "shard": "each CP rank encodes about 1/cp of them and the embeddings are all-gathered"}[cp.vision]
+        logger.info("vision (cp_vision=%s): %d images in the first step's batch; %s", cp.vision,
+                    first.images.shape[0], where)
     rows = dp * t.local_batch_size
-    step_flops = rows * train_flops_per_row(args, data.text_len, k)
     rank0 = dist.get_rank() == 0
     metrics = MetricsLogger(cfg.job.dump_folder, cfg.metrics.enable_tensorboard, enabled=rank0, resume_after=start)
-    logger.info("training %d steps, %d rows x %d tokens per step, %.3g model FLOPs per step; metrics -> %s",
-                t.steps, rows, t.seq_len, step_flops, cfg.job.dump_folder)
+    logger.info("training %d steps, %d rows x %d slots per step; metrics -> %s", t.steps, rows, t.seq_len,
+                cfg.job.dump_folder)
 
     history = []
     for step in range(start + 1, t.steps + 1):
         begin = time.perf_counter()
-        batch = data.batch(step - 1, dp_rank, dp, t.local_batch_size).to(device)
+        batch = data.batch(step - 1, dp_rank, dp, t.local_batch_size)
+        flops = torch.tensor(batch_train_flops(args, batch), dtype=torch.float64, device=device)
+        batch = batch.to(device)
         stats = train_step(model, optimizer, scheduler, batch, mesh, t.max_norm, cp)
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - begin
         peak = torch.tensor(peak_memory_gib(device), device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.job.get_group())  # worst rank
+        dist.all_reduce(flops, group=mesh.dp.get_group())  # the global batch's model FLOPs
         record = {**stats, "tokens_per_sec": rows * t.seq_len / elapsed,
-                  "tflops_per_sec": step_flops / elapsed / 1e12, "step_time_s": elapsed,
+                  "tflops_per_sec": float(flops) / elapsed / 1e12, "step_time_s": elapsed,
                   "peak_memory_gib": float(peak)}
         # metrics.jsonl and TensorBoard get every step; stdout every log_freq steps and the last
         metrics.log(step, record, echo=step % cfg.metrics.log_freq == 0 or step == t.steps)

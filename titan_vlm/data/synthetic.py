@@ -5,22 +5,24 @@ The caption names the count, colour and shape ("three red circles."); with
 `data.sentences_per_image > 1` more sentences follow (where each object is, ...), so the text is
 long and context parallelism has real work. With `data.images_per_sample = k` a row holds k
 images (0 is a text-only row) and the text describes each in turn ("image 2: one blue cross.").
+With `data.packing = true` rows hold several samples of mixed kinds and lengths: text only,
+captions, an image in the middle or at the end of the text, and up to k interleaved images.
 
-Sample `i` is a pure function of (seed, i); the rows of a global batch are numbered
+Row `i` is a pure function of (seed, i); the rows of a global batch are numbered
 `step * global_batch + dp_rank * local_batch + j`, so the data is deterministic per seed and per
 data-parallel rank and does not depend on the CP degree (CP ranks of one group share rows).
 """
 
 from __future__ import annotations
 
+import itertools
 import random
-from dataclasses import dataclass
 
 import torch
 
+from titan_vlm.data.batch import Batch, Sample, collate, pack
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 
-IGNORE_INDEX = -100
 COLORS = {
     "red": (1.0, 0.1, 0.1), "green": (0.1, 0.9, 0.1), "blue": (0.2, 0.3, 1.0),
     "yellow": (1.0, 0.9, 0.1), "magenta": (0.9, 0.1, 0.9), "white": (1.0, 1.0, 1.0),
@@ -28,16 +30,6 @@ COLORS = {
 SHAPES = ("square", "circle", "triangle", "cross")
 COUNTS = ("one", "two", "three", "four")
 CELLS = ("top left", "top right", "bottom left", "bottom right")
-
-
-@dataclass
-class Batch:
-    images: torch.Tensor  # [B, k, 3, H, W]: k images per row (k may be 0), values in [-1, 1]
-    tokens: torch.Tensor  # [B, T] text input ids (starts with BOS)
-    labels: torch.Tensor  # [B, T] next-token targets, IGNORE_INDEX where there is no loss
-
-    def to(self, device: torch.device | str) -> Batch:
-        return Batch(self.images.to(device), self.tokens.to(device), self.labels.to(device))
 
 
 def _shape_mask(shape: str, dx: torch.Tensor, dy: torch.Tensor, r: float) -> torch.Tensor:
@@ -83,55 +75,106 @@ def describe(count: int, color: str, shape: str, cells: list[int], sentences: in
     return " ".join(out)
 
 
+TEXT_ONLY = ("no image.", "count: one two three four.", "colors: red green blue yellow magenta white.",
+             "shapes: square circle triangle cross.")
+
+
 class SyntheticCaptions:
-    """Rows `[image tokens of k images, BOS caption EOS pad...]` of a fixed length, loss on the
-    text only. `tokens_per_image` is the model's image-token count for one image."""
+    """The built-in dataset. `packing=False`: each row is one sample, `[k images, BOS caption
+    EOS]` (k = images_per_sample, the images first). `packing=True`: rows packed with samples of
+    several kinds and lengths (`packed_sample`), each with 0..images_per_sample images placed at
+    the start, in the middle or at the end of its text. `tokens_per_image` is the model's
+    image-token count for one image."""
 
     def __init__(self, image_size: int, tokens_per_image: int, seq_len: int, seed: int,
                  sentences_per_image: int = 1, blank_images: bool = False, images_per_sample: int = 1,
-                 tokenizer: ByteTokenizer | HFTokenizer | None = None):
+                 tokenizer: ByteTokenizer | HFTokenizer | None = None, packing: bool = False):
         self.image_size = image_size
+        self.tokens_per_image = tokens_per_image
+        self.seq_len = seq_len
         self.images_per_sample = images_per_sample
-        self.text_len = seq_len - images_per_sample * tokens_per_image
-        if self.text_len < 2:
+        if seq_len - images_per_sample * tokens_per_image < 2:
             raise ValueError(f"seq_len {seq_len} leaves no room for text after {images_per_sample} images of "
                              f"{tokens_per_image} tokens")
         self.seed = seed
         self.sentences = sentences_per_image
         self.blank = blank_images
+        self.packing = packing
         self.tokenizer = tokenizer or ByteTokenizer()
 
-    def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
-        rng = random.Random(f"{self.seed}/{index}")
-        images, captions = [], []
-        for _ in range(self.images_per_sample):
-            count = rng.randint(1, 4)
-            color = rng.choice(sorted(COLORS))
-            shape = rng.choice(SHAPES)
-            cells = sorted(rng.sample(range(4), count))
-            images.append(draw_image(self.image_size, shape, COLORS[color], cells, rng))
-            captions.append(describe(count, color, shape, cells, self.sentences))
-        image = torch.stack(images) if images else torch.zeros(0, 3, self.image_size, self.image_size)
+    def random_image(self, rng: random.Random, sentences: int) -> tuple[torch.Tensor, str]:
+        """One image in [-1, 1] and its caption."""
+        count = rng.randint(1, 4)
+        color = rng.choice(sorted(COLORS))
+        shape = rng.choice(SHAPES)
+        cells = sorted(rng.sample(range(4), count))
+        image = draw_image(self.image_size, shape, COLORS[color], cells, rng)
         if self.blank:
             image.zero_()
+        return image * 2 - 1, describe(count, color, shape, cells, sentences)
+
+    def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+        """Unpacked sample `index`: its images [k, 3, H, W] and caption text (the row is
+        `[k images, BOS text EOS]`)."""
+        rng = random.Random(f"{self.seed}/{index}")
+        drawn = [self.random_image(rng, self.sentences) for _ in range(self.images_per_sample)]
+        images = torch.stack([d[0] for d in drawn]) if drawn else torch.zeros(0, 3, self.image_size, self.image_size)
+        captions = [d[1] for d in drawn]
         if len(captions) == 1:
             text = captions[0]
         elif captions:
             text = " ".join(f"image {i + 1}: {c}" for i, c in enumerate(captions))
         else:
             text = "no image."
-        ids = self.tokenizer.encode(text)[: self.text_len + 1]
-        tokens = torch.full((self.text_len,), self.tokenizer.PAD, dtype=torch.long)
-        labels = torch.full((self.text_len,), IGNORE_INDEX, dtype=torch.long)
-        tokens[: len(ids) - 1] = torch.tensor(ids[:-1])
-        labels[: len(ids) - 1] = torch.tensor(ids[1:])
-        return image * 2 - 1, tokens, labels, text
+        return images, text
+
+    def packed_sample(self, row: int, j: int) -> Sample:
+        """Sample j of packed row `row`: one of
+            text only            BOS text EOS
+            caption              [image] BOS caption EOS
+            image in the middle  BOS look: [image] caption EOS
+            image at the end     BOS here is a picture: [image]
+            interleaved          BOS image 1: [image] caption image 2: [image] caption ... EOS
+        with 1..sentences_per_image sentences per caption."""
+        rng = random.Random(f"{self.seed}/packed/{row}/{j}")
+        enc = self.tokenizer.encode
+        k = self.images_per_sample
+        kind = rng.choices(["text", "caption", "middle", "end", "interleaved"], weights=[15, 40, 15, 10, 20])[0]
+        if k == 0:
+            kind = "text"
+        elif kind == "interleaved" and k == 1:
+            kind = "caption"
+        sentences = rng.randint(1, self.sentences)
+        if kind == "text":
+            return Sample([enc(rng.choice(TEXT_ONLY))])
+        if kind == "interleaved":
+            count = rng.randint(2, k)
+            parts: list = [enc("image 1:", eos=False)]
+            for i in range(count):
+                image, caption = self.random_image(rng, sentences)
+                after = enc(f" image {i + 2}:", bos=False, eos=False) if i + 1 < count else [self.tokenizer.EOS]
+                parts += [image, enc(f" {caption}", bos=False, eos=False) + after]
+            return Sample(parts)
+        image, caption = self.random_image(rng, sentences)
+        if kind == "caption":
+            return Sample([image, enc(caption)])
+        if kind == "middle":
+            return Sample([enc("look:", eos=False), image, enc(f" {caption}", bos=False)])
+        return Sample([enc("here is a picture:", eos=False), image])
+
+    def row(self, index: int) -> list[Sample]:
+        """The samples of row `index` (a pure function of the seed and the index)."""
+        if self.packing:
+            stream = (self.packed_sample(index, j) for j in itertools.count())
+            return pack(stream, self.seq_len, self.tokens_per_image)
+        images, text = self.sample(index)
+        ids = self.tokenizer.encode(text)
+        return [Sample([*images, ids]).truncated(self.seq_len, self.tokens_per_image)]
 
     def batch(self, step: int, dp_rank: int, dp_size: int, batch_size: int) -> Batch:
         first = (step * dp_size + dp_rank) * batch_size
-        rows = [self.sample(first + j) for j in range(batch_size)]
-        return Batch(torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]),
-                     torch.stack([r[2] for r in rows]))
+        rows = [self.row(first + j) for j in range(batch_size)]
+        return collate(rows, self.seq_len, self.tokens_per_image, self.image_size, self.tokenizer.PAD)
 
 
 def main() -> None:
@@ -146,8 +189,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--size", type=int, default=32, help="pixels (the model resizes anyway)")
     opts = parser.parse_args()
-    image, _, _, caption = SyntheticCaptions(opts.size, 1, 64, opts.seed).sample(0)
-    pixels = ((image[0] + 1) / 2 * 255).round().byte().permute(1, 2, 0).contiguous()
+    images, caption = SyntheticCaptions(opts.size, 1, 64, opts.seed).sample(0)
+    pixels = ((images[0] + 1) / 2 * 255).round().byte().permute(1, 2, 0).contiguous()
     Image.fromarray(pixels.numpy()).save(opts.out)
     print(caption)
 

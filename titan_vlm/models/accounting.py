@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from titan_vlm.data.batch import Batch
+from titan_vlm.layout import build_layout, work
 from titan_vlm.models.flavors import VLMArgs
 
 
@@ -15,12 +17,13 @@ def param_counts(model: nn.Module) -> dict[str, int]:
     return {name: count_params(getattr(model, name)) for name in ("vision", "projector", "decoder")}
 
 
-def train_flops_per_row(args: VLMArgs, text_len: int, num_images: int = 1) -> float:
-    """Model FLOPs of forward + backward (3x forward) for one row `[k images' tokens, text]`.
+def train_flops(args: VLMArgs, num_images: int, text_tokens: int, attention_pairs: int) -> float:
+    """Model FLOPs of forward + backward (3x forward) for `num_images` images and
+    `text_tokens` text tokens whose decoder attention computes `attention_pairs` query-key pairs.
 
-    Matmuls: 2 FLOPs per parameter per token; attention: QK^T and AV, 4 * L * L * dim per layer
-    (bidirectional ViT) or half of it (causal decoder). The CP-replicated image tokens are counted
-    once: this is the useful work, not what the ranks execute."""
+    Matmuls: 2 FLOPs per parameter per token; attention: QK^T and AV, 4 * dim per query-key
+    pair per layer (the ViT's images are bidirectional). The CP-replicated image tokens are
+    counted once: this is the useful work, not what the ranks execute."""
     v, d = args.vision, args.decoder
     n = v.num_patches
     vit_params = v.n_layers * (4 * v.dim * v.dim + 2 * v.dim * v.mlp_dim)
@@ -28,10 +31,17 @@ def train_flops_per_row(args: VLMArgs, text_len: int, num_images: int = 1) -> fl
     projector = num_images * 2 * (v.dim * d.dim + d.dim * d.dim) * n
     kv_dim = d.n_kv_heads * d.head_dim
     layer_params = 2 * d.dim * d.dim + 2 * d.dim * kv_dim + 3 * d.dim * d.ffn_dim
-    seq = num_images * n + text_len
-    decoder = 2 * d.n_layers * layer_params * seq + d.n_layers * 2 * seq * seq * d.dim
-    head = 2 * d.dim * d.vocab_size * text_len
+    seq = num_images * n + text_tokens
+    decoder = 2 * d.n_layers * layer_params * seq + d.n_layers * 4 * attention_pairs * d.dim
+    head = 2 * d.dim * d.vocab_size * text_tokens
     return 3.0 * (vision + projector + decoder + head)
+
+
+def batch_train_flops(args: VLMArgs, batch: Batch) -> float:
+    """`train_flops` of a batch, its attention pairs counted under the mask rule (layout.py)."""
+    _, layout = build_layout(batch.doc, batch.image, bidirectional_images=args.image_attention == "bidirectional")
+    text = int(((batch.doc >= 0) & (batch.image < 0)).sum())
+    return train_flops(args, batch.images.shape[0], text, work(layout.blocks("local", "local"), batch.num_rows))
 
 
 # fp32 parameter + fp32 gradient + AdamW's two fp32 moments

@@ -4,7 +4,7 @@ for FLOP and memory accounting (build it on the meta device)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from titan_vlm.config import ConfigError
 
@@ -46,6 +46,9 @@ class DecoderArgs:
 class VLMArgs:
     vision: ViTArgs = field(default_factory=ViTArgs)
     decoder: DecoderArgs = field(default_factory=DecoderArgs)
+    # How the tokens of one image see each other in the decoder: "causal" (in slot order, like
+    # any token) or "bidirectional" (all of them). Text is causal either way (layout.py).
+    image_attention: str = "causal"
 
     @property
     def tokens_per_image(self) -> int:
@@ -72,3 +75,13 @@ def get_flavor(name: str) -> VLMArgs:
     if name not in FLAVORS:
         raise ConfigError(f"model.flavor: unknown flavor {name!r} (known: {', '.join(FLAVORS)})")
     return FLAVORS[name]
+
+
+IMAGE_ATTENTION = ("causal", "bidirectional")
+
+
+def model_args(flavor: str, image_attention: str = "causal") -> VLMArgs:
+    """The flavor's architecture with the config's model.image_attention."""
+    if image_attention not in IMAGE_ATTENTION:
+        raise ConfigError(f"model.image_attention must be one of {', '.join(IMAGE_ATTENTION)}, got {image_attention!r}")
+    return replace(get_flavor(flavor), image_attention=image_attention)

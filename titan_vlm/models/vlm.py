@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titan_vlm.attention import SeqLayout
+from titan_vlm.layout import SeqLayout
 from titan_vlm.models.decoder import Decoder
 from titan_vlm.models.flavors import VLMArgs
 from titan_vlm.models.vit import ViT
@@ -37,9 +37,8 @@ class VLM(nn.Module):
         return self.projector(self.vision(images))
 
     def forward(self, images: torch.Tensor, tokens: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
-        """Single-device forward of rows `[k images, text]`: images [B, k, C, H, W] (k may be 0),
-        returns the logits of the text positions. The trainer runs the same steps itself so that
-        context parallelism can step in between encoder and decoder."""
-        b, k = images.shape[:2]
-        embeds = self.encode_images(images.flatten(0, 1)).reshape(b, k * self.args.tokens_per_image, -1) if k else None
-        return self.decoder(tokens, embeds, layout)
+        """Single-device forward: images [n, C, H, W] (every image of the batch, n may be 0),
+        tokens [B, T] the layout's text slots; returns the logits of the text slots. The trainer
+        runs the same steps itself so that context parallelism can step in between encoder and
+        decoder."""
+        return self.decoder(tokens, layout.place_images(self.encode_images(images)), layout)

@@ -1,25 +1,27 @@
 """Context parallelism (CP) for a vision-language model, as seed 000 designs it.
 
-A row is `[image tokens (N), text tokens (T)]`. On a CP group of P ranks:
+A row holds one or more samples, each text and images in reading order (data/batch.py). On a
+CP group of P ranks:
 
-  * the text is padded to a multiple of 2P, cut into 2P chunks, and rank r keeps chunks r and
-    2P-1-r (head-tail balancing: one light and one heavy chunk of the causal triangle each),
-    with their row positions and labels (labels are shifted before sharding, never after);
-  * the image embeddings are NOT split: every rank holds all N of them (`encode_images_over_cp`:
+  * each sample's text is padded to a multiple of 2P, cut into 2P chunks, and rank r keeps
+    chunks r and 2P-1-r (head-tail balancing per sample: one light and one heavy chunk of each
+    sample's causal triangle), with their row positions and labels (labels are shifted before
+    sharding, never after): `shard_batch`, layout.build_layout;
+  * the image embeddings are NOT split: every rank holds all of them (`encode_images_over_cp`:
     a DTensor with `Replicate()` on the cp mesh dim). Where the ViT runs is `cp_vision`: on
     every rank ("replicate"), on cp rank 0 and broadcast ("broadcast"), or each rank encodes
     its share of the images and the embeddings are all-gathered ("shard", Shard(0) -> Replicate);
-  * attention is exact across ranks: each local text query sees the whole image prefix (local)
-    and every text key at an earlier row position, whichever rank holds it (ring, all-to-all
-    or all-gather: cp_attention.py);
+  * attention is exact across ranks: each local query sees the images before it in its sample
+    (local) and every text key of its sample at an earlier row position, whichever rank holds
+    it (ring, all-to-all or all-gather: cp_attention.py);
   * in backward, each rank's image-embedding gradient only covers its own text's use of the
     images, so it is summed over the cp group before the projector and ViT backward: an
     all-reduce (replicate), a reduce to rank 0 (broadcast) or a reduce-scatter to each image's
     encoder (shard). The vision tower then trains exactly as without CP; its parameters are
     reduced over cp only where the ranks encoded different images (see parallel/parallelize.py).
 
-    rank:      0          1          (P = 2, chunks c0..c3 of the text)
-    holds: [I][c0 c3]  [I][c1 c2]    I = all image tokens, on every rank
+    rank:      0                  1                  (P = 2; samples a and b, each's text in
+    holds: [I][a0 a3 b0 b3]  [I][a1 a2 b1 b2]        chunks 0..3; I = all image tokens)
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from titan_vlm.attention import SeqLayout
-from titan_vlm.data.synthetic import IGNORE_INDEX
+from titan_vlm.data.batch import IGNORE_INDEX, Batch
+from titan_vlm.layout import SeqLayout, build_layout
 from titan_vlm.parallel.cp_attention import CP_ATTENTION
 
 CP_VISION_MODES = ("replicate", "broadcast", "shard")
@@ -138,44 +140,21 @@ def sync_broadcast_vision_grads(model: torch.nn.Module, cp_mesh: DeviceMesh) -> 
             dist.broadcast(local, src=src, group=group)
 
 
-def padded_text_len(text_len: int, cp_size: int) -> int:
-    chunks = 2 * cp_size
-    return -(-text_len // chunks) * chunks
-
-
-def head_tail_indices(padded_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Text indices rank `cp_rank` keeps: chunks r and 2P-1-r of 2P equal chunks."""
-    chunk = padded_len // (2 * cp_size)
-    head = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
-    tail_start = (2 * cp_size - 1 - cp_rank) * chunk
-    return torch.cat([head, torch.arange(tail_start, tail_start + chunk)])
-
-
-def shard_text(tokens: torch.Tensor, labels: torch.Tensor, num_image_tokens: int, cp_mesh: DeviceMesh,
-               cp_comm_type: str = "p2p") -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
-    """This CP rank's share of the text of rows `[image tokens, text]`, and its SeqLayout.
-
-    tokens/labels [B, T] are the whole text (labels already shifted). Text whose length is not a
-    multiple of 2P is padded at the end with token 0 / IGNORE_INDEX: padding comes after every
-    real token, so the causal mask hides it from them and it carries no loss (so its id is moot).
-    `cp_comm_type` picks the exact attention across the group (cp_attention.py).
-    """
-    n, text_len = num_image_tokens, tokens.shape[1]
-    cp_size = cp_mesh.size()
-    if cp_size == 1:
-        return tokens, labels, SeqLayout.unsharded(n + text_len, n, tokens.device)
-    padded = padded_text_len(text_len, cp_size)
-    if padded != text_len:
-        extra = padded - text_len
-        tokens = torch.nn.functional.pad(tokens, (0, extra), value=0)
-        labels = torch.nn.functional.pad(labels, (0, extra), value=IGNORE_INDEX)
-    idx = head_tail_indices(padded, cp_size, cp_mesh.get_local_rank()).to(tokens.device)
-    layout = SeqLayout(positions=torch.cat([torch.arange(n, device=tokens.device), n + idx]).unsqueeze(0),
-                       num_image_tokens=n, cp=CP_ATTENTION[cp_comm_type](cp_mesh))
-    return tokens[:, idx], labels[:, idx], layout
-
-
-def attention_work(q_positions: torch.Tensor, k_positions: torch.Tensor) -> int:
-    """Unmasked query-key pairs of one row under the causal rule (key position <= query position)."""
-    keys = k_positions.flatten().sort().values
-    return int(torch.searchsorted(keys, q_positions.flatten(), right=True).sum())
+def shard_batch(batch: Batch, cp_mesh: DeviceMesh | None, comm_type: str = "p2p",
+                bidirectional_images: bool = False) -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
+    """This CP rank's text tokens and labels [B, T] and its SeqLayout (layout.build_layout: every
+    image slot replicated, each sample's text split head-tail over the group). `cp_mesh=None`
+    or a group of one: the whole rows, unsharded. Padding slots get token 0 and no label; they
+    attend to nothing and nothing attends to them, so their id is moot."""
+    cp_size = cp_mesh.size() if cp_mesh is not None else 1
+    rank = cp_mesh.get_local_rank() if cp_size > 1 else 0
+    index, layout = build_layout(batch.doc, batch.image, cp_size, rank, bidirectional_images)
+    device = batch.tokens.device
+    index = index.to(device)
+    pad = index < 0
+    tokens = batch.tokens.gather(1, index.clamp(min=0)).masked_fill(pad, 0)
+    labels = batch.labels.gather(1, index.clamp(min=0)).masked_fill(pad, IGNORE_INDEX)
+    layout.positions = layout.positions.to(device)
+    if cp_size > 1:
+        layout.cp = CP_ATTENTION[comm_type](cp_mesh)
+    return tokens, labels, layout

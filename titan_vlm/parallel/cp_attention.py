@@ -1,20 +1,21 @@
 """Exact attention across a context-parallel group: ring (p2p), all-to-all (Ulysses), all-gather.
 
-Local tokens on CP rank r: `[image tokens (n, whole on every rank), text chunk r, text chunk
-2P-1-r]`, chunks of c tokens (head-tail layout, context_parallel.py). Keys visible to a query at
-row position p: every key at position <= p. So, for the text:
+Local slots on CP rank r: `[image slots (whole on every rank), r's text slots]`, the text being
+r's head-tail share of each sample (layout.build_layout). Every rank knows every rank's slot
+metadata, so it can plan, without communicating, the dense and causal blocks its queries need
+against any rank's text (layout.plan): the algorithms below differ only in how K/V (or queries)
+travel, never in which query-key pairs they compute.
 
-    image keys             dense for every text query; local, never communicated
-    own text chunks        one causal block (the two chunks are in row order)
-    rank s's chunks, s<r   both of my chunks see s's head chunk densely, not its tail
-    rank s's chunks, s>r   my tail chunk sees both of s's chunks densely, my head sees neither
+    image keys       local, never communicated (every rank holds them)
+    text keys        ring: rank s's text K/V arrive at step (r - s) mod P, dK/dV travel back
+                     all-gather: every rank's text K/V at once, dK/dV reduce-scattered
+                     all-to-all: whole sequence for H/P heads, then back
 
-Every ring step is therefore one dense block of (2c x c) or (c x 2c) query-key pairs: the same
-work on every rank at every step. Image queries see the image keys causally (local).
-
-Gradients reaching the image K/V (and the image queries' inputs) on rank r cover only rank r's
-text; the cp all-reduce at the image embeddings (context_parallel.py) completes them. Each
-algorithm here keeps that contract: summed over ranks, its image gradients are the true ones.
+Image queries attend to the text before them in their sample (interleaved data), so every rank
+computes the image queries' output in full (the same on every rank, up to merge order). In
+backward each rank's image gradients cover only its own text's use of the images; the cp sum at
+the image embeddings (context_parallel.py) completes them. Each algorithm keeps that contract:
+summed over ranks, its image gradients are the true ones.
 """
 
 from __future__ import annotations
@@ -25,27 +26,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_vlm.attention import Blocks, SeqLayout, block_attention, expand_kv_heads, merge_into
+from titan_vlm.attention import Blocks, accumulators, blocks_backward, blocks_forward, expand_kv_heads, planned_attention
+from titan_vlm.layout import SeqLayout
 
 CP_COMM_TYPES = ("p2p", "allgather", "a2a")
-
-
-def natural_chunk_order(cp_size: int) -> torch.Tensor:
-    """Gathered text is rank-major: [r0: c0 c_{2P-1}] [r1: c1 c_{2P-2}] ...; entry j of the result
-    is the gathered slot of natural chunk j."""
-    return torch.tensor([2 * j if j < cp_size else 2 * (2 * cp_size - 1 - j) + 1 for j in range(2 * cp_size)])
-
-
-def _to_natural(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """[B, H, 2P*c, D] rank-major gathered text -> row order."""
-    b, h, length, d = x.shape
-    chunks = x.reshape(b, h, len(order), length // len(order), d)
-    return chunks.index_select(2, order.to(x.device)).reshape(b, h, length, d)
-
-
-def _to_gathered(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """Inverse of `_to_natural`."""
-    return _to_natural(x, torch.argsort(order))
 
 
 class CPGroup:
@@ -57,7 +41,6 @@ class CPGroup:
         self.rank = mesh.get_local_rank()
         self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
-        self.order = natural_chunk_order(self.size)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's x along dim 0."""
@@ -89,103 +72,49 @@ def _wait(reqs: list) -> None:
         req.wait()
 
 
-def _accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 output and lse accumulators for q's rows: nothing seen yet (out 0, lse -inf)."""
-    return torch.zeros_like(q, dtype=torch.float32), q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
-
-
-Schedule = list[tuple[slice, slice, bool]]  # (query rows, key rows, causal) of local blocks
-
-
-def _blocks_forward(blocks: Blocks, q, k, v, schedule: Schedule, out, lse) -> list:
-    """Run blocks whose K/V are all local, merging into the out/lse accumulators; their auxes."""
-    auxes = []
-    for rows, keys, causal in schedule:
-        o, block_lse, aux = blocks.forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal)
-        merge_into(out[:, :, rows], lse[:, :, rows], o, block_lse)
-        auxes.append(aux)
-    return auxes
-
-
-def _blocks_backward(blocks: Blocks, dout, q, k, v, out, lse, schedule: Schedule, auxes, dq, dk, dv) -> None:
-    """Backward of `_blocks_forward` with the final out/lse, accumulating into dq/dk/dv."""
-    for (rows, keys, causal), aux in zip(schedule, auxes):
-        dq_, dk_, dv_ = blocks.backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
-                                        out[:, :, rows], lse[:, :, rows], causal, aux)
-        dq[:, :, rows] += dq_
-        dk[:, :, keys] += dk_
-        dv[:, :, keys] += dv_
-
-
-def _image_schedule(n: int) -> Schedule:
-    """The replicated image prefix: image queries over image keys (causal), text queries over
-    image keys (dense). Local on every rank."""
-    return [(slice(0, n), slice(0, n), True), (slice(n, None), slice(0, n), False)] if n > 0 else []
-
-
-def _ring_block(step: int, src: int, rank: int, c: int) -> tuple[slice, slice, bool]:
-    """(local text query rows, rows of src's text K/V, causal) of ring step `step`."""
-    if step == 0:
-        return slice(None), slice(None), True  # own two chunks, in row order: one causal block
-    if src < rank:
-        return slice(None), slice(0, c), False  # both my chunks see src's head chunk
-    return slice(c, None), slice(None), False  # only my tail chunk sees src's two chunks
-
-
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, n: int, g: CPGroup):
+    def forward(ctx, q, k, v, layout: SeqLayout, g: CPGroup):
         blocks = Blocks(q)
-        c = (q.shape[2] - n) // 2
-        qt = q[:, :, n:]
-        out, lse = _accumulators(q)
-        out_t, lse_t = out[:, :, n:], lse[:, :, n:]
-        aux_img = _blocks_forward(blocks, q, k, v, _image_schedule(n), out, lse)  # never sent
+        n = layout.num_image_tokens
+        out, lse = accumulators(q)
+        aux_img = blocks_forward(blocks, q, k, v, layout.blocks("local", "images"), out, lse)  # never sent
         kv = torch.stack([k[:, :, n:], v[:, :, n:]]).contiguous()  # travels the ring as one buffer
         aux_ring = []
         for step in range(g.size):
             if step < g.size - 1:
-                incoming, reqs = g.shift(kv)  # overlapped with the block below
-            rows, keys, causal = _ring_block(step, (g.rank - step) % g.size, g.rank, c)
-            o, block_lse, aux = blocks.forward(qt[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], causal)
-            merge_into(out_t[:, :, rows], lse_t[:, :, rows], o, block_lse)
-            aux_ring.append(aux)
+                incoming, reqs = g.shift(kv)  # overlapped with the blocks below
+            plan = layout.blocks("local", (g.rank - step) % g.size)  # against the holder's text
+            aux_ring.append(blocks_forward(blocks, q, kv[0], kv[1], plan, out, lse))
             if step < g.size - 1:
                 _wait(reqs)
                 kv = incoming
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta = (n, g, aux_img, aux_ring)
+        ctx.meta = (layout, g, aux_img, aux_ring)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        n, g, aux_img, aux_ring = ctx.meta
+        layout, g, aux_img, aux_ring = ctx.meta
         blocks = Blocks(q)
-        c = (q.shape[2] - n) // 2
+        n = layout.num_image_tokens
         dout = dout.contiguous()
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        dk = torch.zeros_like(k, dtype=torch.float32)
-        dv = torch.zeros_like(v, dtype=torch.float32)
-        _blocks_backward(blocks, dout, q, k, v, out, lse, _image_schedule(n), aux_img, dq, dk, dv)
-        qt, dq_t, dout_t, out_t, lse_t = q[:, :, n:], dq[:, :, n:], dout[:, :, n:], out[:, :, n:], lse[:, :, n:]
+        dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
+        blocks_backward(blocks, dout, q, k, v, out, lse, layout.blocks("local", "images"), aux_img, dq, dk, dv)
         kv = torch.stack([k[:, :, n:], v[:, :, n:]]).contiguous()
-        dkv = torch.zeros_like(kv, dtype=torch.float32)  # gradient of the block in hand; travels with it
-        dkv_incoming, dreqs = dkv, []  # set by the first step's shift
+        dkv_incoming, dreqs = None, []  # the travelling dK/dV accumulator of the block in hand
         for step in range(g.size):
             if step < g.size - 1:
                 incoming, reqs = g.shift(kv)
-            rows, keys, causal = _ring_block(step, (g.rank - step) % g.size, g.rank, c)
-            dq_, dk_, dv_ = blocks.backward(dout_t[:, :, rows], qt[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
-                                            out_t[:, :, rows], lse_t[:, :, rows], causal, aux_ring[step])
-            dq_t[:, :, rows] += dq_
+            dkv = torch.zeros_like(kv, dtype=torch.float32)  # this rank's share for the block in hand
+            plan = layout.blocks("local", (g.rank - step) % g.size)
+            blocks_backward(blocks, dout, q, kv[0], kv[1], out, lse, plan, aux_ring[step], dq, dkv[0], dkv[1])
             if step > 0:
-                _wait(dreqs)  # the accumulator of this block, from the previous rank
-                dkv = dkv_incoming
-            dkv[0][:, :, keys] += dk_
-            dkv[1][:, :, keys] += dv_
-            dkv_incoming, dreqs = g.shift(dkv)  # overlapped with the next step's block
+                _wait(dreqs)  # the block's accumulator, from the previous rank
+                dkv += dkv_incoming
+            dkv_incoming, dreqs = g.shift(dkv)  # overlapped with the next step's blocks
             if step < g.size - 1:
                 _wait(reqs)
                 kv = incoming
@@ -202,55 +131,43 @@ class _CPAttention:
 
 class RingAttention(_CPAttention):
     """cp_comm_type = "p2p": text K/V blocks travel the ring (async send/recv overlapped with the
-    block in hand); partial results merge by log-sum-exp; in backward dK/dV travel with their
+    blocks in hand); partial results merge by log-sum-exp; in backward dK/dV travel with their
     block. A rank holds its own text K/V and one block in flight, never the whole sequence's."""
 
     def __call__(self, q, k, v, layout: SeqLayout) -> torch.Tensor:
-        return _RingAttention.apply(q, k, v, layout.num_image_tokens, self.g)
-
-
-def _allgather_blocks(n: int, c: int, g: CPGroup) -> Schedule:
-    """(local query rows, key rows of the row-order sequence, causal) of the all-gather method."""
-    out = [(slice(0, n), slice(0, n), True)] if n > 0 else []
-    for half, chunk in ((0, g.rank), (1, 2 * g.size - 1 - g.rank)):
-        rows, start = slice(n + half * c, n + (half + 1) * c), n + chunk * c
-        if start > 0:
-            out.append((rows, slice(0, start), False))  # everything before the chunk
-        out.append((rows, slice(start, start + c), True))  # the chunk's own diagonal
-    return out
+        return _RingAttention.apply(q, k, v, layout, self.g)
 
 
 class _AllGatherAttention(torch.autograd.Function):
-    """Gather all text K/V (row order), then per local query chunk: a dense block over every key
-    before the chunk and a causal block on the diagonal. Backward reduce-scatters dK/dV."""
+    """Gather every rank's text K/V (rank-major, the "all" slots), run this rank's queries'
+    blocks against them. Backward reduce-scatters dK/dV."""
 
     @staticmethod
-    def forward(ctx, q, k, v, n: int, g: CPGroup):
+    def forward(ctx, q, k, v, layout: SeqLayout, g: CPGroup):
         blocks = Blocks(q)
-        c = (q.shape[2] - n) // 2
-        kv_text = torch.stack([k[:, :, n:], v[:, :, n:]])  # [2, B, Hkv, 2c, D]
-        gathered = g.all_gather(kv_text.movedim(3, 0)).movedim(0, 3)  # [2, B, Hkv, P*2c, D], rank-major
-        k_all = torch.cat([k[:, :, :n], _to_natural(gathered[0], g.order)], dim=2)  # row order
-        v_all = torch.cat([v[:, :, :n], _to_natural(gathered[1], g.order)], dim=2)
-        out, lse = _accumulators(q)
-        auxes = _blocks_forward(blocks, q, k_all, v_all, _allgather_blocks(n, c, g), out, lse)
+        n = layout.num_image_tokens
+        kv_text = torch.stack([k[:, :, n:], v[:, :, n:]])  # [2, B, Hkv, T, D]
+        gathered = g.all_gather(kv_text.movedim(3, 0)).movedim(0, 3)  # [2, B, Hkv, P*T, D], rank-major
+        k_all = torch.cat([k[:, :, :n], gathered[0]], dim=2)
+        v_all = torch.cat([v[:, :, :n], gathered[1]], dim=2)
+        out, lse = accumulators(q)
+        auxes = blocks_forward(blocks, q, k_all, v_all, layout.blocks("local", "all"), out, lse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k_all, v_all, out, lse)
-        ctx.meta = (n, c, g, auxes)
+        ctx.meta = (layout, g, auxes)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k_all, v_all, out, lse = ctx.saved_tensors
-        n, c, g, auxes = ctx.meta
+        layout, g, auxes = ctx.meta
         blocks = Blocks(q)
-        dout = dout.contiguous()
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        dk_all = torch.zeros_like(k_all, dtype=torch.float32)
-        dv_all = torch.zeros_like(v_all, dtype=torch.float32)
-        _blocks_backward(blocks, dout, q, k_all, v_all, out, lse, _allgather_blocks(n, c, g), auxes, dq, dk_all, dv_all)
-        dkv_text = torch.stack([_to_gathered(dk_all[:, :, n:], g.order), _to_gathered(dv_all[:, :, n:], g.order)])
-        local = g.reduce_scatter(dkv_text.movedim(3, 0)).movedim(0, 3)  # [2, B, Hkv, 2c, D], summed
+        n = layout.num_image_tokens
+        dq, dk_all, dv_all = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k_all, v_all))
+        blocks_backward(blocks, dout.contiguous(), q, k_all, v_all, out, lse, layout.blocks("local", "all"), auxes,
+                        dq, dk_all, dv_all)
+        dkv_text = torch.stack([dk_all[:, :, n:], dv_all[:, :, n:]])
+        local = g.reduce_scatter(dkv_text.movedim(3, 0)).movedim(0, 3)  # [2, B, Hkv, T, D], summed
         dk = torch.cat([dk_all[:, :, :n], local[0]], dim=2)
         dv = torch.cat([dv_all[:, :, :n], local[1]], dim=2)
         return dq.to(q.dtype), dk.to(k_all.dtype), dv.to(v_all.dtype), None, None
@@ -261,7 +178,7 @@ class AllGatherAttention(_CPAttention):
     with the sequence)."""
 
     def __call__(self, q, k, v, layout: SeqLayout) -> torch.Tensor:
-        return _AllGatherAttention.apply(q, k, v, layout.num_image_tokens, self.g)
+        return _AllGatherAttention.apply(q, k, v, layout, self.g)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -300,16 +217,16 @@ class UlyssesAttention(_CPAttention):
     queries' output heads are all-gathered at the end."""
 
     def _seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's text [B, H, T, D] -> all text, row order, this rank's heads [B, H/P, P*T, D]."""
+        """This rank's text [B, H, T, D] -> every rank's text (rank-major), this rank's heads [B, H/P, P*T, D]."""
         p = self.g.size
         b, h, t, d = x.shape
         y = _AllToAll.apply(x.reshape(b, p, h // p, t, d).movedim(1, 0), self.g)  # [P(src), B, H/P, T, D]
-        return _to_natural(y.movedim(0, 2).reshape(b, h // p, p * t, d), self.g.order)
+        return y.movedim(0, 2).reshape(b, h // p, p * t, d)
 
     def _heads_to_seq(self, y: torch.Tensor) -> torch.Tensor:
         p = self.g.size
         b, hp, length, d = y.shape
-        z = _to_gathered(y, self.g.order).reshape(b, hp, p, length // p, d).movedim(2, 0)
+        z = y.reshape(b, hp, p, length // p, d).movedim(2, 0)
         return _AllToAll.apply(z, self.g).movedim(0, 1).reshape(b, hp * p, length // p, d)
 
     def __call__(self, q, k, v, layout: SeqLayout) -> torch.Tensor:
@@ -321,7 +238,7 @@ class UlyssesAttention(_CPAttention):
         q_all = torch.cat([q[:, r * hq:(r + 1) * hq, :n], self._seq_to_heads(q[:, :, n:])], dim=2)
         k_all = torch.cat([k[:, r * hk:(r + 1) * hk, :n], self._seq_to_heads(k[:, :, n:])], dim=2)
         v_all = torch.cat([v[:, r * hk:(r + 1) * hk, :n], self._seq_to_heads(v[:, :, n:])], dim=2)
-        out = block_attention(q_all, k_all, v_all, causal=True)  # row order: one causal block
+        out = planned_attention(q_all, k_all, v_all, layout.blocks("all", "all"))
         text = self._heads_to_seq(out[:, :, n:])
         if n == 0:
             return text

@@ -1,0 +1,128 @@
+"""Samples, packing, and the batch the trainer consumes.
+
+A `Sample` is text and images in reading order. Rows of `seq_len` slots hold one sample
+(`data.packing = false`) or several packed back to back (`true`); an image takes
+`tokens_per_image` consecutive slots. A `Batch` describes every slot of its rows (see
+layout.py for what the metadata means to attention):
+
+    slot:    [img 0 .. img 0][BOS t h r e e ...][BOS l o o k :][img 1 .. img 1][ t w o ...]......
+    doc:      0 ......................... 0     1 ........................................  -1 -1
+    image:    0 .... 0      -1 ......... -1    -1 ........ -1   1 ....... 1   -1 ......... -1 -1
+
+Labels are shifted here, before any CP sharding: a text slot's label is the next slot's token
+when that slot is text of the same sample, else IGNORE_INDEX (image slots, the last token of a
+sample, padding). So the loss is on text predicting text, and nothing predicts an image.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+IGNORE_INDEX = -100
+Part = list[int] | torch.Tensor  # token ids, or one image [3, H, W] with values in [-1, 1]
+
+
+@dataclass
+class Sample:
+    """One sample in reading order."""
+
+    parts: list[Part]
+
+    def num_slots(self, tokens_per_image: int) -> int:
+        return sum(tokens_per_image if isinstance(p, torch.Tensor) else len(p) for p in self.parts)
+
+    def num_images(self) -> int:
+        return sum(isinstance(p, torch.Tensor) for p in self.parts)
+
+    def truncated(self, max_slots: int, tokens_per_image: int) -> Sample:
+        """The first `max_slots` slots: text is cut, an image that no longer fits is dropped with
+        everything after it (an image is never cut)."""
+        parts, left = [], max_slots
+        for p in self.parts:
+            size = tokens_per_image if isinstance(p, torch.Tensor) else len(p)
+            if size <= left:
+                parts.append(p)
+                left -= size
+            else:
+                if not isinstance(p, torch.Tensor) and left > 0:
+                    parts.append(p[:left])
+                break
+        return Sample(parts)
+
+
+@dataclass
+class Batch:
+    images: torch.Tensor  # [n, 3, H, W]: every image of the batch, rows in order, each in reading order
+    tokens: torch.Tensor  # [B, S] input ids (image and padding slots hold the pad id)
+    labels: torch.Tensor  # [B, S] next-token targets, IGNORE_INDEX where there is no loss
+    doc: torch.Tensor  # [B, S] sample index within the row, -1 for padding
+    image: torch.Tensor  # [B, S] index into `images` for image slots, -1 for text and padding
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(*(t.to(device) for t in (self.images, self.tokens, self.labels, self.doc, self.image)))
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+    def rows(self, start: int, stop: int) -> Batch:
+        """Rows [start, stop) as a batch of their own (images renumbered)."""
+        image = self.image[start:stop]
+        used = image[image >= 0]
+        first = int(used.min()) if len(used) else 0
+        count = int(used.max()) + 1 - first if len(used) else 0
+        return Batch(self.images[first:first + count], self.tokens[start:stop], self.labels[start:stop],
+                     self.doc[start:stop], torch.where(image >= 0, image - first, image))
+
+
+def collate(rows: list[list[Sample]], seq_len: int, tokens_per_image: int, image_size: int, pad_id: int) -> Batch:
+    """Rows of samples (each row's samples must fit in seq_len slots) into one Batch."""
+    n = len(rows)
+    tokens = torch.full((n, seq_len), pad_id, dtype=torch.long)
+    labels = torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.long)
+    doc = torch.full((n, seq_len), -1, dtype=torch.long)
+    image = torch.full((n, seq_len), -1, dtype=torch.long)
+    images: list[torch.Tensor] = []
+    for b, samples in enumerate(rows):
+        at = 0
+        for d, sample in enumerate(samples):
+            size = sample.num_slots(tokens_per_image)
+            if at + size > seq_len:
+                raise ValueError(f"row {b}: samples take more than seq_len={seq_len} slots")
+            doc[b, at:at + size] = d
+            for part in sample.parts:
+                if isinstance(part, torch.Tensor):
+                    image[b, at:at + tokens_per_image] = len(images)
+                    images.append(part)
+                    at += tokens_per_image
+                else:
+                    tokens[b, at:at + len(part)] = torch.tensor(part, dtype=torch.long)
+                    at += len(part)
+    is_text = (doc >= 0) & (image < 0)
+    follows = is_text[:, :-1] & is_text[:, 1:] & (doc[:, :-1] == doc[:, 1:])
+    labels[:, :-1] = torch.where(follows, tokens[:, 1:], IGNORE_INDEX)
+    stacked = torch.stack(images) if images else torch.zeros(0, 3, image_size, image_size)
+    return Batch(stacked, tokens, labels, doc, image)
+
+
+def pack(samples: Iterable[Sample], seq_len: int, tokens_per_image: int, max_skips: int = 8) -> list[Sample]:
+    """One row's samples from a stream: take them in order while they fit; one that does not
+    fit is skipped (up to `max_skips` times, so shorter ones can fill the gap). A first sample
+    longer than the row is truncated to it."""
+    row: list[Sample] = []
+    used, skips = 0, 0
+    for sample in samples:
+        size = sample.num_slots(tokens_per_image)
+        if not row and size > seq_len:
+            return [sample.truncated(seq_len, tokens_per_image)]
+        if used + size <= seq_len:
+            row.append(sample)
+            used += size
+        else:
+            skips += 1
+        if used == seq_len or skips > max_skips:
+            break
+    return row
