@@ -82,6 +82,7 @@ def test_auto_dp_shard_takes_the_rest():
     (["--parallelism.cp_comm_type=nccl"], "parallelism.cp_comm_type"),
     (["--model.attention_kernel=cuda_flash"], "model.attention_kernel=cuda_flash runs on cuda"),
     (["--data.images_per_sample=9", "--training.seq_len=128"], "training.seq_len"),
+    (["--model.image_attention=full"], "model.image_attention must be one of causal, bidirectional"),
 ])
 def test_model_and_data_checks(overrides, words):
     cfg = load_config(overrides)

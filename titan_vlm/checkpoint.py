@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -120,7 +121,9 @@ def load_model_for_inference(path: str | Path) -> tuple[torch.nn.Module, JobConf
     cfg = load_config([f"--model.{k}={v}" for k, v in saved["model"].items()])
     model = VLM(model_args(cfg.model.flavor, cfg.model.image_attention))
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+    with warnings.catch_warnings():  # one process without a process group is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
     model.load_state_dict(state["model"])
     return model.eval(), cfg
 
