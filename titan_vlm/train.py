@@ -16,6 +16,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from titan_vlm.attention import select_kernel, use_kernel
 from titan_vlm.checkpoint import Checkpointer
@@ -23,7 +24,7 @@ from titan_vlm.config import ConfigError, JobConfig, load_config
 from titan_vlm.data.synthetic import IGNORE_INDEX, Batch, SyntheticCaptions
 from titan_vlm.data.tokenizer import build_tokenizer
 from titan_vlm.metrics import MetricsLogger, peak_memory_gib
-from titan_vlm.models.accounting import param_counts, state_bytes_per_rank, train_flops_per_row
+from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM, param_counts, train_flops_per_row
 from titan_vlm.models.flavors import get_flavor
 from titan_vlm.models.hf_weights import load_hf_weights
 from titan_vlm.models.vlm import VLM
@@ -31,6 +32,7 @@ from titan_vlm.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from titan_vlm.parallel.context_parallel import (CPOptions, encode_images_over_cp, head_tail_indices,
                                                  padded_text_len, shard_text, sync_broadcast_vision_grads)
 from titan_vlm.parallel.parallelize import parallelize_vlm
+from titan_vlm.parallel.tensor_parallel import TPOptions, gather_image_embeds_over_tp
 from titan_vlm.parallel_dims import Mesh, ParallelDims
 
 logger = logging.getLogger("titan_vlm")
@@ -43,7 +45,7 @@ warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mes
 
 
 def forward_backward(model: VLM, batch: Batch, mesh: Mesh, cp: CPOptions = CPOptions(),
-                     sum_image_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                     sum_image_grad: bool = True, tp: TPOptions = TPOptions()) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of one batch on this rank. Returns the global loss (mean over every
     text token of the global batch, identical on all ranks) and the global text-token count.
 
@@ -55,12 +57,18 @@ def forward_backward(model: VLM, batch: Batch, mesh: Mesh, cp: CPOptions = CPOpt
     if k:
         # 1-2. The image embeddings of all the rows' images, whole on every CP rank (Replicate on
         # cp); in backward their gradient is summed over cp before the projector and ViT.
-        embeds = encode_images_over_cp(model, batch.images.flatten(0, 1), mesh.cp, cp.vision, sum_image_grad)
+        # With image_embed_tp_shard they are [.., dim/tp] slices until they join the text.
+        width = model.args.decoder.dim // mesh.tp.size() if tp.image_embed_shard else None
+        embeds = encode_images_over_cp(model, batch.images.flatten(0, 1), mesh.cp, cp.vision, sum_image_grad,
+                                       embed_width=width)
+        if tp.image_embed_shard:
+            embeds = gather_image_embeds_over_tp(embeds, mesh.tp)
         embeds = embeds.reshape(rows, n_img, -1)
     # 3. Only the text is CP-sharded (head-tail), with its row positions and shifted labels.
     tokens, labels, layout = shard_text(batch.tokens, batch.labels, n_img, mesh.cp, cp.comm_type)
     logits = model.decoder(tokens, embeds, layout)
-    # 4. Mean over the global batch's text tokens: count across dp and cp, sum per rank.
+    # 4. Mean over the global batch's text tokens: count across dp and cp (not tp: its ranks hold
+    # the same tokens), sum per rank.
     loss_group = mesh.job.get_group()
     ntokens = (labels != IGNORE_INDEX).sum()
     dist.all_reduce(ntokens, group=loss_group)
@@ -76,9 +84,9 @@ def forward_backward(model: VLM, batch: Batch, mesh: Mesh, cp: CPOptions = CPOpt
 
 def train_step(model: VLM, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                batch: Batch, mesh: Mesh, max_norm: float, cp: CPOptions = CPOptions(),
-               sum_image_grad: bool = True) -> dict[str, float]:
+               sum_image_grad: bool = True, tp: TPOptions = TPOptions()) -> dict[str, float]:
     optimizer.zero_grad(set_to_none=True)
-    loss, ntokens = forward_backward(model, batch, mesh, cp, sum_image_grad)
+    loss, ntokens = forward_backward(model, batch, mesh, cp, sum_image_grad, tp)
     grad_norm = clip_grad_norm_(list(model.parameters()), max_norm)
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
@@ -156,18 +164,26 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
     dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
     logger.info("attention kernel: %s (model.attention_kernel=%s)", select_kernel(device, dtype).name,
                 cfg.model.attention_kernel)
-    parallelize_vlm(model, mesh, t.mixed_precision, cp.vision, cfg.activation_checkpoint.mode, cfg.compile.enable)
+    tp = TPOptions(sequence_parallel=p.enable_sequence_parallel, image_embed_shard=p.image_embed_tp_shard)
+    if mesh.tp.size() > 1:
+        logger.info("tensor parallel: %d ways; sequence parallel %s; image embeddings %s over tp", mesh.tp.size(),
+                    "on" if tp.sequence_parallel else "off",
+                    "sharded along the hidden dim" if tp.image_embed_shard else "replicated")
+    parallelize_vlm(model, mesh, t.mixed_precision, cp.vision, cfg.activation_checkpoint.mode, cfg.compile.enable, tp)
     vision_shards = mesh.shards(mesh.fsdp_no_cp if cp.vision == "broadcast" else mesh.fsdp)
     decoder_shards = mesh.shards(mesh.fsdp)
+    tp_note = f"; TP splits the matrices {mesh.tp.size()} ways more" if mesh.tp.size() > 1 else ""
+    # measured on this rank's shards (with TP, the replicated norms and ViT embeddings are not split)
+    local_params = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
     logger.info("model state per rank: %.3f GiB (fp32 params, grads and AdamW moments; decoder sharded %d ways, "
-                "vision %d ways)", state_bytes_per_rank(counts, decoder_shards, vision_shards) / 2**30,
-                decoder_shards, vision_shards)
+                "vision %d ways%s)", STATE_BYTES_PER_PARAM * local_params / 2**30, decoder_shards, vision_shards,
+                tp_note)
     optimizer = build_optimizer(model, t)
     scheduler = build_scheduler(optimizer, t)
     checkpointer = None
     start = 0
     if cfg.checkpoint.enable:
-        checkpointer = Checkpointer(cfg, model, optimizer, scheduler, mesh.job.get_group())
+        checkpointer = Checkpointer(cfg, model, optimizer, scheduler, mesh.world.get_group())
         start = checkpointer.resume()
         if start:
             logger.info("resumed from %s at step %d", checkpointer.folder / f"step-{start}", start)
@@ -201,12 +217,12 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
     for step in range(start + 1, t.steps + 1):
         begin = time.perf_counter()
         batch = data.batch(step - 1, dp_rank, dp, t.local_batch_size).to(device)
-        stats = train_step(model, optimizer, scheduler, batch, mesh, t.max_norm, cp)
+        stats = train_step(model, optimizer, scheduler, batch, mesh, t.max_norm, cp, tp=tp)
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - begin
         peak = torch.tensor(peak_memory_gib(device), device=device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.job.get_group())  # worst rank
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.world.get_group())  # worst rank
         record = {**stats, "tokens_per_sec": rows * t.seq_len / elapsed,
                   "tflops_per_sec": step_flops / elapsed / 1e12, "step_time_s": elapsed,
                   "peak_memory_gib": float(peak)}

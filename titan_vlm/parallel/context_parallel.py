@@ -89,10 +89,11 @@ class _BroadcastFromSource(torch.autograd.Function):
 
 
 def encode_images_over_cp(model: torch.nn.Module, images: torch.Tensor, cp_mesh: DeviceMesh, mode: str,
-                          sum_grad: bool = True) -> torch.Tensor:
+                          sum_grad: bool = True, embed_width: int | None = None) -> torch.Tensor:
     """Image embeddings [n, tokens_per_image, D] of all n images, whole on every CP rank, their
     gradient summed over cp before it reaches the projector and ViT. `mode` is where the ViT
-    runs (CPOptions.vision). `sum_grad=False` only for the negative-control test."""
+    runs (CPOptions.vision). `sum_grad=False` only for the negative-control test. `embed_width`:
+    the projector's local output width D when it is not the decoder's (image_embed_tp_shard: D/tp)."""
     cp_size = cp_mesh.size()
     if cp_size == 1:
         return model.encode_images(images)
@@ -107,7 +108,7 @@ def encode_images_over_cp(model: torch.nn.Module, images: torch.Tensor, cp_mesh:
             local = model.encode_images(images).float()  # travels in fp32 (the receivers' dtype)
         else:  # a leaf that wants a gradient, so this rank joins the backward reduce
             args = model.args
-            local = images.new_zeros((images.shape[0], args.tokens_per_image, args.decoder.dim),
+            local = images.new_zeros((images.shape[0], args.tokens_per_image, embed_width or args.decoder.dim),
                                      dtype=torch.float32).requires_grad_()
         return _BroadcastFromSource.apply(local, group, src, sum_grad)
     if mode == "shard":
