@@ -163,8 +163,6 @@ class ParallelDims:
             if value % tp:
                 raise ConfigError(f"parallelism.tensor_parallel_degree={tp} does not divide the {what} ({value}) "
                                   f"of flavor '{cfg.model.flavor}'")
-        if cfg.compile.enable:
-            raise ConfigError("compile.enable with parallelism.tensor_parallel_degree > 1 is not supported yet")
         if p.enable_sequence_parallel:
             n_img = cfg.data.images_per_sample * vlm.tokens_per_image
             local = n_img + (padded_row - n_img) // self.cp  # image tokens + this CP rank's text
