@@ -5,14 +5,17 @@ Each returns plain Python data; the tests in test_*.py assert on it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from functools import lru_cache
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 from titan_vlm.attention import SeqLayout
 from titan_vlm.config import JobConfig, Training
@@ -23,6 +26,7 @@ from titan_vlm.models.vlm import VLM
 from titan_vlm.optim import build_optimizer, build_scheduler
 from titan_vlm.parallel.context_parallel import CPOptions
 from titan_vlm.parallel.parallelize import apply_ac, parallelize_vlm
+from titan_vlm.parallel import tensor_parallel
 from titan_vlm.parallel.tensor_parallel import TPOptions
 from titan_vlm.parallel_dims import MESH_DIMS, Mesh
 from titan_vlm.train import forward_backward, run_training, train_step
@@ -54,11 +58,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def parity(dp_shard: int = 1, cp: int = 2, dp_replicate: int = 1, seq_len: int = 61, batch_size: int = 2, comm: str = "p2p",
            vision: str = "shard", images: int = 1, sum_image_grad: bool = True, seed: int = 3,
            mixed_precision: str = "fp32", ac: str = "none", compile_blocks: bool = False, tp: int = 1,
-           sp: bool = False, image_embed_tp_shard: bool = False) -> dict:
+           sp: bool = False, image_embed_tp_shard: bool = False, tp_unreduced_norms: bool = False) -> dict:
     """One optimizer step of the parallel trainer against one process with the same weights and
     global batch. Returns both losses and grad norms and, per group (vision, projector, decoder),
     the worst per-parameter relative error (norm of difference / norm) of the gradient and of the
-    parameter after the step."""
+    parameter after the step. `tp`, `sp`, `image_embed_tp_shard`: tensor parallelism (TPOptions);
+    `tp_unreduced_norms` is the TP negative control (_sp_norms_with_local_weights)."""
     args = get_flavor("debug")
     t = Training(lr=1e-3, warmup_steps=0, steps=10, max_norm=1.0, seq_len=seq_len, local_batch_size=batch_size)
     data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, seq_len, seed, sentences_per_image=3,
@@ -82,8 +87,11 @@ def parity(dp_shard: int = 1, cp: int = 2, dp_replicate: int = 1, seq_len: int =
 
     # The parallel run: same seed, so the same weights before sharding.
     torch.manual_seed(seed)
-    model = parallelize_vlm(VLM(args), mesh, mixed_precision, cp_vision=vision, ac_mode=ac,
-                            compile_blocks=compile_blocks, tp=tp_options)
+    with _sp_norms_with_local_weights() if tp_unreduced_norms else contextlib.nullcontext():
+        model = parallelize_vlm(VLM(args), mesh, mixed_precision, cp_vision=vision, ac_mode=ac,
+                                compile_blocks=compile_blocks, tp=tp_options)
+    widths = []  # the local width of the image embeddings the projector hands to the CP exchange
+    model.projector.register_forward_hook(lambda module, args, out: widths.append(out.shape[-1]))
     opt = build_optimizer(model, t)
     sched = build_scheduler(opt, t)
     batch = data.batch(0, mesh.dp.get_local_rank(), dp, batch_size)
@@ -110,8 +118,23 @@ def parity(dp_shard: int = 1, cp: int = 2, dp_replicate: int = 1, seq_len: int =
         param_err[group] = max(param_err[group], _rel(_full(p.detach()), ref_params[name].detach()))
     return {"loss": stats["loss"], "ref_loss": ref_loss.item(), "grad_norm": stats["grad_norm"],
             "ref_grad_norm": ref_norm.item(), "grad_err": grad_err, "param_err": param_err, "missing_grads": missing,
-            "zero_grad_abs": zero_grad_abs,
+            "zero_grad_abs": zero_grad_abs, "image_embed_width": widths[0] if widths else None,
             "ntokens": stats["ntokens"], "ref_ntokens": int((full.labels != IGNORE_INDEX).sum())}
+
+
+@contextlib.contextmanager
+def _sp_norms_with_local_weights():
+    """TP negative control: sequence-parallel norms that keep plain per-rank weights. The layouts
+    are SequenceParallel's (the norm runs on this rank's slice of the sequence), but the weights
+    are not tp DTensors, so each rank's norm-weight gradient covers only its own slice and nothing
+    sums it over tp: the classic forgotten SP all-reduce."""
+    def local_weight_norm(**_):
+        return PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Shard(1), use_local_input=True,
+                                        output_layouts=Shard(1), desired_output_layouts=Shard(1),
+                                        use_local_output=False)
+
+    with mock.patch.object(tensor_parallel, "SequenceParallel", local_weight_norm):
+        yield
 
 
 def train_run(dp_shard: int, cp: int, steps: int, stop_after: int | None = None, dp_replicate: int = 1,
