@@ -139,14 +139,14 @@ class ParallelDims:
         comm = cfg.parallelism.cp_comm_type
         if comm not in CP_COMM_TYPES:
             raise ConfigError(f"parallelism.cp_comm_type must be one of {', '.join(CP_COMM_TYPES)}, got {comm!r}")
-        self._validate_tp(cfg, vlm, padded)
+        self._validate_tp(cfg, vlm)
         local_heads = dec.n_heads // self.tp  # after TP: the heads the a2a splits over cp
         if comm == "a2a" and local_heads % self.cp:
-            raise ConfigError(f"parallelism.cp_comm_type='a2a' needs the {local_heads} attention heads per tp rank "
-                              f"of flavor '{cfg.model.flavor}' ({dec.n_heads} / tensor_parallel_degree={self.tp}) "
-                              f"to divide by context_parallel_degree={self.cp}")
+            per_rank = f" per tp rank ({dec.n_heads} / tensor_parallel_degree={self.tp})" if self.tp > 1 else ""
+            raise ConfigError(f"parallelism.cp_comm_type='a2a' needs the {local_heads} attention heads{per_rank} of "
+                              f"flavor '{cfg.model.flavor}' to divide by context_parallel_degree={self.cp}")
 
-    def _validate_tp(self, cfg: JobConfig, vlm: VLMArgs, padded_row: int) -> None:
+    def _validate_tp(self, cfg: JobConfig, vlm: VLMArgs) -> None:
         """What tensor / sequence parallelism needs of the shapes: whole heads, K/V heads and MLP
         columns per tp rank, and (SP) local sequences that split evenly over tp."""
         p, tp = cfg.parallelism, self.tp
@@ -165,7 +165,8 @@ class ParallelDims:
                                   f"of flavor '{cfg.model.flavor}'")
         if p.enable_sequence_parallel:
             n_img = cfg.data.images_per_sample * vlm.tokens_per_image
-            local = n_img + (padded_row - n_img) // self.cp  # image tokens + this CP rank's text
+            text = cfg.training.seq_len - n_img  # CP (only) pads it to a multiple of 2*cp, then splits it
+            local = n_img + (padded_text_len(text, self.cp) // self.cp if self.cp > 1 else text)
             if local % tp:
                 raise ConfigError(
                     f"parallelism.enable_sequence_parallel: each CP rank's sequence ({n_img} image + "
