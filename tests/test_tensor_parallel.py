@@ -22,7 +22,8 @@ LAYOUTS_4 = {
     "cp2xtp2_sp_image_shard_broadcast": dict(cp=2, tp=2, sp=True, image_embed_tp_shard=True, vision="broadcast"),
     # recomputed blocks rerun the TP / SP collectives; the replicated ViT is averaged over cp
     "cp2xtp2_sp_selective_ac_replicate": dict(cp=2, tp=2, sp=True, ac="selective", vision="replicate"),
-    # no CP, text-only rows (no image prefix); two copies of the 2-rank layout in the 4-rank pool
+    # no CP (two copies of the 2-rank layout in the 4-rank pool), with and without images
+    "tp2_sp": dict(cp=1, tp=2, sp=True, seq_len=80),
     "tp2_sp_text_only": dict(cp=1, tp=2, sp=True, images=0, seq_len=80),
 }
 
