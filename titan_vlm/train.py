@@ -198,6 +198,11 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
                              build_tokenizer(cfg.model.tokenizer_path))
     for line in describe_cp_layout(n_img, data.text_len, mesh.cp.size()):
         logger.info(line)
+    if tp.sequence_parallel:
+        cp_size = mesh.cp.size()
+        local = n_img + (padded_text_len(data.text_len, cp_size) // cp_size if cp_size > 1 else data.text_len)
+        logger.info("  sequence parallel: each CP rank's %d tokens are split %d per tp rank between the TP regions",
+                    local, local // mesh.tp.size())
     if k and mesh.cp.size() > 1:
         where = {"replicate": "every CP rank encodes all of them",
                  "broadcast": "CP rank 0 encodes them and broadcasts the embeddings",

@@ -36,6 +36,7 @@ small vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -54,7 +55,7 @@ class TPOptions:
     image_embed_shard: bool = False  # parallelism.image_embed_tp_shard
 
 
-def _check_divisible_seq(name: str, tp: int):
+def _check_divisible_seq(name: str, tp: int) -> Callable[[nn.Module, tuple], None]:
     """A forward pre-hook on the first block of a sequence-parallel stack: the local sequence must
     split evenly over tp (DTensor's Shard(1) slices here assume it)."""
 
