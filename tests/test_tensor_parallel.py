@@ -17,7 +17,8 @@ LAYOUTS_8 = {
                                          comm="allgather"),
 }
 LAYOUTS_4 = {
-    "cp2xtp2": dict(cp=2, tp=2),
+    # one row with one image: cp rank 1 encodes none, and its TP collectives run on empty tensors
+    "cp2xtp2_one_image": dict(cp=2, tp=2, batch_size=1),
     # the image embeddings cross the CP group (broadcast from cp rank 0) at dim/tp width
     "cp2xtp2_sp_image_shard_broadcast": dict(cp=2, tp=2, sp=True, image_embed_tp_shard=True, vision="broadcast"),
     # recomputed blocks rerun the TP / SP collectives; the replicated ViT is averaged over cp

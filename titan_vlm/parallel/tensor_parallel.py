@@ -22,8 +22,11 @@ each image's patches.
 Exactness and gradient reductions: every tp rank of a (dp, cp) coordinate holds the same tokens
 and computes the same replicated loss, so gradients of activations that are replicated over tp
 arrive complete on every tp rank; sharded parameters get their own shard's gradient; only
-partial sums (row-wise outputs in forward, column-wise inputs in backward, SP norm weights) are
-summed over tp, each once, by DTensor. The loss normaliser is summed over dp and cp, never tp.
+partial sums are summed over tp, each once, by DTensor: row-wise outputs in forward, column-wise
+inputs' gradients in backward, and the SP norm weights' gradients (each rank's covers its slice
+of the sequence: Partial on tp until FSDP redistributes them to the weights' Replicate before its
+own reduction; without FSDP, clip_grad_norm_ refuses a Partial gradient). The loss normaliser is
+summed over dp and cp, never tp.
 
 Embedding and head: `tok_embeddings` is row-wise (vocab rows split; each token's vector comes from
 exactly one rank and the others add exact zeros, so the all-reduce is exact) with a replicated
