@@ -137,7 +137,7 @@ def _sp_norms_with_local_weights():
         yield
 
 
-def train_run(dp_shard: int, cp: int, steps: int, stop_after: int | None = None, dp_replicate: int = 1,
+def train_run(dp_shard: int, cp: int, steps: int, stop_after: int | None = None, dp_replicate: int = 1, tp: int = 1,
               **overrides) -> list[dict]:
     """The real training loop (run_training) on a test mesh; overrides are section__key=value.
     Each copy of the mesh in the world writes under <job.dump_folder>/copy<i>."""
@@ -146,8 +146,8 @@ def train_run(dp_shard: int, cp: int, steps: int, stop_after: int | None = None,
     for dotted, value in overrides.items():
         section, key = dotted.split("__")
         setattr(getattr(cfg, section), key, value)
-    cfg.job.dump_folder = f"{cfg.job.dump_folder}/copy{dist.get_rank() // (dp_replicate * dp_shard * cp)}"
-    return run_training(cfg, make_mesh(dp_shard, cp, dp_replicate), torch.device("cpu"), stop_after=stop_after)
+    cfg.job.dump_folder = f"{cfg.job.dump_folder}/copy{dist.get_rank() // (dp_replicate * dp_shard * cp * tp)}"
+    return run_training(cfg, make_mesh(dp_shard, cp, dp_replicate, tp), torch.device("cpu"), stop_after=stop_after)
 
 
 def saved_for_backward(cp: int, comm: str = "p2p", seq_len: int = 528, batch_size: int = 1, ac: str = "none") -> dict:
