@@ -133,6 +133,8 @@ def apply_tp(model: VLM, tp_mesh: DeviceMesh, options: TPOptions = TPOptions()) 
     parallelize_module(model.projector, tp_mesh, {
         "fc1": ColwiseParallel(),
         "fc2": RowwiseParallel(output_layouts=Shard(-1) if options.image_embed_shard else Replicate())})
+    # Embedding rows and head columns split over vocabulary, both with replicated outputs (why:
+    # the module docstring).
     parallelize_module(model.decoder, tp_mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())})
