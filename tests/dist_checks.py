@@ -5,14 +5,17 @@ Each returns plain Python data; the tests in test_*.py assert on it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from functools import lru_cache
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 from titan_vlm.config import JobConfig, Training
 from titan_vlm.data.batch import IGNORE_INDEX, Batch, Sample, collate
@@ -23,18 +26,24 @@ from titan_vlm.models.vlm import VLM
 from titan_vlm.optim import build_optimizer, build_scheduler
 from titan_vlm.parallel.context_parallel import CPOptions, shard_batch
 from titan_vlm.parallel.parallelize import apply_ac, parallelize_vlm
+from titan_vlm.parallel import tensor_parallel
+from titan_vlm.parallel.tensor_parallel import TPOptions
 from titan_vlm.parallel_dims import MESH_DIMS, Mesh
 from titan_vlm.train import forward_backward, run_training, train_step
 
 GROUPS = ("vision", "projector", "decoder")
+# Parameters whose exact gradient is zero: a key bias adds q.b_k to every score of a query, which
+# the softmax cancels. Their computed gradients are rounding noise (~1e-11) on both sides, where
+# a relative error means nothing; they are checked to be ~0 instead (`zero_grad_abs`).
+ZERO_GRAD_SUFFIXES = ("attn.k.bias",)
 
 
 @lru_cache(maxsize=None)
-def make_mesh(dp_shard: int, cp: int, dp_replicate: int = 1) -> Mesh:
-    """A (dp_replicate, dp_shard, cp) mesh; the world is split into identical copies of it."""
+def make_mesh(dp_shard: int, cp: int, dp_replicate: int = 1, tp: int = 1) -> Mesh:
+    """A (dp_replicate, dp_shard, cp, tp) mesh; the world is split into identical copies of it."""
     world = dist.get_world_size()
-    copies = world // (dp_replicate * dp_shard * cp)
-    root = init_device_mesh("cpu", (copies, dp_replicate, dp_shard, cp, 1), mesh_dim_names=("copies", *MESH_DIMS))
+    copies = world // (dp_replicate * dp_shard * cp * tp)
+    root = init_device_mesh("cpu", (copies, dp_replicate, dp_shard, cp, tp), mesh_dim_names=("copies", *MESH_DIMS))
     return Mesh.from_root(root)
 
 
@@ -84,17 +93,21 @@ def special_rows(name: str, seq_len: int, seed: int = 0) -> Batch:
 def parity(dp_shard: int = 1, cp: int = 2, dp_replicate: int = 1, seq_len: int = 61, batch_size: int = 2, comm: str = "p2p",
            vision: str = "shard", images: int = 1, sum_image_grad: bool = True, seed: int = 3,
            mixed_precision: str = "fp32", ac: str = "none", compile_blocks: bool = False, packing: bool = False,
-           rows: str | None = None, image_attention: str = "causal", merge_samples: bool = False) -> dict:
+           rows: str | None = None, image_attention: str = "causal", merge_samples: bool = False, tp: int = 1,
+           sp: bool = False, image_embed_tp_shard: bool = False, tp_unreduced_norms: bool = False) -> dict:
     """One optimizer step of the parallel trainer against one process with the same weights and
     global batch. Returns both losses and grad norms and, per group (vision, projector, decoder),
     the worst per-parameter relative error (norm of difference / norm) of the gradient and of the
     parameter after the step. Rows: the synthetic data (`packing` on or off) or `special_rows`.
-    `merge_samples` (negative control only) lets the parallel run's samples attend to each other."""
+    `merge_samples` (negative control only) lets the parallel run's samples attend to each other.
+    `tp`, `sp`, `image_embed_tp_shard`: tensor parallelism (TPOptions); `tp_unreduced_norms` is
+    the TP negative control (_sp_norms_with_local_weights)."""
     args = model_args("debug", image_attention)
     t = Training(lr=1e-3, warmup_steps=0, steps=10, max_norm=1.0, seq_len=seq_len, local_batch_size=batch_size)
-    mesh = make_mesh(dp_shard, cp, dp_replicate)
+    mesh = make_mesh(dp_shard, cp, dp_replicate, tp)
     dp = dp_replicate * dp_shard
     options = CPOptions(comm_type=comm, vision=vision)
+    tp_options = TPOptions(sequence_parallel=sp, image_embed_shard=image_embed_tp_shard)
     if rows is None:
         data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, seq_len, seed, sentences_per_image=3,
                                  images_per_sample=images, packing=packing)
@@ -116,20 +129,25 @@ def parity(dp_shard: int = 1, cp: int = 2, dp_replicate: int = 1, seq_len: int =
 
     # The parallel run: same seed, so the same weights before sharding.
     torch.manual_seed(seed)
-    model = parallelize_vlm(VLM(args), mesh, mixed_precision, cp_vision=vision, ac_mode=ac,
-                            compile_blocks=compile_blocks)
+    with _sp_norms_with_local_weights() if tp_unreduced_norms else contextlib.nullcontext():
+        model = parallelize_vlm(VLM(args), mesh, mixed_precision, cp_vision=vision, ac_mode=ac,
+                                compile_blocks=compile_blocks, tp=tp_options)
+    widths = []  # the local width of the image embeddings the projector hands to the CP exchange
+    model.projector.register_forward_hook(lambda module, args, out: widths.append(out.shape[-1]))
     opt = build_optimizer(model, t)
     sched = build_scheduler(opt, t)
     dp_rank = mesh.dp.get_local_rank()
     batch = full.rows(dp_rank * batch_size, (dp_rank + 1) * batch_size)
     if merge_samples:
         batch.doc = torch.where(batch.doc >= 0, 0, batch.doc)
-    stats = train_step(model, opt, sched, batch, mesh, t.max_norm, options, sum_image_grad=sum_image_grad)
+    stats = train_step(model, opt, sched, batch, mesh, t.max_norm, options, sum_image_grad=sum_image_grad,
+                       tp=tp_options)
 
     grad_err = dict.fromkeys(GROUPS, 0.0)
     param_err = dict.fromkeys(GROUPS, 0.0)
     ref_params = dict(ref.named_parameters())
     missing = []  # parameters with a gradient on one side only
+    zero_grad_abs = 0.0
     for name, p in model.named_parameters():
         name = name.replace("_checkpoint_wrapped_module.", "")
         group = name.split(".")[0]
@@ -137,15 +155,35 @@ def parity(dp_shard: int = 1, cp: int = 2, dp_replicate: int = 1, seq_len: int =
             missing.append(name)
             continue
         if p.grad is not None:
-            grad_err[group] = max(grad_err[group], _rel(_full(p.grad), ref_grads[name]))
+            g = _full(p.grad)
+            if name.endswith(ZERO_GRAD_SUFFIXES):
+                zero_grad_abs = max(zero_grad_abs, float(g.norm()), float(ref_grads[name].norm()))
+            else:
+                grad_err[group] = max(grad_err[group], _rel(g, ref_grads[name]))
         param_err[group] = max(param_err[group], _rel(_full(p.detach()), ref_params[name].detach()))
     return {"loss": stats["loss"], "ref_loss": ref_loss.item(), "grad_norm": stats["grad_norm"],
             "ref_grad_norm": ref_norm.item(), "grad_err": grad_err, "param_err": param_err, "missing_grads": missing,
+            "zero_grad_abs": zero_grad_abs, "image_embed_width": widths[0] if widths else None,
             "ntokens": stats["ntokens"], "ref_ntokens": int((full.labels != IGNORE_INDEX).sum()),
             "cp_balance": stats["cp_balance"]}
 
 
-def train_run(dp_shard: int, cp: int, steps: int, stop_after: int | None = None, dp_replicate: int = 1,
+@contextlib.contextmanager
+def _sp_norms_with_local_weights():
+    """TP negative control: sequence-parallel norms that keep plain per-rank weights. The layouts
+    are SequenceParallel's (the norm runs on this rank's slice of the sequence), but the weights
+    are not tp DTensors, so each rank's norm-weight gradient covers only its own slice and nothing
+    sums it over tp: the classic forgotten SP all-reduce."""
+    def local_weight_norm(**_):
+        return PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Shard(1), use_local_input=True,
+                                        output_layouts=Shard(1), desired_output_layouts=Shard(1),
+                                        use_local_output=False)
+
+    with mock.patch.object(tensor_parallel, "SequenceParallel", local_weight_norm):
+        yield
+
+
+def train_run(dp_shard: int, cp: int, steps: int, stop_after: int | None = None, dp_replicate: int = 1, tp: int = 1,
               **overrides) -> list[dict]:
     """The real training loop (run_training) on a test mesh; overrides are section__key=value.
     Each copy of the mesh in the world writes under <job.dump_folder>/copy<i>."""
@@ -154,8 +192,8 @@ def train_run(dp_shard: int, cp: int, steps: int, stop_after: int | None = None,
     for dotted, value in overrides.items():
         section, key = dotted.split("__")
         setattr(getattr(cfg, section), key, value)
-    cfg.job.dump_folder = f"{cfg.job.dump_folder}/copy{dist.get_rank() // (dp_replicate * dp_shard * cp)}"
-    return run_training(cfg, make_mesh(dp_shard, cp, dp_replicate), torch.device("cpu"), stop_after=stop_after)
+    cfg.job.dump_folder = f"{cfg.job.dump_folder}/copy{dist.get_rank() // (dp_replicate * dp_shard * cp * tp)}"
+    return run_training(cfg, make_mesh(dp_shard, cp, dp_replicate, tp), torch.device("cpu"), stop_after=stop_after)
 
 
 def saved_for_backward(cp: int, comm: str = "p2p", seq_len: int = 528, batch_size: int = 1, ac: str = "none") -> dict:

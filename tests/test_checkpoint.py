@@ -1,5 +1,5 @@
 """Checkpoints: a run that is killed and resumed continues exactly; a checkpoint loads at another
-CP degree; the model can be exported and asked about an image."""
+CP degree and from a tensor-parallel layout; the model can be exported and asked about an image."""
 
 import json
 
@@ -43,6 +43,17 @@ def test_resume_at_another_cp_degree(pool, tmp_path, uninterrupted):
     resumed = losses(pool.run("train_run", dp_shard=1, cp=4, **ckpt)[0])  # 1 copy: reads copy0
     assert sorted(resumed) == [4, 5, 6]
     for step, loss in resumed.items():
+        assert loss == pytest.approx(uninterrupted[step], rel=1e-5)
+
+
+def test_resume_from_tensor_parallel_at_another_layout(pool, tmp_path, uninterrupted):
+    """Saved at cp=2 x tp=2 with sequence parallelism (2-D FSDP x TP shards), resumed at cp=2."""
+    ckpt = dict(checkpoint__enable=True, checkpoint__interval=3, job__dump_folder=str(tmp_path), **RUN)
+    first = losses(pool.run("train_run", dp_shard=1, cp=2, tp=2, stop_after=3,
+                            parallelism__enable_sequence_parallel=True, **ckpt)[0])
+    resumed = losses(pool.run("train_run", dp_shard=1, cp=2, **ckpt)[0])  # copy0 reads the TP checkpoint
+    assert sorted(first) == [1, 2, 3] and sorted(resumed) == [4, 5, 6]
+    for step, loss in {**first, **resumed}.items():
         assert loss == pytest.approx(uninterrupted[step], rel=1e-5)
 
 

@@ -47,7 +47,8 @@ def test_unknown_key_in_toml_names_file_and_key(tmp_path):
 
 @pytest.mark.parametrize("overrides, world, words", [
     (["--parallelism.context_parallel_degree=2"], 3, "world size is 3"),
-    (["--parallelism.tensor_parallel_degree=2"], 2, "tensor_parallel_degree > 1 is not supported yet"),
+    (["--parallelism.tensor_parallel_degree=2", "--parallelism.context_parallel_degree=2"], 2, "world size is 2"),
+    (["--parallelism.tensor_parallel_degree=0"], 1, "tensor_parallel_degree must be >= 1"),
     (["--parallelism.context_parallel_degree=0"], 1, "context_parallel_degree must be >= 1"),
     (["--parallelism.data_parallel_shard_degree=-1", "--parallelism.context_parallel_degree=2"], 3,
      "not divisible"),
@@ -118,3 +119,35 @@ def test_config_cli_prints_process_count_or_one_line_error():
                          capture_output=True, text=True)
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "training.stepz" in bad.stderr
+
+
+def test_tensor_and_sequence_parallel_keys():
+    cfg = load_config(["--config", "train_configs/vlm_cp_tp.toml"])
+    p = cfg.parallelism
+    assert (p.data_parallel_shard_degree, p.context_parallel_degree, p.tensor_parallel_degree) == (2, 2, 2)
+    assert p.enable_sequence_parallel is True and p.image_embed_tp_shard is False
+    assert world_size_of(cfg) == 8
+    ParallelDims.from_config(cfg, 8).validate_model(cfg)
+    cfg = load_config(["--parallelism.tensor_parallel_degree=2", "--parallelism.image_embed_tp_shard",
+                       "--parallelism.cp_comm_type=a2a", "--parallelism.context_parallel_degree=2"])
+    assert cfg.parallelism.image_embed_tp_shard is True and cfg.parallelism.enable_sequence_parallel is False
+    ParallelDims.from_config(cfg, 4).validate_model(cfg)  # 4 heads / tp 2 = 2 per rank, split over cp 2
+
+
+@pytest.mark.parametrize("overrides, world, words", [
+    (["--parallelism.enable_sequence_parallel"], 1,
+     "parallelism.enable_sequence_parallel needs parallelism.tensor_parallel_degree > 1"),
+    (["--parallelism.image_embed_tp_shard=true"], 1,
+     "parallelism.image_embed_tp_shard needs parallelism.tensor_parallel_degree > 1"),
+    (["--parallelism.tensor_parallel_degree=3"], 3, r"tensor_parallel_degree=3 does not divide the decoder n_heads \(4\)"),
+    (["--parallelism.tensor_parallel_degree=4"], 4, r"does not divide the decoder n_kv_heads \(2\)"),
+    (["--parallelism.tensor_parallel_degree=2", "--parallelism.cp_comm_type=a2a",
+      "--parallelism.context_parallel_degree=4"], 8,
+     r"cp_comm_type='a2a' needs the 2 attention heads per tp rank \(4 / tensor_parallel_degree=2\)"),
+    (["--parallelism.enable_sequence_parallel=maybe"], 1, "parallelism.enable_sequence_parallel: expected bool"),
+])
+def test_tensor_parallel_checks_name_the_key(overrides, world, words):
+    with pytest.raises(ConfigError, match=words) as e:
+        cfg = load_config(overrides)
+        ParallelDims.from_config(cfg, world).validate_model(cfg)
+    assert "\n" not in str(e.value)

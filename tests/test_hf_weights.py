@@ -27,6 +27,9 @@ def test_loading_hf_names_gives_the_same_outputs(tmp_path):
     vision = load_file(str(tmp_path / "vision.safetensors"))
     assert "vision_model.encoder.layers.1.self_attn.k_proj.bias" in vision
     assert vision["vision_model.embeddings.position_embedding.weight"].shape == (16, 64)
+    # q/k/v are separate tensors on both sides (the ViT is unfused so that TP splits whole heads)
+    assert torch.equal(vision["vision_model.encoder.layers.0.self_attn.v_proj.weight"],
+                       source.vision.layers[0].attn.v.weight)
     loaded = load_hf_weights(target, str(tmp_path / "vision.safetensors"), str(tmp_path / "text.safetensors"))
     assert sorted(loaded) == sorted(n for n, _ in target.named_parameters())
     batch = SyntheticCaptions(32, 16, 64, seed=0).batch(0, 0, 1, 2)

@@ -71,6 +71,12 @@ class Parallelism:
     tensor_parallel_degree: int = 1
     cp_comm_type: str = "p2p"  # exact CP attention: "p2p" (ring) | "allgather" | "a2a" (Ulysses)
     cp_vision: str = "shard"  # where the ViT runs in a CP group: "shard" | "replicate" | "broadcast"
+    # sequence parallelism inside the TP group: norms and residual adds on a 1/tp slice of the
+    # (CP-local) sequence; needs tensor_parallel_degree > 1
+    enable_sequence_parallel: bool = False
+    # hold the image embeddings sharded along the hidden dim over tp (seed 5.1), all-gathered
+    # where they join the text; needs tensor_parallel_degree > 1
+    image_embed_tp_shard: bool = False
 
 
 @dataclass

@@ -277,11 +277,12 @@ def _stack_padded(rows: list[torch.Tensor], length: int) -> torch.Tensor:
 
 
 def build_layout(doc: torch.Tensor, image: torch.Tensor, cp_size: int = 1, cp_rank: int = 0,
-                 bidirectional_images: bool = False) -> tuple[torch.Tensor, SeqLayout]:
+                 bidirectional_images: bool = False, pad_to_multiple: int = 1) -> tuple[torch.Tensor, SeqLayout]:
     """Split rows with slot metadata doc/image [B, S] for CP rank `cp_rank` of `cp_size`.
 
     Returns the row positions of this rank's text slots [B, T] (-1: padding) and its SeqLayout.
-    With cp_size 1 the text is the whole row's text, in row order.
+    With cp_size 1 the text is the whole row's text, in row order. The local slot count N + T is
+    padded (with padding text slots, which cost no attention) to a multiple of `pad_to_multiple`.
     """
     rows, seq = doc.shape
     doc, image = doc.cpu(), image.cpu()
@@ -312,6 +313,7 @@ def build_layout(doc: torch.Tensor, image: torch.Tensor, cp_size: int = 1, cp_ra
                   for per_rank in text_index]
     n = max((len(x) for x in image_index), default=0)
     t = max((len(x) for per_rank in text_index for x in per_rank), default=0)
+    t += -(n + t) % pad_to_multiple
     images = Slots.gather(doc, image, _stack_padded(image_index, n))
     texts = [Slots.gather(doc, image, _stack_padded(text_index[r], t)) for r in range(cp_size)]
     local = torch.cat([images.order, texts[cp_rank].order], dim=1)

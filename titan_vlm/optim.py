@@ -43,9 +43,10 @@ def build_scheduler(opt: torch.optim.Optimizer, t: Training) -> torch.optim.lr_s
 def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Global L2 norm of all gradients (as one unsharded model would have), clipped to max_norm.
 
-    Each FSDP mesh holds disjoint shards of its parameters, so the squared norm is the sum of the
-    local shards' squares all-reduced over that mesh; ranks outside a mesh's reduction (e.g. CP
-    ranks for the vision tower) hold identical copies and are not added again.
+    Each FSDP (and TP) mesh dim that shards a parameter holds disjoint pieces of it, so the squared
+    norm is the sum of the local shards' squares all-reduced over those dims; dims that replicate
+    it (HSDP's dp_replicate, tp for norms) and ranks outside a mesh's reduction (e.g. CP ranks for
+    the vision tower) hold identical copies and are not added again.
     """
     groups: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
@@ -59,7 +60,11 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         sq = torch.stack([x.float().pow(2).sum() for x in local]).sum()
         for dim, placement in enumerate(placements):
-            if placement.is_shard() and mesh.size(dim) > 1:
+            if placement.is_partial():
+                raise RuntimeError(f"clip_grad_norm_: a gradient is still Partial on mesh dim {dim} (unreduced)")
+            # Shard, or FSDP's _StridedShard over a TP-sharded dim (not a Shard subclass, so not
+            # is_shard()): disjoint pieces, summed. Replicate: identical copies, counted once.
+            if not placement.is_replicate() and mesh.size(dim) > 1:
                 dist.all_reduce(sq, group=mesh.get_group(dim))
         total_sq = sq if total_sq is None else total_sq + sq
     if total_sq is None:

@@ -1,11 +1,12 @@
 """The one device mesh: named dims dp_replicate x dp_shard x cp x tp (any of them 1).
 
 Which mesh each piece of the model and the data uses:
-  - parameters: FSDP over the flattened (dp_shard, cp) dims or over dp_shard alone, as HSDP
-    (replicated over dp_replicate, sharded over the rest) when dp_replicate > 1; which one, and
-    why, is in parallel/parallelize.py;
-  - the batch: one row set per (dp_replicate, dp_shard) coordinate, shared by the cp ranks;
-  - the loss normaliser (global text-token count): summed over (dp_replicate, dp_shard, cp).
+  - parameters: tensor-parallel DTensors on tp (parallel/tensor_parallel.py), then FSDP over the
+    flattened (dp_shard, cp) dims or over dp_shard alone, as HSDP (replicated over dp_replicate,
+    sharded over the rest) when dp_replicate > 1; which one, and why, is in parallel/parallelize.py;
+  - the batch: one row set per (dp_replicate, dp_shard) coordinate, shared by the cp and tp ranks;
+  - the loss normaliser (global text-token count): summed over (dp_replicate, dp_shard, cp), not
+    tp: the tp ranks of a coordinate hold the same tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -22,6 +24,9 @@ from titan_vlm.config import ConfigError, JobConfig
 from titan_vlm.parallel.context_parallel import CP_VISION_MODES
 from titan_vlm.parallel.cp_attention import CP_COMM_TYPES
 from titan_vlm.parallel.parallelize import AC_MODES
+
+if TYPE_CHECKING:
+    from titan_vlm.models.flavors import VLMArgs
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
@@ -62,9 +67,6 @@ class ParallelDims:
                 f"parallelism: data_parallel_replicate_degree({self.dp_replicate}) * data_parallel_shard_degree"
                 f"({self.dp_shard}) * context_parallel_degree({self.cp}) * tensor_parallel_degree({self.tp}) "
                 f"= {product}, but the world size is {self.world_size} (set NPROC or the degrees)")
-        if self.tp > 1:
-            raise ConfigError("parallelism.tensor_parallel_degree > 1 is not supported yet "
-                              "(tensor/sequence parallelism is a separate issue)")
 
     def validate_model(self, cfg: JobConfig) -> None:
         """Checks that need both the degrees and the model/data shapes."""
@@ -136,9 +138,34 @@ class ParallelDims:
         comm = cfg.parallelism.cp_comm_type
         if comm not in CP_COMM_TYPES:
             raise ConfigError(f"parallelism.cp_comm_type must be one of {', '.join(CP_COMM_TYPES)}, got {comm!r}")
-        if comm == "a2a" and dec.n_heads % self.cp:
-            raise ConfigError(f"parallelism.cp_comm_type='a2a' needs the {dec.n_heads} attention heads of flavor "
-                              f"'{cfg.model.flavor}' to divide by context_parallel_degree={self.cp}")
+        self._validate_tp(cfg, vlm)
+        local_heads = dec.n_heads // self.tp  # after TP: the heads the a2a splits over cp
+        if comm == "a2a" and local_heads % self.cp:
+            per_rank = f" per tp rank ({dec.n_heads} / tensor_parallel_degree={self.tp})" if self.tp > 1 else ""
+            raise ConfigError(f"parallelism.cp_comm_type='a2a' needs the {local_heads} attention heads{per_rank} of "
+                              f"flavor '{cfg.model.flavor}' to divide by context_parallel_degree={self.cp}")
+
+    def _validate_tp(self, cfg: JobConfig, vlm: VLMArgs) -> None:
+        """What tensor / sequence parallelism needs of the shapes: whole heads, K/V heads and MLP
+        columns per tp rank, and (SP) ViT sequences that split evenly over tp."""
+        p, tp = cfg.parallelism, self.tp
+        for key in ("enable_sequence_parallel", "image_embed_tp_shard"):
+            if getattr(p, key) and tp == 1:
+                raise ConfigError(f"parallelism.{key} needs parallelism.tensor_parallel_degree > 1")
+        if tp == 1:
+            return
+        dec, vit = vlm.decoder, vlm.vision
+        for what, value in (("decoder n_heads", dec.n_heads), ("decoder n_kv_heads", dec.n_kv_heads),
+                            ("decoder ffn_dim", dec.ffn_dim), ("decoder dim", dec.dim),
+                            ("decoder vocab_size", dec.vocab_size), ("ViT n_heads", vit.n_heads),
+                            ("ViT mlp_dim", vit.mlp_dim)):
+            if value % tp:
+                raise ConfigError(f"parallelism.tensor_parallel_degree={tp} does not divide the {what} ({value}) "
+                                  f"of flavor '{cfg.model.flavor}'")
+        if p.enable_sequence_parallel:  # the decoder's local slots are padded to a multiple of tp (layout.py)
+            if vit.num_patches % tp:
+                raise ConfigError(f"parallelism.enable_sequence_parallel: the ViT's {vit.num_patches} patches per image "
+                                  f"must divide by tensor_parallel_degree={tp}")
 
     def build_mesh(self, device_type: str) -> Mesh:
         root = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp),
@@ -152,6 +179,8 @@ class Mesh:
 
     root: DeviceMesh
     cp: DeviceMesh  # the context-parallel group: text sharded, image embeddings replicated
+    tp: DeviceMesh  # the tensor-parallel group: weights split, the same tokens on every rank
+    world: DeviceMesh  # every dim flattened: all ranks of this job (checkpoints, worst-rank metrics)
     dp: DeviceMesh  # flattened (dp_replicate, dp_shard): which rows a rank reads
     job: DeviceMesh  # flattened (dp_replicate, dp_shard, cp): loss normaliser, checkpoints, metrics
     fsdp: DeviceMesh  # (dp_shard x cp) flattened, HSDP's (dp_replicate, dp_shard x cp) when dp_replicate > 1
@@ -159,10 +188,11 @@ class Mesh:
 
     @classmethod
     def from_root(cls, root: DeviceMesh) -> Mesh:
-        """`root` has named dims dp_replicate, dp_shard and cp; tests add an outer dim of copies."""
+        """`root` has named dims dp_replicate, dp_shard, cp and tp; tests add an outer dim of copies."""
         dp_shard_cp = root["dp_shard", "cp"]._flatten("dp_shard_cp")
         hsdp = root["dp_replicate"].size() > 1
-        return cls(root=root, cp=root["cp"], dp=root["dp_replicate", "dp_shard"]._flatten("dp"),
+        return cls(root=root, cp=root["cp"], tp=root["tp"], world=root[MESH_DIMS]._flatten("world"),
+                   dp=root["dp_replicate", "dp_shard"]._flatten("dp"),
                    job=root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
                    fsdp=root["dp_replicate", "dp_shard_cp"] if hsdp else dp_shard_cp,
                    fsdp_no_cp=root["dp_replicate", "dp_shard"] if hsdp else root["dp_shard"])

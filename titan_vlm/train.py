@@ -16,6 +16,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from titan_vlm.attention import select_kernel, use_kernel
 from titan_vlm.checkpoint import Checkpointer
@@ -25,13 +26,14 @@ from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.layout import SeqLayout
 from titan_vlm.data.tokenizer import build_tokenizer
 from titan_vlm.metrics import MetricsLogger, peak_memory_gib
-from titan_vlm.models.accounting import batch_train_flops, param_counts, state_bytes_per_rank
+from titan_vlm.models.accounting import batch_train_flops, param_counts
 from titan_vlm.models.flavors import model_args
 from titan_vlm.models.hf_weights import load_hf_weights
 from titan_vlm.models.vlm import VLM
 from titan_vlm.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from titan_vlm.parallel.context_parallel import CPOptions, encode_images_over_cp, shard_batch, sync_broadcast_vision_grads
 from titan_vlm.parallel.parallelize import parallelize_vlm
+from titan_vlm.parallel.tensor_parallel import TPOptions, gather_image_embeds_over_tp
 from titan_vlm.parallel_dims import Mesh, ParallelDims
 
 logger = logging.getLogger("titan_vlm")
@@ -44,7 +46,7 @@ warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mes
 
 
 def forward_backward(model: VLM, batch: Batch, mesh: Mesh, cp: CPOptions = CPOptions(),
-                     sum_image_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
+                     sum_image_grad: bool = True, tp: TPOptions = TPOptions()) -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
     """Forward and backward of one batch on this rank. Returns the global loss (mean over every
     text token of the global batch, identical on all ranks), the global text-token count, and
     this rank's layout.
@@ -53,12 +55,18 @@ def forward_backward(model: VLM, batch: Batch, mesh: Mesh, cp: CPOptions = CPOpt
     """
     # 1-2. The image embeddings of every image of the batch, whole on every CP rank (Replicate on
     # cp); in backward their gradient is summed over cp before the projector and ViT. This runs
-    # even for a batch without images, so every rank enters the same collectives.
-    embeds = encode_images_over_cp(model, batch.images, mesh.cp, cp.vision, sum_image_grad)
+    # even for a batch without images, so every rank enters the same collectives. With
+    # image_embed_tp_shard they are [.., dim/tp] slices until they join the text.
+    width = model.args.decoder.dim // mesh.tp.size() if tp.image_embed_shard else None
+    embeds = encode_images_over_cp(model, batch.images, mesh.cp, cp.vision, sum_image_grad, embed_width=width)
+    if tp.image_embed_shard:
+        embeds = gather_image_embeds_over_tp(embeds, mesh.tp)
     # 3. Only the text is CP-sharded (head-tail per sample), with its positions and shifted labels.
-    tokens, labels, layout = shard_batch(batch, mesh.cp, cp.comm_type, model.args.image_attention == "bidirectional")
+    tokens, labels, layout = shard_batch(batch, mesh.cp, cp.comm_type, model.args.image_attention == "bidirectional",
+                                         pad_to_multiple=mesh.tp.size() if tp.sequence_parallel else 1)
     logits = model.decoder(tokens, layout.place_images(embeds), layout)
-    # 4. Mean over the global batch's text tokens: count across dp and cp, sum per rank.
+    # 4. Mean over the global batch's text tokens: count across dp and cp (not tp: its ranks hold
+    # the same tokens), sum per rank.
     loss_group = mesh.job.get_group()
     ntokens = (labels != IGNORE_INDEX).sum()
     dist.all_reduce(ntokens, group=loss_group)
@@ -74,9 +82,9 @@ def forward_backward(model: VLM, batch: Batch, mesh: Mesh, cp: CPOptions = CPOpt
 
 def train_step(model: VLM, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                batch: Batch, mesh: Mesh, max_norm: float, cp: CPOptions = CPOptions(),
-               sum_image_grad: bool = True) -> dict[str, float]:
+               sum_image_grad: bool = True, tp: TPOptions = TPOptions()) -> dict[str, float]:
     optimizer.zero_grad(set_to_none=True)
-    loss, ntokens, layout = forward_backward(model, batch, mesh, cp, sum_image_grad)
+    loss, ntokens, layout = forward_backward(model, batch, mesh, cp, sum_image_grad, tp)
     grad_norm = clip_grad_norm_(list(model.parameters()), max_norm)
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
@@ -161,18 +169,26 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
     dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
     logger.info("attention kernel: %s (model.attention_kernel=%s)", select_kernel(device, dtype).name,
                 cfg.model.attention_kernel)
-    parallelize_vlm(model, mesh, t.mixed_precision, cp.vision, cfg.activation_checkpoint.mode, cfg.compile.enable)
+    tp = TPOptions(sequence_parallel=p.enable_sequence_parallel, image_embed_shard=p.image_embed_tp_shard)
+    if mesh.tp.size() > 1:
+        logger.info("tensor parallel: %d ways; sequence parallel %s; image embeddings %s over tp", mesh.tp.size(),
+                    "on" if tp.sequence_parallel else "off",
+                    "sharded along the hidden dim" if tp.image_embed_shard else "replicated")
+    parallelize_vlm(model, mesh, t.mixed_precision, cp.vision, cfg.activation_checkpoint.mode, cfg.compile.enable, tp)
     vision_shards = mesh.shards(mesh.fsdp_no_cp if cp.vision == "broadcast" else mesh.fsdp)
     decoder_shards = mesh.shards(mesh.fsdp)
+    tp_note = f"; TP splits the matrices {mesh.tp.size()} ways more" if mesh.tp.size() > 1 else ""
+    # measured on this rank's shards (with TP, the replicated norms and ViT embeddings are not split)
+    local_params = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
     logger.info("model state per rank: %.3f GiB (fp32 params, grads and AdamW moments; decoder sharded %d ways, "
-                "vision %d ways)", state_bytes_per_rank(counts, decoder_shards, vision_shards) / 2**30,
-                decoder_shards, vision_shards)
+                "vision %d ways%s)", STATE_BYTES_PER_PARAM * local_params / 2**30, decoder_shards, vision_shards,
+                tp_note)
     optimizer = build_optimizer(model, t)
     scheduler = build_scheduler(optimizer, t)
     checkpointer = None
     start = 0
     if cfg.checkpoint.enable:
-        checkpointer = Checkpointer(cfg, model, optimizer, scheduler, mesh.job.get_group())
+        checkpointer = Checkpointer(cfg, model, optimizer, scheduler, mesh.world.get_group())
         start = checkpointer.resume()
         if start:
             logger.info("resumed from %s at step %d", checkpointer.folder / f"step-{start}", start)
@@ -186,11 +202,16 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
                              build_tokenizer(cfg.model.tokenizer_path), packing=cfg.data.packing)
     dp_rank, dp = mesh.dp.get_local_rank(), mesh.dp.size()
     first = data.batch(start, dp_rank, dp, t.local_batch_size)
-    _, _, layout = shard_batch(first, mesh.cp, cp.comm_type, args.image_attention == "bidirectional")
+    sp_multiple = mesh.tp.size() if tp.sequence_parallel else 1
+    _, _, layout = shard_batch(first, mesh.cp, cp.comm_type, args.image_attention == "bidirectional", sp_multiple)
     logger.info("data: %s, %s", "packed rows (data.packing)" if cfg.data.packing else "one sample per row",
                 f"up to {k} image(s) per sample" if cfg.data.packing else f"{k} image(s) per sample")
     for line in describe_layout(layout):
         logger.info(line)
+    if tp.sequence_parallel:
+        local = layout.positions.shape[1]
+        logger.info("  sequence parallel: this CP rank's %d slots (padded to a multiple of tp) are split %d per "
+                    "tp rank between the TP regions", local, local // mesh.tp.size())
     if k and mesh.cp.size() > 1:
         where = {"replicate": "every CP rank encodes all of them",
                  "broadcast": "CP rank 0 encodes them and broadcasts the embeddings",
@@ -209,12 +230,12 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
         batch = data.batch(step - 1, dp_rank, dp, t.local_batch_size)
         flops = torch.tensor(batch_train_flops(args, batch), dtype=torch.float64, device=device)
         batch = batch.to(device)
-        stats = train_step(model, optimizer, scheduler, batch, mesh, t.max_norm, cp)
+        stats = train_step(model, optimizer, scheduler, batch, mesh, t.max_norm, cp, tp=tp)
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - begin
         peak = torch.tensor(peak_memory_gib(device), device=device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.job.get_group())  # worst rank
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.world.get_group())  # worst rank
         dist.all_reduce(flops, group=mesh.dp.get_group())  # the global batch's model FLOPs
         record = {**stats, "tokens_per_sec": rows * t.seq_len / elapsed,
                   "tflops_per_sec": float(flops) / elapsed / 1e12, "step_time_s": elapsed,

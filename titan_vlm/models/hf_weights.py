@@ -19,9 +19,9 @@ import torch
 from titan_vlm.config import ConfigError
 
 
-def vision_names(n_layers: int) -> dict[str, str | tuple[str, ...]]:
-    """titan_vlm name -> Hugging Face name (a tuple: concatenated along dim 0, q/k/v)."""
-    names: dict[str, str | tuple[str, ...]] = {
+def vision_names(n_layers: int) -> dict[str, str]:
+    """titan_vlm name -> Hugging Face name (one to one: the ViT has separate q/k/v like SigLIP)."""
+    names: dict[str, str] = {
         "vision.patch_embed.weight": "vision_model.embeddings.patch_embedding.weight",
         "vision.patch_embed.bias": "vision_model.embeddings.patch_embedding.bias",
         "vision.pos_embed": "vision_model.embeddings.position_embedding.weight",
@@ -35,7 +35,8 @@ def vision_names(n_layers: int) -> dict[str, str | tuple[str, ...]]:
     for i in range(n_layers):
         ours, hf = f"vision.layers.{i}.", f"vision_model.encoder.layers.{i}."
         for kind in ("weight", "bias"):
-            names[f"{ours}attn.qkv.{kind}"] = tuple(f"{hf}self_attn.{p}_proj.{kind}" for p in "qkv")
+            for p in "qkv":
+                names[f"{ours}attn.{p}.{kind}"] = f"{hf}self_attn.{p}_proj.{kind}"
             names[f"{ours}attn.proj.{kind}"] = f"{hf}self_attn.out_proj.{kind}"
             names[f"{ours}norm1.{kind}"] = f"{hf}layer_norm1.{kind}"
             names[f"{ours}norm2.{kind}"] = f"{hf}layer_norm2.{kind}"
@@ -80,16 +81,14 @@ def load_hf_weights(model: torch.nn.Module, vision_path: str = "", text_path: st
         if names.get("decoder.output.weight") == "lm_head.weight" and "lm_head.weight" not in hf:
             names["decoder.output.weight"] = "model.embed_tokens.weight"  # tied embeddings
         for ours, theirs in names.items():
-            parts = (theirs,) if isinstance(theirs, str) else theirs
-            missing = [p for p in parts if p not in hf]
-            if missing:
-                raise ConfigError(f"{path}: tensor '{missing[0]}' not found (needed for {ours})")
-            value = torch.cat([hf[p] for p in parts]) if len(parts) > 1 else hf[parts[0]]
+            if theirs not in hf:
+                raise ConfigError(f"{path}: tensor '{theirs}' not found (needed for {ours})")
+            value = hf[theirs]
             target = params[ours]
             if ours == "vision.pos_embed":
                 value = value.unsqueeze(0)  # HF: an Embedding table [patches, dim]
             if value.shape != target.shape:
-                raise ConfigError(f"{path}: tensor '{parts[0]}' has shape {tuple(value.shape)}, "
+                raise ConfigError(f"{path}: tensor '{theirs}' has shape {tuple(value.shape)}, "
                                   f"{ours} needs {tuple(target.shape)} (check model.flavor)")
             target.copy_(value.to(target.dtype))
             loaded.append(ours)
@@ -106,9 +105,5 @@ def save_hf_weights(model: torch.nn.Module, vision_path: str, text_path: str) ->
         out = {}
         for ours, theirs in names.items():
             value = params[ours].detach()
-            if isinstance(theirs, tuple):
-                for name, chunk in zip(theirs, value.chunk(len(theirs))):
-                    out[name] = chunk.contiguous()
-            else:
-                out[theirs] = (value.squeeze(0) if ours == "vision.pos_embed" else value).contiguous()
+            out[theirs] = (value.squeeze(0) if ours == "vision.pos_embed" else value).contiguous()
         save_file(out, path)

@@ -11,17 +11,24 @@ from titan_vlm.models.flavors import ViTArgs
 
 
 class ViTAttention(nn.Module):
+    """Separate q/k/v projections (as SigLIP's q_proj/k_proj/v_proj): a fused [3*dim] output
+    split column-wise would give a tensor-parallel rank a mix of q and k columns, while separate
+    ones split cleanly into whole heads per rank. Head counts are inferred (-1): the local count."""
+
     def __init__(self, a: ViTArgs):
         super().__init__()
-        self.n_heads = a.n_heads
-        self.qkv = nn.Linear(a.dim, 3 * a.dim)
+        self.head_dim = a.dim // a.n_heads
+        self.q = nn.Linear(a.dim, a.dim)
+        self.k = nn.Linear(a.dim, a.dim)
+        self.v = nn.Linear(a.dim, a.dim)
         self.proj = nn.Linear(a.dim, a.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, d = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        # unflatten/flatten infer the head count from the last dim alone: a rank may encode no
+        # images (cp_vision=shard), and view(b, n, -1, ...) cannot infer -1 for zero elements
+        q, k, v = (w(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for w in (self.q, self.k, self.v))
         out = attention(q, k, v, layout=None)
-        return self.proj(out.transpose(1, 2).reshape(b, n, d))
+        return self.proj(out.transpose(1, 2).flatten(2))
 
 
 class ViTBlock(nn.Module):

@@ -91,10 +91,11 @@ class _BroadcastFromSource(torch.autograd.Function):
 
 
 def encode_images_over_cp(model: torch.nn.Module, images: torch.Tensor, cp_mesh: DeviceMesh, mode: str,
-                          sum_grad: bool = True) -> torch.Tensor:
+                          sum_grad: bool = True, embed_width: int | None = None) -> torch.Tensor:
     """Image embeddings [n, tokens_per_image, D] of all n images, whole on every CP rank, their
     gradient summed over cp before it reaches the projector and ViT. `mode` is where the ViT
-    runs (CPOptions.vision). `sum_grad=False` only for the negative-control test."""
+    runs (CPOptions.vision). `sum_grad=False` only for the negative-control test. `embed_width`:
+    the projector's local output width D when it is not the decoder's (image_embed_tp_shard: D/tp)."""
     cp_size = cp_mesh.size()
     if cp_size == 1:
         return model.encode_images(images)
@@ -109,7 +110,7 @@ def encode_images_over_cp(model: torch.nn.Module, images: torch.Tensor, cp_mesh:
             local = model.encode_images(images).float()  # travels in fp32 (the receivers' dtype)
         else:  # a leaf that wants a gradient, so this rank joins the backward reduce
             args = model.args
-            local = images.new_zeros((images.shape[0], args.tokens_per_image, args.decoder.dim),
+            local = images.new_zeros((images.shape[0], args.tokens_per_image, embed_width or args.decoder.dim),
                                      dtype=torch.float32).requires_grad_()
         return _BroadcastFromSource.apply(local, group, src, sum_grad)
     if mode == "shard":
@@ -140,15 +141,16 @@ def sync_broadcast_vision_grads(model: torch.nn.Module, cp_mesh: DeviceMesh) -> 
             dist.broadcast(local, src=src, group=group)
 
 
-def shard_batch(batch: Batch, cp_mesh: DeviceMesh | None, comm_type: str = "p2p",
-                bidirectional_images: bool = False) -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
+def shard_batch(batch: Batch, cp_mesh: DeviceMesh | None, comm_type: str = "p2p", bidirectional_images: bool = False,
+                pad_to_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
     """This CP rank's text tokens and labels [B, T] and its SeqLayout (layout.build_layout: every
     image slot replicated, each sample's text split head-tail over the group). `cp_mesh=None`
     or a group of one: the whole rows, unsharded. Padding slots get token 0 and no label; they
-    attend to nothing and nothing attends to them, so their id is moot."""
+    attend to nothing and nothing attends to them, so their id is moot. `pad_to_multiple`: the
+    local slot count is padded to a multiple of it (sequence parallelism splits it over tp)."""
     cp_size = cp_mesh.size() if cp_mesh is not None else 1
     rank = cp_mesh.get_local_rank() if cp_size > 1 else 0
-    index, layout = build_layout(batch.doc, batch.image, cp_size, rank, bidirectional_images)
+    index, layout = build_layout(batch.doc, batch.image, cp_size, rank, bidirectional_images, pad_to_multiple)
     device = batch.tokens.device
     index = index.to(device)
     pad = index < 0

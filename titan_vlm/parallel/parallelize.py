@@ -1,5 +1,11 @@
 """Apply parallelism to a VLM from the outside (the model code holds none).
 
+Tensor (and sequence) parallelism first (parallel/tensor_parallel.py): parameters become
+DTensors on the tp mesh dim; FSDP below then shards each further over its dp mesh (2-D
+DTensors, as torchtitan), and the tp sums happen inside DTensor, so no gradient is reduced over
+tp twice. Parameters that TP leaves whole are identical on the tp ranks and so are their
+(complete) gradients: FSDP's meshes never include tp.
+
 FSDP2 meshes: a parameter is reduced over exactly the ranks whose gradients are different parts
 of its whole gradient.
   decoder                  -> mesh.fsdp (dp_shard x cp), summed (each CP rank's gradient comes
@@ -29,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from titan_vlm.models.vlm import VLM
+from titan_vlm.parallel.tensor_parallel import TPOptions, apply_tp
 
 if TYPE_CHECKING:
     from titan_vlm.parallel_dims import Mesh
@@ -81,10 +88,11 @@ def apply_compile(model: VLM) -> None:
 
 
 def parallelize_vlm(model: VLM, mesh: Mesh, mixed_precision: str = "fp32", cp_vision: str = "shard",
-                    ac_mode: str = "none", compile_blocks: bool = False) -> VLM:
-    """Everything the trainer applies to the model, torchtitan's order: activation checkpointing,
-    torch.compile, then FSDP. CP itself needs no module changes: it lives in the batch sharding
-    and the SeqLayout the attention receives (context_parallel.py)."""
+                    ac_mode: str = "none", compile_blocks: bool = False, tp: TPOptions = TPOptions()) -> VLM:
+    """Everything the trainer applies to the model, torchtitan's order: tensor parallelism,
+    activation checkpointing, torch.compile, then FSDP. CP itself needs no module changes: it
+    lives in the batch sharding and the SeqLayout the attention receives (context_parallel.py)."""
+    apply_tp(model, mesh.tp, tp)
     apply_ac(model, ac_mode)
     if compile_blocks:
         apply_compile(model)

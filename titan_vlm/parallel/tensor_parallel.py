@@ -1,0 +1,158 @@
+"""Tensor parallelism (TP) and sequence parallelism (SP) on the tp mesh dim, applied from outside.
+
+TP (Megatron style, with DTensor `parallelize_module`): in every ViT and decoder block the input
+projections (q, k, v; fc1 / w1, w3) are split column-wise, so each tp rank computes whole
+attention heads (the model's views use -1 heads: the local count) and a slice of the MLP; the
+output projections (proj / wo; fc2 / w2) are split row-wise and their partial sums are reduced.
+Between blocks every tp rank holds the same activations (SP off) or a 1/tp slice of the sequence
+(SP on: norms and residual adds run on the slice; the all-gather before attention / MLP and the
+reduce-scatter after them replace the all-reduce). Where the sequence is cut:
+
+    decoder input [image tokens, local text]  (CP already cut the text: this is the CP rank's part)
+        -> layers[0]: Replicate -> Shard(1)   local slice, no communication
+        -> blocks on [B, L/tp, dim] slices
+        -> layers[-1] output: Shard(1) -> Replicate   all-gather (the decoder then drops the image
+           tokens and applies the final norm and head to the text: a row-position slice that a
+           sequence-sharded tensor cannot take, so these run replicated)
+
+so the CP rank's local length L = image slots + local text slots must divide by tp: the layout
+pads the text with slots that attention skips (layout.build_layout, pad_to_multiple), and the
+first block checks it. The ViT is cut the same way along each image's patches (checked at
+start-up, ParallelDims.validate_model).
+
+Exactness and gradient reductions: every tp rank of a (dp, cp) coordinate holds the same tokens
+and computes the same replicated loss, so gradients of activations that are replicated over tp
+arrive complete on every tp rank; sharded parameters get their own shard's gradient; only
+partial sums are summed over tp, each once, by DTensor: row-wise outputs in forward, column-wise
+inputs' gradients in backward, and the SP norm weights' gradients (each rank's covers its slice
+of the sequence: Partial on tp until FSDP redistributes them to the weights' Replicate before its
+own reduction; without FSDP, clip_grad_norm_ refuses a Partial gradient). The loss normaliser is
+summed over dp and cp, never tp.
+
+Embedding and head: `tok_embeddings` is row-wise (vocab rows split; each token's vector comes from
+exactly one rank and the others add exact zeros, so the all-reduce is exact) with a replicated
+output, because the image embeddings are concatenated in front of the text after it. `output` is
+column-wise (vocab columns split) with its logits all-gathered (Replicate): the loss then runs
+unchanged on every tp rank; a vocab-parallel loss would save the gather but is more code for a
+small vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                                               PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+
+from titan_vlm.models.vlm import VLM
+
+
+@dataclass(frozen=True)
+class TPOptions:
+    sequence_parallel: bool = False  # parallelism.enable_sequence_parallel
+    image_embed_shard: bool = False  # parallelism.image_embed_tp_shard
+
+
+def _check_divisible_seq(name: str, tp: int) -> Callable[[nn.Module, tuple], None]:
+    """A forward pre-hook on the first block of a sequence-parallel stack: the local sequence must
+    split evenly over tp (DTensor's Shard(1) slices here assume it)."""
+
+    def hook(module: nn.Module, args: tuple) -> None:
+        length = args[0].shape[1]
+        if length % tp:
+            raise ValueError(f"sequence parallel: the {name} sequence on this rank has {length} tokens, "
+                             f"not divisible by tensor_parallel_degree={tp}")
+
+    return hook
+
+
+def _sp_stack_boundaries(layers: nn.ModuleList, tp_mesh: DeviceMesh, n_args: int, name: str) -> None:
+    """Cut the sequence at the first block's input, gather it at the last block's output."""
+    first_in = (Replicate(),) + (None,) * (n_args - 1)
+    first_want = (Shard(1),) + (None,) * (n_args - 1)
+    layers[0].register_forward_pre_hook(_check_divisible_seq(name, tp_mesh.size()))
+    parallelize_module(layers[0], tp_mesh, PrepareModuleInput(input_layouts=first_in, desired_input_layouts=first_want,
+                                                              use_local_output=True))
+    # A separate call: with one block, layers[0] is also layers[-1] and gets both hooks.
+    parallelize_module(layers[-1], tp_mesh, PrepareModuleOutput(output_layouts=Shard(1),
+                                                                desired_output_layouts=Replicate(),
+                                                                use_local_output=True))
+
+
+def _block_plan(attn: str, qkv: tuple[str, ...], out: str, norms: tuple[str, str], mlp: str | None,
+                mlp_in: tuple[str, ...], mlp_out: str, n_attn_args: int, sp: bool) -> dict[str, ParallelStyle]:
+    """One transformer block. `mlp` is the MLP submodule when there is one (the decoder's
+    feed_forward), else None (the ViT's fc1/fc2 sit on the block)."""
+    between = Shard(1) if sp else Replicate()  # the residual stream's layout between the TP regions
+    plan: dict[str, ParallelStyle] = {name: ColwiseParallel() for name in qkv}
+    plan[out] = RowwiseParallel(output_layouts=between)
+    plan.update({name: ColwiseParallel() for name in mlp_in})
+    plan[mlp_out] = RowwiseParallel(output_layouts=between)
+    if sp:
+        for norm in norms:
+            plan[norm] = SequenceParallel()
+        # all-gather the normed slice before attention; DTensor output (not local) so the backward
+        # turns the column-wise inputs' partial gradients into one reduce-scatter
+        plan[attn] = PrepareModuleInput(input_layouts=(Shard(1),) + (None,) * (n_attn_args - 1),
+                                        desired_input_layouts=(Replicate(),) + (None,) * (n_attn_args - 1))
+        if mlp is not None:
+            plan[mlp] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        else:
+            plan[mlp_in[0]] = ColwiseParallel(input_layouts=Shard(1))  # one consumer: it gathers itself
+    return plan
+
+
+def apply_tp(model: VLM, tp_mesh: DeviceMesh, options: TPOptions = TPOptions()) -> None:
+    """Tensor (and, with options.sequence_parallel, sequence) parallelism on the ViT, projector and
+    decoder over `tp_mesh`. Parameters become DTensors on tp; FSDP then shards them further on
+    the dp mesh (2-D). Parameters left alone (patch embedding, position embedding, final norms,
+    block norms without SP) are replicated: each tp rank computes their complete gradient."""
+    if tp_mesh.size() == 1:
+        return
+    sp = options.sequence_parallel
+    vit_plan = _block_plan("attn", ("attn.q", "attn.k", "attn.v"), "attn.proj", ("norm1", "norm2"), None,
+                           ("fc1",), "fc2", n_attn_args=1, sp=sp)
+    for block in model.vision.layers:
+        parallelize_module(block, tp_mesh, vit_plan)
+    dec_plan = _block_plan("attention", ("attention.wq", "attention.wk", "attention.wv"), "attention.wo",
+                           ("attention_norm", "ffn_norm"), "feed_forward", ("feed_forward.w1", "feed_forward.w3"),
+                           "feed_forward.w2", n_attn_args=4, sp=sp)  # attention(x, cos, sin, layout)
+    for block in model.decoder.layers:
+        parallelize_module(block, tp_mesh, dec_plan)
+    if sp:
+        _sp_stack_boundaries(model.vision.layers, tp_mesh, 1, "ViT")
+        _sp_stack_boundaries(model.decoder.layers, tp_mesh, 4, "decoder")  # block(x, cos, sin, layout)
+    # Projector: column- then row-wise. With image_embed_tp_shard its partial sums are
+    # reduce-scattered along the hidden dim instead of all-reduced: the embeddings stay sharded
+    # (and travel the CP group at 1/tp size) until gather_image_embeds_over_tp.
+    parallelize_module(model.projector, tp_mesh, {
+        "fc1": ColwiseParallel(),
+        "fc2": RowwiseParallel(output_layouts=Shard(-1) if options.image_embed_shard else Replicate())})
+    # Embedding rows and head columns split over vocabulary, both with replicated outputs (why:
+    # the module docstring).
+    parallelize_module(model.decoder, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())})
+
+
+def gather_image_embeds_over_tp(embeds: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    """image_embed_tp_shard: this tp rank's slice of the image embeddings' hidden dim
+    [n, tokens, dim/tp] (DTensor Shard(-1) on tp) -> the whole embeddings [n, tokens, dim],
+    all-gathered where they join the text.
+
+    Backward: every tp rank runs the same decoder on the same tokens, so the gradient of the
+    whole embeddings is complete and identical on each; the exact gradient of the slice is its
+    own columns of it (Replicate -> Shard(-1): a local slice, no sum, which would count it
+    tp-fold)."""
+    if tp_mesh.size() == 1:
+        return embeds
+    shape = torch.Size((*embeds.shape[:-1], embeds.shape[-1] * tp_mesh.size()))
+    sharded = DTensor.from_local(embeds, tp_mesh, [Shard(embeds.ndim - 1)], run_check=False, shape=shape,
+                                 stride=torch.empty(shape, device="meta").stride())
+    return sharded.redistribute(tp_mesh, [Replicate()]).to_local()
