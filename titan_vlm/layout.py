@@ -244,7 +244,7 @@ class SeqLayout:
         return torch.stack([torch.nn.functional.pad(x, (0, 0, 0, n - x.shape[0])) for x in per_row])
 
 
-def _head_tail_pairs(index: torch.Tensor, cp_size: int) -> list[torch.Tensor]:
+def head_tail_pairs(index: torch.Tensor, cp_size: int) -> list[torch.Tensor]:
     """One sample's text positions, padded with -1 to a multiple of 2P and cut into 2P chunks;
     pair j is chunks j and 2P-1-j (one light and one heavy piece of the causal triangle)."""
     if cp_size == 1:
@@ -300,7 +300,7 @@ def build_layout(doc: torch.Tensor, image: torch.Tensor, cp_size: int = 1, cp_ra
         rope.append(positions - start)
         for sample in torch.unique_consecutive(d[d >= 0]).tolist():
             where = positions[d == sample]
-            pairs = _head_tail_pairs(where[i[where] < 0], cp_size)
+            pairs = head_tail_pairs(where[i[where] < 0], cp_size)
             # a text query sees every earlier slot of its sample and itself: position + 1 keys
             costs = [int((rope[b][p[p >= 0]] + 1).sum()) for p in pairs]
             samples.append((b, pairs, costs))
