@@ -26,7 +26,7 @@ from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.layout import SeqLayout
 from titan_vlm.data.tokenizer import build_tokenizer
 from titan_vlm.metrics import MetricsLogger, peak_memory_gib
-from titan_vlm.models.accounting import batch_train_flops, param_counts
+from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM, batch_train_flops, param_counts
 from titan_vlm.models.flavors import model_args
 from titan_vlm.models.hf_weights import load_hf_weights
 from titan_vlm.models.vlm import VLM
