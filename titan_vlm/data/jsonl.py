@@ -250,11 +250,11 @@ def parse_record(record: Any, tok: ByteTokenizer | HFTokenizer, image_root: Path
 
 
 def _jsonl_spans(raw: bytes) -> list[tuple[int, int, int]]:
-    """(line, start byte, end byte) of every non-blank line."""
+    """(line, start byte, end byte) of every non-blank line, without its line break."""
     spans, at = [], 0
     for line, text in enumerate(raw.splitlines(keepends=True), 1):
         if text.strip():
-            spans.append((line, at, at + len(text)))
+            spans.append((line, at, at + len(text.rstrip(b"\r\n"))))
         at += len(text)
     return spans
 
@@ -465,7 +465,7 @@ class JsonlDataset:
                 try:
                     part = load_image(part.path, self.image_size, self.max_image_pixels)
                 except ImageTooLarge as e:
-                    return self._drop(i, f"{part.path}: {e}")
+                    return self._drop(i, f"image too large: {part.path} ({e})")
                 except (OSError, SyntaxError, ValueError, EOFError) as e:  # what Pillow raises for broken files
                     return self._drop(i, f"image cannot be decoded: {part.path} ({type(e).__name__}: {e})")
             parts.append(part)
