@@ -11,12 +11,14 @@ import pytest
 import torch
 from PIL import Image
 
+from titan_vlm.checkpoint import load_model_for_inference
 from titan_vlm.config import ConfigError, load_config
 from titan_vlm.data.batch import IGNORE_INDEX
 from titan_vlm.data.images import load_image
 from titan_vlm.data.jsonl import DataError, JsonlDataset, chat_question
 from titan_vlm.data.synthetic import COLORS, draw_image
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
+from titan_vlm.generate import generate
 from titan_vlm.parallel_dims import ParallelDims
 
 TOK = ByteTokenizer()
@@ -300,3 +302,8 @@ def test_training_on_a_jsonl_file_resumes_bit_exact(pool, files, tmp_path):
     assert [h["step"] for h in other] == [3, 4]
     for h in other:
         assert h["loss"] == pytest.approx(whole[h["step"] - 1]["loss"], rel=1e-5), h["step"]
+    # and ask the trained model about an image, in the chat template its data used
+    model, cfg = load_model_for_inference(tmp_path / "ckpt" / "copy0" / "checkpoint")
+    assert cfg.data.dataset == path
+    answer = generate(model, load_image(files / "red.png", 32), "What is this?", max_new_tokens=4, chat=True)
+    assert isinstance(answer, str) and len(answer) <= 4

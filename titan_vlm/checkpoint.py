@@ -122,8 +122,9 @@ def load_model_for_inference(path: str | Path) -> tuple[torch.nn.Module, JobConf
     if step_dir is None:
         raise FileNotFoundError(f"{path}: no checkpoint (expected a 'latest' file or a step-N folder)")
     saved = json.loads((step_dir / "config.json").read_text())
-    # model: to build it; data: generate formats its prompt as the training data was (chat or not)
-    cfg = load_config([f"--{section}.{k}={v}" for section in ("model", "data") for k, v in saved[section].items()])
+    # data.dataset too: generate asks in the format the model was trained on (chat or caption)
+    cfg = load_config([f"--model.{k}={v}" for k, v in saved["model"].items()]
+                      + [f"--data.dataset={saved['data']['dataset']}"])
     model = VLM(model_args(cfg.model.flavor, cfg.model.image_attention))
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)

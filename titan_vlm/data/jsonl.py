@@ -43,7 +43,8 @@ empty text, a placeholder / image count mismatch and a missing image file are fo
 and leave the sample out of the index; a sample longer than training.seq_len is cut to it
 (Sample.truncated, "(truncated)"); an image that cannot be decoded or has more than
 `data.max_image_pixels` pixels (read from its header) is found when its batch is built, and its
-sample is left out of that row (the same way on every read, so runs stay deterministic).
+sample is left out of that row (the same way on every read, so runs stay deterministic; a rank
+whose whole batch is left out gets one untrained padding token, so it still runs the step).
 """
 
 from __future__ import annotations
@@ -432,7 +433,7 @@ class JsonlDataset:
             order = list(range(len(self.rows)))
             if self.shuffle:
                 random.Random(f"{self.seed}/rows/{epoch}").shuffle(order)
-            if len(self._orders) >= 2:  # a batch spans at most two epochs
+            if len(self._orders) >= 2:  # the epochs in use: usually one, two where a batch crosses
                 self._orders.pop(min(self._orders))
             self._orders[epoch] = order
         return self._orders[epoch]
