@@ -2,7 +2,7 @@
 
 <checkpoint.folder>/step-<N>/   one DCP checkpoint: the model's and the optimizer's sharded state
                                (each rank writes its own shards), plus trainer.pt (step, lr
-                               scheduler, RNG) and config.json (the JobConfig that wrote it)
+                               scheduler, RNG, counters) and config.json (the JobConfig that wrote it)
 <checkpoint.folder>/latest     the step of the newest complete checkpoint
 
 `latest` is replaced (write, then atomic rename) only after every rank has finished writing
@@ -63,6 +63,9 @@ class Checkpointer:
         self.folder = checkpoint_folder(cfg)
         self.model, self.optimizer, self.scheduler, self.group = model, optimizer, scheduler, group
         self.rank0 = dist.get_rank(group) == 0
+        # Running totals the metrics report (the samples the data dropped so far), saved with the
+        # step so a resumed run's metrics go on from them; not needed to reproduce the training.
+        self.counters: dict[str, int] = {}
 
     # Optimizer state keyed by parameter name, not by param group: the groups follow the meshes,
     # which change with the layout (cp_vision) a run resumes into.
@@ -76,7 +79,8 @@ class Checkpointer:
         step_dir = self.folder / f"step-{step}"
         dcp.save(self._state(), checkpoint_id=str(step_dir), process_group=self.group)
         if self.rank0:
-            trainer = {"step": step, "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state()}
+            trainer = {"step": step, "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
+                       "counters": dict(self.counters)}
             torch.save(trainer, step_dir / "trainer.pt.tmp")
             (step_dir / "config.json").write_text(json.dumps(dataclasses.asdict(self.cfg), indent=1))
             os.replace(step_dir / "trainer.pt.tmp", step_dir / "trainer.pt")
@@ -104,6 +108,7 @@ class Checkpointer:
         trainer = torch.load(step_dir / "trainer.pt", weights_only=False)
         self.scheduler.load_state_dict(trainer["scheduler"])
         torch.set_rng_state(trainer["rng"])
+        self.counters = dict(trainer.get("counters", {}))  # absent in checkpoints of older versions
         return int(trainer["step"])
 
 
@@ -118,7 +123,9 @@ def load_model_for_inference(path: str | Path) -> tuple[torch.nn.Module, JobConf
     if step_dir is None:
         raise FileNotFoundError(f"{path}: no checkpoint (expected a 'latest' file or a step-N folder)")
     saved = json.loads((step_dir / "config.json").read_text())
-    cfg = load_config([f"--model.{k}={v}" for k, v in saved["model"].items()])
+    # data.dataset too: generate asks in the format the model was trained on (chat or caption)
+    cfg = load_config([f"--model.{k}={v}" for k, v in saved["model"].items()]
+                      + [f"--data.dataset={saved['data']['dataset']}"])
     model = VLM(model_args(cfg.model.flavor, cfg.model.image_attention))
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # one process without a process group is the point here

@@ -56,11 +56,15 @@ class Training:
 
 @dataclass
 class Data:
-    dataset: str = "synthetic"
+    dataset: str = "synthetic"  # or a .json / .jsonl file of LLaVA conversations or captions (data/jsonl.py)
     sentences_per_image: int = 1  # long-text knob: more sentences about the image per sample
     blank_images: bool = False  # ablation: every image black; captions are then unpredictable
     images_per_sample: int = 1  # images per sample (0: text only); with packing, at most this many
     packing: bool = False  # several samples per row, each attending only to itself (README: packed rows)
+    image_root: str = ""  # image paths of a dataset file are relative to this ("": the file's folder)
+    on_bad_sample: str = "skip"  # a bad sample of a dataset file: "skip" (warn, count) | "error" (stop)
+    max_image_pixels: int = 4096 * 4096  # larger images (by their header) are bad samples
+    shuffle: bool = True  # a dataset file's rows in a new order each epoch (seeded by training.seed)
 
 
 @dataclass

@@ -100,8 +100,9 @@ class ParallelDims:
             raise ConfigError(f"training.steps must be >= 1, got {t.steps}")
         if t.mixed_precision not in ("fp32", "bf16"):
             raise ConfigError(f"training.mixed_precision must be 'fp32' or 'bf16', got {t.mixed_precision!r}")
-        if cfg.data.dataset != "synthetic":
-            raise ConfigError(f"data.dataset={cfg.data.dataset!r}: only 'synthetic' is supported yet")
+        from titan_vlm.data.jsonl import validate_data_config
+
+        validate_data_config(cfg.data)  # data.dataset and the keys of a dataset file
         if cfg.data.sentences_per_image < 1:
             raise ConfigError(f"data.sentences_per_image must be >= 1, got {cfg.data.sentences_per_image}")
         if cfg.checkpoint.interval < 1:

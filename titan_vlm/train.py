@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor
 from titan_vlm.attention import select_kernel, use_kernel
 from titan_vlm.checkpoint import Checkpointer
 from titan_vlm.config import ConfigError, JobConfig, load_config
+from titan_vlm.data import build_dataset
 from titan_vlm.data.batch import IGNORE_INDEX, Batch
-from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.layout import SeqLayout
 from titan_vlm.data.tokenizer import build_tokenizer
 from titan_vlm.metrics import MetricsLogger, peak_memory_gib
@@ -197,15 +197,14 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
                            "(raise training.steps to train on)", start, t.steps)
 
     k = cfg.data.images_per_sample
-    data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, t.seq_len, t.seed,
-                             cfg.data.sentences_per_image, cfg.data.blank_images, k,
-                             build_tokenizer(cfg.model.tokenizer_path), packing=cfg.data.packing)
+    # Start-up warnings once (rank 0); batch-time ones once per dp rank (its rows are its own).
+    data = build_dataset(cfg, args, build_tokenizer(cfg.model.tokenizer_path), log_startup=dist.get_rank() == 0,
+                         log_batches=mesh.cp.get_local_rank() == 0)
     dp_rank, dp = mesh.dp.get_local_rank(), mesh.dp.size()
     first = data.batch(start, dp_rank, dp, t.local_batch_size)
     sp_multiple = mesh.tp.size() if tp.sequence_parallel else 1
     _, _, layout = shard_batch(first, mesh.cp, cp.comm_type, args.image_attention == "bidirectional", sp_multiple)
-    logger.info("data: %s, %s", "packed rows (data.packing)" if cfg.data.packing else "one sample per row",
-                f"up to {k} image(s) per sample" if cfg.data.packing else f"{k} image(s) per sample")
+    logger.info("data: %s", data.describe())
     for line in describe_layout(layout):
         logger.info(line)
     if tp.sequence_parallel:
@@ -225,10 +224,15 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
                 cfg.job.dump_folder)
 
     history = []
+    # Samples dropped while building batches, summed over dp ranks, since step 1 (kept in checkpoints).
+    dropped = checkpointer.counters.get("data_dropped", 0) if checkpointer else 0
     for step in range(start + 1, t.steps + 1):
         begin = time.perf_counter()
+        dropped_before = data.dropped
         batch = data.batch(step - 1, dp_rank, dp, t.local_batch_size)
-        flops = torch.tensor(batch_train_flops(args, batch), dtype=torch.float64, device=device)
+        # The global batch's model FLOPs and dropped samples: one all-reduce (exact as float64).
+        sums = torch.tensor([batch_train_flops(args, batch), data.dropped - dropped_before], dtype=torch.float64,
+                            device=device)
         batch = batch.to(device)
         stats = train_step(model, optimizer, scheduler, batch, mesh, t.max_norm, cp, tp=tp)
         if device.type == "cuda":
@@ -236,14 +240,17 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
         elapsed = time.perf_counter() - begin
         peak = torch.tensor(peak_memory_gib(device), device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.world.get_group())  # worst rank
-        dist.all_reduce(flops, group=mesh.dp.get_group())  # the global batch's model FLOPs
+        dist.all_reduce(sums, group=mesh.dp.get_group())
+        dropped += int(sums[1])
         record = {**stats, "tokens_per_sec": rows * t.seq_len / elapsed,
-                  "tflops_per_sec": float(flops) / elapsed / 1e12, "step_time_s": elapsed,
-                  "peak_memory_gib": float(peak)}
+                  "tflops_per_sec": float(sums[0]) / elapsed / 1e12, "step_time_s": elapsed,
+                  "peak_memory_gib": float(peak), "data_bad_samples": data.bad_at_startup + dropped,
+                  "data_truncated": data.truncated}
         # metrics.jsonl and TensorBoard get every step; stdout every log_freq steps and the last
         metrics.log(step, record, echo=step % cfg.metrics.log_freq == 0 or step == t.steps)
         history.append({"step": step, **record})
         if checkpointer and (step % cfg.checkpoint.interval == 0 or step == t.steps):
+            checkpointer.counters["data_dropped"] = dropped
             logger.info("checkpoint saved: %s", checkpointer.save(step))
         if step == stop_after:
             break

@@ -11,7 +11,9 @@ layout.py for what the metadata means to attention):
 
 Labels are shifted here, before any CP sharding: a text slot's label is the next slot's token
 when that slot is text of the same sample, else IGNORE_INDEX (image slots, the last token of a
-sample, padding). So the loss is on text predicting text, and nothing predicts an image.
+sample, padding). So the loss is on text predicting text, and nothing predicts an image. Text
+given as a `Prompt` (a chat's user turns, data/jsonl.py) is context only: no slot is trained to
+predict a prompt token, so the loss is on the answers alone.
 """
 
 from __future__ import annotations
@@ -22,7 +24,19 @@ from typing import Iterable
 import torch
 
 IGNORE_INDEX = -100
-Part = list[int] | torch.Tensor  # token ids, or one image [3, H, W] with values in [-1, 1]
+
+
+class Prompt(list):
+    """Token ids that are context only: no position is trained to predict them (a user turn)."""
+
+
+# Token ids (a plain list is trained text, a Prompt is context), or one image: a [3, H, W] tensor
+# in [-1, 1], or before decoding (data/jsonl.py) any other object standing for the image file.
+Part = list[int] | torch.Tensor | object
+
+
+def is_image(part: Part) -> bool:
+    return not isinstance(part, list)
 
 
 @dataclass
@@ -32,23 +46,23 @@ class Sample:
     parts: list[Part]
 
     def num_slots(self, tokens_per_image: int) -> int:
-        return sum(tokens_per_image if isinstance(p, torch.Tensor) else len(p) for p in self.parts)
+        return sum(tokens_per_image if is_image(p) else len(p) for p in self.parts)
 
     def num_images(self) -> int:
-        return sum(isinstance(p, torch.Tensor) for p in self.parts)
+        return sum(is_image(p) for p in self.parts)
 
     def truncated(self, max_slots: int, tokens_per_image: int) -> Sample:
         """The first `max_slots` slots: text is cut, an image that no longer fits is dropped with
         everything after it (an image is never cut)."""
         parts, left = [], max_slots
         for p in self.parts:
-            size = tokens_per_image if isinstance(p, torch.Tensor) else len(p)
+            size = tokens_per_image if is_image(p) else len(p)
             if size <= left:
                 parts.append(p)
                 left -= size
             else:
-                if not isinstance(p, torch.Tensor) and left > 0:
-                    parts.append(p[:left])
+                if not is_image(p) and left > 0:
+                    parts.append(type(p)(p[:left]))  # a cut Prompt stays a Prompt
                 break
         return Sample(parts)
 
@@ -56,7 +70,7 @@ class Sample:
 @dataclass
 class Batch:
     images: torch.Tensor  # [n, 3, H, W]: every image of the batch, rows in order, each in reading order
-    tokens: torch.Tensor  # [B, S] input ids (image and padding slots hold the pad id)
+    tokens: torch.Tensor  # [B, S] input ids (image slots hold the image id, padding the pad id)
     labels: torch.Tensor  # [B, S] next-token targets, IGNORE_INDEX where there is no loss
     doc: torch.Tensor  # [B, S] sample index within the row, -1 for padding
     image: torch.Tensor  # [B, S] index into `images` for image slots, -1 for text and padding
@@ -78,10 +92,14 @@ class Batch:
                      self.doc[start:stop], torch.where(image >= 0, image - first, image))
 
 
-def collate(rows: list[list[Sample]], seq_len: int, tokens_per_image: int, image_size: int, pad_id: int) -> Batch:
-    """Rows of samples (each row's samples must fit in seq_len slots) into one Batch."""
+def collate(rows: list[list[Sample]], seq_len: int, tokens_per_image: int, image_size: int, pad_id: int,
+            image_id: int | None = None) -> Batch:
+    """Rows of samples (each row's samples must fit in seq_len slots) into one Batch. Image slots
+    hold `image_id` (default: the pad id); the decoder never reads it (the image embeddings take
+    those slots), it only makes dumps readable, as LLaVA's <image> token does."""
     n = len(rows)
     tokens = torch.full((n, seq_len), pad_id, dtype=torch.long)
+    context = torch.zeros((n, seq_len), dtype=torch.bool)  # Prompt slots: never a target
     labels = torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.long)
     doc = torch.full((n, seq_len), -1, dtype=torch.long)
     image = torch.full((n, seq_len), -1, dtype=torch.long)
@@ -96,13 +114,18 @@ def collate(rows: list[list[Sample]], seq_len: int, tokens_per_image: int, image
             for part in sample.parts:
                 if isinstance(part, torch.Tensor):
                     image[b, at:at + tokens_per_image] = len(images)
+                    if image_id is not None:
+                        tokens[b, at:at + tokens_per_image] = image_id
                     images.append(part)
                     at += tokens_per_image
-                else:
+                elif isinstance(part, list):
                     tokens[b, at:at + len(part)] = torch.tensor(part, dtype=torch.long)
+                    context[b, at:at + len(part)] = isinstance(part, Prompt)
                     at += len(part)
+                else:
+                    raise TypeError(f"row {b}: an image that was not decoded ({part!r})")
     is_text = (doc >= 0) & (image < 0)
-    follows = is_text[:, :-1] & is_text[:, 1:] & (doc[:, :-1] == doc[:, 1:])
+    follows = is_text[:, :-1] & is_text[:, 1:] & (doc[:, :-1] == doc[:, 1:]) & ~context[:, 1:]
     labels[:, :-1] = torch.where(follows, tokens[:, 1:], IGNORE_INDEX)
     stacked = torch.stack(images) if images else torch.zeros(0, 3, image_size, image_size)
     return Batch(stacked, tokens, labels, doc, image)

@@ -86,6 +86,10 @@ class SyntheticCaptions:
     the start, in the middle or at the end of its text. `tokens_per_image` is the model's
     image-token count for one image."""
 
+    # The data counters of the trainer's metrics (data/jsonl.py): drawn data has no bad samples,
+    # and a long caption is cut to its row by design (data.sentences_per_image).
+    bad_at_startup = truncated = dropped = 0
+
     def __init__(self, image_size: int, tokens_per_image: int, seq_len: int, seed: int,
                  sentences_per_image: int = 1, blank_images: bool = False, images_per_sample: int = 1,
                  tokenizer: ByteTokenizer | HFTokenizer | None = None, packing: bool = False):
@@ -174,7 +178,13 @@ class SyntheticCaptions:
     def batch(self, step: int, dp_rank: int, dp_size: int, batch_size: int) -> Batch:
         first = (step * dp_size + dp_rank) * batch_size
         rows = [self.row(first + j) for j in range(batch_size)]
-        return collate(rows, self.seq_len, self.tokens_per_image, self.image_size, self.tokenizer.PAD)
+        return collate(rows, self.seq_len, self.tokens_per_image, self.image_size, self.tokenizer.PAD,
+                       self.tokenizer.IMAGE)
+
+    def describe(self) -> str:
+        k = self.images_per_sample
+        return (f"packed rows (data.packing), up to {k} image(s) per sample" if self.packing
+                else f"one sample per row, {k} image(s) per sample")
 
 
 def main() -> None:
