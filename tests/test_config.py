@@ -106,9 +106,12 @@ def test_a2a_needs_heads_divisible_by_cp():
 
 
 def test_restarts_need_checkpoints():
-    bad = subprocess.run([sys.executable, "-m", "titan_vlm.config", "--config", DEFAULT, "--job.max_restarts=2"],
-                         capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "titan_vlm.config", "--config", DEFAULT, "--job.max_restarts=2",
+                          "--checkpoint.enable=false"], capture_output=True, text=True)
     assert bad.returncode == 2 and "job.max_restarts needs checkpoint.enable" in bad.stderr
+    ok = subprocess.run([sys.executable, "-m", "titan_vlm.config", "--config", DEFAULT, "--job.max_restarts=2"],
+                        capture_output=True, text=True)  # the default run checkpoints
+    assert ok.returncode == 0 and ok.stdout.split() == ["2", "2"]
 
 
 def test_config_cli_prints_process_count_or_one_line_error():
