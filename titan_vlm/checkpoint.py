@@ -126,7 +126,8 @@ def load_model_for_inference(path: str | Path) -> tuple[torch.nn.Module, JobConf
     # data.dataset too: generate asks in the format the model was trained on (chat or caption)
     cfg = load_config([f"--model.{k}={v}" for k, v in saved["model"].items()]
                       + [f"--data.dataset={saved['data']['dataset']}"])
-    model = VLM(model_args(cfg.model.flavor, cfg.model.image_attention))
+    model = VLM(model_args(cfg.model.flavor, cfg.model.image_attention, cfg.model.hf_vision_path,
+                           cfg.model.hf_text_path))
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # one process without a process group is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

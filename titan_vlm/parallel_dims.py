@@ -72,7 +72,7 @@ class ParallelDims:
         """Checks that need both the degrees and the model/data shapes."""
         from titan_vlm.models.flavors import model_args
 
-        vlm = model_args(cfg.model.flavor, cfg.model.image_attention)
+        vlm = model_args(cfg.model.flavor, cfg.model.image_attention, cfg.model.hf_vision_path, cfg.model.hf_text_path)
         t = cfg.training
         k = cfg.data.images_per_sample
         if not 0 <= k <= 64:

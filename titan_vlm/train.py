@@ -151,7 +151,8 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
     """The training loop on an existing mesh. Returns the metrics of the steps it ran.
     `stop_after` ends the run after that step as a crash would (tests of resuming)."""
     t = cfg.training
-    args = model_args(cfg.model.flavor, cfg.model.image_attention)
+    args = model_args(cfg.model.flavor, cfg.model.image_attention, cfg.model.hf_vision_path,
+                      cfg.model.hf_text_path)
     use_kernel(cfg.model.attention_kernel)
     torch.manual_seed(t.seed)  # identical initial weights on every rank, before sharding
     model = VLM(args)

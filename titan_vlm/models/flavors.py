@@ -19,6 +19,7 @@ class ViTArgs:
     n_heads: int = 4
     mlp_dim: int = 256
     norm_eps: float = 1e-5
+    act: str = "gelu"  # the MLP's GELU: "gelu" (exact) or "gelu_tanh" (SigLIP's gelu_pytorch_tanh)
 
     @property
     def num_patches(self) -> int:
@@ -73,15 +74,22 @@ FLAVORS: dict[str, VLMArgs] = {
 
 def get_flavor(name: str) -> VLMArgs:
     if name not in FLAVORS:
-        raise ConfigError(f"model.flavor: unknown flavor {name!r} (known: {', '.join(FLAVORS)})")
+        raise ConfigError(f"model.flavor: unknown flavor {name!r} (known: {', '.join(FLAVORS)}, hf)")
     return FLAVORS[name]
 
 
 IMAGE_ATTENTION = ("causal", "bidirectional")
 
 
-def model_args(flavor: str, image_attention: str = "causal") -> VLMArgs:
-    """The flavor's architecture with the config's model.image_attention."""
+def model_args(flavor: str, image_attention: str = "causal", hf_vision_path: str = "",
+               hf_text_path: str = "") -> VLMArgs:
+    """The flavor's architecture with the config's model.image_attention. Flavor "hf": the shapes
+    of the Hugging Face checkpoints given as model.hf_vision_path / hf_text_path, read from the
+    config.json next to each (hf_weights.hf_flavor)."""
     if image_attention not in IMAGE_ATTENTION:
         raise ConfigError(f"model.image_attention must be one of {', '.join(IMAGE_ATTENTION)}, got {image_attention!r}")
+    if flavor == "hf":
+        from titan_vlm.models.hf_weights import hf_flavor
+
+        return replace(hf_flavor(hf_vision_path, hf_text_path), image_attention=image_attention)
     return replace(get_flavor(flavor), image_attention=image_attention)

@@ -7,16 +7,19 @@ Names follow the public checkpoints: `vision_model.*` (SigLIP: no class token, s
 `post_layernorm`), `multi_modal_projector.linear_{1,2}` (LLaVA), `model.*` + `lm_head` (Llama).
 Both sides use the rotate-half RoPE layout, so decoder weights map one to one. Every tensor of
 the titan_vlm module must be found with the right shape; a missing or mis-shaped tensor fails
-with its Hugging Face name. The flavor must match the checkpoint's shapes (model.flavor).
+with its Hugging Face name. The flavor must match the checkpoint's shapes: `model.flavor = "hf"`
+reads them from the config.json next to each safetensors file (`hf_flavor`).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from titan_vlm.config import ConfigError
+from titan_vlm.models.flavors import DecoderArgs, ViTArgs, VLMArgs
 
 
 def vision_names(n_layers: int) -> dict[str, str]:
@@ -58,6 +61,66 @@ def text_names(n_layers: int) -> dict[str, str]:
         for ours, hf in ours_to_hf.items():
             names[f"decoder.layers.{i}.{ours}.weight"] = f"model.layers.{i}.{hf}.weight"
     return names
+
+
+def _hf_config(weights: str, key: str, nested: str) -> tuple[dict, Path]:
+    """The config.json beside a safetensors file; a LLaVA-style combined config nests the part."""
+    if not weights:
+        raise ConfigError(f"model.flavor='hf' reads the shapes from the checkpoints: set model.{key}")
+    path = Path(weights).parent / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"model.flavor='hf': {path} not found (the config.json beside model.{key})")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model.flavor='hf': {path} is not JSON ({e})") from None
+    return cfg.get(nested, cfg), path
+
+
+def hf_flavor(vision_path: str, text_path: str) -> VLMArgs:
+    """VLMArgs from Hugging Face configs: a SigLIP vision tower (every layer, then its
+    post-layernorm) and a Llama-style decoder. What titan_vlm's modules cannot express is an error
+    naming the config key, never an approximation."""
+    v, v_path = _hf_config(vision_path, "hf_vision_path", "vision_config")
+    t, t_path = _hf_config(text_path, "hf_text_path", "text_config")
+
+    def need(cfg: dict, path: Path, key: str):
+        if key not in cfg:
+            raise ConfigError(f"model.flavor='hf': {path} has no '{key}'")
+        return cfg[key]
+
+    def refuse(path: Path, key: str, value, why: str) -> None:
+        raise ConfigError(f"model.flavor='hf': {path}: {key}={value!r} is not supported ({why})")
+
+    if "clip" in str(v.get("model_type", "")):
+        refuse(v_path, "model_type", v["model_type"], "a CLIP tower has a class token and a pre-layernorm; "
+               "titan_vlm's ViT is SigLIP-shaped")
+    act = v.get("hidden_act", "gelu_pytorch_tanh")
+    if act not in ("gelu", "gelu_pytorch_tanh"):
+        refuse(v_path, "hidden_act", act, "the ViT has gelu and gelu_pytorch_tanh")
+    if t.get("hidden_act", "silu") != "silu":
+        refuse(t_path, "hidden_act", t["hidden_act"], "the decoder's MLP is SwiGLU")
+    for key in ("attention_bias", "mlp_bias"):
+        if t.get(key):
+            refuse(t_path, key, t[key], "the decoder's projections have no bias")
+    if str(t.get("model_type", "")).startswith("qwen2"):
+        refuse(t_path, "model_type", t["model_type"], "Qwen2 has q/k/v biases")
+    if t.get("rope_scaling"):
+        refuse(t_path, "rope_scaling", t["rope_scaling"], "plain RoPE only")
+    dim, heads = need(t, t_path, "hidden_size"), need(t, t_path, "num_attention_heads")
+    if t.get("head_dim") not in (None, dim // heads):
+        refuse(t_path, "head_dim", t["head_dim"], f"head_dim must be hidden_size / num_attention_heads = {dim // heads}")
+    vision = ViTArgs(image_size=need(v, v_path, "image_size"), patch_size=need(v, v_path, "patch_size"),
+                     channels=v.get("num_channels", 3), dim=need(v, v_path, "hidden_size"),
+                     n_layers=need(v, v_path, "num_hidden_layers"), n_heads=need(v, v_path, "num_attention_heads"),
+                     mlp_dim=need(v, v_path, "intermediate_size"), norm_eps=v.get("layer_norm_eps", 1e-6),
+                     act="gelu_tanh" if act == "gelu_pytorch_tanh" else "gelu")
+    decoder = DecoderArgs(dim=dim, n_layers=need(t, t_path, "num_hidden_layers"), n_heads=heads,
+                          n_kv_heads=t.get("num_key_value_heads") or heads,
+                          ffn_dim=need(t, t_path, "intermediate_size"), vocab_size=need(t, t_path, "vocab_size"),
+                          rope_theta=t.get("rope_theta", 10000.0), norm_eps=t.get("rms_norm_eps", 1e-6),
+                          max_seq_len=t.get("max_position_embeddings", 4096))
+    return VLMArgs(vision=vision, decoder=decoder)
 
 
 def _load_file(path: str) -> dict[str, torch.Tensor]:

@@ -34,6 +34,7 @@ class ViTAttention(nn.Module):
 class ViTBlock(nn.Module):
     def __init__(self, a: ViTArgs):
         super().__init__()
+        self.approximate = "tanh" if a.act == "gelu_tanh" else "none"  # SigLIP uses the tanh form
         self.norm1 = nn.LayerNorm(a.dim, eps=a.norm_eps)
         self.attn = ViTAttention(a)
         self.norm2 = nn.LayerNorm(a.dim, eps=a.norm_eps)
@@ -42,7 +43,7 @@ class ViTBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate=self.approximate))
 
 
 class ViT(nn.Module):
