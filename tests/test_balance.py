@@ -31,7 +31,7 @@ def contiguous_split(doc: torch.Tensor, image: torch.Tensor, cp: int) -> SeqLayo
             text = torch.nn.functional.pad(text, (0, -len(text) % cp), value=-1)
             pieces.append(text.view(cp, -1)[r])
         texts.append(Slots.gather(doc, image, torch.nn.utils.rnn.pad_sequence(pieces, True, -1)))
-    return SeqLayout(layout.positions, layout.images, texts, 0, layout.image_counts)
+    return SeqLayout(layout.positions, layout.images, texts, 0, layout.image_counts, layout.row_positions)
 
 
 def undealt_head_tail(doc: torch.Tensor, image: torch.Tensor, cp: int) -> SeqLayout:
@@ -46,7 +46,7 @@ def undealt_head_tail(doc: torch.Tensor, image: torch.Tensor, cp: int) -> SeqLay
                       for s in torch.unique_consecutive(doc[b][doc[b] >= 0]).tolist()]
             rows.append(torch.cat(shares))
         texts.append(Slots.gather(doc, image, torch.nn.utils.rnn.pad_sequence(rows, True, -1)))
-    return SeqLayout(layout.positions, layout.images, texts, 0, layout.image_counts)
+    return SeqLayout(layout.positions, layout.images, texts, 0, layout.image_counts, layout.row_positions)
 
 
 def one_long_sample(cp: int, split: str) -> SeqLayout:

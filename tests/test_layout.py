@@ -45,6 +45,15 @@ def test_plans_compute_every_visible_pair_exactly_once(cp, bidirectional):
         gathered = torch.zeros_like(want)  # what the all-gather computes: everything at once
         coverage(layout, "all", 0, gathered)
         assert torch.equal(gathered, want)
+        assert layout.rank_work()[rank] == int(want.sum())  # cp_balance's closed form counts the same pairs
+    # what the all-to-all computes: every slot of the row against every slot, for its heads
+    everything = layout.slots("all")
+    want = visible(everything, everything, bidirectional).long()
+    a2a = torch.zeros_like(want)
+    for rows, qs, ks, causal in layout.blocks("all", "all"):
+        pairs = torch.ones(qs.stop - qs.start, ks.stop - ks.start, dtype=torch.long)
+        a2a[rows, qs, ks] += pairs.tril() if causal else pairs
+    assert torch.equal(a2a, want)
 
 
 def test_the_split_holds_every_text_slot_once_and_every_image_slot_everywhere():

@@ -70,7 +70,13 @@ class Slots:
                      image.gather(1, safe).masked_fill(pad, -1))
 
     def same_for_all_rows(self) -> bool:
-        return all(bool((t == t[:1]).all()) for t in (self.doc, self.order, self.image))
+        """Whether every row has the same metadata, image ids counted from the row's first image
+        (ids number the batch's images, so identical rows still differ in them)."""
+        if self.image.numel() == 0:
+            return True
+        first = torch.where(self.image >= 0, self.image, self.image.max() + 1).amin(1, keepdim=True)
+        image = torch.where(self.image >= 0, self.image - first, -1)
+        return all(bool((t == t[:1]).all()) for t in (self.doc, self.order, image))
 
 
 def visible(q: Slots, k: Slots, bidirectional_images: bool) -> torch.Tensor:
@@ -166,15 +172,6 @@ def plan(q: Slots, k: Slots, bidirectional_images: bool) -> list[Block]:
     return out
 
 
-def work(blocks: list[Block], batch_rows: int) -> int:
-    """Query-key pairs the blocks compute (per head)."""
-    total = 0
-    for rows, qs, ks, causal in blocks:
-        lq, lk = qs.stop - qs.start, ks.stop - ks.start
-        total += (batch_rows if rows == ALL_ROWS else 1) * (lq * (lq + 1) // 2 if causal else lq * lk)
-    return total
-
-
 @dataclass
 class SeqLayout:
     """The local slots of one CP rank's batch and everything attention needs to know about them.
@@ -192,6 +189,7 @@ class SeqLayout:
     texts: list[Slots]
     rank: int
     image_counts: list[int]
+    row_positions: torch.Tensor  # [B, S] every row slot's position within its sample
     bidirectional_images: bool = False
     cp: CPAttention | None = None
     _plans: dict = field(default_factory=dict, repr=False)
@@ -221,15 +219,25 @@ class SeqLayout:
         return self._plans[key]
 
     def rank_work(self) -> list[int]:
-        """Query-key pairs each CP rank's queries (all image slots + its text) have to compute
-        against the whole row (what the ring and all-gather algorithms run on each rank)."""
-        rows = self.images.doc.shape[0]
-        out = []
-        for r in range(len(self.texts)):
-            total = work(self.blocks("local", "images", r), rows)
-            total += sum(work(self.blocks("local", s, r), rows) for s in range(len(self.texts)))
-            out.append(total)
-        return out
+        """Query-key pairs each CP rank's queries (all image slots + its text) compute against
+        the whole row under the mask rule: what the ring and all-gather algorithms run on each
+        rank (tests/test_layout.py checks it against the block plans). A query sees the earlier
+        slots of its sample and itself, `position in sample + 1` keys, and with bidirectional
+        images also the rest of its image: no plan is needed, so every step can afford it."""
+        def keys_seen(s: Slots) -> int:
+            real = s.doc >= 0
+            pos = self.row_positions.gather(1, s.order.clamp(min=0))
+            seen = (pos + 1).masked_fill(~real, 0)
+            if self.bidirectional_images and s.image.numel():
+                ids = s.image.clamp(min=0)
+                last = torch.zeros(s.image.shape[0], int(ids.max()) + 1, dtype=torch.long)
+                last.scatter_reduce_(1, ids, s.order.masked_fill(s.image < 0, -1), "amax")
+                later = (last.gather(1, ids) - s.order).masked_fill(s.image < 0, 0)
+                seen = seen + later.masked_fill(~real, 0)
+            return int(seen.sum())
+
+        images = keys_seen(self.images)
+        return [images + keys_seen(t) for t in self.texts]
 
     def balance(self) -> float:
         """max/mean of `rank_work` over the CP ranks (1.0 is perfect)."""
@@ -317,6 +325,7 @@ def build_layout(doc: torch.Tensor, image: torch.Tensor, cp_size: int = 1, cp_ra
     images = Slots.gather(doc, image, _stack_padded(image_index, n))
     texts = [Slots.gather(doc, image, _stack_padded(text_index[r], t)) for r in range(cp_size)]
     local = torch.cat([images.order, texts[cp_rank].order], dim=1)
-    rope_pos = torch.stack(rope).gather(1, local.clamp(min=0)).masked_fill(local < 0, 0)
-    layout = SeqLayout(rope_pos, images, texts, cp_rank, image_counts, bidirectional_images)
+    row_positions = torch.stack(rope)
+    rope_pos = row_positions.gather(1, local.clamp(min=0)).masked_fill(local < 0, 0)
+    layout = SeqLayout(rope_pos, images, texts, cp_rank, image_counts, row_positions, bidirectional_images)
     return texts[cp_rank].order, layout

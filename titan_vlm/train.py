@@ -200,7 +200,7 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
     k = cfg.data.images_per_sample
     # Start-up warnings once (rank 0); batch-time ones once per dp rank (its rows are its own).
     data = build_dataset(cfg, args, build_tokenizer(cfg.model.tokenizer_path), log_startup=dist.get_rank() == 0,
-                         log_batches=mesh.cp.get_local_rank() == 0)
+                         log_batches=mesh.cp.get_local_rank() == 0 and mesh.tp.get_local_rank() == 0)
     dp_rank, dp = mesh.dp.get_local_rank(), mesh.dp.size()
     first = data.batch(start, dp_rank, dp, t.local_batch_size)
     sp_multiple = mesh.tp.size() if tp.sequence_parallel else 1

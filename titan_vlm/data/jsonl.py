@@ -320,7 +320,7 @@ class JsonlDataset:
     seq_len), `dropped` (samples this process left out of its batches: an image that cannot be
     decoded or is too large; each read counts). `log_startup` / `log_batches`: whether this
     process logs the start-up / batch-time warnings (the trainer lets one rank log each kind
-    once: start-up on rank 0, batch-time on each dp rank's first cp rank)."""
+    once: start-up on rank 0, batch-time on each dp rank's first cp and tp rank)."""
 
     def __init__(self, path: str, tokenizer: ByteTokenizer | HFTokenizer, image_size: int, tokens_per_image: int,
                  seq_len: int, seed: int, packing: bool = False, shuffle: bool = True, image_root: str = "",
@@ -397,7 +397,7 @@ class JsonlDataset:
         rows: list[list[int]] = []
         used = self.seq_len  # forces a new row for the first sample
         for i, size in enumerate(sizes):
-            if not self.packing or used + size > self.seq_len:
+            if not rows or not self.packing or used + size > self.seq_len:
                 rows.append([])
                 used = 0
             rows[-1].append(i)
