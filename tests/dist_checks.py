@@ -209,3 +209,20 @@ def saved_for_backward(cp: int, comm: str = "p2p", seq_len: int = 528, batch_siz
     with SavedForBackward(model.parameters()) as saved:
         forward_backward(model, data.batch(0, 0, 1, batch_size), mesh, CPOptions(comm_type=comm))
     return {"bytes": saved.bytes, "longest_dim": saved.longest_dim}
+
+
+def mismatched_batches(cp: int = 2) -> str:
+    """CP rank 1 builds a batch that differs from rank 0's (as a data error on one rank would):
+    the per-step check must raise on every rank of the group, not hang. Returns the message."""
+    from titan_vlm.train import check_same_batch
+
+    mesh = make_mesh(1, cp)
+    batch = SyntheticCaptions(32, 16, 64, seed=0).batch(0, 0, 1, 2)
+    check_same_batch(batch, mesh.rows, step=1)  # the same batch everywhere: fine
+    if mesh.cp.get_local_rank() == 1:
+        batch.tokens[0, 20] += 1
+    try:
+        check_same_batch(batch, mesh.rows, step=2)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"

@@ -65,3 +65,10 @@ def test_negative_control_attention_across_samples_fails(pool):
     problems = mismatches(result)
     assert any(p.startswith("loss") for p in problems), problems
     assert any(p.startswith("decoder gradient") for p in problems), problems
+
+
+def test_ranks_that_built_different_batches_stop_together(pool):
+    """A data error on one CP rank only (its batch differs) is an error on every rank of the
+    group at that step, not a hang in the next collective."""
+    for message in pool.run("mismatched_batches", cp=2):
+        assert message.startswith("step 2: the CP/TP ranks that share rows built different batches"), message

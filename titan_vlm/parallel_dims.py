@@ -186,6 +186,7 @@ class Mesh:
     job: DeviceMesh  # flattened (dp_replicate, dp_shard, cp): loss normaliser, checkpoints, metrics
     fsdp: DeviceMesh  # (dp_shard x cp) flattened, HSDP's (dp_replicate, dp_shard x cp) when dp_replicate > 1
     fsdp_no_cp: DeviceMesh  # the same without cp: dp_shard, or (dp_replicate, dp_shard)
+    rows: DeviceMesh  # flattened (cp, tp): the ranks that read the same rows
 
     @classmethod
     def from_root(cls, root: DeviceMesh) -> Mesh:
@@ -196,7 +197,8 @@ class Mesh:
                    dp=root["dp_replicate", "dp_shard"]._flatten("dp"),
                    job=root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
                    fsdp=root["dp_replicate", "dp_shard_cp"] if hsdp else dp_shard_cp,
-                   fsdp_no_cp=root["dp_replicate", "dp_shard"] if hsdp else root["dp_shard"])
+                   fsdp_no_cp=root["dp_replicate", "dp_shard"] if hsdp else root["dp_shard"],
+                   rows=root["cp", "tp"]._flatten("cp_tp"))
 
     def shards(self, fsdp_mesh: DeviceMesh) -> int:
         """How many ways an FSDP mesh shards a parameter (its last dim; HSDP replicates over the first)."""

@@ -16,6 +16,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from titan_vlm.attention import select_kernel, use_kernel
@@ -91,6 +92,23 @@ def train_step(model: VLM, optimizer: torch.optim.Optimizer, scheduler: torch.op
     scheduler.step()
     return {"loss": loss.item(), "grad_norm": grad_norm.item(), "ntokens": int(ntokens), "lr": lr,
             "cp_balance": layout.balance()}
+
+
+def check_same_batch(batch: Batch, rows_mesh: DeviceMesh, step: int) -> None:
+    """The CP and TP ranks of a dp group read the same rows and must build the same batch. If a
+    data error struck some of them only (say a transient read error on one image), they would
+    wait in different collectives and hang; one small all-gather per step turns that into the
+    same error on every rank instead."""
+    if rows_mesh.size() == 1:
+        return
+    mine = torch.tensor([batch.images.shape[0], int((batch.doc >= 0).sum()), int(batch.tokens.sum())],
+                        dtype=torch.long, device=batch.tokens.device)
+    everyone = mine.new_empty(rows_mesh.size() * mine.numel())
+    dist.all_gather_into_tensor(everyone, mine, group=rows_mesh.get_group())
+    everyone = everyone.view(rows_mesh.size(), -1)
+    if not bool((everyone == everyone[0]).all()):
+        raise RuntimeError(f"step {step}: the CP/TP ranks that share rows built different batches (images, "
+                           f"slots, token sum per rank: {everyone.tolist()}); a data error on some ranks only?")
 
 
 def describe_layout(layout: SeqLayout, row: int = 0) -> list[str]:
@@ -235,6 +253,7 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
         sums = torch.tensor([batch_train_flops(args, batch), data.dropped - dropped_before], dtype=torch.float64,
                             device=device)
         batch = batch.to(device)
+        check_same_batch(batch, mesh.rows, step)
         stats = train_step(model, optimizer, scheduler, batch, mesh, t.max_norm, cp, tp=tp)
         if device.type == "cuda":
             torch.cuda.synchronize()
