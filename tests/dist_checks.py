@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
 from functools import lru_cache
 from unittest import mock
 
@@ -64,7 +65,7 @@ def special_rows(name: str, seq_len: int, seed: int = 0) -> Batch:
     args = get_flavor("debug")
     data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, seq_len, seed, sentences_per_image=2)
     enc = data.tokenizer.encode
-    rng = __import__("random").Random(seed)
+    rng = random.Random(seed)
 
     def image() -> torch.Tensor:
         return data.random_image(rng, 1)[0]

@@ -305,13 +305,11 @@ def build_layout(doc: torch.Tensor, image: torch.Tensor, cp_size: int = 1, cp_ra
         for sample in torch.unique_consecutive(d[d >= 0]).tolist():
             where = positions[d == sample]
             start[where] = where[0]
-        rope.append(positions - start)
-        for sample in torch.unique_consecutive(d[d >= 0]).tolist():
-            where = positions[d == sample]
             pairs = head_tail_pairs(where[i[where] < 0], cp_size)
             # a text query sees every earlier slot of its sample and itself: position + 1 keys
-            costs = [int((rope[b][p[p >= 0]] + 1).sum()) for p in pairs]
+            costs = [int((p[p >= 0] - where[0] + 1).sum()) for p in pairs]
             samples.append((b, pairs, costs))
+        rope.append(positions - start)
     deal = _deal_pairs([c for _, _, c in samples], cp_size)
     text_index: list[list[list[torch.Tensor]]] = [[[] for _ in range(rows)] for _ in range(cp_size)]
     for (b, pairs, _), dealt in zip(samples, deal):
