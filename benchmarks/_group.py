@@ -30,7 +30,9 @@ def run_group(worker: Callable, size: int, n_results: int, *args) -> Iterator[di
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_entry, args=(r, size, port, worker, args, results)) for r in range(size)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, size, port, worker, args, results)) for r in range(size)
+    ]
     for p in procs:
         p.start()
     for _ in range(n_results):

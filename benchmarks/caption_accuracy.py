@@ -22,8 +22,10 @@ SEED = 987654  # not a training seed: these images are new to the model
 def first_sentence_words(text: str) -> list[str]:
     """'three red circles. top left: ...' -> ['three', 'red', 'circle'] (plural folded)."""
     words = text.split(".")[0].split() + ["", "", ""]
-    return [w[:-2] if w.endswith("sses") else w[:-1] if w.endswith("s") and not w.endswith("ss") else w
-            for w in words[:3]]
+    return [
+        w[:-2] if w.endswith("sses") else w[:-1] if w.endswith("s") and not w.endswith("ss") else w
+        for w in words[:3]
+    ]
 
 
 def main() -> None:
@@ -33,8 +35,14 @@ def main() -> None:
     opts = parser.parse_args()
     model, cfg = load_model_for_inference(opts.checkpoint)
     tok = build_tokenizer(cfg.model.tokenizer_path)
-    data = SyntheticCaptions(model.args.vision.image_size, model.args.tokens_per_image, 64, SEED, images_per_sample=1,
-                             tokenizer=tok)
+    data = SyntheticCaptions(
+        model.args.vision.image_size,
+        model.args.tokens_per_image,
+        64,
+        SEED,
+        images_per_sample=1,
+        tokenizer=tok,
+    )
     right = {"count": 0, "colour": 0, "shape": 0, "all three": 0}
     for i in range(opts.images):
         images, truth = data.sample(i)
@@ -43,8 +51,10 @@ def main() -> None:
         hits = [s == w for s, w in zip(said, want)]
         for key, hit in zip(right, [*hits, all(hits)]):
             right[key] += hit
-    print(f"{opts.checkpoint}: {opts.images} new images, right: "
-          + ", ".join(f"{k} {v}/{opts.images}" for k, v in right.items()))
+    print(
+        f"{opts.checkpoint}: {opts.images} new images, right: "
+        + ", ".join(f"{k} {v}/{opts.images}" for k, v in right.items())
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""CP scaling on the debug model: python benchmarks/cp_scaling.py [--seq-lens 4096,8192] [--cps 1,2,4]
+"""CP scaling on the debug model:
+
+    python benchmarks/cp_scaling.py [--seq-lens 4096,8192] [--cps 1,2,4]
 
 For cp = 1, 2, 4, each cp_comm_type and each total sequence length, one row of `batch 1`:
 step time of forward + backward (the slowest rank; no FSDP and no optimizer, so the table
@@ -35,8 +37,15 @@ from titan_vlm.train import forward_backward
 def count_sent_bytes():
     """Patch the collectives the CP attention uses; yield a dict that sums bytes this rank sends."""
     sent = {"bytes": 0}
-    originals = {name: getattr(dist, name) for name in
-                 ("all_gather_single", "reduce_scatter_single", "all_to_all_single", "batch_isend_irecv")}
+    originals = {
+        name: getattr(dist, name)
+        for name in (
+            "all_gather_single",
+            "reduce_scatter_single",
+            "all_to_all_single",
+            "batch_isend_irecv",
+        )
+    }
 
     def size(group):
         return dist.get_world_size(group)
@@ -57,8 +66,12 @@ def count_sent_bytes():
         sent["bytes"] += sum(op.tensor.nbytes for op in ops if op.op is dist.isend)
         return originals["batch_isend_irecv"](ops)
 
-    for name, fn in (("all_gather_single", all_gather_single), ("reduce_scatter_single", reduce_scatter_single),
-                     ("all_to_all_single", all_to_all_single), ("batch_isend_irecv", batch_isend_irecv)):
+    for name, fn in (
+        ("all_gather_single", all_gather_single),
+        ("reduce_scatter_single", reduce_scatter_single),
+        ("all_to_all_single", all_to_all_single),
+        ("batch_isend_irecv", batch_isend_irecv),
+    ):
         setattr(dist, name, fn)
     try:
         yield sent
@@ -67,7 +80,9 @@ def count_sent_bytes():
             setattr(dist, name, fn)
 
 
-def analytic_bytes(comm: str, cp: int, n_img: int, t_local: int, flavor: str, batch: int, elem: int = 4) -> int:
+def analytic_bytes(
+    comm: str, cp: int, n_img: int, t_local: int, flavor: str, batch: int, elem: int = 4
+) -> int:
     """Bytes one rank sends per step for the CP attention, from the design (all decoder layers):
     `n_img` image slots and `t_local` text slots per rank."""
     if cp == 1:
@@ -92,8 +107,13 @@ def worker(rank: int, cp: int, results, configs: list, flavor: str) -> None:
     torch.manual_seed(0)
     model = VLM(args)
     for comm, seq_len in configs:
-        data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, seq_len, 0,
-                                 sentences_per_image=seq_len // 8)
+        data = SyntheticCaptions(
+            args.vision.image_size,
+            args.tokens_per_image,
+            seq_len,
+            0,
+            sentences_per_image=seq_len // 8,
+        )
         batch = data.batch(0, 0, 1, 1)
         _, layout = build_layout(batch.doc, batch.image, cp, 0)
         with count_sent_bytes() as sent, SavedForBackward(model.parameters()) as saved:
@@ -108,10 +128,21 @@ def worker(rank: int, cp: int, results, configs: list, flavor: str) -> None:
         stats = torch.tensor([saved.bytes, sent["bytes"]], dtype=torch.float64)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
         if rank == 0:
-            results.put(dict(cp=cp, comm=comm if cp > 1 else "-", seq_len=seq_len, step_s=float(elapsed),
-                             saved_mib=float(stats[0]) / 2**20, sent_mib=float(stats[1]) / 2**20,
-                             analytic_mib=analytic_bytes(comm, cp, layout.num_image_tokens, len(layout.texts[0]),
-                                                         flavor, 1) / 2**20, balance=layout.balance()))
+            results.put(
+                dict(
+                    cp=cp,
+                    comm=comm if cp > 1 else "-",
+                    seq_len=seq_len,
+                    step_s=float(elapsed),
+                    saved_mib=float(stats[0]) / 2**20,
+                    sent_mib=float(stats[1]) / 2**20,
+                    analytic_mib=analytic_bytes(
+                        comm, cp, layout.num_image_tokens, len(layout.texts[0]), flavor, 1
+                    )
+                    / 2**20,
+                    balance=layout.balance(),
+                )
+            )
 
 
 def main() -> None:
@@ -122,15 +153,24 @@ def main() -> None:
     parser.add_argument("--flavor", default="debug")
     opts = parser.parse_args()
     seq_lens = [int(x) for x in opts.seq_lens.split(",")]
-    print(f"# {opts.flavor} flavor, batch 1, fp32, {os.cpu_count()} CPU cores, torch {torch.__version__}")
-    print("| cp | comm | seq len | step s | saved MiB/rank | sent MiB/rank | analytic MiB | balance |")
+    print(
+        f"# {opts.flavor} flavor, batch 1, fp32, {os.cpu_count()} CPU cores, "
+        f"torch {torch.__version__}"
+    )
+    print(
+        "| cp | comm | seq len | step s | saved MiB/rank | sent MiB/rank | analytic MiB | balance |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for cp in (int(x) for x in opts.cps.split(",")):
         comms = opts.comms.split(",") if cp > 1 else ["p2p"]
         configs = [(comm, s) for s in seq_lens for comm in comms]
         for r in run_group(worker, cp, len(configs), configs, opts.flavor):
-            print(f"| {r['cp']} | {r['comm']} | {r['seq_len']} | {r['step_s']:.2f} | {r['saved_mib']:.1f} | "
-                  f"{r['sent_mib']:.2f} | {r['analytic_mib']:.2f} | {r['balance']:.3f} |", flush=True)
+            print(
+                f"| {r['cp']} | {r['comm']} | {r['seq_len']} | {r['step_s']:.2f} | "
+                f"{r['saved_mib']:.1f} | "
+                f"{r['sent_mib']:.2f} | {r['analytic_mib']:.2f} | {r['balance']:.3f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,13 @@ TPI = 64  # image slots per image in this check
 def packed_row(batch_rows: int = 2):
     """Rows of three samples: an image first, an image mid-text, text only (1,088 slots)."""
     image = torch.zeros(3, 8, 8)
-    rows = [[Sample([image, list(range(300))]), Sample([list(range(50)), image, list(range(200))]),
-             Sample([list(range(410))])]] * batch_rows
+    rows = [
+        [
+            Sample([image, list(range(300))]),
+            Sample([list(range(50)), image, list(range(200))]),
+            Sample([list(range(410))]),
+        ]
+    ] * batch_rows
     return collate(rows, 1088, TPI, 8, pad_id=0)
 
 
@@ -48,7 +53,10 @@ def simulate_ring(q, k, v, batch, p, kernel):
     rank's text), log-sum-exp merges, and the backward of every block with the merged out/lse.
     q/k/v hold the whole rows in row order."""
     layouts = [build_layout(batch.doc, batch.image, p, r)[1] for r in range(p)]
-    idx = [torch.cat([lay.images.order, lay.texts[r].order], 1).to(q.device) for r, lay in enumerate(layouts)]
+    idx = [
+        torch.cat([lay.images.order, lay.texts[r].order], 1).to(q.device)
+        for r, lay in enumerate(layouts)
+    ]
 
     def take(x, i):  # [B, H, S, D] at local slots i [B, L]; padding slots read zeros
         got = x.gather(2, i.clamp(min=0)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
@@ -64,16 +72,22 @@ def simulate_ring(q, k, v, batch, p, kernel):
         lay = layouts[r]
         out, lse = accumulators(ql)
         plans = [(lay.blocks("local", "images"), kl[:, :, :n], vl[:, :, :n])]
-        plans += [(lay.blocks("local", s), local[s][1][:, :, n:], local[s][2][:, :, n:]) for s in range(p)]
+        plans += [
+            (lay.blocks("local", s), local[s][1][:, :, n:], local[s][2][:, :, n:]) for s in range(p)
+        ]
         auxes = [blocks_forward(blocks, ql, kk, vv, plan, out, lse) for plan, kk, vv in plans]
         out = out.to(q.dtype)
-        # backward with dout = 1 on every real output slot (the replicated image rows once: rank 0's)
+        # backward with dout = 1 on every real output slot
+        # (the replicated image rows once: rank 0's)
         dout = torch.ones_like(out)
         if r > 0:
             dout[:, :, :n] = 0
         dql = torch.zeros_like(ql, dtype=torch.float32)
         for (plan, kk, vv), aux, s in zip(plans, auxes, [None, *range(p)]):
-            dkk, dvv = torch.zeros_like(kk, dtype=torch.float32), torch.zeros_like(vv, dtype=torch.float32)
+            dkk, dvv = (
+                torch.zeros_like(kk, dtype=torch.float32),
+                torch.zeros_like(vv, dtype=torch.float32),
+            )
             blocks_backward(blocks, dout, ql, kk, vv, out, lse, plan, aux, dql, dkk, dvv)
             keys = idx[r][:, :n] if s is None else idx[s][:, n:]
             for grad, acc in ((dkk, dk), (dvv, dv)):
@@ -87,8 +101,11 @@ def simulate_ring(q, k, v, batch, p, kernel):
 def scatter(acc, index, values):
     """acc[b, :, index[b, j]] += values[b, :, j] for the real (>= 0) slots."""
     keep = (index >= 0)[:, None, :, None].to(values.dtype)
-    acc.scatter_add_(2, index.clamp(min=0)[:, None, :, None].expand(-1, acc.shape[1], -1, acc.shape[3]),
-                     (values * keep).to(acc.dtype))
+    acc.scatter_add_(
+        2,
+        index.clamp(min=0)[:, None, :, None].expand(-1, acc.shape[1], -1, acc.shape[3]),
+        (values * keep).to(acc.dtype),
+    )
 
 
 def rel(a, b):
@@ -106,20 +123,30 @@ def check_kernel(name: str, dtype: torch.dtype, device: str = "cuda") -> None:
         out, dq, dk, dv = simulate_ring(q, k, v, batch, p, KERNELS[name])
         ref, (rq, rk, rv) = reference(q, k, v, batch)
         ref.sum().backward()
-        print(f"| {name} | {str(dtype).split('.')[1]} | {p} | {rel(out, ref):.1e} | {rel(dq, rq.grad):.1e} | "
-              f"{rel(dk, rk.grad):.1e} | {rel(dv, rv.grad):.1e} |", flush=True)
+        print(
+            f"| {name} | {str(dtype).split('.')[1]} | {p} | {rel(out, ref):.1e} | "
+            f"{rel(dq, rq.grad):.1e} | "
+            f"{rel(dk, rk.grad):.1e} | {rel(dv, rv.grad):.1e} |",
+            flush=True,
+        )
 
 
 def kernel_speed() -> None:
     print("\n## block kernel, causal forward + backward (B=1, H=32, D=128)")
     print("| kernel | dtype | L | ms | TFLOP/s |")
     print("|---|---|---|---|---|")
-    for name, dtype in (("cuda_flash", torch.bfloat16), ("cuda_efficient", torch.bfloat16),
-                        ("cuda_efficient", torch.float32), ("cuda_cudnn", torch.bfloat16)):
+    for name, dtype in (
+        ("cuda_flash", torch.bfloat16),
+        ("cuda_efficient", torch.bfloat16),
+        ("cuda_efficient", torch.float32),
+        ("cuda_cudnn", torch.bfloat16),
+    ):
         kernel = KERNELS[name]
         for length in (8192, 32768):
-            q, k, v = (torch.randn(1, 32, length, 128, device="cuda", dtype=dtype) for _ in range(3))
-            scale = 128 ** -0.5
+            q, k, v = (
+                torch.randn(1, 32, length, 128, device="cuda", dtype=dtype) for _ in range(3)
+            )
+            scale = 128**-0.5
             for i in range(4):
                 if i == 1:
                     torch.cuda.synchronize()
@@ -128,8 +155,14 @@ def kernel_speed() -> None:
                 kernel.backward(torch.ones_like(out), q, k, v, out, lse, True, scale, aux)
             torch.cuda.synchronize()
             ms = (time.perf_counter() - start) / 3 * 1e3
-            flops = 3.5 * 2 * 2 * 32 * length * length * 128 / 2  # fwd 2 matmuls + bwd 5, causal half
-            print(f"| {name} | {str(dtype).split('.')[1]} | {length} | {ms:.1f} | {flops / ms / 1e9:.0f} |", flush=True)
+            flops = (
+                3.5 * 2 * 2 * 32 * length * length * 128 / 2
+            )  # fwd 2 matmuls + bwd 5, causal half
+            print(
+                f"| {name} | {str(dtype).split('.')[1]} | {length} | {ms:.1f} | "
+                f"{flops / ms / 1e9:.0f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
@@ -141,13 +174,29 @@ if __name__ == "__main__":
     import subprocess
 
     print(torch.__version__, torch.cuda.get_device_name())
-    print("## ring schedule on CUDA kernels vs float64 reference (B=2, H=8, Hkv=2, D=64; packed rows of 3 "
-          "samples, 2 images of 64 slots, one mid-text)")
+    print(
+        "## ring schedule on CUDA kernels vs float64 reference "
+        "(B=2, H=8, Hkv=2, D=64; packed rows of 3 "
+        "samples, 2 images of 64 slots, one mid-text)"
+    )
     print("| kernel | dtype | P | out | dQ | dK | dV |")
     print("|---|---|---|---|---|---|---|", flush=True)
-    for name, dtype in (("cuda_flash", "bfloat16"), ("cuda_efficient", "float32"), ("cuda_efficient", "bfloat16"),
-                        ("cuda_cudnn", "bfloat16")):
-        done = subprocess.run([sys.executable, __file__, name, dtype], capture_output=True, text=True)
-        print(done.stdout, end="" if done.returncode == 0 else f"| {name} | {dtype} | failed: "
-              f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode} |\n", flush=True)
+    for name, dtype in (
+        ("cuda_flash", "bfloat16"),
+        ("cuda_efficient", "float32"),
+        ("cuda_efficient", "bfloat16"),
+        ("cuda_cudnn", "bfloat16"),
+    ):
+        done = subprocess.run(
+            [sys.executable, __file__, name, dtype], capture_output=True, text=True
+        )
+        print(
+            done.stdout,
+            end=""
+            if done.returncode == 0
+            else f"| {name} | {dtype} | failed: "
+            f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}"
+            " |\n",
+            flush=True,
+        )
     kernel_speed()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
-from functools import lru_cache
+from functools import cache
 from unittest import mock
 
 import torch
@@ -25,9 +25,9 @@ from titan_vlm.metrics import SavedForBackward
 from titan_vlm.models.flavors import get_flavor, model_args
 from titan_vlm.models.vlm import VLM
 from titan_vlm.optim import build_optimizer, build_scheduler
+from titan_vlm.parallel import tensor_parallel
 from titan_vlm.parallel.context_parallel import CPOptions, shard_batch
 from titan_vlm.parallel.parallelize import apply_ac, parallelize_vlm
-from titan_vlm.parallel import tensor_parallel
 from titan_vlm.parallel.tensor_parallel import TPOptions
 from titan_vlm.parallel_dims import MESH_DIMS, Mesh
 from titan_vlm.train import forward_backward, run_training, train_step
@@ -39,12 +39,14 @@ GROUPS = ("vision", "projector", "decoder")
 ZERO_GRAD_SUFFIXES = ("attn.k.bias",)
 
 
-@lru_cache(maxsize=None)
+@cache
 def make_mesh(dp_shard: int, cp: int, dp_replicate: int = 1, tp: int = 1) -> Mesh:
     """A (dp_replicate, dp_shard, cp, tp) mesh; the world is split into identical copies of it."""
     world = dist.get_world_size()
     copies = world // (dp_replicate * dp_shard * cp * tp)
-    root = init_device_mesh("cpu", (copies, dp_replicate, dp_shard, cp, tp), mesh_dim_names=("copies", *MESH_DIMS))
+    root = init_device_mesh(
+        "cpu", (copies, dp_replicate, dp_shard, cp, tp), mesh_dim_names=("copies", *MESH_DIMS)
+    )
     return Mesh.from_root(root)
 
 
@@ -63,7 +65,9 @@ def special_rows(name: str, seq_len: int, seed: int = 0) -> Batch:
     "one_rank_images": a long sample whose two images sit inside its first text chunk, i.e.
     among one CP rank's text at cp=2 and cp=4."""
     args = get_flavor("debug")
-    data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, seq_len, seed, sentences_per_image=2)
+    data = SyntheticCaptions(
+        args.vision.image_size, args.tokens_per_image, seq_len, seed, sentences_per_image=2
+    )
     enc = data.tokenizer.encode
     rng = random.Random(seed)
 
@@ -74,28 +78,66 @@ def special_rows(name: str, seq_len: int, seed: int = 0) -> Batch:
         return enc("".join(rng.choice("abcdefgh ") for _ in range(n)), bos=bos, eos=eos)
 
     if name == "mixed":
-        rows = [[Sample([image(), text(20, True, True)]), Sample([text(9, True, True)]),
-                 Sample([text(4, True), image(), text(7), image(), text(5), image(), text(6, eos=True)])],
-                [Sample([text(11, True), image(), text(23, eos=True)]), Sample([text(6, True), image()]),
-                 Sample([text(30, True, True)])]]
+        rows = [
+            [
+                Sample([image(), text(20, True, True)]),
+                Sample([text(9, True, True)]),
+                Sample(
+                    [text(4, True), image(), text(7), image(), text(5), image(), text(6, eos=True)]
+                ),
+            ],
+            [
+                Sample([text(11, True), image(), text(23, eos=True)]),
+                Sample([text(6, True), image()]),
+                Sample([text(30, True, True)]),
+            ],
+        ]
     elif name == "no_image":
-        rows = [[Sample([text(25, True, True)]), Sample([text(40, True, True)])], [Sample([text(70, True, True)])]]
+        rows = [
+            [Sample([text(25, True, True)]), Sample([text(40, True, True)])],
+            [Sample([text(70, True, True)])],
+        ]
     elif name == "half_images":  # one row without, one with images (at dp=2: a dp rank has none)
-        rows = [[Sample([text(25, True, True)]), Sample([text(40, True, True)])],
-                [Sample([image(), text(30, True, True)]), Sample([text(3, True), image(), text(20, eos=True)])]]
+        rows = [
+            [Sample([text(25, True, True)]), Sample([text(40, True, True)])],
+            [
+                Sample([image(), text(30, True, True)]),
+                Sample([text(3, True), image(), text(20, eos=True)]),
+            ],
+        ]
     elif name == "one_rank_images":
-        rows = [[Sample([text(2, True), image(), text(1), image(), text(70, eos=True)])],
-                [Sample([text(3, True), image(), text(60, eos=True)]), Sample([text(12, True, True)])]]
+        rows = [
+            [Sample([text(2, True), image(), text(1), image(), text(70, eos=True)])],
+            [Sample([text(3, True), image(), text(60, eos=True)]), Sample([text(12, True, True)])],
+        ]
     else:
         raise ValueError(name)
     return collate(rows, seq_len, args.tokens_per_image, args.vision.image_size, data.tokenizer.PAD)
 
 
-def parity(dp_shard: int = 1, cp: int = 2, dp_replicate: int = 1, seq_len: int = 61, batch_size: int = 2, comm: str = "p2p",
-           vision: str = "shard", images: int = 1, sum_image_grad: bool = True, seed: int = 3,
-           mixed_precision: str = "fp32", ac: str = "none", compile_blocks: bool = False, packing: bool = False,
-           rows: str | None = None, image_attention: str = "causal", merge_samples: bool = False, tp: int = 1,
-           sp: bool = False, image_embed_tp_shard: bool = False, tp_unreduced_norms: bool = False) -> dict:
+def parity(
+    dp_shard: int = 1,
+    cp: int = 2,
+    dp_replicate: int = 1,
+    seq_len: int = 61,
+    batch_size: int = 2,
+    comm: str = "p2p",
+    vision: str = "shard",
+    images: int = 1,
+    sum_image_grad: bool = True,
+    seed: int = 3,
+    mixed_precision: str = "fp32",
+    ac: str = "none",
+    compile_blocks: bool = False,
+    packing: bool = False,
+    rows: str | None = None,
+    image_attention: str = "causal",
+    merge_samples: bool = False,
+    tp: int = 1,
+    sp: bool = False,
+    image_embed_tp_shard: bool = False,
+    tp_unreduced_norms: bool = False,
+) -> dict:
     """One optimizer step of the parallel trainer against one process with the same weights and
     global batch. Returns both losses and grad norms and, per group (vision, projector, decoder),
     the worst per-parameter relative error (norm of difference / norm) of the gradient and of the
@@ -104,14 +146,28 @@ def parity(dp_shard: int = 1, cp: int = 2, dp_replicate: int = 1, seq_len: int =
     `tp`, `sp`, `image_embed_tp_shard`: tensor parallelism (TPOptions); `tp_unreduced_norms` is
     the TP negative control (_sp_norms_with_local_weights)."""
     args = model_args("debug", image_attention)
-    t = Training(lr=1e-3, warmup_steps=0, steps=10, max_norm=1.0, seq_len=seq_len, local_batch_size=batch_size)
+    t = Training(
+        lr=1e-3,
+        warmup_steps=0,
+        steps=10,
+        max_norm=1.0,
+        seq_len=seq_len,
+        local_batch_size=batch_size,
+    )
     mesh = make_mesh(dp_shard, cp, dp_replicate, tp)
     dp = dp_replicate * dp_shard
     options = CPOptions(comm_type=comm, vision=vision)
     tp_options = TPOptions(sequence_parallel=sp, image_embed_shard=image_embed_tp_shard)
     if rows is None:
-        data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, seq_len, seed, sentences_per_image=3,
-                                 images_per_sample=images, packing=packing)
+        data = SyntheticCaptions(
+            args.vision.image_size,
+            args.tokens_per_image,
+            seq_len,
+            seed,
+            sentences_per_image=3,
+            images_per_sample=images,
+            packing=packing,
+        )
         full = data.batch(0, 0, 1, dp * batch_size)
     else:
         full = special_rows(rows, seq_len, seed)
@@ -120,19 +176,30 @@ def parity(dp_shard: int = 1, cp: int = 2, dp_replicate: int = 1, seq_len: int =
     # The reference: one process, the whole global batch, no sharding, torch's own clip.
     torch.manual_seed(seed)
     ref = VLM(args)
-    tokens, labels, layout = shard_batch(full, None, bidirectional_images=image_attention == "bidirectional")
+    tokens, labels, layout = shard_batch(
+        full, None, bidirectional_images=image_attention == "bidirectional"
+    )
     logits = ref(full.images, tokens, layout)
     ref_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
     ref_loss.backward()
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), t.max_norm)
-    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}  # clipped
+    ref_grads = {
+        n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None
+    }  # clipped
     build_optimizer(ref, t).step()
 
     # The parallel run: same seed, so the same weights before sharding.
     torch.manual_seed(seed)
     with _sp_norms_with_local_weights() if tp_unreduced_norms else contextlib.nullcontext():
-        model = parallelize_vlm(VLM(args), mesh, mixed_precision, cp_vision=vision, ac_mode=ac,
-                                compile_blocks=compile_blocks, tp=tp_options)
+        model = parallelize_vlm(
+            VLM(args),
+            mesh,
+            mixed_precision,
+            cp_vision=vision,
+            ac_mode=ac,
+            compile_blocks=compile_blocks,
+            tp=tp_options,
+        )
     widths = []  # the local width of the image embeddings the projector hands to the CP exchange
     model.projector.register_forward_hook(lambda module, args, out: widths.append(out.shape[-1]))
     opt = build_optimizer(model, t)
@@ -141,8 +208,17 @@ def parity(dp_shard: int = 1, cp: int = 2, dp_replicate: int = 1, seq_len: int =
     batch = full.rows(dp_rank * batch_size, (dp_rank + 1) * batch_size)
     if merge_samples:
         batch.doc = torch.where(batch.doc >= 0, 0, batch.doc)
-    stats = train_step(model, opt, sched, batch, mesh, t.max_norm, options, sum_image_grad=sum_image_grad,
-                       tp=tp_options)
+    stats = train_step(
+        model,
+        opt,
+        sched,
+        batch,
+        mesh,
+        t.max_norm,
+        options,
+        sum_image_grad=sum_image_grad,
+        tp=tp_options,
+    )
 
     grad_err = dict.fromkeys(GROUPS, 0.0)
     param_err = dict.fromkeys(GROUPS, 0.0)
@@ -162,11 +238,20 @@ def parity(dp_shard: int = 1, cp: int = 2, dp_replicate: int = 1, seq_len: int =
             else:
                 grad_err[group] = max(grad_err[group], _rel(g, ref_grads[name]))
         param_err[group] = max(param_err[group], _rel(_full(p.detach()), ref_params[name].detach()))
-    return {"loss": stats["loss"], "ref_loss": ref_loss.item(), "grad_norm": stats["grad_norm"],
-            "ref_grad_norm": ref_norm.item(), "grad_err": grad_err, "param_err": param_err, "missing_grads": missing,
-            "zero_grad_abs": zero_grad_abs, "image_embed_width": widths[0] if widths else None,
-            "ntokens": stats["ntokens"], "ref_ntokens": int((full.labels != IGNORE_INDEX).sum()),
-            "cp_balance": stats["cp_balance"]}
+    return {
+        "loss": stats["loss"],
+        "ref_loss": ref_loss.item(),
+        "grad_norm": stats["grad_norm"],
+        "ref_grad_norm": ref_norm.item(),
+        "grad_err": grad_err,
+        "param_err": param_err,
+        "missing_grads": missing,
+        "zero_grad_abs": zero_grad_abs,
+        "image_embed_width": widths[0] if widths else None,
+        "ntokens": stats["ntokens"],
+        "ref_ntokens": int((full.labels != IGNORE_INDEX).sum()),
+        "cp_balance": stats["cp_balance"],
+    }
 
 
 @contextlib.contextmanager
@@ -175,17 +260,30 @@ def _sp_norms_with_local_weights():
     are SequenceParallel's (the norm runs on this rank's slice of the sequence), but the weights
     are not tp DTensors, so each rank's norm-weight gradient covers only its own slice and nothing
     sums it over tp: the classic forgotten SP all-reduce."""
+
     def local_weight_norm(**_):
-        return PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Shard(1), use_local_input=True,
-                                        output_layouts=Shard(1), desired_output_layouts=Shard(1),
-                                        use_local_output=False)
+        return PrepareModuleInputOutput(
+            input_layouts=Shard(1),
+            desired_input_layouts=Shard(1),
+            use_local_input=True,
+            output_layouts=Shard(1),
+            desired_output_layouts=Shard(1),
+            use_local_output=False,
+        )
 
     with mock.patch.object(tensor_parallel, "SequenceParallel", local_weight_norm):
         yield
 
 
-def train_run(dp_shard: int, cp: int, steps: int, stop_after: int | None = None, dp_replicate: int = 1, tp: int = 1,
-              **overrides) -> list[dict]:
+def train_run(
+    dp_shard: int,
+    cp: int,
+    steps: int,
+    stop_after: int | None = None,
+    dp_replicate: int = 1,
+    tp: int = 1,
+    **overrides,
+) -> list[dict]:
     """The real training loop (run_training) on a test mesh; overrides are section__key=value.
     Each copy of the mesh in the world writes under <job.dump_folder>/copy<i>."""
     cfg = JobConfig()
@@ -193,11 +291,17 @@ def train_run(dp_shard: int, cp: int, steps: int, stop_after: int | None = None,
     for dotted, value in overrides.items():
         section, key = dotted.split("__")
         setattr(getattr(cfg, section), key, value)
-    cfg.job.dump_folder = f"{cfg.job.dump_folder}/copy{dist.get_rank() // (dp_replicate * dp_shard * cp * tp)}"
-    return run_training(cfg, make_mesh(dp_shard, cp, dp_replicate, tp), torch.device("cpu"), stop_after=stop_after)
+    cfg.job.dump_folder = (
+        f"{cfg.job.dump_folder}/copy{dist.get_rank() // (dp_replicate * dp_shard * cp * tp)}"
+    )
+    return run_training(
+        cfg, make_mesh(dp_shard, cp, dp_replicate, tp), torch.device("cpu"), stop_after=stop_after
+    )
 
 
-def saved_for_backward(cp: int, comm: str = "p2p", seq_len: int = 528, batch_size: int = 1, ac: str = "none") -> dict:
+def saved_for_backward(
+    cp: int, comm: str = "p2p", seq_len: int = 528, batch_size: int = 1, ac: str = "none"
+) -> dict:
     """What autograd saves for backward on this rank during one forward (CP only, no FSDP):
     bytes, counting each storage once and leaving out the parameters, and the longest dim of
     any saved tensor (a whole-sequence K/V would show up there)."""
@@ -206,7 +310,9 @@ def saved_for_backward(cp: int, comm: str = "p2p", seq_len: int = 528, batch_siz
     torch.manual_seed(0)
     model = VLM(args)
     apply_ac(model, ac)
-    data = SyntheticCaptions(args.vision.image_size, args.tokens_per_image, seq_len, 0, sentences_per_image=40)
+    data = SyntheticCaptions(
+        args.vision.image_size, args.tokens_per_image, seq_len, 0, sentences_per_image=40
+    )
     with SavedForBackward(model.parameters()) as saved:
         forward_backward(model, data.batch(0, 0, 1, batch_size), mesh, CPOptions(comm_type=comm))
     return {"bytes": saved.bytes, "longest_dim": saved.longest_dim}

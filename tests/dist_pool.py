@@ -31,7 +31,9 @@ def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     checks = importlib.import_module(CHECKS_MODULE)
@@ -59,8 +61,14 @@ class DistPool:
         port = _free_port()
         self.tasks = [ctx.Queue() for _ in range(self.world_size)]
         self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker, args=(r, self.world_size, port, self.tasks[r], self.results),
-                                  daemon=True) for r in range(self.world_size)]
+        self.procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, self.world_size, port, self.tasks[r], self.results),
+                daemon=True,
+            )
+            for r in range(self.world_size)
+        ]
         for p in self.procs:
             p.start()
 
@@ -78,7 +86,10 @@ class DistPool:
                 else:
                     errors.append(f"rank {rank}:\n{value}")
         except queue.Empty:
-            errors.append(f"timed out after {self.timeout_s}s waiting for ranks {set(range(self.world_size)) - set(out)}")
+            errors.append(
+                f"timed out after {self.timeout_s}s waiting for ranks "
+                f"{set(range(self.world_size)) - set(out)}"
+            )
         if errors:
             self.restart()
             raise RuntimeError(f"check {check!r} failed:\n" + "\n".join(errors[:2]))

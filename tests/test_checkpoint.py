@@ -10,8 +10,13 @@ from titan_vlm.checkpoint import export_safetensors, latest_step_dir, load_model
 from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.generate import generate, load_image
 
-RUN = dict(steps=6, training__seq_len=61, training__local_batch_size=2, training__warmup_steps=2,
-           metrics__enable_tensorboard=False)
+RUN = dict(
+    steps=6,
+    training__seq_len=61,
+    training__local_batch_size=2,
+    training__warmup_steps=2,
+    metrics__enable_tensorboard=False,
+)
 
 
 def losses(history):
@@ -25,7 +30,9 @@ def uninterrupted(pool, tmp_path_factory):
 
 
 def test_kill_and_resume_is_bit_exact(pool, tmp_path, uninterrupted):
-    ckpt = dict(checkpoint__enable=True, checkpoint__interval=3, job__dump_folder=str(tmp_path), **RUN)
+    ckpt = dict(
+        checkpoint__enable=True, checkpoint__interval=3, job__dump_folder=str(tmp_path), **RUN
+    )
     first = pool.run("train_run", dp_shard=1, cp=2, stop_after=4, **ckpt)[0]  # dies after step 4
     assert sorted(losses(first)) == [1, 2, 3, 4]
     assert latest_step_dir(tmp_path / "copy0" / "checkpoint").name == "step-3"
@@ -38,7 +45,9 @@ def test_kill_and_resume_is_bit_exact(pool, tmp_path, uninterrupted):
 
 
 def test_resume_at_another_cp_degree(pool, tmp_path, uninterrupted):
-    ckpt = dict(checkpoint__enable=True, checkpoint__interval=3, job__dump_folder=str(tmp_path), **RUN)
+    ckpt = dict(
+        checkpoint__enable=True, checkpoint__interval=3, job__dump_folder=str(tmp_path), **RUN
+    )
     pool.run("train_run", dp_shard=1, cp=2, stop_after=3, **ckpt)
     resumed = losses(pool.run("train_run", dp_shard=1, cp=4, **ckpt)[0])  # 1 copy: reads copy0
     assert sorted(resumed) == [4, 5, 6]
@@ -48,17 +57,32 @@ def test_resume_at_another_cp_degree(pool, tmp_path, uninterrupted):
 
 def test_resume_from_tensor_parallel_at_another_layout(pool, tmp_path, uninterrupted):
     """Saved at cp=2 x tp=2 with sequence parallelism (2-D FSDP x TP shards), resumed at cp=2."""
-    ckpt = dict(checkpoint__enable=True, checkpoint__interval=3, job__dump_folder=str(tmp_path), **RUN)
-    first = losses(pool.run("train_run", dp_shard=1, cp=2, tp=2, stop_after=3,
-                            parallelism__enable_sequence_parallel=True, **ckpt)[0])
-    resumed = losses(pool.run("train_run", dp_shard=1, cp=2, **ckpt)[0])  # copy0 reads the TP checkpoint
+    ckpt = dict(
+        checkpoint__enable=True, checkpoint__interval=3, job__dump_folder=str(tmp_path), **RUN
+    )
+    first = losses(
+        pool.run(
+            "train_run",
+            dp_shard=1,
+            cp=2,
+            tp=2,
+            stop_after=3,
+            parallelism__enable_sequence_parallel=True,
+            **ckpt,
+        )[0]
+    )
+    resumed = losses(
+        pool.run("train_run", dp_shard=1, cp=2, **ckpt)[0]
+    )  # copy0 reads the TP checkpoint
     assert sorted(first) == [1, 2, 3] and sorted(resumed) == [4, 5, 6]
     for step, loss in {**first, **resumed}.items():
         assert loss == pytest.approx(uninterrupted[step], rel=1e-5)
 
 
 def test_a_crash_while_saving_leaves_the_previous_checkpoint(pool, tmp_path):
-    ckpt = dict(checkpoint__enable=True, checkpoint__interval=2, job__dump_folder=str(tmp_path), **RUN)
+    ckpt = dict(
+        checkpoint__enable=True, checkpoint__interval=2, job__dump_folder=str(tmp_path), **RUN
+    )
     pool.run("train_run", dp_shard=1, cp=2, stop_after=2, **ckpt)
     folder = tmp_path / "copy0" / "checkpoint"
     (folder / "step-4").mkdir()  # a save that died before its trainer state was written
@@ -96,8 +120,11 @@ def test_load_image_matches_the_training_range(tmp_path):
 
 
 def test_resume_into_hsdp_with_the_same_global_batch(pool, tmp_path, uninterrupted):
-    """cp=2 with 2 rows a rank, resumed as dp_replicate=2 x cp=2 with 1 row a rank: the same rows."""
-    ckpt = dict(checkpoint__enable=True, checkpoint__interval=3, job__dump_folder=str(tmp_path), **RUN)
+    """cp=2 with 2 rows a rank, resumed as dp_replicate=2 x cp=2 with 1 row a rank: the same
+    rows."""
+    ckpt = dict(
+        checkpoint__enable=True, checkpoint__interval=3, job__dump_folder=str(tmp_path), **RUN
+    )
     pool.run("train_run", dp_shard=1, cp=2, stop_after=3, **ckpt)
     hsdp = {**ckpt, "training__local_batch_size": 1}
     resumed = losses(pool.run("train_run", dp_shard=1, cp=2, dp_replicate=2, **hsdp)[0])
@@ -109,9 +136,13 @@ def test_resume_into_hsdp_with_the_same_global_batch(pool, tmp_path, uninterrupt
 def test_resume_into_another_vision_placement(pool, tmp_path, uninterrupted):
     """The optimizer state is keyed by parameter name, so the param groups (which follow the
     meshes, and so cp_vision) may differ between the saving and the resuming run."""
-    ckpt = dict(checkpoint__enable=True, checkpoint__interval=3, job__dump_folder=str(tmp_path), **RUN)
+    ckpt = dict(
+        checkpoint__enable=True, checkpoint__interval=3, job__dump_folder=str(tmp_path), **RUN
+    )
     pool.run("train_run", dp_shard=1, cp=2, stop_after=3, parallelism__cp_vision="shard", **ckpt)
-    resumed = losses(pool.run("train_run", dp_shard=1, cp=2, parallelism__cp_vision="broadcast", **ckpt)[0])
+    resumed = losses(
+        pool.run("train_run", dp_shard=1, cp=2, parallelism__cp_vision="broadcast", **ckpt)[0]
+    )
     for step, loss in resumed.items():
         assert loss == pytest.approx(uninterrupted[step], rel=1e-5)
 
@@ -119,5 +150,7 @@ def test_resume_into_another_vision_placement(pool, tmp_path, uninterrupted):
 def test_resuming_another_model_fails_in_one_line(pool, tmp_path):
     ckpt = dict(checkpoint__enable=True, job__dump_folder=str(tmp_path), **{**RUN, "steps": 1})
     pool.run("train_run", dp_shard=1, cp=2, **ckpt)
-    with pytest.raises(RuntimeError, match=r"model.flavor='small', but the checkpoint .* holds a 'debug' model"):
+    with pytest.raises(
+        RuntimeError, match=r"model.flavor='small', but the checkpoint .* holds a 'debug' model"
+    ):
         pool.run("train_run", dp_shard=1, cp=2, model__flavor="small", **ckpt)

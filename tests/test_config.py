@@ -12,9 +12,19 @@ DEFAULT = "train_configs/vlm_cp.toml"
 
 
 def test_default_config_and_overrides():
-    cfg = load_config(["--config", DEFAULT, "--parallelism.context_parallel_degree=4", "--training.steps", "50",
-                       "--training.seed=7", "--job.dump_folder=out/", "--training.lr=1e-4",
-                       "--metrics.enable_tensorboard=false"])
+    cfg = load_config(
+        [
+            "--config",
+            DEFAULT,
+            "--parallelism.context_parallel_degree=4",
+            "--training.steps",
+            "50",
+            "--training.seed=7",
+            "--job.dump_folder=out/",
+            "--training.lr=1e-4",
+            "--metrics.enable_tensorboard=false",
+        ]
+    )
     assert cfg.parallelism.context_parallel_degree == 4
     assert cfg.training.steps == 50 and cfg.training.seed == 7 and cfg.training.lr == 1e-4
     assert cfg.job.dump_folder == "out/" and cfg.metrics.enable_tensorboard is False
@@ -22,16 +32,19 @@ def test_default_config_and_overrides():
     ParallelDims.from_config(cfg, 4).validate_model(cfg)
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--training.stepz=3"], "training.stepz"),
-    (["--trainer.steps=3"], "trainer.steps"),
-    (["--training.steps=many"], "training.steps"),
-    (["--training.lr=fast"], "training.lr"),
-    (["--config", "no/such/file.toml"], "no/such/file.toml"),
-    (["training.steps=3"], "training.steps=3"),
-    (["--training.steps", "--training.seed=3"], "needs a value"),
-    (["--config", "--training.steps=3"], "'--config' needs a file"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--training.stepz=3"], "training.stepz"),
+        (["--trainer.steps=3"], "trainer.steps"),
+        (["--training.steps=many"], "training.steps"),
+        (["--training.lr=fast"], "training.lr"),
+        (["--config", "no/such/file.toml"], "no/such/file.toml"),
+        (["training.steps=3"], "training.steps=3"),
+        (["--training.steps", "--training.seed=3"], "needs a value"),
+        (["--config", "--training.steps=3"], "'--config' needs a file"),
+    ],
+)
 def test_bad_keys_and_values_name_the_key(argv, words):
     with pytest.raises(ConfigError, match=words.replace(".", r"\.")) as e:
         load_config(argv)
@@ -45,14 +58,27 @@ def test_unknown_key_in_toml_names_file_and_key(tmp_path):
         load_config(["--config", str(bad)])
 
 
-@pytest.mark.parametrize("overrides, world, words", [
-    (["--parallelism.context_parallel_degree=2"], 3, "world size is 3"),
-    (["--parallelism.tensor_parallel_degree=2", "--parallelism.context_parallel_degree=2"], 2, "world size is 2"),
-    (["--parallelism.tensor_parallel_degree=0"], 1, "tensor_parallel_degree must be >= 1"),
-    (["--parallelism.context_parallel_degree=0"], 1, "context_parallel_degree must be >= 1"),
-    (["--parallelism.data_parallel_shard_degree=-1", "--parallelism.context_parallel_degree=2"], 3,
-     "not divisible"),
-])
+@pytest.mark.parametrize(
+    "overrides, world, words",
+    [
+        (["--parallelism.context_parallel_degree=2"], 3, "world size is 3"),
+        (
+            ["--parallelism.tensor_parallel_degree=2", "--parallelism.context_parallel_degree=2"],
+            2,
+            "world size is 2",
+        ),
+        (["--parallelism.tensor_parallel_degree=0"], 1, "tensor_parallel_degree must be >= 1"),
+        (["--parallelism.context_parallel_degree=0"], 1, "context_parallel_degree must be >= 1"),
+        (
+            [
+                "--parallelism.data_parallel_shard_degree=-1",
+                "--parallelism.context_parallel_degree=2",
+            ],
+            3,
+            "not divisible",
+        ),
+    ],
+)
 def test_impossible_degrees_fail_before_any_collective(overrides, world, words):
     cfg = load_config(overrides)
     with pytest.raises(ConfigError, match=words):
@@ -61,30 +87,42 @@ def test_impossible_degrees_fail_before_any_collective(overrides, world, words):
 
 def test_bare_bool_flag_means_true():
     cfg = load_config(["--metrics.enable_tensorboard", "--training.steps=5", "--data.blank_images"])
-    assert cfg.metrics.enable_tensorboard is True and cfg.data.blank_images is True and cfg.training.steps == 5
+    assert (
+        cfg.metrics.enable_tensorboard is True
+        and cfg.data.blank_images is True
+        and cfg.training.steps == 5
+    )
 
 
 def test_auto_dp_shard_takes_the_rest():
-    cfg = load_config(["--parallelism.data_parallel_shard_degree=-1", "--parallelism.context_parallel_degree=2"])
+    cfg = load_config(
+        ["--parallelism.data_parallel_shard_degree=-1", "--parallelism.context_parallel_degree=2"]
+    )
     assert ParallelDims.from_config(cfg, 8).dp_shard == 4
 
 
-@pytest.mark.parametrize("overrides, words", [
-    (["--training.seq_len=16"], "training.seq_len"),
-    (["--model.flavor=huge"], "model.flavor"),
-    (["--training.mixed_precision=fp8"], "training.mixed_precision"),
-    (["--checkpoint.interval=0"], "checkpoint.interval"),
-    (["--data.dataset=/data/x.jsonl"], "data.dataset"),
-    (["--metrics.log_freq=0"], "metrics.log_freq"),
-    (["--training.lr=nan"], "training.lr"),
-    (["--training.min_lr_ratio=7"], "training.min_lr_ratio"),
-    (["--training.warmup_steps=-1"], "training.warmup_steps"),
-    (["--parallelism.cp_vision=gpu0"], "parallelism.cp_vision"),
-    (["--parallelism.cp_comm_type=nccl"], "parallelism.cp_comm_type"),
-    (["--model.attention_kernel=cuda_flash"], "model.attention_kernel=cuda_flash runs on cuda"),
-    (["--data.images_per_sample=9", "--training.seq_len=128"], "training.seq_len"),
-    (["--model.image_attention=full"], "model.image_attention must be one of causal, bidirectional"),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["--training.seq_len=16"], "training.seq_len"),
+        (["--model.flavor=huge"], "model.flavor"),
+        (["--training.mixed_precision=fp8"], "training.mixed_precision"),
+        (["--checkpoint.interval=0"], "checkpoint.interval"),
+        (["--data.dataset=/data/x.jsonl"], "data.dataset"),
+        (["--metrics.log_freq=0"], "metrics.log_freq"),
+        (["--training.lr=nan"], "training.lr"),
+        (["--training.min_lr_ratio=7"], "training.min_lr_ratio"),
+        (["--training.warmup_steps=-1"], "training.warmup_steps"),
+        (["--parallelism.cp_vision=gpu0"], "parallelism.cp_vision"),
+        (["--parallelism.cp_comm_type=nccl"], "parallelism.cp_comm_type"),
+        (["--model.attention_kernel=cuda_flash"], "model.attention_kernel=cuda_flash runs on cuda"),
+        (["--data.images_per_sample=9", "--training.seq_len=128"], "training.seq_len"),
+        (
+            ["--model.image_attention=full"],
+            "model.image_attention must be one of causal, bidirectional",
+        ),
+    ],
+)
 def test_model_and_data_checks(overrides, words):
     cfg = load_config(overrides)
     with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
@@ -92,8 +130,11 @@ def test_model_and_data_checks(overrides, words):
 
 
 def test_rows_must_fit_the_rope_table():
-    """Positions restart at every sample and CP padding takes no position, so seq_len is the bound."""
-    ParallelDims.from_config(cfg := load_config(["--training.seq_len=65536"]), 1).validate_model(cfg)
+    """Positions restart at every sample and CP padding takes no position, so seq_len is the
+    bound."""
+    ParallelDims.from_config(cfg := load_config(["--training.seq_len=65536"]), 1).validate_model(
+        cfg
+    )
     cfg = load_config(["--training.seq_len=65537", "--parallelism.context_parallel_degree=16"])
     with pytest.raises(ConfigError, match=r"training.seq_len=65537 exceeds the RoPE table"):
         ParallelDims.from_config(cfg, 16).validate_model(cfg)
@@ -106,20 +147,47 @@ def test_a2a_needs_heads_divisible_by_cp():
 
 
 def test_restarts_need_checkpoints():
-    bad = subprocess.run([sys.executable, "-m", "titan_vlm.config", "--config", DEFAULT, "--job.max_restarts=2",
-                          "--checkpoint.enable=false"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "titan_vlm.config",
+            "--config",
+            DEFAULT,
+            "--job.max_restarts=2",
+            "--checkpoint.enable=false",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "job.max_restarts needs checkpoint.enable" in bad.stderr
-    ok = subprocess.run([sys.executable, "-m", "titan_vlm.config", "--config", DEFAULT, "--job.max_restarts=2"],
-                        capture_output=True, text=True)  # the default run checkpoints
+    ok = subprocess.run(
+        [sys.executable, "-m", "titan_vlm.config", "--config", DEFAULT, "--job.max_restarts=2"],
+        capture_output=True,
+        text=True,
+    )  # the default run checkpoints
     assert ok.returncode == 0 and ok.stdout.split() == ["2", "2"]
 
 
 def test_config_cli_prints_process_count_or_one_line_error():
-    ok = subprocess.run([sys.executable, "-m", "titan_vlm.config", "--config", DEFAULT,
-                         "--parallelism.context_parallel_degree=4"], capture_output=True, text=True)
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "titan_vlm.config",
+            "--config",
+            DEFAULT,
+            "--parallelism.context_parallel_degree=4",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert ok.returncode == 0 and ok.stdout.split() == ["4", "0"]  # processes, job.max_restarts
-    bad = subprocess.run([sys.executable, "-m", "titan_vlm.config", "--config", DEFAULT, "--training.stepz=1"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "titan_vlm.config", "--config", DEFAULT, "--training.stepz=1"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "training.stepz" in bad.stderr
 
@@ -127,28 +195,71 @@ def test_config_cli_prints_process_count_or_one_line_error():
 def test_tensor_and_sequence_parallel_keys():
     cfg = load_config(["--config", "train_configs/vlm_cp_tp.toml"])
     p = cfg.parallelism
-    assert (p.data_parallel_shard_degree, p.context_parallel_degree, p.tensor_parallel_degree) == (2, 2, 2)
+    assert (p.data_parallel_shard_degree, p.context_parallel_degree, p.tensor_parallel_degree) == (
+        2,
+        2,
+        2,
+    )
     assert p.enable_sequence_parallel is True and p.image_embed_tp_shard is False
     assert world_size_of(cfg) == 8
     ParallelDims.from_config(cfg, 8).validate_model(cfg)
-    cfg = load_config(["--parallelism.tensor_parallel_degree=2", "--parallelism.image_embed_tp_shard",
-                       "--parallelism.cp_comm_type=a2a", "--parallelism.context_parallel_degree=2"])
-    assert cfg.parallelism.image_embed_tp_shard is True and cfg.parallelism.enable_sequence_parallel is False
-    ParallelDims.from_config(cfg, 4).validate_model(cfg)  # 4 heads / tp 2 = 2 per rank, split over cp 2
+    cfg = load_config(
+        [
+            "--parallelism.tensor_parallel_degree=2",
+            "--parallelism.image_embed_tp_shard",
+            "--parallelism.cp_comm_type=a2a",
+            "--parallelism.context_parallel_degree=2",
+        ]
+    )
+    assert (
+        cfg.parallelism.image_embed_tp_shard is True
+        and cfg.parallelism.enable_sequence_parallel is False
+    )
+    ParallelDims.from_config(cfg, 4).validate_model(
+        cfg
+    )  # 4 heads / tp 2 = 2 per rank, split over cp 2
 
 
-@pytest.mark.parametrize("overrides, world, words", [
-    (["--parallelism.enable_sequence_parallel"], 1,
-     "parallelism.enable_sequence_parallel needs parallelism.tensor_parallel_degree > 1"),
-    (["--parallelism.image_embed_tp_shard=true"], 1,
-     "parallelism.image_embed_tp_shard needs parallelism.tensor_parallel_degree > 1"),
-    (["--parallelism.tensor_parallel_degree=3"], 3, r"tensor_parallel_degree=3 does not divide the decoder n_heads \(4\)"),
-    (["--parallelism.tensor_parallel_degree=4"], 4, r"does not divide the decoder n_kv_heads \(2\)"),
-    (["--parallelism.tensor_parallel_degree=2", "--parallelism.cp_comm_type=a2a",
-      "--parallelism.context_parallel_degree=4"], 8,
-     r"cp_comm_type='a2a' needs the 2 attention heads per tp rank \(4 / tensor_parallel_degree=2\)"),
-    (["--parallelism.enable_sequence_parallel=maybe"], 1, "parallelism.enable_sequence_parallel: expected bool"),
-])
+@pytest.mark.parametrize(
+    "overrides, world, words",
+    [
+        (
+            ["--parallelism.enable_sequence_parallel"],
+            1,
+            "parallelism.enable_sequence_parallel needs parallelism.tensor_parallel_degree > 1",
+        ),
+        (
+            ["--parallelism.image_embed_tp_shard=true"],
+            1,
+            "parallelism.image_embed_tp_shard needs parallelism.tensor_parallel_degree > 1",
+        ),
+        (
+            ["--parallelism.tensor_parallel_degree=3"],
+            3,
+            r"tensor_parallel_degree=3 does not divide the decoder n_heads \(4\)",
+        ),
+        (
+            ["--parallelism.tensor_parallel_degree=4"],
+            4,
+            r"does not divide the decoder n_kv_heads \(2\)",
+        ),
+        (
+            [
+                "--parallelism.tensor_parallel_degree=2",
+                "--parallelism.cp_comm_type=a2a",
+                "--parallelism.context_parallel_degree=4",
+            ],
+            8,
+            r"cp_comm_type='a2a' needs the 2 attention heads per tp rank "
+            r"\(4 / tensor_parallel_degree=2\)",
+        ),
+        (
+            ["--parallelism.enable_sequence_parallel=maybe"],
+            1,
+            "parallelism.enable_sequence_parallel: expected bool",
+        ),
+    ],
+)
 def test_tensor_parallel_checks_name_the_key(overrides, world, words):
     with pytest.raises(ConfigError, match=words) as e:
         cfg = load_config(overrides)

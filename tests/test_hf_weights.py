@@ -21,16 +21,22 @@ def model(seed: int, flavor: str = "debug") -> VLM:
 
 def test_loading_hf_names_gives_the_same_outputs(tmp_path):
     source, target = model(0), model(1)
-    save_hf_weights(source, str(tmp_path / "vision.safetensors"), str(tmp_path / "text.safetensors"))
+    save_hf_weights(
+        source, str(tmp_path / "vision.safetensors"), str(tmp_path / "text.safetensors")
+    )
     names = load_file(str(tmp_path / "text.safetensors")).keys()
     assert "model.layers.0.self_attn.q_proj.weight" in names and "lm_head.weight" in names
     vision = load_file(str(tmp_path / "vision.safetensors"))
     assert "vision_model.encoder.layers.1.self_attn.k_proj.bias" in vision
     assert vision["vision_model.embeddings.position_embedding.weight"].shape == (16, 64)
     # q/k/v are separate tensors on both sides (the ViT is unfused so that TP splits whole heads)
-    assert torch.equal(vision["vision_model.encoder.layers.0.self_attn.v_proj.weight"],
-                       source.vision.layers[0].attn.v.weight)
-    loaded = load_hf_weights(target, str(tmp_path / "vision.safetensors"), str(tmp_path / "text.safetensors"))
+    assert torch.equal(
+        vision["vision_model.encoder.layers.0.self_attn.v_proj.weight"],
+        source.vision.layers[0].attn.v.weight,
+    )
+    loaded = load_hf_weights(
+        target, str(tmp_path / "vision.safetensors"), str(tmp_path / "text.safetensors")
+    )
     assert sorted(loaded) == sorted(n for n, _ in target.named_parameters())
     batch = SyntheticCaptions(32, 16, 64, seed=0).batch(0, 0, 1, 2)
     tokens, _, layout = shard_batch(batch, None)
@@ -48,8 +54,12 @@ def test_tied_embeddings_fill_the_output_head(tmp_path):
 
 
 def test_wrong_shape_names_the_tensor(tmp_path):
-    save_hf_weights(model(0, "small"), str(tmp_path / "v.safetensors"), str(tmp_path / "t.safetensors"))
-    with pytest.raises(ConfigError, match=r"'vision_model.embeddings.patch_embedding.weight' has shape"):
+    save_hf_weights(
+        model(0, "small"), str(tmp_path / "v.safetensors"), str(tmp_path / "t.safetensors")
+    )
+    with pytest.raises(
+        ConfigError, match=r"'vision_model.embeddings.patch_embedding.weight' has shape"
+    ):
         load_hf_weights(model(1), vision_path=str(tmp_path / "v.safetensors"))
     with pytest.raises(ConfigError, match=r"'model.embed_tokens.weight' has shape \(264, 256\)"):
         load_hf_weights(model(1), text_path=str(tmp_path / "t.safetensors"))
@@ -75,17 +85,46 @@ def write_hf_checkpoint(folder, source: VLM, **text_overrides) -> tuple[str, str
     v, t = source.args.vision, source.args.decoder
     (folder / "siglip").mkdir()
     (folder / "llama").mkdir()
-    vision, text = str(folder / "siglip" / "model.safetensors"), str(folder / "llama" / "model.safetensors")
+    vision, text = (
+        str(folder / "siglip" / "model.safetensors"),
+        str(folder / "llama" / "model.safetensors"),
+    )
     save_hf_weights(source, vision, text)
-    (folder / "siglip" / "config.json").write_text(json.dumps({
-        "model_type": "siglip_vision_model", "hidden_size": v.dim, "intermediate_size": v.mlp_dim,
-        "num_hidden_layers": v.n_layers, "num_attention_heads": v.n_heads, "image_size": v.image_size,
-        "patch_size": v.patch_size, "num_channels": 3, "layer_norm_eps": v.norm_eps, "hidden_act": "gelu"}))
-    (folder / "llama" / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": t.dim, "intermediate_size": t.ffn_dim, "num_hidden_layers": t.n_layers,
-        "num_attention_heads": t.n_heads, "num_key_value_heads": t.n_kv_heads, "vocab_size": t.vocab_size,
-        "rms_norm_eps": t.norm_eps, "rope_theta": t.rope_theta, "max_position_embeddings": t.max_seq_len,
-        "hidden_act": "silu", "rope_scaling": None, **text_overrides}))
+    (folder / "siglip" / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "siglip_vision_model",
+                "hidden_size": v.dim,
+                "intermediate_size": v.mlp_dim,
+                "num_hidden_layers": v.n_layers,
+                "num_attention_heads": v.n_heads,
+                "image_size": v.image_size,
+                "patch_size": v.patch_size,
+                "num_channels": 3,
+                "layer_norm_eps": v.norm_eps,
+                "hidden_act": "gelu",
+            }
+        )
+    )
+    (folder / "llama" / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": t.dim,
+                "intermediate_size": t.ffn_dim,
+                "num_hidden_layers": t.n_layers,
+                "num_attention_heads": t.n_heads,
+                "num_key_value_heads": t.n_kv_heads,
+                "vocab_size": t.vocab_size,
+                "rms_norm_eps": t.norm_eps,
+                "rope_theta": t.rope_theta,
+                "max_position_embeddings": t.max_seq_len,
+                "hidden_act": "silu",
+                "rope_scaling": None,
+                **text_overrides,
+            }
+        )
+    )
     return vision, text
 
 
@@ -101,16 +140,21 @@ def test_hf_flavor_takes_the_shapes_from_the_configs(tmp_path):
     batch = SyntheticCaptions(32, 16, 64, seed=0).batch(0, 0, 1, 2)
     tokens, _, layout = shard_batch(batch, None)
     assert torch.equal(source(batch.images, tokens, layout), target(batch.images, tokens, layout))
-    cfg = load_config(["--model.flavor=hf", f"--model.hf_vision_path={vision}", f"--model.hf_text_path={text}"])
+    cfg = load_config(
+        ["--model.flavor=hf", f"--model.hf_vision_path={vision}", f"--model.hf_text_path={text}"]
+    )
     ParallelDims.from_config(cfg, 1).validate_model(cfg)
 
 
-@pytest.mark.parametrize("overrides, words", [
-    ({"rope_scaling": {"type": "llama3", "factor": 8.0}}, "rope_scaling="),
-    ({"model_type": "qwen2"}, "model_type='qwen2' is not supported .Qwen2 has q/k/v biases"),
-    ({"attention_bias": True}, "attention_bias=True is not supported"),
-    ({"head_dim": 64}, "head_dim=64 is not supported"),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ({"rope_scaling": {"type": "llama3", "factor": 8.0}}, "rope_scaling="),
+        ({"model_type": "qwen2"}, "model_type='qwen2' is not supported .Qwen2 has q/k/v biases"),
+        ({"attention_bias": True}, "attention_bias=True is not supported"),
+        ({"head_dim": 64}, "head_dim=64 is not supported"),
+    ],
+)
 def test_hf_flavor_refuses_what_the_modules_cannot_express(tmp_path, overrides, words):
     vision, text = write_hf_checkpoint(tmp_path, model(0), **overrides)
     with pytest.raises(ConfigError, match=r"model.flavor='hf': .*llama/config.json: " + words):
@@ -122,5 +166,8 @@ def test_hf_flavor_needs_both_checkpoints_and_their_configs(tmp_path):
     with pytest.raises(ConfigError, match="set model.hf_text_path"):
         model_args("hf", hf_vision_path=vision)
     (tmp_path / "siglip" / "config.json").unlink()
-    with pytest.raises(ConfigError, match=r"siglip/config.json not found \(the config.json beside model.hf_vision_path\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"siglip/config.json not found \(the config.json beside model.hf_vision_path\)",
+    ):
         model_args("hf", hf_vision_path=vision, hf_text_path=text)

@@ -33,7 +33,10 @@ def save_png(path, size=40, color="red", cell=0):
 
 def conv(*turns, **images):
     speakers = ("human", "gpt")
-    return {**images, "conversations": [{"from": speakers[i % 2], "value": v} for i, v in enumerate(turns)]}
+    return {
+        **images,
+        "conversations": [{"from": speakers[i % 2], "value": v} for i, v in enumerate(turns)],
+    }
 
 
 # line -> (record, what happens to it); the JSONL file has one per line, in this order
@@ -48,8 +51,14 @@ RECORDS = [
     ({"image": "truncated.png", "text": "a broken file."}, "decode"),  # 8
     ({"image": "junk.png", "text": "not an image."}, "decode"),  # 9
     ({"image": "big.png", "text": "too many pixels."}, "too large"),  # 10
-    (conv("<image> and <image>?", "two.", "Sure?", "yes.", images=["red.png", "blue.png"]), "kept"),  # 11
-    (conv("Color?", "blue.", image="sub/green.png"), "kept"),  # 12: no placeholder, image in a folder
+    (
+        conv("<image> and <image>?", "two.", "Sure?", "yes.", images=["red.png", "blue.png"]),
+        "kept",
+    ),  # 11
+    (
+        conv("Color?", "blue.", image="sub/green.png"),
+        "kept",
+    ),  # 12: no placeholder, image in a folder
     ({"text": "text only, no image."}, "kept"),  # 13
 ]
 
@@ -62,10 +71,14 @@ def files(tmp_path):
     save_png(tmp_path / "sub" / "green.png", color="green", cell=2)
     save_png(tmp_path / "big.png", size=64)
     good = (tmp_path / "red.png").read_bytes()
-    (tmp_path / "truncated.png").write_bytes(good[: len(good) // 2])  # a valid header, half the pixels
+    (tmp_path / "truncated.png").write_bytes(
+        good[: len(good) // 2]
+    )  # a valid header, half the pixels
     (tmp_path / "junk.png").write_bytes(b"\x00 no image here" * 20)
     lines = [r if isinstance(r, str) else json.dumps(r) for r, _ in RECORDS]
-    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n\n")  # a blank line at the end is no record
+    (tmp_path / "train.jsonl").write_text(
+        "\n".join(lines) + "\n\n"
+    )  # a blank line at the end is no record
     return tmp_path
 
 
@@ -86,21 +99,32 @@ def test_startup_keeps_counts_and_names_file_and_line(files, caplog):
     path = files / "train.jsonl"
     with caplog.at_level(logging.WARNING, logger="titan_vlm"):
         data = dataset(path)
-    kept = [i + 1 for i, (_, what) in enumerate(RECORDS) if what in ("kept", "truncated", "decode", "too large")]
+    kept = [
+        i + 1
+        for i, (_, what) in enumerate(RECORDS)
+        if what in ("kept", "truncated", "decode", "too large")
+    ]
     assert list(data.lines) == kept and data.rows == [[i] for i in range(len(kept))]
     assert data.records == 13 and data.bad_at_startup == 4 and data.truncated == 1
-    assert dict(data.skipped) == {"malformed JSON": 1, "missing image file": 1, "empty text": 1,
-                                  "placeholder count": 1}
+    assert dict(data.skipped) == {
+        "malformed JSON": 1,
+        "missing image file": 1,
+        "empty text": 1,
+        "placeholder count": 1,
+    }
     assert warnings_of(caplog) == [
-        f"data: {path}:3: malformed JSON (Expecting ',' delimiter at column {len(RECORDS[2][0]) + 1}) (skipped)",
+        f"data: {path}:3: malformed JSON (Expecting ',' delimiter at column "
+        f"{len(RECORDS[2][0]) + 1}) (skipped)",
         f"data: {path}:4: image file not found: {files / 'nowhere.png'} (skipped)",
         f"data: {path}:5: empty text (skipped)",
         f"data: {path}:6: 1 <image> placeholder(s) for 2 image(s) (skipped)",
         f"data: {path}:7: sample of 152 slots is longer than training.seq_len=96 (truncated)",
     ]
     assert "13 record(s) -> 9 samples with 8 image(s) in 9 rows" in data.describe()
-    assert "skipped 4 (1 empty text, 1 malformed JSON, 1 missing image file, 1 placeholder count), truncated 1" \
-        in data.describe()
+    assert (
+        "skipped 4 (1 empty text, 1 malformed JSON, 1 missing image file, 1 placeholder count), "
+        "truncated 1" in data.describe()
+    )
 
 
 def test_bad_images_are_dropped_from_their_rows_when_read(files, caplog):
@@ -111,11 +135,12 @@ def test_bad_images_are_dropped_from_their_rows_when_read(files, caplog):
         rows = data.batch(0, 0, 1, len(data.rows))
     assert data.dropped == 3
     assert warnings_of(caplog) == [
-        f"data: {path}:8: image cannot be decoded: {files / 'truncated.png'} (OSError: image file is truncated) "
-        "(skipped)",
-        f"data: {path}:9: image cannot be decoded: {files / 'junk.png'} (UnidentifiedImageError: cannot identify "
-        f"image file '{files / 'junk.png'}') (skipped)",
-        f"data: {path}:10: image too large: {files / 'big.png'} (image of 64x64 pixels is larger than "
+        f"data: {path}:8: image cannot be decoded: {files / 'truncated.png'} "
+        "(OSError: image file is truncated) (skipped)",
+        f"data: {path}:9: image cannot be decoded: {files / 'junk.png'} "
+        f"(UnidentifiedImageError: cannot identify image file '{files / 'junk.png'}') (skipped)",
+        f"data: {path}:10: image too large: {files / 'big.png'} "
+        "(image of 64x64 pixels is larger than "
         "data.max_image_pixels=2304) (skipped)",
     ]
     empty = [r for r in range(rows.num_rows) if (rows.doc[r] < 0).all()]
@@ -123,7 +148,9 @@ def test_bad_images_are_dropped_from_their_rows_when_read(files, caplog):
     assert rows.images.shape == (5, 3, 32, 32)  # red, blue, red + blue, green
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="titan_vlm"):
-        data.batch(1, 0, 1, len(data.rows))  # the next epoch: dropped (and counted) again, warned once
+        data.batch(
+            1, 0, 1, len(data.rows)
+        )  # the next epoch: dropped (and counted) again, warned once
     assert data.dropped == 6 and warnings_of(caplog) == []
 
 
@@ -142,7 +169,10 @@ def test_labels_only_on_assistant_turns(files):
     expect = {  # line: (the row's tokens as text, image slots in order, the trained targets)
         1: ("USER: |\nWhat is this? ASSISTANT: A red circle.", [" A red circle.", TOK.EOS]),
         2: ("|a blue circle.", ["a blue circle.", TOK.EOS]),
-        11: ("USER: | and |? ASSISTANT: two.USER: Sure? ASSISTANT: yes.", [" two.", TOK.EOS, " yes.", TOK.EOS]),
+        11: (
+            "USER: | and |? ASSISTANT: two.USER: Sure? ASSISTANT: yes.",
+            [" two.", TOK.EOS, " yes.", TOK.EOS],
+        ),
         12: ("USER: |\nColor? ASSISTANT: blue.", [" blue.", TOK.EOS]),
         13: ("text only, no image.", ["text only, no image.", TOK.EOS]),
     }
@@ -152,8 +182,14 @@ def test_labels_only_on_assistant_turns(files):
         tokens, labels, image = batch.tokens[r], batch.labels[r], batch.image[r]
         used = batch.doc[r] >= 0
         # the row as text, an image's slots as "|": where each image sits
-        shown = "".join("|" if image[s] >= 0 and (s == 0 or image[s - 1] != image[s]) else
-                        chr(int(tokens[s])) if int(tokens[s]) < 128 else "" for s in range(int(used.sum())))
+        shown = "".join(
+            "|"
+            if image[s] >= 0 and (s == 0 or image[s - 1] != image[s])
+            else chr(int(tokens[s]))
+            if int(tokens[s]) < 128
+            else ""
+            for s in range(int(used.sum()))
+        )
         text, targets = expect[line]
         assert shown == text, line
         want = []
@@ -165,9 +201,12 @@ def test_labels_only_on_assistant_turns(files):
 
 
 def test_generate_asks_in_the_training_format(files):
-    """generate's chat prompt is the training sample of the same one-image question up to its answer."""
+    """generate's chat prompt is the training sample of the same one-image question up to its
+    answer."""
     data = dataset(files / "train.jsonl")
-    trained = data.sample(list(data.lines).index(12)).parts  # {"image": ..., conversations: Color? / blue.}
+    trained = data.sample(
+        list(data.lines).index(12)
+    ).parts  # {"image": ..., conversations: Color? / blue.}
     asked = chat_question(trained[1], "Color?", TOK)
     assert asked == trained[:3] and [type(p) for p in asked] == [type(p) for p in trained[:3]]
 
@@ -179,7 +218,9 @@ def test_dp_ranks_read_disjoint_rows_and_the_rows_do_not_depend_on_the_layout(fi
     assert all(not set(a) & set(b) for a in seen for b in seen if a is not b)
     assert sorted(sum(seen, [])) == list(range(n))
     first, second = [[data.row_ids(s, 0, 1, n)] for s in (0, 1)]
-    assert sorted(first[0]) == sorted(second[0]) == list(range(n)) and first != second  # reshuffled per epoch
+    assert (
+        sorted(first[0]) == sorted(second[0]) == list(range(n)) and first != second
+    )  # reshuffled per epoch
     assert dataset(files / "train.jsonl", shuffle=True).row_ids(1, 0, 1, n) == second[0]  # seeded
     # step 1 at dp=2 x 2 rows is step 1 at dp=1 x 4 rows: the same rows, images and tokens
     whole = data.batch(1, 0, 1, 4)
@@ -195,14 +236,18 @@ def test_packing_keeps_file_order_and_every_sample(files):
     sizes = [data.sample(i).num_slots(16) for i in range(9)]
     for row, nxt in zip(data.rows, data.rows[1:]):
         used = sum(sizes[i] for i in row)
-        assert used <= SEQ and used + sizes[nxt[0]] > SEQ  # the next row starts only when the sample does not fit
+        assert (
+            used <= SEQ and used + sizes[nxt[0]] > SEQ
+        )  # the next row starts only when the sample does not fit
     batch = data.batch(0, 0, 1, len(data.rows))
     assert int(batch.doc.max()) >= 1  # some row holds two samples
 
 
 def test_error_mode_stops_at_the_first_bad_line(files):
     path = files / "train.jsonl"
-    with pytest.raises(DataError, match=rf"data.on_bad_sample='error': {path}:3: malformed JSON") as e:
+    with pytest.raises(
+        DataError, match=rf"data.on_bad_sample='error': {path}:3: malformed JSON"
+    ) as e:
         dataset(path, on_bad_sample="error")
     assert "\n" not in str(e.value) and isinstance(e.value, ConfigError)
     good = files / "good.jsonl"
@@ -219,7 +264,9 @@ def test_json_array_files(files):
     starts = [i + 1 for i, line in enumerate(path.read_text().splitlines()) if line == " {"]
     data = dataset(path)
     assert data.bad_at_startup == 3 and len(data.rows) == 9  # no malformed line in a valid array
-    assert list(data.lines) == [starts[i] for i in (0, 1, 5, 6, 7, 8, 9, 10, 11)]  # each record's first line
+    assert list(data.lines) == [
+        starts[i] for i in (0, 1, 5, 6, 7, 8, 9, 10, 11)
+    ]  # each record's first line
     one = dataset(files / "train.jsonl").batch(0, 0, 1, 2)
     assert torch.equal(data.batch(0, 0, 1, 2).tokens, one.tokens)
     broken = files / "broken.json"
@@ -235,14 +282,29 @@ def test_image_root_and_the_config_keys(files, tmp_path_factory):
         dataset(elsewhere / "train.jsonl")
     assert len(dataset(elsewhere / "train.jsonl", image_root=str(files)).rows) == 1
     path = files / "train.jsonl"
-    cfg = load_config([f"--data.dataset={path}", "--data.on_bad_sample=error", f"--data.image_root={files}"])
+    cfg = load_config(
+        [f"--data.dataset={path}", "--data.on_bad_sample=error", f"--data.image_root={files}"]
+    )
     ParallelDims.from_config(cfg, 1).validate_model(cfg)
     for overrides, words in [
-            ([f"--data.dataset={files / 'none.jsonl'}"], "data.dataset: file not found"),
-            ([f"--data.dataset={files / 'red.png'}"], "data.dataset=.* expected 'synthetic' or a .json / .jsonl"),
-            ([f"--data.dataset={path}", "--data.on_bad_sample=ignore"], "data.on_bad_sample must be one of skip"),
-            ([f"--data.dataset={path}", "--data.max_image_pixels=0"], "data.max_image_pixels must be >= 1"),
-            ([f"--data.dataset={path}", f"--data.image_root={files / 'nope'}"], "data.image_root: folder not found")]:
+        ([f"--data.dataset={files / 'none.jsonl'}"], "data.dataset: file not found"),
+        (
+            [f"--data.dataset={files / 'red.png'}"],
+            "data.dataset=.* expected 'synthetic' or a .json / .jsonl",
+        ),
+        (
+            [f"--data.dataset={path}", "--data.on_bad_sample=ignore"],
+            "data.on_bad_sample must be one of skip",
+        ),
+        (
+            [f"--data.dataset={path}", "--data.max_image_pixels=0"],
+            "data.max_image_pixels must be >= 1",
+        ),
+        (
+            [f"--data.dataset={path}", f"--data.image_root={files / 'nope'}"],
+            "data.image_root: folder not found",
+        ),
+    ]:
         cfg = load_config(overrides)
         with pytest.raises(ConfigError, match=words):
             ParallelDims.from_config(cfg, 1).validate_model(cfg)
@@ -251,9 +313,13 @@ def test_image_root_and_the_config_keys(files, tmp_path_factory):
 def test_hf_tokenizer_image_token(tmp_path):
     from test_tokenizer import write_tokenizer
 
-    with_image = HFTokenizer(write_tokenizer(tmp_path / "a.json", specials=("<pad>", "<s>", "</s>", "<image>")))
+    with_image = HFTokenizer(
+        write_tokenizer(tmp_path / "a.json", specials=("<pad>", "<s>", "</s>", "<image>"))
+    )
     assert with_image.IMAGE == 3 and with_image.decode([1, 3, 2]) == ""
-    assert HFTokenizer(write_tokenizer(tmp_path / "b.json")).IMAGE == 0  # none: image slots hold the pad id
+    assert (
+        HFTokenizer(write_tokenizer(tmp_path / "b.json")).IMAGE == 0
+    )  # none: image slots hold the pad id
 
 
 def test_load_image_resizes_and_bounds_the_pixels(files):
@@ -267,16 +333,29 @@ def test_load_image_resizes_and_bounds_the_pixels(files):
 
 # One real training run on the file (2 ranks: dp_shard=2, one row each, so a rank's whole batch
 # is sometimes a dropped sample), interrupted and resumed.
-TRAIN = dict(steps=4, training__seq_len=SEQ, training__local_batch_size=1, training__warmup_steps=2,
-             data__max_image_pixels=BIG, metrics__enable_tensorboard=False)
+TRAIN = dict(
+    steps=4,
+    training__seq_len=SEQ,
+    training__local_batch_size=1,
+    training__warmup_steps=2,
+    data__max_image_pixels=BIG,
+    metrics__enable_tensorboard=False,
+)
 
 
 def test_training_on_a_jsonl_file_resumes_bit_exact(pool, files, tmp_path):
     path = str(files / "train.jsonl")
     run = dict(data__dataset=path, **TRAIN)
-    whole = pool.run("train_run", dp_shard=2, cp=1, job__dump_folder=str(tmp_path / "whole"), **run)[0]
+    whole = pool.run(
+        "train_run", dp_shard=2, cp=1, job__dump_folder=str(tmp_path / "whole"), **run
+    )[0]
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in whole)
-    ckpt = dict(checkpoint__enable=True, checkpoint__interval=2, job__dump_folder=str(tmp_path / "ckpt"), **run)
+    ckpt = dict(
+        checkpoint__enable=True,
+        checkpoint__interval=2,
+        job__dump_folder=str(tmp_path / "ckpt"),
+        **run,
+    )
     pool.run("train_run", dp_shard=2, cp=1, stop_after=3, **ckpt)  # dies after step 3, saved at 2
     shutil.copytree(tmp_path / "ckpt", tmp_path / "first")  # to resume once more below, at cp=2
     resumed = pool.run("train_run", dp_shard=2, cp=1, **ckpt)[0]
@@ -291,19 +370,30 @@ def test_training_on_a_jsonl_file_resumes_bit_exact(pool, files, tmp_path):
             data.batch(step, rank, 2, 1)
         expect.append(data.bad_at_startup + data.dropped)
     assert expect[-1] > expect[0] >= 4  # broken images were read
-    metrics = [json.loads(line) for line in (tmp_path / "ckpt" / "copy0" / "metrics.jsonl").read_text().splitlines()]
+    metrics = [
+        json.loads(line)
+        for line in (tmp_path / "ckpt" / "copy0" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
-    assert [m["data_bad_samples"] for m in metrics] == [h["data_bad_samples"] for h in whole] == expect
+    assert (
+        [m["data_bad_samples"] for m in metrics] == [h["data_bad_samples"] for h in whole] == expect
+    )
     assert all(m["data_truncated"] == 1 for m in metrics)
     # the same global batch at another layout (cp=2, both rows on one dp rank) reads the same rows
     shutil.copytree(tmp_path / "first", tmp_path / "other")
-    other = pool.run("train_run", dp_shard=1, cp=2, **{**ckpt, "training__local_batch_size": 2,
-                                                        "job__dump_folder": str(tmp_path / "other")})[0]
+    other = pool.run(
+        "train_run",
+        dp_shard=1,
+        cp=2,
+        **{**ckpt, "training__local_batch_size": 2, "job__dump_folder": str(tmp_path / "other")},
+    )[0]
     assert [h["step"] for h in other] == [3, 4]
     for h in other:
         assert h["loss"] == pytest.approx(whole[h["step"] - 1]["loss"], rel=1e-5), h["step"]
     # and ask the trained model about an image, in the chat template its data used
     model, cfg = load_model_for_inference(tmp_path / "ckpt" / "copy0" / "checkpoint")
     assert cfg.data.dataset == path
-    answer = generate(model, load_image(files / "red.png", 32), "What is this?", max_new_tokens=4, chat=True)
+    answer = generate(
+        model, load_image(files / "red.png", 32), "What is this?", max_new_tokens=4, chat=True
+    )
     assert isinstance(answer, str) and len(answer) <= 4

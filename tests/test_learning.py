@@ -7,9 +7,18 @@ from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.generate import generate
 
 STEPS = 150
-RUN = dict(dp_shard=2, cp=2, steps=STEPS, training__seq_len=48, training__local_batch_size=8, training__lr=3e-3,
-           training__warmup_steps=10, data__sentences_per_image=1, metrics__log_freq=10,
-           metrics__enable_tensorboard=False)
+RUN = dict(
+    dp_shard=2,
+    cp=2,
+    steps=STEPS,
+    training__seq_len=48,
+    training__local_batch_size=8,
+    training__lr=3e-3,
+    training__warmup_steps=10,
+    data__sentences_per_image=1,
+    metrics__log_freq=10,
+    metrics__enable_tensorboard=False,
+)
 
 
 def final_loss(history: list[dict]) -> float:
@@ -18,11 +27,21 @@ def final_loss(history: list[dict]) -> float:
 
 
 def test_vision_learns_through_cp(pool, tmp_path):
-    seeing = pool.run("train_run", data__blank_images=False, job__dump_folder=str(tmp_path / "images"),
-                      checkpoint__enable=True, **RUN)[0]
-    blind = pool.run("train_run", data__blank_images=True, job__dump_folder=str(tmp_path / "blank"), **RUN)[0]
+    seeing = pool.run(
+        "train_run",
+        data__blank_images=False,
+        job__dump_folder=str(tmp_path / "images"),
+        checkpoint__enable=True,
+        **RUN,
+    )[0]
+    blind = pool.run(
+        "train_run", data__blank_images=True, job__dump_folder=str(tmp_path / "blank"), **RUN
+    )[0]
     with_images, without = final_loss(seeing), final_loss(blind)
-    print(f"caption loss after {STEPS} steps at dp_shard=2 x cp=2: images {with_images:.3f}, blank {without:.3f}")
+    print(
+        f"caption loss after {STEPS} steps at dp_shard=2 x cp=2: images {with_images:.3f}, "
+        f"blank {without:.3f}"
+    )
     # Blank images leave count, colour and shape to guess: about 0.2 nats per caption token.
     assert without > 0.15
     assert with_images < 0.6 * without

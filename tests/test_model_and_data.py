@@ -19,7 +19,9 @@ def test_debug_forward_shapes():
     batch = data.batch(0, 0, 1, 3)
     tokens, _, layout = shard_batch(batch, None)
     logits = model(batch.images, tokens, layout)
-    longest_text = int(((batch.doc >= 0) & (batch.image < 0)).sum(1).max())  # row padding is not computed
+    longest_text = int(
+        ((batch.doc >= 0) & (batch.image < 0)).sum(1).max()
+    )  # row padding is not computed
     assert logits.shape == (3, longest_text, args.decoder.vocab_size)
 
 
@@ -31,9 +33,12 @@ def test_llava7b_flavor_is_7b_shaped():
     assert 6.6e9 < counts["decoder"] < 6.8e9  # Llama-2-7B
     assert get_flavor("llava7b").tokens_per_image == 576
     # ~6 * params * tokens dominates at short text
-    flops = train_flops(get_flavor("llava7b"), num_images=1, text_tokens=1024, attention_pairs=1600 * 1601 // 2)
+    flops = train_flops(
+        get_flavor("llava7b"), num_images=1, text_tokens=1024, attention_pairs=1600 * 1601 // 2
+    )
     assert 6 * 6.5e9 * 1600 < flops < 6 * 7.5e9 * 1600 * 1.3
-    # dp_shard=2 x cp=4: 16 bytes per parameter, decoder and vision sharded 8 ways -> ~13.9 GB a rank
+    # dp_shard=2 x cp=4: 16 bytes per parameter, decoder and vision sharded 8 ways
+    # -> ~13.9 GB a rank
     assert 13.5e9 < state_bytes_per_rank(counts, 8, 8) < 14.5e9
     assert state_bytes_per_rank(counts, 8, 2) > state_bytes_per_rank(counts, 8, 8)
 
@@ -50,7 +55,7 @@ def test_data_is_deterministic_per_seed_and_rank_and_labels_are_shifted():
     tokens, labels = a.tokens[0, 16:], a.labels[0, 16:]  # after the image's 16 slots
     n = int((labels != IGNORE_INDEX).sum())
     assert tokens[0] == ByteTokenizer.BOS
-    assert torch.equal(labels[:n], tokens[1:n + 1])  # label j is token j+1
+    assert torch.equal(labels[:n], tokens[1 : n + 1])  # label j is token j+1
     assert labels[n - 1] == ByteTokenizer.EOS and (a.labels[0, :16] == IGNORE_INDEX).all()
 
 

@@ -13,8 +13,12 @@ PARAM_TOL = 1e-4
 # measured ~4e-11, while the smallest other parameter gradient of this model is ~4e-4
 ZERO_GRAD_ABS_TOL = 1e-7
 
-LAYOUTS = {"cp2": dict(cp=2), "cp4": dict(cp=4), "dp2xcp2": dict(dp_shard=2, cp=2),
-           "hsdp_rep2xcp2": dict(dp_replicate=2, cp=2)}
+LAYOUTS = {
+    "cp2": dict(cp=2),
+    "cp4": dict(cp=4),
+    "dp2xcp2": dict(dp_shard=2, cp=2),
+    "hsdp_rep2xcp2": dict(dp_replicate=2, cp=2),
+}
 # The debug decoder has 4 query heads and 2 K/V heads (grouped-query attention); at cp=4 "a2a"
 # expands the K/V heads, at cp=2 it splits them.
 COMM_TYPES = ("p2p", "allgather", "a2a")
@@ -33,7 +37,9 @@ def mismatches(result: dict) -> list[str]:
     if result["ntokens"] != result["ref_ntokens"]:
         out.append(f"text tokens {result['ntokens']} vs {result['ref_ntokens']}")
     if result["zero_grad_abs"] > ZERO_GRAD_ABS_TOL:
-        out.append(f"a gradient that is zero in exact arithmetic has norm {result['zero_grad_abs']:.2e}")
+        out.append(
+            f"a gradient that is zero in exact arithmetic has norm {result['zero_grad_abs']:.2e}"
+        )
     for group, err in result["grad_err"].items():
         if err > GRAD_TOL:
             out.append(f"{group} gradient rel err {err:.2e}")

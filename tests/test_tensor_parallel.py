@@ -4,7 +4,6 @@ after one optimizer step (same tolerances as test_parity.py). The negative contr
 tp sum of the sequence-parallel norm weights' gradients and must be reported."""
 
 import pytest
-
 from test_parity import GRAD_TOL, mismatches, report
 
 # The debug decoder: 4 query heads, 2 K/V heads: tp=2 leaves 2 and 1 per rank. seq_len 61 is 16
@@ -14,16 +13,21 @@ from test_parity import GRAD_TOL, mismatches, report
 LAYOUTS_8 = {
     "dp2xcp2xtp2": dict(dp_shard=2, cp=2, tp=2),
     "dp2xcp2xtp2_sp_a2a": dict(dp_shard=2, cp=2, tp=2, sp=True, comm="a2a"),
-    "hsdp2xcp2xtp2_sp_image_shard": dict(dp_replicate=2, cp=2, tp=2, sp=True, image_embed_tp_shard=True,
-                                         comm="allgather"),
+    "hsdp2xcp2xtp2_sp_image_shard": dict(
+        dp_replicate=2, cp=2, tp=2, sp=True, image_embed_tp_shard=True, comm="allgather"
+    ),
 }
 LAYOUTS_4 = {
     # one row with one image: cp rank 1 encodes none, and its TP collectives run on empty tensors
     "cp2xtp2_one_image": dict(cp=2, tp=2, batch_size=1),
     # the image embeddings cross the CP group (broadcast from cp rank 0) at dim/tp width
-    "cp2xtp2_sp_image_shard_broadcast": dict(cp=2, tp=2, sp=True, image_embed_tp_shard=True, vision="broadcast"),
+    "cp2xtp2_sp_image_shard_broadcast": dict(
+        cp=2, tp=2, sp=True, image_embed_tp_shard=True, vision="broadcast"
+    ),
     # recomputed blocks rerun the TP / SP collectives; the replicated ViT is averaged over cp
-    "cp2xtp2_sp_selective_ac_replicate": dict(cp=2, tp=2, sp=True, ac="selective", vision="replicate"),
+    "cp2xtp2_sp_selective_ac_replicate": dict(
+        cp=2, tp=2, sp=True, ac="selective", vision="replicate"
+    ),
     # no CP (two copies of the 2-rank layout in the 4-rank pool), with and without images
     "tp2_sp": dict(cp=1, tp=2, sp=True, seq_len=80),
     "tp2_sp_text_only": dict(cp=1, tp=2, sp=True, images=0, seq_len=80),
@@ -66,4 +70,7 @@ def test_negative_control_without_tp_sum_of_sp_norm_grads_fails(pool):
         problems = mismatches(result)
         assert any(p.startswith("vision gradient") for p in problems), problems
         assert any(p.startswith("decoder gradient") for p in problems), problems
-        assert result["grad_err"]["vision"] > 100 * GRAD_TOL and result["grad_err"]["decoder"] > 100 * GRAD_TOL
+        assert (
+            result["grad_err"]["vision"] > 100 * GRAD_TOL
+            and result["grad_err"]["decoder"] > 100 * GRAD_TOL
+        )

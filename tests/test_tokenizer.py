@@ -12,7 +12,17 @@ from titan_vlm.parallel_dims import ParallelDims
 
 def write_tokenizer(path, specials=("<pad>", "<s>", "</s>", "<unk>"), extra_words=0) -> str:
     words = {w for phrase in (*COLORS, *SHAPES, *COUNTS, *CELLS) for w in phrase.split()}
-    words |= {s + "s" for s in SHAPES} | {"crosses", "are", "is", "the", "there", "nothing", "image", ".", ":"}
+    words |= {s + "s" for s in SHAPES} | {
+        "crosses",
+        "are",
+        "is",
+        "the",
+        "there",
+        "nothing",
+        "image",
+        ".",
+        ":",
+    }
     words |= {f"w{i}" for i in range(extra_words)}
     vocab = {tok: i for i, tok in enumerate([*specials, *sorted(words)])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>" if "<unk>" in vocab else None))
@@ -34,14 +44,24 @@ def test_hf_tokenizer_encodes_the_captions(tmp_path):
 
 def test_training_with_a_hf_tokenizer(pool, tmp_path):
     path = write_tokenizer(tmp_path / "tokenizer.json")
-    history = pool.run("train_run", dp_shard=1, cp=2, steps=30, model__tokenizer_path=path, training__seq_len=48,
-                       metrics__enable_tensorboard=False, job__dump_folder=str(tmp_path / "run"))[0]
+    history = pool.run(
+        "train_run",
+        dp_shard=1,
+        cp=2,
+        steps=30,
+        model__tokenizer_path=path,
+        training__seq_len=48,
+        metrics__enable_tensorboard=False,
+        job__dump_folder=str(tmp_path / "run"),
+    )[0]
     assert history[-1]["loss"] < 0.5 * history[0]["loss"]
 
 
 def test_bad_tokenizer_files(tmp_path):
     no_bos = write_tokenizer(tmp_path / "a.json", specials=("<pad>", "</s>", "<unk>"))
-    with pytest.raises(ConfigError, match=r"model.tokenizer_path: .* has no beginning-of-sequence token"):
+    with pytest.raises(
+        ConfigError, match=r"model.tokenizer_path: .* has no beginning-of-sequence token"
+    ):
         HFTokenizer(no_bos)
     (tmp_path / "b.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"model.tokenizer_path: .* is not a tokenizer.json"):

@@ -3,33 +3,51 @@
 import json
 import os
 import re
-
-import pytest
 import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_train(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["./run_train.sh", "--config", "train_configs/vlm_cp.toml", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        ["./run_train.sh", "--config", "train_configs/vlm_cp.toml", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_default_config_trains_and_writes_metrics(tmp_path):
     out = run_train("--training.steps=4", "--metrics.log_freq=2", f"--job.dump_folder={tmp_path}")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "cp=2" in out.stdout and re.search(r"cp rank 1: all \d+ image slots \(replicated\)", out.stdout)
+    assert "cp=2" in out.stdout and re.search(
+        r"cp rank 1: all \d+ image slots \(replicated\)", out.stdout
+    )
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     for s in steps:
-        assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "ntokens", "peak_memory_gib",
-                "cp_balance"} <= s.keys()
+        assert {
+            "step",
+            "loss",
+            "grad_norm",
+            "lr",
+            "tokens_per_sec",
+            "ntokens",
+            "peak_memory_gib",
+            "cp_balance",
+        } <= s.keys()
         assert 1.0 <= s["cp_balance"] <= 1.10
         assert s["loss"] > 0 and s["tokens_per_sec"] > 0 and s["ntokens"] > 0
     assert steps[-1]["loss"] < steps[0]["loss"]
     assert any((tmp_path / "tb").glob("events.out.tfevents.*"))
-    assert "step     2 | loss" in out.stdout and "step     4 | loss" in out.stdout  # every log_freq steps
+    assert (
+        "step     2 | loss" in out.stdout and "step     4 | loss" in out.stdout
+    )  # every log_freq steps
     assert "step     3 | loss" not in out.stdout  # ... while metrics.jsonl has every step
 
 
@@ -43,14 +61,27 @@ def test_config_error_stops_before_torchrun(tmp_path):
 def test_nproc_that_does_not_match_the_degrees_fails_in_one_line(tmp_path):
     out = run_train("--training.steps=1", f"--job.dump_folder={tmp_path}", env={"NPROC": "3"})
     assert out.returncode != 0
-    assert out.stderr.strip().startswith("config error:") and "but the world size is 3" in out.stderr
+    assert (
+        out.stderr.strip().startswith("config error:") and "but the world size is 3" in out.stderr
+    )
     assert out.stderr.strip().count("\n") == 0, out.stderr  # before torchrun: no per-rank traces
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "train_configs").glob("*.toml")))
 def test_every_train_config_runs(config, tmp_path):
-    out = subprocess.run(["./run_train.sh", "--config", f"train_configs/{config}", "--training.steps=2",
-                          "--metrics.enable_tensorboard=false", f"--job.dump_folder={tmp_path}"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            "./run_train.sh",
+            "--config",
+            f"train_configs/{config}",
+            "--training.steps=2",
+            "--metrics.enable_tensorboard=false",
+            f"--job.dump_folder={tmp_path}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2

@@ -2,8 +2,8 @@
 reproduces one process, with rows of 0, 1 and 5 images, including ranks that encode no image."""
 
 import pytest
-
 from test_parity import GRAD_TOL, mismatches, report
+
 from titan_vlm.parallel.context_parallel import image_shard_sizes
 
 MODES = ("replicate", "broadcast", "shard")

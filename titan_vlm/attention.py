@@ -13,8 +13,9 @@ model.image_attention = "bidirectional", all at once.
 Every attention, local or context-parallel, is computed from blocks by one `BlockKernel`:
 forward(q, k, v, causal) -> (out, log-sum-exp), and a backward that takes the final (merged)
 out and lse. The layout turns the mask rule into a plan of dense blocks and causal diagonal
-blocks (layout.plan), so no kernel needs an arbitrary mask. Adding a kernel is adding a class to `KERNELS` (and, to make it the default
-somewhere, a line to `select_kernel`); `model.attention_kernel` can force any of them.
+blocks (layout.plan), so no kernel needs an arbitrary mask. Adding a kernel is adding a class
+to `KERNELS` (and, to make it the default somewhere, a line to `select_kernel`);
+`model.attention_kernel` can force any of them.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ aten = torch.ops.aten
 class CPAttention(Protocol):
     """A context-parallel attention algorithm (see parallel/cp_attention.py)."""
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout) -> torch.Tensor: ...
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout
+    ) -> torch.Tensor: ...
 
 
 # ----------------------------------------------------------------------------------------------
@@ -49,12 +52,23 @@ class BlockKernel:
     name = "abstract"
     device_type = "abstract"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         raise NotImplementedError
 
-    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, causal: bool, scale: float, aux: Any) -> tuple[torch.Tensor, ...]:
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        scale: float,
+        aux: Any,
+    ) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
 
@@ -65,12 +79,15 @@ class CpuFlash(BlockKernel):
     device_type = "cpu"
 
     def forward(self, q, k, v, causal, scale):
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=None, scale=scale)
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=None, scale=scale
+        )
         return out, lse, None
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, aux):
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse.contiguous(), 0.0, causal, attn_mask=None, scale=scale)
+            dout, q, k, v, out, lse.contiguous(), 0.0, causal, attn_mask=None, scale=scale
+        )
 
 
 def _dense(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -87,15 +104,31 @@ class CudaFlash(BlockKernel):
 
     def forward(self, q, k, v, causal, scale):
         q, k, v = _dense(q, k, v)
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal, False, scale=scale)
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = (
+            aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        )
         return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, aux):
         cum_q, cum_k, max_q, max_k, seed, offset = aux
         dout, q, k, v, out = _dense(dout, q, k, v, out)
         return aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse.contiguous(),
+            cum_q,
+            cum_k,
+            max_q,
+            max_k,
+            0.0,
+            causal,
+            seed,
+            offset,
+            scale=scale,
+        )
 
 
 class CudaEfficient(BlockKernel):
@@ -108,7 +141,8 @@ class CudaEfficient(BlockKernel):
     def forward(self, q, k, v, causal, scale):
         q, k, v = _dense(q, k, v)
         out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
-            q, k, v, None, True, 0.0, causal, scale=scale)
+            q, k, v, None, True, 0.0, causal, scale=scale
+        )
         return out, lse[..., : q.shape[2]], (seed, offset, lse.shape[-1])
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, aux):
@@ -116,7 +150,20 @@ class CudaEfficient(BlockKernel):
         lse = torch.nn.functional.pad(lse, (0, lse_len - lse.shape[-1])).contiguous()
         dout, q, k, v, out = _dense(dout, q, k, v, out)
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+            dout,
+            q,
+            k,
+            v,
+            None,
+            out,
+            lse,
+            seed,
+            offset,
+            0.0,
+            [True, True, True, False],
+            causal,
+            scale=scale,
+        )
         return dq, dk, dv
 
 
@@ -128,19 +175,39 @@ class CudaCudnn(BlockKernel):
 
     def forward(self, q, k, v, causal, scale):
         q, k, v = _dense(q, k, v)
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, causal, False, scale=scale)
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = (
+            aten._scaled_dot_product_cudnn_attention(
+                q, k, v, None, True, 0.0, causal, False, scale=scale
+            )
+        )
         return out, lse.reshape(q.shape[:3]), (cum_q, cum_k, max_q, max_k, seed, offset, lse.shape)
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, aux):
         cum_q, cum_k, max_q, max_k, seed, offset, lse_shape = aux
         dout, q, k, v, out = _dense(dout, q, k, v, out)
         return aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, k, v, out, lse.reshape(lse_shape).contiguous(), seed, offset, None, cum_q, cum_k, max_q, max_k,
-            0.0, causal, scale=scale)
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse.reshape(lse_shape).contiguous(),
+            seed,
+            offset,
+            None,
+            cum_q,
+            cum_k,
+            max_q,
+            max_k,
+            0.0,
+            causal,
+            scale=scale,
+        )
 
 
-KERNELS: dict[str, BlockKernel] = {k.name: k for k in (CpuFlash(), CudaFlash(), CudaEfficient(), CudaCudnn())}
+KERNELS: dict[str, BlockKernel] = {
+    k.name: k for k in (CpuFlash(), CudaFlash(), CudaEfficient(), CudaCudnn())
+}
 _forced: BlockKernel | None = None
 
 
@@ -157,13 +224,17 @@ def select_kernel(device: torch.device, dtype: torch.dtype) -> BlockKernel:
     it is checked at the kernel level only, not yet in a full training run."""
     if _forced is not None:
         if _forced.device_type != device.type:
-            raise RuntimeError(f"model.attention_kernel={_forced.name} runs on {_forced.device_type}, "
-                               f"the tensors are on {device.type}")
+            raise RuntimeError(
+                f"model.attention_kernel={_forced.name} runs on {_forced.device_type}, "
+                f"the tensors are on {device.type}"
+            )
         return _forced
     if device.type == "cpu":
         return KERNELS["cpu_flash"]
     if device.type == "cuda":
-        return KERNELS["cuda_flash" if dtype in (torch.float16, torch.bfloat16) else "cuda_efficient"]
+        return KERNELS[
+            "cuda_flash" if dtype in (torch.float16, torch.bfloat16) else "cuda_efficient"
+        ]
     raise RuntimeError(f"no attention kernel for device type {device.type!r}")
 
 
@@ -183,11 +254,15 @@ def reduce_kv_heads(grad: torch.Tensor, n_kv: int) -> torch.Tensor:
     return grad if h == n_kv else grad.view(b, n_kv, h // n_kv, length, d).sum(2)
 
 
-def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+def merge_into(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
     """Merge one block's result into the float32 accumulators (in place), exactly:
     lse' = log(e^lse + e^lse_b); out' = e^(lse - lse') out + e^(lse_b - lse') out_b."""
     new_lse = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - new_lse).unsqueeze(-1)).add_(block_out.float() * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    out.mul_(torch.exp(lse - new_lse).unsqueeze(-1)).add_(
+        block_out.float() * torch.exp(block_lse - new_lse).unsqueeze(-1)
+    )
     lse.copy_(new_lse)
 
 
@@ -202,19 +277,24 @@ class Blocks:
 
     def forward(self, q, k, v, causal):
         h = self.heads
-        return self.kernel.forward(q, expand_kv_heads(k, h), expand_kv_heads(v, h), causal, self.scale)
+        return self.kernel.forward(
+            q, expand_kv_heads(k, h), expand_kv_heads(v, h), causal, self.scale
+        )
 
     def backward(self, dout, q, k, v, out, lse, causal, aux):
         n_kv, h = k.shape[1], self.heads
-        dq, dk, dv = self.kernel.backward(dout, q, expand_kv_heads(k, h), expand_kv_heads(v, h), out, lse,
-                                          causal, self.scale, aux)
+        dq, dk, dv = self.kernel.backward(
+            dout, q, expand_kv_heads(k, h), expand_kv_heads(v, h), out, lse, causal, self.scale, aux
+        )
         return dq, reduce_kv_heads(dk, n_kv), reduce_kv_heads(dv, n_kv)
 
 
 def accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 output and lse accumulators for q's rows: nothing seen yet (out 0, lse -inf).
     Padding slots are in no block, so they keep out 0 (and are never backpropagated through)."""
-    return torch.zeros_like(q, dtype=torch.float32), q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
+    return torch.zeros_like(q, dtype=torch.float32), q.new_full(
+        q.shape[:3], float("-inf"), dtype=torch.float32
+    )
 
 
 def blocks_forward(blocks: Blocks, q, k, v, plan: list[Block], out, lse) -> list:
@@ -227,11 +307,21 @@ def blocks_forward(blocks: Blocks, q, k, v, plan: list[Block], out, lse) -> list
     return auxes
 
 
-def blocks_backward(blocks: Blocks, dout, q, k, v, out, lse, plan: list[Block], auxes, dq, dk, dv) -> None:
+def blocks_backward(
+    blocks: Blocks, dout, q, k, v, out, lse, plan: list[Block], auxes, dq, dk, dv
+) -> None:
     """Backward of `blocks_forward` with the final out/lse, accumulating into dq/dk/dv."""
     for (rows, qs, ks, causal), aux in zip(plan, auxes):
-        dq_, dk_, dv_ = blocks.backward(dout[rows, :, qs], q[rows, :, qs], k[rows, :, ks], v[rows, :, ks],
-                                        out[rows, :, qs], lse[rows, :, qs], causal, aux)
+        dq_, dk_, dv_ = blocks.backward(
+            dout[rows, :, qs],
+            q[rows, :, qs],
+            k[rows, :, ks],
+            v[rows, :, ks],
+            out[rows, :, qs],
+            lse[rows, :, qs],
+            causal,
+            aux,
+        )
         dq[rows, :, qs] += dq_
         dk[rows, :, ks] += dk_
         dv[rows, :, ks] += dv_
@@ -241,7 +331,9 @@ class _PlannedAttention(torch.autograd.Function):
     """Attention as a list of dense and causal blocks (layout.plan), merged by log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: list[Block]) -> torch.Tensor:
+    def forward(
+        ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: list[Block]
+    ) -> torch.Tensor:
         blocks = Blocks(q)
         out, lse = accumulators(q)
         auxes = blocks_forward(blocks, q, k, v, plan, out, lse)
@@ -259,7 +351,9 @@ class _PlannedAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
-def planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: list[Block]) -> torch.Tensor:
+def planned_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: list[Block]
+) -> torch.Tensor:
     return _PlannedAttention.apply(q, k, v, plan)
 
 
@@ -267,7 +361,9 @@ class _BlockAttention(torch.autograd.Function):
     """One dense or causal block straight through the kernel (no accumulators to merge into)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    def forward(
+        ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+    ) -> torch.Tensor:
         blocks = Blocks(q)
         out, lse, aux = blocks.forward(q, k, v, causal)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -281,19 +377,26 @@ class _BlockAttention(torch.autograd.Function):
         return (*blocks.backward(dout.contiguous(), q, k, v, out, lse, causal, aux), None)
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Attention of one block: every query sees every key, or (causal, Lq == Lk) the keys up to itself."""
+def block_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> torch.Tensor:
+    """Attention of one block: every query sees every key, or (causal, Lq == Lk) the keys up to
+    itself."""
     return _BlockAttention.apply(q, k, v, causal)
 
 
 @torch.compiler.disable  # the block plan is Python data that changes with every batch
-def _decoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
+def _decoder_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout
+) -> torch.Tensor:
     if layout.cp is not None:
         return layout.cp(q, k, v, layout)
     return planned_attention(q, k, v, layout.blocks("local", "local"))
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout | None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout | None
+) -> torch.Tensor:
     """q [B, H, L, D], k/v [B, Hkv, L, D] for the local slots. layout=None: bidirectional (ViT).
     Otherwise the decoder's mask rule (layout.py) over the layout's local slots, exact across the
     CP group when the text is sharded (layout.cp)."""

@@ -2,7 +2,8 @@
 
 <checkpoint.folder>/step-<N>/   one DCP checkpoint: the model's and the optimizer's sharded state
                                (each rank writes its own shards), plus trainer.pt (step, lr
-                               scheduler, RNG, counters) and config.json (the JobConfig that wrote it)
+                               scheduler, RNG, counters) and config.json (the JobConfig that
+                               wrote it)
 <checkpoint.folder>/latest     the step of the newest complete checkpoint
 
 `latest` is replaced (write, then atomic rename) only after every rank has finished writing
@@ -27,9 +28,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from titan_vlm.config import ConfigError, JobConfig
 
@@ -57,8 +62,14 @@ class Checkpointer:
     """Saves and restores model, optimizer, lr scheduler, step and RNG state on a process group
     (the ranks of one training job)."""
 
-    def __init__(self, cfg: JobConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler, group: dist.ProcessGroup):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        group: dist.ProcessGroup,
+    ):
         self.cfg = cfg
         self.folder = checkpoint_folder(cfg)
         self.model, self.optimizer, self.scheduler, self.group = model, optimizer, scheduler, group
@@ -72,17 +83,25 @@ class Checkpointer:
     _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
     def _state(self) -> dict:
-        return {"model": get_model_state_dict(self.model),
-                "optim": get_optimizer_state_dict(self.model, self.optimizer, options=self._OPTIM)}
+        return {
+            "model": get_model_state_dict(self.model),
+            "optim": get_optimizer_state_dict(self.model, self.optimizer, options=self._OPTIM),
+        }
 
     def save(self, step: int) -> Path:
         step_dir = self.folder / f"step-{step}"
         dcp.save(self._state(), checkpoint_id=str(step_dir), process_group=self.group)
         if self.rank0:
-            trainer = {"step": step, "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
-                       "counters": dict(self.counters)}
+            trainer = {
+                "step": step,
+                "scheduler": self.scheduler.state_dict(),
+                "rng": torch.get_rng_state(),
+                "counters": dict(self.counters),
+            }
             torch.save(trainer, step_dir / "trainer.pt.tmp")
-            (step_dir / "config.json").write_text(json.dumps(dataclasses.asdict(self.cfg), indent=1))
+            (step_dir / "config.json").write_text(
+                json.dumps(dataclasses.asdict(self.cfg), indent=1)
+            )
             os.replace(step_dir / "trainer.pt.tmp", step_dir / "trainer.pt")
         dist.barrier(group=self.group)  # every rank's shards are on disk before `latest` moves
         if self.rank0:
@@ -93,14 +112,17 @@ class Checkpointer:
         return step_dir
 
     def resume(self) -> int:
-        """Load the latest checkpoint if there is one; returns the step it was taken after (0: none)."""
+        """Load the latest checkpoint if there is one; returns the step it was taken after
+        (0: none)."""
         step_dir = latest_step_dir(self.folder)
         if step_dir is None:
             return 0
         saved = json.loads((step_dir / "config.json").read_text())["model"]["flavor"]
         if saved != self.cfg.model.flavor:
-            raise ConfigError(f"model.flavor={self.cfg.model.flavor!r}, but the checkpoint {step_dir} holds a "
-                              f"{saved!r} model (use another checkpoint.folder)")
+            raise ConfigError(
+                f"model.flavor={self.cfg.model.flavor!r}, but the checkpoint {step_dir} holds a "
+                f"{saved!r} model (use another checkpoint.folder)"
+            )
         state = self._state()
         dcp.load(state, checkpoint_id=str(step_dir), process_group=self.group)
         set_model_state_dict(self.model, state["model"])
@@ -121,13 +143,23 @@ def load_model_for_inference(path: str | Path) -> tuple[torch.nn.Module, JobConf
 
     step_dir = latest_step_dir(Path(path))
     if step_dir is None:
-        raise FileNotFoundError(f"{path}: no checkpoint (expected a 'latest' file or a step-N folder)")
+        raise FileNotFoundError(
+            f"{path}: no checkpoint (expected a 'latest' file or a step-N folder)"
+        )
     saved = json.loads((step_dir / "config.json").read_text())
     # data.dataset too: generate asks in the format the model was trained on (chat or caption)
-    cfg = load_config([f"--model.{k}={v}" for k, v in saved["model"].items()]
-                      + [f"--data.dataset={saved['data']['dataset']}"])
-    model = VLM(model_args(cfg.model.flavor, cfg.model.image_attention, cfg.model.hf_vision_path,
-                           cfg.model.hf_text_path))
+    cfg = load_config(
+        [f"--model.{k}={v}" for k, v in saved["model"].items()]
+        + [f"--data.dataset={saved['data']['dataset']}"]
+    )
+    model = VLM(
+        model_args(
+            cfg.model.flavor,
+            cfg.model.image_attention,
+            cfg.model.hf_vision_path,
+            cfg.model.hf_text_path,
+        )
+    )
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # one process without a process group is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -145,7 +177,10 @@ def export_safetensors(path: str | Path, out: str | Path) -> None:
 
 def main() -> None:
     if len(sys.argv) != 4 or sys.argv[1] != "--export":
-        sys.exit("usage: python -m titan_vlm.checkpoint --export <checkpoint dir or step dir> <out.safetensors>")
+        sys.exit(
+            "usage: python -m titan_vlm.checkpoint --export <checkpoint dir or step dir> "
+            "<out.safetensors>"
+        )
     export_safetensors(sys.argv[2], sys.argv[3])
     print(f"wrote {sys.argv[3]}")
 

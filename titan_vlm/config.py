@@ -1,6 +1,7 @@
 """Typed job configuration: TOML file + torchtitan-style command-line overrides.
 
-    ./run_train.sh --config train_configs/vlm_cp.toml --training.steps=50 --parallelism.context_parallel_degree=4
+    ./run_train.sh --config train_configs/vlm_cp.toml --training.steps=50 \\
+        --parallelism.context_parallel_degree=4
 
 Every key lives in one dataclass below; an unknown section or key, a value of the wrong type
 or an impossible combination raises `ConfigError` with a one-line message naming the key,
@@ -27,17 +28,23 @@ class ConfigError(ValueError):
 class Job:
     dump_folder: str = "outputs"  # TensorBoard logs (tb/) and metrics.jsonl go here
     description: str = ""
-    max_restarts: int = 0  # torchrun restarts a failed job this often; it resumes from the latest checkpoint
+    max_restarts: int = (
+        0  # torchrun restarts a failed job this often; it resumes from the latest checkpoint
+    )
 
 
 @dataclass
 class Model:
     flavor: str = "debug"  # see titan_vlm/models/flavors.py
     attention_kernel: str = "auto"  # auto | cpu_flash | cuda_flash | cuda_efficient | cuda_cudnn
-    hf_vision_path: str = ""  # SigLIP-style vision tower (+ LLaVA projector) safetensors to start from
+    hf_vision_path: str = (
+        ""  # SigLIP-style vision tower (+ LLaVA projector) safetensors to start from
+    )
     hf_text_path: str = ""  # Llama/Qwen-style decoder safetensors to start from
     tokenizer_path: str = ""  # a Hugging Face tokenizer.json; "" is the built-in byte tokenizer
-    image_attention: str = "causal"  # tokens of one image see each other: "causal" | "bidirectional"
+    image_attention: str = (
+        "causal"  # tokens of one image see each other: "causal" | "bidirectional"
+    )
 
 
 @dataclass
@@ -56,15 +63,25 @@ class Training:
 
 @dataclass
 class Data:
-    dataset: str = "synthetic"  # or a .json / .jsonl file of LLaVA conversations or captions (data/jsonl.py)
+    dataset: str = (
+        "synthetic"  # or a .json / .jsonl file of LLaVA conversations or captions (data/jsonl.py)
+    )
     sentences_per_image: int = 1  # long-text knob: more sentences about the image per sample
     blank_images: bool = False  # ablation: every image black; captions are then unpredictable
     images_per_sample: int = 1  # images per sample (0: text only); with packing, at most this many
-    packing: bool = False  # several samples per row, each attending only to itself (README: packed rows)
-    image_root: str = ""  # image paths of a dataset file are relative to this ("": the file's folder)
-    on_bad_sample: str = "skip"  # a bad sample of a dataset file: "skip" (warn, count) | "error" (stop)
+    packing: bool = (
+        False  # several samples per row, each attending only to itself (README: packed rows)
+    )
+    image_root: str = (
+        ""  # image paths of a dataset file are relative to this ("": the file's folder)
+    )
+    on_bad_sample: str = (
+        "skip"  # a bad sample of a dataset file: "skip" (warn, count) | "error" (stop)
+    )
     max_image_pixels: int = 4096 * 4096  # larger images (by their header) are bad samples
-    shuffle: bool = True  # a dataset file's rows in a new order each epoch (seeded by training.seed)
+    shuffle: bool = (
+        True  # a dataset file's rows in a new order each epoch (seeded by training.seed)
+    )
 
 
 @dataclass
@@ -74,7 +91,9 @@ class Parallelism:
     context_parallel_degree: int = 1
     tensor_parallel_degree: int = 1
     cp_comm_type: str = "p2p"  # exact CP attention: "p2p" (ring) | "allgather" | "a2a" (Ulysses)
-    cp_vision: str = "shard"  # where the ViT runs in a CP group: "shard" | "replicate" | "broadcast"
+    cp_vision: str = (
+        "shard"  # where the ViT runs in a CP group: "shard" | "replicate" | "broadcast"
+    )
     # sequence parallelism inside the TP group: norms and residual adds on a 1/tp slice of the
     # (CP-local) sequence; needs tensor_parallel_degree > 1
     enable_sequence_parallel: bool = False
@@ -85,7 +104,9 @@ class Parallelism:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = "none"  # "none" | "full" (every transformer block) | "selective" (every other block)
+    mode: str = (
+        "none"  # "none" | "full" (every transformer block) | "selective" (every other block)
+    )
 
 
 @dataclass
@@ -156,7 +177,9 @@ def _set(cfg: JobConfig, dotted: str, value: Any, where: str) -> None:
     obj = getattr(cfg, section)
     types = {f.name: f.type for f in dataclasses.fields(obj)}
     if name not in types:
-        raise ConfigError(f"{where}: unknown key '{dotted}' (known in [{section}]: {', '.join(types)})")
+        raise ConfigError(
+            f"{where}: unknown key '{dotted}' (known in [{section}]: {', '.join(types)})"
+        )
     if value is None:
         if types[name] is not bool:
             raise ConfigError(f"{where}: '--{dotted}' needs a value")
@@ -209,8 +232,12 @@ def load_config(argv: list[str]) -> JobConfig:
 def world_size_of(cfg: JobConfig) -> int:
     """Processes the config's parallel degrees need (dp_shard = -1 counts as 1)."""
     p = cfg.parallelism
-    return (p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1)
-            * p.context_parallel_degree * p.tensor_parallel_degree)
+    return (
+        p.data_parallel_replicate_degree
+        * max(p.data_parallel_shard_degree, 1)
+        * p.context_parallel_degree
+        * p.tensor_parallel_degree
+    )
 
 
 def main() -> None:
@@ -234,13 +261,17 @@ def main() -> None:
         if cfg.job.max_restarts < 0:
             raise ConfigError(f"job.max_restarts must be >= 0, got {cfg.job.max_restarts}")
         if cfg.job.max_restarts and not cfg.checkpoint.enable:
-            raise ConfigError("job.max_restarts needs checkpoint.enable = true: a restarted job resumes from "
-                              "its latest checkpoint, else it would start over")
+            raise ConfigError(
+                "job.max_restarts needs checkpoint.enable = true: a restarted job resumes from "
+                "its latest checkpoint, else it would start over"
+            )
         import torch
 
         if torch.cuda.is_available() and world > torch.cuda.device_count():
-            raise ConfigError(f"{world} processes but {torch.cuda.device_count()} GPUs on this machine "
-                              "(one process per GPU; set NPROC or the degrees)")
+            raise ConfigError(
+                f"{world} processes but {torch.cuda.device_count()} GPUs on this machine "
+                "(one process per GPU; set NPROC or the degrees)"
+            )
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -11,7 +11,8 @@ A row is one or more samples packed back to back; a sample is text and images in
 The decoder's one mask rule: a query q sees a key k iff
 
     doc(q) == doc(k) >= 0  and  (order(k) <= order(q)
-                                 or image(q) == image(k) >= 0 with model.image_attention = "bidirectional")
+                                 or image(q) == image(k) >= 0
+                                    with model.image_attention = "bidirectional")
 
 so attention never crosses a sample boundary, text sees an image only if the image comes before
 it, and the tokens of one image see each other causally or all at once.
@@ -59,15 +60,20 @@ class Slots:
 
     @staticmethod
     def cat(parts: list[Slots]) -> Slots:
-        return Slots(*(torch.cat([getattr(p, f) for p in parts], dim=1) for f in ("doc", "order", "image")))
+        return Slots(
+            *(torch.cat([getattr(p, f) for p in parts], dim=1) for f in ("doc", "order", "image"))
+        )
 
     @staticmethod
     def gather(doc: torch.Tensor, image: torch.Tensor, index: torch.Tensor) -> Slots:
         """The slots at row positions `index` [B, L] (-1: a padding slot)."""
         safe = index.clamp(min=0)
         pad = index < 0
-        return Slots(doc.gather(1, safe).masked_fill(pad, -1), index.clone(),
-                     image.gather(1, safe).masked_fill(pad, -1))
+        return Slots(
+            doc.gather(1, safe).masked_fill(pad, -1),
+            index.clone(),
+            image.gather(1, safe).masked_fill(pad, -1),
+        )
 
     def same_for_all_rows(self) -> bool:
         """Whether every row has the same metadata, image ids counted from the row's first image
@@ -122,8 +128,10 @@ def _relation(q: Piece, k: Piece, bidirectional_images: bool) -> str | None:
         return None
     if same_range:
         return "causal"
-    raise RuntimeError(f"pieces overlap partially (query rows {q.order}..{q_end}, key rows {k.order}..{k_end}): "
-                       "the slots were not cut at the same boundaries")
+    raise RuntimeError(
+        f"pieces overlap partially (query rows {q.order}..{q_end}, key rows {k.order}..{k_end}): "
+        "the slots were not cut at the same boundaries"
+    )
 
 
 def _merge_runs(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -136,7 +144,9 @@ def _merge_runs(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _plan_row(qp: list[Piece], kp: list[Piece], rows: slice, bidirectional_images: bool) -> list[Block]:
+def _plan_row(
+    qp: list[Piece], kp: list[Piece], rows: slice, bidirectional_images: bool
+) -> list[Block]:
     by_doc: dict[int, list[Piece]] = {}
     for p in kp:
         by_doc.setdefault(p.doc, []).append(p)
@@ -199,7 +209,7 @@ class SeqLayout:
         return len(self.images)
 
     def slots(self, name: str | int, rank: int | None = None) -> Slots:
-        """"local": a rank's `[images, its text]`; "images"; "all": `[images, every rank's text]`
+        """ "local": a rank's `[images, its text]`; "images"; "all": `[images, every rank's text]`
         (rank-major, as an all-gather or all-to-all delivers it); an int s: rank s's text."""
         rank = self.rank if rank is None else rank
         if name == "local":
@@ -215,7 +225,9 @@ class SeqLayout:
         reused by every layer and by backward."""
         key = (queries, keys, self.rank if rank is None else rank)
         if key not in self._plans:
-            self._plans[key] = plan(self.slots(queries, rank), self.slots(keys, rank), self.bidirectional_images)
+            self._plans[key] = plan(
+                self.slots(queries, rank), self.slots(keys, rank), self.bidirectional_images
+            )
         return self._plans[key]
 
     def rank_work(self) -> list[int]:
@@ -224,6 +236,7 @@ class SeqLayout:
         rank (tests/test_layout.py checks it against the block plans). A query sees the earlier
         slots of its sample and itself, `position in sample + 1` keys, and with bidirectional
         images also the rest of its image: no plan is needed, so every step can afford it."""
+
         def keys_seen(s: Slots) -> int:
             real = s.doc >= 0
             pos = self.row_positions.gather(1, s.order.clamp(min=0))
@@ -280,12 +293,21 @@ def _deal_pairs(costs: list[list[int]], cp_size: int) -> list[list[int]]:
 
 
 def _stack_padded(rows: list[torch.Tensor], length: int) -> torch.Tensor:
-    return torch.stack([torch.nn.functional.pad(r, (0, length - len(r)), value=-1) for r in rows]) if rows else \
-        torch.zeros(0, length, dtype=torch.long)
+    return (
+        torch.stack([torch.nn.functional.pad(r, (0, length - len(r)), value=-1) for r in rows])
+        if rows
+        else torch.zeros(0, length, dtype=torch.long)
+    )
 
 
-def build_layout(doc: torch.Tensor, image: torch.Tensor, cp_size: int = 1, cp_rank: int = 0,
-                 bidirectional_images: bool = False, pad_to_multiple: int = 1) -> tuple[torch.Tensor, SeqLayout]:
+def build_layout(
+    doc: torch.Tensor,
+    image: torch.Tensor,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    bidirectional_images: bool = False,
+    pad_to_multiple: int = 1,
+) -> tuple[torch.Tensor, SeqLayout]:
     """Split rows with slot metadata doc/image [B, S] for CP rank `cp_rank` of `cp_size`.
 
     Returns the row positions of this rank's text slots [B, T] (-1: padding) and its SeqLayout.
@@ -315,8 +337,10 @@ def build_layout(doc: torch.Tensor, image: torch.Tensor, cp_size: int = 1, cp_ra
     for (b, pairs, _), dealt in zip(samples, deal):
         for r in range(cp_size):
             text_index[r][b].append(pairs[dealt[r]])
-    text_index = [[torch.cat(x) if x else torch.zeros(0, dtype=torch.long) for x in per_rank]
-                  for per_rank in text_index]
+    text_index = [
+        [torch.cat(x) if x else torch.zeros(0, dtype=torch.long) for x in per_rank]
+        for per_rank in text_index
+    ]
     n = max((len(x) for x in image_index), default=0)
     t = max((len(x) for per_rank in text_index for x in per_rank), default=0)
     t += -(n + t) % pad_to_multiple
@@ -325,5 +349,7 @@ def build_layout(doc: torch.Tensor, image: torch.Tensor, cp_size: int = 1, cp_ra
     local = torch.cat([images.order, texts[cp_rank].order], dim=1)
     row_positions = torch.stack(rope)
     rope_pos = row_positions.gather(1, local.clamp(min=0)).masked_fill(local < 0, 0)
-    layout = SeqLayout(rope_pos, images, texts, cp_rank, image_counts, row_positions, bidirectional_images)
+    layout = SeqLayout(
+        rope_pos, images, texts, cp_rank, image_counts, row_positions, bidirectional_images
+    )
     return texts[cp_rank].order, layout

@@ -23,7 +23,9 @@ def peak_memory_gib(device: torch.device) -> float:
 class MetricsLogger:
     """Writes only on the rank given `enabled=True` (rank 0); the others call it as a no-op."""
 
-    def __init__(self, dump_folder: str, enable_tensorboard: bool, enabled: bool, resume_after: int = 0):
+    def __init__(
+        self, dump_folder: str, enable_tensorboard: bool, enabled: bool, resume_after: int = 0
+    ):
         """resume_after: a run resumed after that step keeps the earlier run's metrics.jsonl lines
         up to it (the steps redone after the checkpoint are written again, once)."""
         self.enabled = enabled
@@ -37,9 +39,13 @@ class MetricsLogger:
         kept = []
         if path.exists() and path.stat().st_size:
             lines = path.read_text().splitlines()
-            kept = [line for line in lines if resume_after and json.loads(line)["step"] <= resume_after]
+            kept = [
+                line for line in lines if resume_after and json.loads(line)["step"] <= resume_after
+            ]
             if len(kept) < len(lines):
-                logger.warning("%s: replacing %d lines from an earlier run", path, len(lines) - len(kept))
+                logger.warning(
+                    "%s: replacing %d lines from an earlier run", path, len(lines) - len(kept)
+                )
         self.jsonl = open(path, "w", buffering=1)
         self.jsonl.writelines(line + "\n" for line in kept)
         if enable_tensorboard:
@@ -52,9 +58,17 @@ class MetricsLogger:
             return
         if echo:
             logger.info(
-                "step %5d | loss %.4f | grad_norm %.3f | lr %.2e | tokens/s %9.1f | peak mem %.2f GiB | "
-                "cp_balance %.3f", step, metrics["loss"], metrics["grad_norm"], metrics["lr"],
-                metrics["tokens_per_sec"], metrics["peak_memory_gib"], metrics.get("cp_balance", 1.0))
+                "step %5d | loss %.4f | grad_norm %.3f | lr %.2e | tokens/s %9.1f | "
+                "peak mem %.2f GiB | "
+                "cp_balance %.3f",
+                step,
+                metrics["loss"],
+                metrics["grad_norm"],
+                metrics["lr"],
+                metrics["tokens_per_sec"],
+                metrics["peak_memory_gib"],
+                metrics.get("cp_balance", 1.0),
+            )
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.tb is not None:
             for key, value in metrics.items():

@@ -23,8 +23,10 @@ def build_optimizer(model: nn.Module, t: Training) -> torch.optim.Optimizer:
         if p.requires_grad:
             decay = p.ndim >= 2 and "pos_embed" not in name
             groups[(name.split(".")[0], decay)].append(p)
-    param_groups = [{"params": ps, "weight_decay": t.weight_decay if decay else 0.0}
-                    for (_, decay), ps in groups.items()]
+    param_groups = [
+        {"params": ps, "weight_decay": t.weight_decay if decay else 0.0}
+        for (_, decay), ps in groups.items()
+    ]
     return torch.optim.AdamW(param_groups, lr=t.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
@@ -61,7 +63,9 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor
         sq = torch.stack([x.float().pow(2).sum() for x in local]).sum()
         for dim, placement in enumerate(placements):
             if placement.is_partial():
-                raise RuntimeError(f"clip_grad_norm_: a gradient is still Partial on mesh dim {dim} (unreduced)")
+                raise RuntimeError(
+                    f"clip_grad_norm_: a gradient is still Partial on mesh dim {dim} (unreduced)"
+                )
             # Shard, or FSDP's _StridedShard over a TP-sharded dim (not a Shard subclass, so not
             # is_shard()): disjoint pieces, summed. Replicate: identical copies, counted once.
             if not placement.is_replicate() and mesh.size(dim) > 1:

@@ -42,21 +42,36 @@ class ParallelDims:
     @classmethod
     def from_config(cls, cfg: JobConfig, world_size: int) -> ParallelDims:
         p = cfg.parallelism
-        for key in ("data_parallel_replicate_degree", "context_parallel_degree", "tensor_parallel_degree"):
+        for key in (
+            "data_parallel_replicate_degree",
+            "context_parallel_degree",
+            "tensor_parallel_degree",
+        ):
             if getattr(p, key) < 1:
                 raise ConfigError(f"parallelism.{key} must be >= 1, got {getattr(p, key)}")
         dp_shard = p.data_parallel_shard_degree
-        others = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree
+        others = (
+            p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree
+        )
         if dp_shard == -1:
             if world_size % others:
                 raise ConfigError(
-                    f"parallelism.data_parallel_shard_degree=-1: world size {world_size} is not divisible "
-                    f"by dp_replicate*cp*tp = {others}")
+                    f"parallelism.data_parallel_shard_degree=-1: world size {world_size} "
+                    "is not divisible "
+                    f"by dp_replicate*cp*tp = {others}"
+                )
             dp_shard = world_size // others
         elif dp_shard < 1:
-            raise ConfigError(f"parallelism.data_parallel_shard_degree must be >= 1 or -1, got {dp_shard}")
-        dims = cls(p.data_parallel_replicate_degree, dp_shard, p.context_parallel_degree,
-                   p.tensor_parallel_degree, world_size)
+            raise ConfigError(
+                f"parallelism.data_parallel_shard_degree must be >= 1 or -1, got {dp_shard}"
+            )
+        dims = cls(
+            p.data_parallel_replicate_degree,
+            dp_shard,
+            p.context_parallel_degree,
+            p.tensor_parallel_degree,
+            world_size,
+        )
         dims.validate()
         return dims
 
@@ -64,15 +79,22 @@ class ParallelDims:
         product = self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != self.world_size:
             raise ConfigError(
-                f"parallelism: data_parallel_replicate_degree({self.dp_replicate}) * data_parallel_shard_degree"
-                f"({self.dp_shard}) * context_parallel_degree({self.cp}) * tensor_parallel_degree({self.tp}) "
-                f"= {product}, but the world size is {self.world_size} (set NPROC or the degrees)")
+                f"parallelism: data_parallel_replicate_degree({self.dp_replicate}) * "
+                f"data_parallel_shard_degree({self.dp_shard}) * "
+                f"context_parallel_degree({self.cp}) * tensor_parallel_degree({self.tp}) "
+                f"= {product}, but the world size is {self.world_size} (set NPROC or the degrees)"
+            )
 
     def validate_model(self, cfg: JobConfig) -> None:
         """Checks that need both the degrees and the model/data shapes."""
         from titan_vlm.models.flavors import model_args
 
-        vlm = model_args(cfg.model.flavor, cfg.model.image_attention, cfg.model.hf_vision_path, cfg.model.hf_text_path)
+        vlm = model_args(
+            cfg.model.flavor,
+            cfg.model.image_attention,
+            cfg.model.hf_vision_path,
+            cfg.model.hf_text_path,
+        )
         t = cfg.training
         k = cfg.data.images_per_sample
         if not 0 <= k <= 64:
@@ -80,18 +102,34 @@ class ParallelDims:
         if t.seq_len <= k * vlm.tokens_per_image + 2:
             raise ConfigError(
                 f"training.seq_len={t.seq_len} leaves no room for text after {k} images of "
-                f"{vlm.tokens_per_image} tokens (flavor '{cfg.model.flavor}', data.images_per_sample={k})")
-        if t.seq_len > vlm.decoder.max_seq_len:  # RoPE positions restart at every sample, so this bounds them
-            raise ConfigError(f"training.seq_len={t.seq_len} exceeds the RoPE table of flavor "
-                              f"'{cfg.model.flavor}' (max_seq_len {vlm.decoder.max_seq_len})")
+                f"{vlm.tokens_per_image} tokens (flavor '{cfg.model.flavor}', "
+                f"data.images_per_sample={k})"
+            )
+        if (
+            t.seq_len > vlm.decoder.max_seq_len
+        ):  # RoPE positions restart at every sample, so this bounds them
+            raise ConfigError(
+                f"training.seq_len={t.seq_len} exceeds the RoPE table of flavor "
+                f"'{cfg.model.flavor}' (max_seq_len {vlm.decoder.max_seq_len})"
+            )
         for key, value, ok, want in (
-                ("training.lr", t.lr, math.isfinite(t.lr) and t.lr > 0, "a positive number"),
-                ("training.max_norm", t.max_norm, math.isfinite(t.max_norm), "a number (<= 0 disables clipping)"),
-                ("training.warmup_steps", t.warmup_steps, t.warmup_steps >= 0, ">= 0"),
-                ("training.min_lr_ratio", t.min_lr_ratio, 0 <= t.min_lr_ratio <= 1, "in [0, 1]"),
-                ("training.weight_decay", t.weight_decay, math.isfinite(t.weight_decay) and t.weight_decay >= 0,
-                 ">= 0"),
-                ("metrics.log_freq", cfg.metrics.log_freq, cfg.metrics.log_freq >= 1, ">= 1")):
+            ("training.lr", t.lr, math.isfinite(t.lr) and t.lr > 0, "a positive number"),
+            (
+                "training.max_norm",
+                t.max_norm,
+                math.isfinite(t.max_norm),
+                "a number (<= 0 disables clipping)",
+            ),
+            ("training.warmup_steps", t.warmup_steps, t.warmup_steps >= 0, ">= 0"),
+            ("training.min_lr_ratio", t.min_lr_ratio, 0 <= t.min_lr_ratio <= 1, "in [0, 1]"),
+            (
+                "training.weight_decay",
+                t.weight_decay,
+                math.isfinite(t.weight_decay) and t.weight_decay >= 0,
+                ">= 0",
+            ),
+            ("metrics.log_freq", cfg.metrics.log_freq, cfg.metrics.log_freq >= 1, ">= 1"),
+        ):
             if not ok:
                 raise ConfigError(f"{key} must be {want}, got {value}")
         if t.local_batch_size < 1:
@@ -99,18 +137,24 @@ class ParallelDims:
         if t.steps < 1:
             raise ConfigError(f"training.steps must be >= 1, got {t.steps}")
         if t.mixed_precision not in ("fp32", "bf16"):
-            raise ConfigError(f"training.mixed_precision must be 'fp32' or 'bf16', got {t.mixed_precision!r}")
+            raise ConfigError(
+                f"training.mixed_precision must be 'fp32' or 'bf16', got {t.mixed_precision!r}"
+            )
         from titan_vlm.data.jsonl import validate_data_config
 
         validate_data_config(cfg.data)  # data.dataset and the keys of a dataset file
         if cfg.data.sentences_per_image < 1:
-            raise ConfigError(f"data.sentences_per_image must be >= 1, got {cfg.data.sentences_per_image}")
+            raise ConfigError(
+                f"data.sentences_per_image must be >= 1, got {cfg.data.sentences_per_image}"
+            )
         if cfg.checkpoint.interval < 1:
             raise ConfigError(f"checkpoint.interval must be >= 1, got {cfg.checkpoint.interval}")
         dec = vlm.decoder
         if dec.n_heads % dec.n_kv_heads:
-            raise ConfigError(f"model.flavor={cfg.model.flavor}: n_heads {dec.n_heads} not divisible by "
-                              f"n_kv_heads {dec.n_kv_heads}")
+            raise ConfigError(
+                f"model.flavor={cfg.model.flavor}: n_heads {dec.n_heads} not divisible by "
+                f"n_kv_heads {dec.n_kv_heads}"
+            )
         for key in ("hf_vision_path", "hf_text_path"):
             path = getattr(cfg.model, key)
             if path and not Path(path).is_file():
@@ -119,32 +163,54 @@ class ParallelDims:
 
         vocab = build_tokenizer(cfg.model.tokenizer_path).vocab_size
         if vocab > vlm.decoder.vocab_size:
-            raise ConfigError(f"model.tokenizer_path: the tokenizer has {vocab} ids, flavor '{cfg.model.flavor}' "
-                              f"embeds {vlm.decoder.vocab_size}")
+            raise ConfigError(
+                f"model.tokenizer_path: the tokenizer has {vocab} ids, flavor '{cfg.model.flavor}' "
+                f"embeds {vlm.decoder.vocab_size}"
+            )
         kernel = cfg.model.attention_kernel
         if kernel != "auto":
             if kernel not in KERNELS:
-                raise ConfigError(f"model.attention_kernel must be auto or one of {', '.join(KERNELS)}, got {kernel!r}")
+                raise ConfigError(
+                    f"model.attention_kernel must be auto or one of {', '.join(KERNELS)}, "
+                    f"got {kernel!r}"
+                )
             if KERNELS[kernel].device_type != device_type():
-                raise ConfigError(f"model.attention_kernel={kernel} runs on {KERNELS[kernel].device_type}, "
-                                  f"this machine trains on {device_type()}")
+                raise ConfigError(
+                    f"model.attention_kernel={kernel} runs on {KERNELS[kernel].device_type}, "
+                    f"this machine trains on {device_type()}"
+                )
             if kernel in ("cuda_flash", "cuda_cudnn") and t.mixed_precision != "bf16":
-                raise ConfigError(f"model.attention_kernel={kernel} needs training.mixed_precision = 'bf16'")
+                raise ConfigError(
+                    f"model.attention_kernel={kernel} needs training.mixed_precision = 'bf16'"
+                )
         if cfg.activation_checkpoint.mode not in AC_MODES:
-            raise ConfigError(f"activation_checkpoint.mode must be one of {', '.join(AC_MODES)}, "
-                              f"got {cfg.activation_checkpoint.mode!r}")
+            raise ConfigError(
+                f"activation_checkpoint.mode must be one of {', '.join(AC_MODES)}, "
+                f"got {cfg.activation_checkpoint.mode!r}"
+            )
         if cfg.parallelism.cp_vision not in CP_VISION_MODES:
-            raise ConfigError(f"parallelism.cp_vision must be one of {', '.join(CP_VISION_MODES)}, "
-                              f"got {cfg.parallelism.cp_vision!r}")
+            raise ConfigError(
+                f"parallelism.cp_vision must be one of {', '.join(CP_VISION_MODES)}, "
+                f"got {cfg.parallelism.cp_vision!r}"
+            )
         comm = cfg.parallelism.cp_comm_type
         if comm not in CP_COMM_TYPES:
-            raise ConfigError(f"parallelism.cp_comm_type must be one of {', '.join(CP_COMM_TYPES)}, got {comm!r}")
+            raise ConfigError(
+                f"parallelism.cp_comm_type must be one of {', '.join(CP_COMM_TYPES)}, got {comm!r}"
+            )
         self._validate_tp(cfg, vlm)
         local_heads = dec.n_heads // self.tp  # after TP: the heads the a2a splits over cp
         if comm == "a2a" and local_heads % self.cp:
-            per_rank = f" per tp rank ({dec.n_heads} / tensor_parallel_degree={self.tp})" if self.tp > 1 else ""
-            raise ConfigError(f"parallelism.cp_comm_type='a2a' needs the {local_heads} attention heads{per_rank} of "
-                              f"flavor '{cfg.model.flavor}' to divide by context_parallel_degree={self.cp}")
+            per_rank = (
+                f" per tp rank ({dec.n_heads} / tensor_parallel_degree={self.tp})"
+                if self.tp > 1
+                else ""
+            )
+            raise ConfigError(
+                f"parallelism.cp_comm_type='a2a' needs the {local_heads} attention "
+                f"heads{per_rank} of "
+                f"flavor '{cfg.model.flavor}' to divide by context_parallel_degree={self.cp}"
+            )
 
     def _validate_tp(self, cfg: JobConfig, vlm: VLMArgs) -> None:
         """What tensor / sequence parallelism needs of the shapes: whole heads, K/V heads and MLP
@@ -156,21 +222,36 @@ class ParallelDims:
         if tp == 1:
             return
         dec, vit = vlm.decoder, vlm.vision
-        for what, value in (("decoder n_heads", dec.n_heads), ("decoder n_kv_heads", dec.n_kv_heads),
-                            ("decoder ffn_dim", dec.ffn_dim), ("decoder dim", dec.dim),
-                            ("decoder vocab_size", dec.vocab_size), ("ViT n_heads", vit.n_heads),
-                            ("ViT mlp_dim", vit.mlp_dim)):
+        for what, value in (
+            ("decoder n_heads", dec.n_heads),
+            ("decoder n_kv_heads", dec.n_kv_heads),
+            ("decoder ffn_dim", dec.ffn_dim),
+            ("decoder dim", dec.dim),
+            ("decoder vocab_size", dec.vocab_size),
+            ("ViT n_heads", vit.n_heads),
+            ("ViT mlp_dim", vit.mlp_dim),
+        ):
             if value % tp:
-                raise ConfigError(f"parallelism.tensor_parallel_degree={tp} does not divide the {what} ({value}) "
-                                  f"of flavor '{cfg.model.flavor}'")
-        if p.enable_sequence_parallel:  # the decoder's local slots are padded to a multiple of tp (layout.py)
+                raise ConfigError(
+                    f"parallelism.tensor_parallel_degree={tp} does not divide the {what} ({value}) "
+                    f"of flavor '{cfg.model.flavor}'"
+                )
+        if (
+            p.enable_sequence_parallel
+        ):  # the decoder's local slots are padded to a multiple of tp (layout.py)
             if vit.num_patches % tp:
-                raise ConfigError(f"parallelism.enable_sequence_parallel: the ViT's {vit.num_patches} patches per image "
-                                  f"must divide by tensor_parallel_degree={tp}")
+                raise ConfigError(
+                    f"parallelism.enable_sequence_parallel: the ViT's {vit.num_patches} "
+                    "patches per image "
+                    f"must divide by tensor_parallel_degree={tp}"
+                )
 
     def build_mesh(self, device_type: str) -> Mesh:
-        root = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp),
-                                mesh_dim_names=MESH_DIMS)
+        root = init_device_mesh(
+            device_type,
+            (self.dp_replicate, self.dp_shard, self.cp, self.tp),
+            mesh_dim_names=MESH_DIMS,
+        )
         return Mesh.from_root(root)
 
 
@@ -181,27 +262,37 @@ class Mesh:
     root: DeviceMesh
     cp: DeviceMesh  # the context-parallel group: text sharded, image embeddings replicated
     tp: DeviceMesh  # the tensor-parallel group: weights split, the same tokens on every rank
-    world: DeviceMesh  # every dim flattened: all ranks of this job (checkpoints, worst-rank metrics)
+    world: (
+        DeviceMesh  # every dim flattened: all ranks of this job (checkpoints, worst-rank metrics)
+    )
     dp: DeviceMesh  # flattened (dp_replicate, dp_shard): which rows a rank reads
     job: DeviceMesh  # flattened (dp_replicate, dp_shard, cp): loss normaliser, checkpoints, metrics
-    fsdp: DeviceMesh  # (dp_shard x cp) flattened, HSDP's (dp_replicate, dp_shard x cp) when dp_replicate > 1
+    # (dp_shard x cp) flattened, HSDP's (dp_replicate, dp_shard x cp) when dp_replicate > 1
+    fsdp: DeviceMesh
     fsdp_no_cp: DeviceMesh  # the same without cp: dp_shard, or (dp_replicate, dp_shard)
     rows: DeviceMesh  # flattened (cp, tp): the ranks that read the same rows
 
     @classmethod
     def from_root(cls, root: DeviceMesh) -> Mesh:
-        """`root` has named dims dp_replicate, dp_shard, cp and tp; tests add an outer dim of copies."""
+        """`root` has named dims dp_replicate, dp_shard, cp and tp; tests add an outer dim of
+        copies."""
         dp_shard_cp = root["dp_shard", "cp"]._flatten("dp_shard_cp")
         hsdp = root["dp_replicate"].size() > 1
-        return cls(root=root, cp=root["cp"], tp=root["tp"], world=root[MESH_DIMS]._flatten("world"),
-                   dp=root["dp_replicate", "dp_shard"]._flatten("dp"),
-                   job=root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
-                   fsdp=root["dp_replicate", "dp_shard_cp"] if hsdp else dp_shard_cp,
-                   fsdp_no_cp=root["dp_replicate", "dp_shard"] if hsdp else root["dp_shard"],
-                   rows=root["cp", "tp"]._flatten("cp_tp"))
+        return cls(
+            root=root,
+            cp=root["cp"],
+            tp=root["tp"],
+            world=root[MESH_DIMS]._flatten("world"),
+            dp=root["dp_replicate", "dp_shard"]._flatten("dp"),
+            job=root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+            fsdp=root["dp_replicate", "dp_shard_cp"] if hsdp else dp_shard_cp,
+            fsdp_no_cp=root["dp_replicate", "dp_shard"] if hsdp else root["dp_shard"],
+            rows=root["cp", "tp"]._flatten("cp_tp"),
+        )
 
     def shards(self, fsdp_mesh: DeviceMesh) -> int:
-        """How many ways an FSDP mesh shards a parameter (its last dim; HSDP replicates over the first)."""
+        """How many ways an FSDP mesh shards a parameter (its last dim; HSDP replicates over the
+        first)."""
         return fsdp_mesh.size(fsdp_mesh.ndim - 1)
 
 

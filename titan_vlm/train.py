@@ -1,4 +1,6 @@
-"""The trainer: `torchrun ... -m titan_vlm.train --config train_configs/vlm_cp.toml [--key=value ...]`.
+"""The trainer:
+
+    torchrun ... -m titan_vlm.train --config train_configs/vlm_cp.toml [--key=value ...]
 
 Read `forward_backward` for where context parallelism happens: the image embeddings are
 replicated over cp (gradient summed there), only the text is sharded, and the loss is the mean
@@ -24,15 +26,20 @@ from titan_vlm.checkpoint import Checkpointer
 from titan_vlm.config import ConfigError, JobConfig, load_config
 from titan_vlm.data import build_dataset
 from titan_vlm.data.batch import IGNORE_INDEX, Batch
-from titan_vlm.layout import SeqLayout
 from titan_vlm.data.tokenizer import build_tokenizer
+from titan_vlm.layout import SeqLayout
 from titan_vlm.metrics import MetricsLogger, peak_memory_gib
 from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM, batch_train_flops, param_counts
 from titan_vlm.models.flavors import model_args
 from titan_vlm.models.hf_weights import load_hf_weights
 from titan_vlm.models.vlm import VLM
 from titan_vlm.optim import build_optimizer, build_scheduler, clip_grad_norm_
-from titan_vlm.parallel.context_parallel import CPOptions, encode_images_over_cp, shard_batch, sync_broadcast_vision_grads
+from titan_vlm.parallel.context_parallel import (
+    CPOptions,
+    encode_images_over_cp,
+    shard_batch,
+    sync_broadcast_vision_grads,
+)
 from titan_vlm.parallel.parallelize import parallelize_vlm
 from titan_vlm.parallel.tensor_parallel import TPOptions, gather_image_embeds_over_tp
 from titan_vlm.parallel_dims import Mesh, ParallelDims
@@ -46,8 +53,14 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a vi
 warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
 
 
-def forward_backward(model: VLM, batch: Batch, mesh: Mesh, cp: CPOptions = CPOptions(),
-                     sum_image_grad: bool = True, tp: TPOptions = TPOptions()) -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
+def forward_backward(
+    model: VLM,
+    batch: Batch,
+    mesh: Mesh,
+    cp: CPOptions = CPOptions(),
+    sum_image_grad: bool = True,
+    tp: TPOptions = TPOptions(),
+) -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
     """Forward and backward of one batch on this rank. Returns the global loss (mean over every
     text token of the global batch, identical on all ranks), the global text-token count, and
     this rank's layout.
@@ -59,20 +72,28 @@ def forward_backward(model: VLM, batch: Batch, mesh: Mesh, cp: CPOptions = CPOpt
     # even for a batch without images, so every rank enters the same collectives. With
     # image_embed_tp_shard they are [.., dim/tp] slices until they join the text.
     width = model.args.decoder.dim // mesh.tp.size() if tp.image_embed_shard else None
-    embeds = encode_images_over_cp(model, batch.images, mesh.cp, cp.vision, sum_image_grad, embed_width=width)
+    embeds = encode_images_over_cp(
+        model, batch.images, mesh.cp, cp.vision, sum_image_grad, embed_width=width
+    )
     if tp.image_embed_shard:
         embeds = gather_image_embeds_over_tp(embeds, mesh.tp)
     # 3. Only the text is CP-sharded (head-tail per sample), with its positions and shifted labels.
-    tokens, labels, layout = shard_batch(batch, mesh.cp, cp.comm_type, model.args.image_attention == "bidirectional",
-                                         pad_to_multiple=mesh.tp.size() if tp.sequence_parallel else 1)
+    tokens, labels, layout = shard_batch(
+        batch,
+        mesh.cp,
+        cp.comm_type,
+        model.args.image_attention == "bidirectional",
+        pad_to_multiple=mesh.tp.size() if tp.sequence_parallel else 1,
+    )
     logits = model.decoder(tokens, layout.place_images(embeds), layout)
     # 4. Mean over the global batch's text tokens: count across dp and cp (not tp: its ranks hold
     # the same tokens), sum per rank.
     loss_group = mesh.job.get_group()
     ntokens = (labels != IGNORE_INDEX).sum()
     dist.all_reduce(ntokens, group=loss_group)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum") / ntokens.clamp(min=1)
+    loss = F.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    ) / ntokens.clamp(min=1)
     loss.backward()
     if cp.vision == "broadcast":
         sync_broadcast_vision_grads(model, mesh.cp)
@@ -81,17 +102,30 @@ def forward_backward(model: VLM, batch: Batch, mesh: Mesh, cp: CPOptions = CPOpt
     return loss, ntokens, layout
 
 
-def train_step(model: VLM, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-               batch: Batch, mesh: Mesh, max_norm: float, cp: CPOptions = CPOptions(),
-               sum_image_grad: bool = True, tp: TPOptions = TPOptions()) -> dict[str, float]:
+def train_step(
+    model: VLM,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    batch: Batch,
+    mesh: Mesh,
+    max_norm: float,
+    cp: CPOptions = CPOptions(),
+    sum_image_grad: bool = True,
+    tp: TPOptions = TPOptions(),
+) -> dict[str, float]:
     optimizer.zero_grad(set_to_none=True)
     loss, ntokens, layout = forward_backward(model, batch, mesh, cp, sum_image_grad, tp)
     grad_norm = clip_grad_norm_(list(model.parameters()), max_norm)
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
     scheduler.step()
-    return {"loss": loss.item(), "grad_norm": grad_norm.item(), "ntokens": int(ntokens), "lr": lr,
-            "cp_balance": layout.balance()}
+    return {
+        "loss": loss.item(),
+        "grad_norm": grad_norm.item(),
+        "ntokens": int(ntokens),
+        "lr": lr,
+        "cp_balance": layout.balance(),
+    }
 
 
 def check_same_batch(batch: Batch, rows_mesh: DeviceMesh, step: int) -> None:
@@ -101,14 +135,19 @@ def check_same_batch(batch: Batch, rows_mesh: DeviceMesh, step: int) -> None:
     same error on every rank instead."""
     if rows_mesh.size() == 1:
         return
-    mine = torch.tensor([batch.images.shape[0], int((batch.doc >= 0).sum()), int(batch.tokens.sum())],
-                        dtype=torch.long, device=batch.tokens.device)
+    mine = torch.tensor(
+        [batch.images.shape[0], int((batch.doc >= 0).sum()), int(batch.tokens.sum())],
+        dtype=torch.long,
+        device=batch.tokens.device,
+    )
     everyone = mine.new_empty(rows_mesh.size() * mine.numel())
     dist.all_gather_into_tensor(everyone, mine, group=rows_mesh.get_group())
     everyone = everyone.view(rows_mesh.size(), -1)
     if not bool((everyone == everyone[0]).all()):
-        raise RuntimeError(f"step {step}: the CP/TP ranks that share rows built different batches (images, "
-                           f"slots, token sum per rank: {everyone.tolist()}); a data error on some ranks only?")
+        raise RuntimeError(
+            f"step {step}: the CP/TP ranks that share rows built different batches (images, "
+            f"slots, token sum per rank: {everyone.tolist()}); a data error on some ranks only?"
+        )
 
 
 def describe_layout(layout: SeqLayout, row: int = 0) -> list[str]:
@@ -117,8 +156,11 @@ def describe_layout(layout: SeqLayout, row: int = 0) -> list[str]:
     n_img = int((images >= 0).sum())
     docs = layout.slots("all").doc[row]
     text = sum(int((t.doc[row] >= 0).sum()) for t in layout.texts)
-    lines = [f"row {row}: {len(torch.unique(docs[docs >= 0]))} sample(s), {layout.image_counts[row]} image(s) "
-             f"= {n_img} image slots, {text} text slots"]
+    lines = [
+        f"row {row}: {len(torch.unique(docs[docs >= 0]))} sample(s), "
+        f"{layout.image_counts[row]} image(s) "
+        f"= {n_img} image slots, {text} text slots"
+    ]
     for r, t in enumerate(layout.texts):
         where = t.order[row][t.order[row] >= 0].tolist()
         runs, start = [], None
@@ -128,15 +170,22 @@ def describe_layout(layout: SeqLayout, row: int = 0) -> list[str]:
             if i + 1 == len(where) or where[i + 1] != pos + 1:
                 runs.append(f"[{start}, {pos + 1})")
                 start = None
-        lines.append(f"  cp rank {r}: all {n_img} image slots (replicated) + {len(where)} text slots "
-                     f"{' '.join(runs) or '-'}")
+        lines.append(
+            f"  cp rank {r}: all {n_img} image slots (replicated) + {len(where)} text slots "
+            f"{' '.join(runs) or '-'}"
+        )
     return lines
 
 
 def _init_distributed() -> tuple[torch.device, int]:
     if "RANK" not in os.environ:  # plain `python -m titan_vlm.train`: a one-process group
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=os.environ.get("MASTER_PORT", "29511"),
+        )
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
@@ -154,54 +203,103 @@ def train(cfg: JobConfig) -> None:
     dims = ParallelDims.from_config(cfg, world_size)  # config errors surface before any collective
     dims.validate_model(cfg)
     device, rank = _init_distributed()
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format="[titan_vlm] %(message)s", stream=sys.stdout, force=True)
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format="[titan_vlm] %(message)s",
+        stream=sys.stdout,
+        force=True,
+    )
     mesh = dims.build_mesh(device.type)
-    logger.info("mesh: dp_replicate=%d dp_shard=%d cp=%d tp=%d on %d %s ranks", dims.dp_replicate,
-                dims.dp_shard, dims.cp, dims.tp, world_size, device.type)
+    logger.info(
+        "mesh: dp_replicate=%d dp_shard=%d cp=%d tp=%d on %d %s ranks",
+        dims.dp_replicate,
+        dims.dp_shard,
+        dims.cp,
+        dims.tp,
+        world_size,
+        device.type,
+    )
     run_training(cfg, mesh, device)
     dist.barrier()  # no rank tears down its groups while another still uses them
     dist.destroy_process_group()
 
 
-def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
-                 stop_after: int | None = None) -> list[dict[str, float]]:
+def run_training(
+    cfg: JobConfig, mesh: Mesh, device: torch.device, stop_after: int | None = None
+) -> list[dict[str, float]]:
     """The training loop on an existing mesh. Returns the metrics of the steps it ran.
     `stop_after` ends the run after that step as a crash would (tests of resuming)."""
     t = cfg.training
-    args = model_args(cfg.model.flavor, cfg.model.image_attention, cfg.model.hf_vision_path,
-                      cfg.model.hf_text_path)
+    args = model_args(
+        cfg.model.flavor,
+        cfg.model.image_attention,
+        cfg.model.hf_vision_path,
+        cfg.model.hf_text_path,
+    )
     use_kernel(cfg.model.attention_kernel)
     torch.manual_seed(t.seed)  # identical initial weights on every rank, before sharding
     model = VLM(args)
     if cfg.model.hf_vision_path or cfg.model.hf_text_path:
         loaded = load_hf_weights(model, cfg.model.hf_vision_path, cfg.model.hf_text_path)
-        logger.info("loaded %d tensors from %s", len(loaded),
-                    " and ".join(p for p in (cfg.model.hf_vision_path, cfg.model.hf_text_path) if p))
+        logger.info(
+            "loaded %d tensors from %s",
+            len(loaded),
+            " and ".join(p for p in (cfg.model.hf_vision_path, cfg.model.hf_text_path) if p),
+        )
     model = model.to(device)
     counts = param_counts(model)
-    logger.info("model %s: %s parameters (vision %s, projector %s, decoder %s)", cfg.model.flavor,
-                f"{sum(counts.values()):,}", f"{counts['vision']:,}", f"{counts['projector']:,}",
-                f"{counts['decoder']:,}")
+    logger.info(
+        "model %s: %s parameters (vision %s, projector %s, decoder %s)",
+        cfg.model.flavor,
+        f"{sum(counts.values()):,}",
+        f"{counts['vision']:,}",
+        f"{counts['projector']:,}",
+        f"{counts['decoder']:,}",
+    )
     p = cfg.parallelism
     cp = CPOptions(comm_type=p.cp_comm_type, vision=p.cp_vision)
     dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
-    logger.info("attention kernel: %s (model.attention_kernel=%s)", select_kernel(device, dtype).name,
-                cfg.model.attention_kernel)
-    tp = TPOptions(sequence_parallel=p.enable_sequence_parallel, image_embed_shard=p.image_embed_tp_shard)
+    logger.info(
+        "attention kernel: %s (model.attention_kernel=%s)",
+        select_kernel(device, dtype).name,
+        cfg.model.attention_kernel,
+    )
+    tp = TPOptions(
+        sequence_parallel=p.enable_sequence_parallel, image_embed_shard=p.image_embed_tp_shard
+    )
     if mesh.tp.size() > 1:
-        logger.info("tensor parallel: %d ways; sequence parallel %s; image embeddings %s over tp", mesh.tp.size(),
-                    "on" if tp.sequence_parallel else "off",
-                    "sharded along the hidden dim" if tp.image_embed_shard else "replicated")
-    parallelize_vlm(model, mesh, t.mixed_precision, cp.vision, cfg.activation_checkpoint.mode, cfg.compile.enable, tp)
+        logger.info(
+            "tensor parallel: %d ways; sequence parallel %s; image embeddings %s over tp",
+            mesh.tp.size(),
+            "on" if tp.sequence_parallel else "off",
+            "sharded along the hidden dim" if tp.image_embed_shard else "replicated",
+        )
+    parallelize_vlm(
+        model,
+        mesh,
+        t.mixed_precision,
+        cp.vision,
+        cfg.activation_checkpoint.mode,
+        cfg.compile.enable,
+        tp,
+    )
     vision_shards = mesh.shards(mesh.fsdp_no_cp if cp.vision == "broadcast" else mesh.fsdp)
     decoder_shards = mesh.shards(mesh.fsdp)
     tp_note = f"; TP splits the matrices {mesh.tp.size()} ways more" if mesh.tp.size() > 1 else ""
-    # measured on this rank's shards (with TP, the replicated norms and ViT embeddings are not split)
-    local_params = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
-    logger.info("model state per rank: %.3f GiB (fp32 params, grads and AdamW moments; decoder sharded %d ways, "
-                "vision %d ways%s)", STATE_BYTES_PER_PARAM * local_params / 2**30, decoder_shards, vision_shards,
-                tp_note)
+    # measured on this rank's shards
+    # (with TP, the replicated norms and ViT embeddings are not split)
+    local_params = sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()
+    )
+    logger.info(
+        "model state per rank: %.3f GiB (fp32 params, grads and AdamW moments; "
+        "decoder sharded %d ways, "
+        "vision %d ways%s)",
+        STATE_BYTES_PER_PARAM * local_params / 2**30,
+        decoder_shards,
+        vision_shards,
+        tp_note,
+    )
     optimizer = build_optimizer(model, t)
     scheduler = build_scheduler(optimizer, t)
     checkpointer = None
@@ -212,46 +310,79 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
         if start:
             logger.info("resumed from %s at step %d", checkpointer.folder / f"step-{start}", start)
         if start >= t.steps:
-            logger.warning("the latest checkpoint is at step %d >= training.steps=%d: nothing to train "
-                           "(raise training.steps to train on)", start, t.steps)
+            logger.warning(
+                "the latest checkpoint is at step %d >= training.steps=%d: nothing to train "
+                "(raise training.steps to train on)",
+                start,
+                t.steps,
+            )
 
     k = cfg.data.images_per_sample
     # Start-up warnings once (rank 0); batch-time ones once per dp rank (its rows are its own).
-    data = build_dataset(cfg, args, build_tokenizer(cfg.model.tokenizer_path), log_startup=dist.get_rank() == 0,
-                         log_batches=mesh.cp.get_local_rank() == 0 and mesh.tp.get_local_rank() == 0)
+    data = build_dataset(
+        cfg,
+        args,
+        build_tokenizer(cfg.model.tokenizer_path),
+        log_startup=dist.get_rank() == 0,
+        log_batches=mesh.cp.get_local_rank() == 0 and mesh.tp.get_local_rank() == 0,
+    )
     dp_rank, dp = mesh.dp.get_local_rank(), mesh.dp.size()
     first = data.batch(start, dp_rank, dp, t.local_batch_size)
     sp_multiple = mesh.tp.size() if tp.sequence_parallel else 1
-    _, _, layout = shard_batch(first, mesh.cp, cp.comm_type, args.image_attention == "bidirectional", sp_multiple)
+    _, _, layout = shard_batch(
+        first, mesh.cp, cp.comm_type, args.image_attention == "bidirectional", sp_multiple
+    )
     logger.info("data: %s", data.describe())
     for line in describe_layout(layout):
         logger.info(line)
     if tp.sequence_parallel:
         local = layout.positions.shape[1]
-        logger.info("  sequence parallel: this CP rank's %d slots (padded to a multiple of tp) are split %d per "
-                    "tp rank between the TP regions", local, local // mesh.tp.size())
+        logger.info(
+            "  sequence parallel: this CP rank's %d slots (padded to a multiple of tp) "
+            "are split %d per "
+            "tp rank between the TP regions",
+            local,
+            local // mesh.tp.size(),
+        )
     if k and mesh.cp.size() > 1:
-        where = {"replicate": "every CP rank encodes all of them",
-                 "broadcast": "CP rank 0 encodes them and broadcasts the embeddings",
-                 "shard": "each CP rank encodes about 1/cp of them and the embeddings are all-gathered"}[cp.vision]
-        logger.info("vision (cp_vision=%s): %d images in the first step's batch; %s", cp.vision,
-                    first.images.shape[0], where)
+        where = {
+            "replicate": "every CP rank encodes all of them",
+            "broadcast": "CP rank 0 encodes them and broadcasts the embeddings",
+            "shard": "each CP rank encodes about 1/cp of them and the embeddings are all-gathered",
+        }[cp.vision]
+        logger.info(
+            "vision (cp_vision=%s): %d images in the first step's batch; %s",
+            cp.vision,
+            first.images.shape[0],
+            where,
+        )
     rows = dp * t.local_batch_size
     rank0 = dist.get_rank() == 0
-    metrics = MetricsLogger(cfg.job.dump_folder, cfg.metrics.enable_tensorboard, enabled=rank0, resume_after=start)
-    logger.info("training %d steps, %d rows x %d slots per step; metrics -> %s", t.steps, rows, t.seq_len,
-                cfg.job.dump_folder)
+    metrics = MetricsLogger(
+        cfg.job.dump_folder, cfg.metrics.enable_tensorboard, enabled=rank0, resume_after=start
+    )
+    logger.info(
+        "training %d steps, %d rows x %d slots per step; metrics -> %s",
+        t.steps,
+        rows,
+        t.seq_len,
+        cfg.job.dump_folder,
+    )
 
     history = []
-    # Samples dropped while building batches, summed over dp ranks, since step 1 (kept in checkpoints).
+    # Samples dropped while building batches, summed over dp ranks, since step 1
+    # (kept in checkpoints).
     dropped = checkpointer.counters.get("data_dropped", 0) if checkpointer else 0
     for step in range(start + 1, t.steps + 1):
         begin = time.perf_counter()
         dropped_before = data.dropped
         batch = data.batch(step - 1, dp_rank, dp, t.local_batch_size)
         # The global batch's model FLOPs and dropped samples: one all-reduce (exact as float64).
-        sums = torch.tensor([batch_train_flops(args, batch), data.dropped - dropped_before], dtype=torch.float64,
-                            device=device)
+        sums = torch.tensor(
+            [batch_train_flops(args, batch), data.dropped - dropped_before],
+            dtype=torch.float64,
+            device=device,
+        )
         batch = batch.to(device)
         check_same_batch(batch, mesh.rows, step)
         stats = train_step(model, optimizer, scheduler, batch, mesh, t.max_norm, cp, tp=tp)
@@ -262,10 +393,15 @@ def run_training(cfg: JobConfig, mesh: Mesh, device: torch.device,
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.world.get_group())  # worst rank
         dist.all_reduce(sums, group=mesh.dp.get_group())
         dropped += int(sums[1])
-        record = {**stats, "tokens_per_sec": rows * t.seq_len / elapsed,
-                  "tflops_per_sec": float(sums[0]) / elapsed / 1e12, "step_time_s": elapsed,
-                  "peak_memory_gib": float(peak), "data_bad_samples": data.bad_at_startup + dropped,
-                  "data_truncated": data.truncated}
+        record = {
+            **stats,
+            "tokens_per_sec": rows * t.seq_len / elapsed,
+            "tflops_per_sec": float(sums[0]) / elapsed / 1e12,
+            "step_time_s": elapsed,
+            "peak_memory_gib": float(peak),
+            "data_bad_samples": data.bad_at_startup + dropped,
+            "data_truncated": data.truncated,
+        }
         # metrics.jsonl and TensorBoard get every step; stdout every log_freq steps and the last
         metrics.log(step, record, echo=step % cfg.metrics.log_freq == 0 or step == t.steps)
         history.append({"step": step, **record})

@@ -13,8 +13,13 @@ if TYPE_CHECKING:
     from titan_vlm.models.flavors import VLMArgs
 
 
-def build_dataset(cfg: JobConfig, args: VLMArgs, tokenizer: ByteTokenizer | HFTokenizer, log_startup: bool = True,
-                  log_batches: bool = True) -> SyntheticCaptions | JsonlDataset:
+def build_dataset(
+    cfg: JobConfig,
+    args: VLMArgs,
+    tokenizer: ByteTokenizer | HFTokenizer,
+    log_startup: bool = True,
+    log_batches: bool = True,
+) -> SyntheticCaptions | JsonlDataset:
     """The dataset data.dataset names: "synthetic" or a .json / .jsonl file. Both read a batch as
     `batch(step, dp_rank, dp_size, local_batch_size)` (rows numbered globally, so the step is the
     data position) and carry the counters the metrics report (bad_at_startup, truncated, dropped).
@@ -24,10 +29,29 @@ def build_dataset(cfg: JobConfig, args: VLMArgs, tokenizer: ByteTokenizer | HFTo
 
     d, t = cfg.data, cfg.training
     if d.dataset == "synthetic":
-        return SyntheticCaptions(args.vision.image_size, args.tokens_per_image, t.seq_len, t.seed,
-                                 d.sentences_per_image, d.blank_images, d.images_per_sample, tokenizer,
-                                 packing=d.packing)
-    return JsonlDataset(d.dataset, tokenizer, args.vision.image_size, args.tokens_per_image, t.seq_len, t.seed,
-                        packing=d.packing, shuffle=d.shuffle, image_root=d.image_root,
-                        on_bad_sample=d.on_bad_sample, max_image_pixels=d.max_image_pixels,
-                        log_startup=log_startup, log_batches=log_batches)
+        return SyntheticCaptions(
+            args.vision.image_size,
+            args.tokens_per_image,
+            t.seq_len,
+            t.seed,
+            d.sentences_per_image,
+            d.blank_images,
+            d.images_per_sample,
+            tokenizer,
+            packing=d.packing,
+        )
+    return JsonlDataset(
+        d.dataset,
+        tokenizer,
+        args.vision.image_size,
+        args.tokens_per_image,
+        t.seq_len,
+        t.seed,
+        packing=d.packing,
+        shuffle=d.shuffle,
+        image_root=d.image_root,
+        on_bad_sample=d.on_bad_sample,
+        max_image_pixels=d.max_image_pixels,
+        log_startup=log_startup,
+        log_batches=log_batches,
+    )

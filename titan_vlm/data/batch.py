@@ -18,8 +18,8 @@ predict a prompt token, so the loss is on the answers alone.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
@@ -69,14 +69,18 @@ class Sample:
 
 @dataclass
 class Batch:
-    images: torch.Tensor  # [n, 3, H, W]: every image of the batch, rows in order, each in reading order
+    images: (
+        torch.Tensor
+    )  # [n, 3, H, W]: every image of the batch, rows in order, each in reading order
     tokens: torch.Tensor  # [B, S] input ids (image slots hold the image id, padding the pad id)
     labels: torch.Tensor  # [B, S] next-token targets, IGNORE_INDEX where there is no loss
     doc: torch.Tensor  # [B, S] sample index within the row, -1 for padding
     image: torch.Tensor  # [B, S] index into `images` for image slots, -1 for text and padding
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(*(t.to(device) for t in (self.images, self.tokens, self.labels, self.doc, self.image)))
+        return Batch(
+            *(t.to(device) for t in (self.images, self.tokens, self.labels, self.doc, self.image))
+        )
 
     @property
     def num_rows(self) -> int:
@@ -88,12 +92,23 @@ class Batch:
         used = image[image >= 0]
         first = int(used.min()) if len(used) else 0
         count = int(used.max()) + 1 - first if len(used) else 0
-        return Batch(self.images[first:first + count], self.tokens[start:stop], self.labels[start:stop],
-                     self.doc[start:stop], torch.where(image >= 0, image - first, image))
+        return Batch(
+            self.images[first : first + count],
+            self.tokens[start:stop],
+            self.labels[start:stop],
+            self.doc[start:stop],
+            torch.where(image >= 0, image - first, image),
+        )
 
 
-def collate(rows: list[list[Sample]], seq_len: int, tokens_per_image: int, image_size: int, pad_id: int,
-            image_id: int | None = None) -> Batch:
+def collate(
+    rows: list[list[Sample]],
+    seq_len: int,
+    tokens_per_image: int,
+    image_size: int,
+    pad_id: int,
+    image_id: int | None = None,
+) -> Batch:
     """Rows of samples (each row's samples must fit in seq_len slots) into one Batch. Image slots
     hold `image_id` (default: the pad id); the decoder never reads it (the image embeddings take
     those slots), it only makes dumps readable, as LLaVA's <image> token does."""
@@ -110,17 +125,17 @@ def collate(rows: list[list[Sample]], seq_len: int, tokens_per_image: int, image
             size = sample.num_slots(tokens_per_image)
             if at + size > seq_len:
                 raise ValueError(f"row {b}: samples take more than seq_len={seq_len} slots")
-            doc[b, at:at + size] = d
+            doc[b, at : at + size] = d
             for part in sample.parts:
                 if isinstance(part, torch.Tensor):
-                    image[b, at:at + tokens_per_image] = len(images)
+                    image[b, at : at + tokens_per_image] = len(images)
                     if image_id is not None:
-                        tokens[b, at:at + tokens_per_image] = image_id
+                        tokens[b, at : at + tokens_per_image] = image_id
                     images.append(part)
                     at += tokens_per_image
                 elif isinstance(part, list):
-                    tokens[b, at:at + len(part)] = torch.tensor(part, dtype=torch.long)
-                    context[b, at:at + len(part)] = isinstance(part, Prompt)
+                    tokens[b, at : at + len(part)] = torch.tensor(part, dtype=torch.long)
+                    context[b, at : at + len(part)] = isinstance(part, Prompt)
                     at += len(part)
                 else:
                     raise TypeError(f"row {b}: an image that was not decoded ({part!r})")
@@ -131,7 +146,9 @@ def collate(rows: list[list[Sample]], seq_len: int, tokens_per_image: int, image
     return Batch(stacked, tokens, labels, doc, image)
 
 
-def pack(samples: Iterable[Sample], seq_len: int, tokens_per_image: int, max_skips: int = 8) -> list[Sample]:
+def pack(
+    samples: Iterable[Sample], seq_len: int, tokens_per_image: int, max_skips: int = 8
+) -> list[Sample]:
     """One row's samples from a stream: take them in order while they fit; one that does not
     fit is skipped (up to `max_skips` times, so shorter ones can fill the gap). A first sample
     longer than the row is truncated to it."""

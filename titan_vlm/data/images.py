@@ -27,7 +27,10 @@ def load_image(path: str | Path, size: int, max_pixels: int | None = None) -> to
     with img:
         width, height = img.size  # from the header; pixels are decoded lazily below
         if max_pixels is not None and width * height > max_pixels:
-            raise ImageTooLarge(f"image of {width}x{height} pixels is larger than data.max_image_pixels={max_pixels}")
+            raise ImageTooLarge(
+                f"image of {width}x{height} pixels is larger than "
+                f"data.max_image_pixels={max_pixels}"
+            )
         rgb = img.convert("RGB")
         if rgb.size != (size, size):
             rgb = rgb.resize((size, size), Image.BICUBIC)

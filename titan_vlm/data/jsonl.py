@@ -76,14 +76,19 @@ def validate_data_config(data: Data) -> None:
     """The data.* keys of a dataset file, before any process group exists (the file itself is
     parsed when the dataset is built)."""
     if data.on_bad_sample not in BAD_SAMPLE_MODES:
-        raise ConfigError(f"data.on_bad_sample must be one of {', '.join(BAD_SAMPLE_MODES)}, got {data.on_bad_sample!r}")
+        raise ConfigError(
+            f"data.on_bad_sample must be one of {', '.join(BAD_SAMPLE_MODES)}, "
+            f"got {data.on_bad_sample!r}"
+        )
     if data.max_image_pixels < 1:
         raise ConfigError(f"data.max_image_pixels must be >= 1, got {data.max_image_pixels}")
     if data.dataset == "synthetic":
         return
     path = Path(data.dataset)
     if path.suffix not in (".json", ".jsonl"):
-        raise ConfigError(f"data.dataset={data.dataset!r}: expected 'synthetic' or a .json / .jsonl file")
+        raise ConfigError(
+            f"data.dataset={data.dataset!r}: expected 'synthetic' or a .json / .jsonl file"
+        )
     if not path.is_file():
         raise ConfigError(f"data.dataset: file not found: {data.dataset}")
     if data.image_root and not Path(data.image_root).is_dir():
@@ -148,7 +153,8 @@ def assemble(segments: list[Segment], tok: ByteTokenizer | HFTokenizer) -> list[
 
 
 def _with_images(kind: str, text: str, images: list[Part]) -> list[Segment]:
-    """`text` as segments of `kind`, each placeholder replaced by the next of `images` (consumed)."""
+    """`text` as segments of `kind`, each placeholder replaced by the next of `images`
+    (consumed)."""
     out: list[Segment] = []
     for i, run in enumerate(text.split(PLACEHOLDER)):
         if i:
@@ -158,7 +164,9 @@ def _with_images(kind: str, text: str, images: list[Part]) -> list[Segment]:
     return out
 
 
-def chat_segments(turns: list[tuple[bool, str]], images: list[Part], tok: ByteTokenizer | HFTokenizer) -> list[Segment]:
+def chat_segments(
+    turns: list[tuple[bool, str]], images: list[Part], tok: ByteTokenizer | HFTokenizer
+) -> list[Segment]:
     """The chat template: turns are (from the user?, text with placeholders), alternating from
     the user; `images` fill the placeholders in order. A last user turn (generate's question)
     ends with " ASSISTANT:", so the model's continuation is the answer."""
@@ -178,7 +186,9 @@ def chat_question(image: Part, question: str, tok: ByteTokenizer | HFTokenizer) 
     return assemble(chat_segments([(True, f"{PLACEHOLDER}\n{question}")], [image], tok), tok)
 
 
-def caption_segments(text: str, images: list[Part], tok: ByteTokenizer | HFTokenizer) -> list[Segment]:
+def caption_segments(
+    text: str, images: list[Part], tok: ByteTokenizer | HFTokenizer
+) -> list[Segment]:
     """`BOS text EOS` with the images at their placeholders, or one image without a placeholder
     first: `[image] BOS text EOS`."""
     images = list(images)
@@ -201,24 +211,37 @@ def _blank(text: str) -> bool:
     return not text.replace(PLACEHOLDER, "").strip()
 
 
-def parse_record(record: Any, tok: ByteTokenizer | HFTokenizer, image_root: Path,
-                 check_files: bool) -> list[Part]:
+def parse_record(
+    record: Any, tok: ByteTokenizer | HFTokenizer, image_root: Path, check_files: bool
+) -> list[Part]:
     """One record into Sample parts (images as ImageRef), or BadSample saying why not."""
     if not isinstance(record, dict):
         raise BadSample("bad record", f"expected a JSON object, got {type(record).__name__}")
     paths = _paths(record)
     if "conversations" in record:
         conv = record["conversations"]
-        if not isinstance(conv, list) or not conv or not all(
-                isinstance(t, dict) and isinstance(t.get("from"), str) and isinstance(t.get("value"), str)
-                for t in conv):
-            raise BadSample("bad record", "'conversations' must be a list of {\"from\": ..., \"value\": ...}")
+        if (
+            not isinstance(conv, list)
+            or not conv
+            or not all(
+                isinstance(t, dict)
+                and isinstance(t.get("from"), str)
+                and isinstance(t.get("value"), str)
+                for t in conv
+            )
+        ):
+            raise BadSample(
+                "bad record", '\'conversations\' must be a list of {"from": ..., "value": ...}'
+            )
         turns = []
         for i, t in enumerate(conv):
             speaker = t["from"].lower()
             if speaker not in (USER_NAMES if i % 2 == 0 else ASSISTANT_NAMES):
-                raise BadSample("bad record", f"turn {i + 1} is from {t['from']!r}: turns must alternate "
-                                              "human (or user) and gpt (or assistant), starting with human")
+                raise BadSample(
+                    "bad record",
+                    f"turn {i + 1} is from {t['from']!r}: turns must alternate "
+                    "human (or user) and gpt (or assistant), starting with human",
+                )
             if _blank(t["value"]) and PLACEHOLDER not in t["value"]:
                 raise BadSample("empty text", f"empty text in turn {i + 1}")
             turns.append((i % 2 == 0, t["value"]))
@@ -235,7 +258,10 @@ def parse_record(record: Any, tok: ByteTokenizer | HFTokenizer, image_root: Path
         raise BadSample("bad record", "no 'conversations' or 'text' key")
     placeholders = sum(text.count(PLACEHOLDER) for text in texts)
     if placeholders != len(paths) and not (placeholders == 0 and len(paths) == 1):
-        raise BadSample("placeholder count", f"{placeholders} {PLACEHOLDER} placeholder(s) for {len(paths)} image(s)")
+        raise BadSample(
+            "placeholder count",
+            f"{placeholders} {PLACEHOLDER} placeholder(s) for {len(paths)} image(s)",
+        )
     refs: list[Part] = [ImageRef(image_root / p) for p in paths]  # an absolute p stays as is
     if check_files:
         for ref in refs:
@@ -283,8 +309,10 @@ def _json_array_spans(raw: bytes, where: str) -> list[tuple[int, int, int]]:
 
     def fail(i: int, why: str) -> ConfigError:
         advance(min(i, len(text)))
-        return ConfigError(f"data.dataset: {where}:{line}: {why} (a .json file must be one JSON array of "
-                           "records; a .jsonl file holds one record per line)")
+        return ConfigError(
+            f"data.dataset: {where}:{line}: {why} (a .json file must be one JSON array of "
+            "records; a .jsonl file holds one record per line)"
+        )
 
     i = skip_space(0)
     if i >= len(text) or text[i] != "[":
@@ -322,12 +350,27 @@ class JsonlDataset:
     process logs the start-up / batch-time warnings (the trainer lets one rank log each kind
     once: start-up on rank 0, batch-time on each dp rank's first cp and tp rank)."""
 
-    def __init__(self, path: str, tokenizer: ByteTokenizer | HFTokenizer, image_size: int, tokens_per_image: int,
-                 seq_len: int, seed: int, packing: bool = False, shuffle: bool = True, image_root: str = "",
-                 on_bad_sample: str = "skip", max_image_pixels: int = 4096 * 4096, log_startup: bool = True,
-                 log_batches: bool = True):
+    def __init__(
+        self,
+        path: str,
+        tokenizer: ByteTokenizer | HFTokenizer,
+        image_size: int,
+        tokens_per_image: int,
+        seq_len: int,
+        seed: int,
+        packing: bool = False,
+        shuffle: bool = True,
+        image_root: str = "",
+        on_bad_sample: str = "skip",
+        max_image_pixels: int = 4096 * 4096,
+        log_startup: bool = True,
+        log_batches: bool = True,
+    ):
         if on_bad_sample not in BAD_SAMPLE_MODES:
-            raise ConfigError(f"data.on_bad_sample must be one of {', '.join(BAD_SAMPLE_MODES)}, got {on_bad_sample!r}")
+            raise ConfigError(
+                f"data.on_bad_sample must be one of {', '.join(BAD_SAMPLE_MODES)}, "
+                f"got {on_bad_sample!r}"
+            )
         self.path = Path(path)
         self.name = str(path)  # as the user wrote it, for the warnings
         self.tokenizer = tokenizer
@@ -351,7 +394,9 @@ class JsonlDataset:
         elif self.path.suffix == ".jsonl":
             spans = _jsonl_spans(raw)
         else:
-            raise ConfigError(f"data.dataset: {self.name}: expected 'synthetic' or a .json / .jsonl file")
+            raise ConfigError(
+                f"data.dataset: {self.name}: expected 'synthetic' or a .json / .jsonl file"
+            )
         # Kept samples: where each record is, and its size in slots (after truncation).
         self.lines, self.starts, self.ends = array("q"), array("q"), array("q")
         sizes: list[int] = []
@@ -367,8 +412,12 @@ class JsonlDataset:
             sample = Sample(parts)
             size = sample.num_slots(tokens_per_image)
             if size > seq_len:
-                self._bad(line, f"sample of {size} slots is longer than training.seq_len={seq_len}", log_startup,
-                          action="truncated")
+                self._bad(
+                    line,
+                    f"sample of {size} slots is longer than training.seq_len={seq_len}",
+                    log_startup,
+                    action="truncated",
+                )
                 self.truncated += 1
                 sample = sample.truncated(seq_len, tokens_per_image)
                 size = sample.num_slots(tokens_per_image)
@@ -381,7 +430,9 @@ class JsonlDataset:
         self.bad_at_startup = sum(self.skipped.values())
         self.rows = self._pack(sizes)
         if not self.rows:
-            raise ConfigError(f"data.dataset: {self.name}: no usable samples in {self.records} record(s)")
+            raise ConfigError(
+                f"data.dataset: {self.name}: no usable samples in {self.records} record(s)"
+            )
 
     @staticmethod
     def _decode_json(raw: bytes) -> Any:
@@ -390,7 +441,9 @@ class JsonlDataset:
         except UnicodeDecodeError:
             raise BadSample("malformed JSON", "malformed JSON (not UTF-8)") from None
         except json.JSONDecodeError as e:
-            raise BadSample("malformed JSON", f"malformed JSON ({e.msg} at column {e.colno})") from None
+            raise BadSample(
+                "malformed JSON", f"malformed JSON ({e.msg} at column {e.colno})"
+            ) from None
 
     def _pack(self, sizes: list[int]) -> list[list[int]]:
         """The packing index: rows of sample numbers in file order, none dropped."""
@@ -416,15 +469,21 @@ class JsonlDataset:
         if self._warnings <= MAX_WARNINGS:
             logger.warning("data: %s: %s (%s)", where, reason, action)
         if self._warnings == MAX_WARNINGS:
-            logger.warning("data: %s: further bad samples are counted in the metrics, not logged", self.name)
+            logger.warning(
+                "data: %s: further bad samples are counted in the metrics, not logged", self.name
+            )
 
     def describe(self) -> str:
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(self.skipped.items()))
-        return (f"{self.name}: {self.records} record(s) -> {len(self.starts)} samples with {self.num_images} "
-                f"image(s) in {len(self.rows)} rows of {self.seq_len} slots "
-                f"({'packed' if self.packing else 'one sample per row'}"
-                f"{', rows shuffled per epoch' if self.shuffle else ''}); "
-                f"skipped {self.bad_at_startup}{f' ({kinds})' if kinds else ''}, truncated {self.truncated}")
+        return (
+            f"{self.name}: {self.records} record(s) -> {len(self.starts)} samples with "
+            f"{self.num_images} "
+            f"image(s) in {len(self.rows)} rows of {self.seq_len} slots "
+            f"({'packed' if self.packing else 'one sample per row'}"
+            f"{', rows shuffled per epoch' if self.shuffle else ''}); "
+            f"skipped {self.bad_at_startup}{f' ({kinds})' if kinds else ''}, "
+            f"truncated {self.truncated}"
+        )
 
     def _order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
@@ -439,7 +498,10 @@ class JsonlDataset:
     def row_ids(self, step: int, dp_rank: int, dp_size: int, batch_size: int) -> list[int]:
         """Which rows of the packing index this rank reads at `step` (global row numbering)."""
         first = (step * dp_size + dp_rank) * batch_size
-        return [self._order(r // len(self.rows))[r % len(self.rows)] for r in range(first, first + batch_size)]
+        return [
+            self._order(r // len(self.rows))[r % len(self.rows)]
+            for r in range(first, first + batch_size)
+        ]
 
     def sample(self, i: int) -> Sample:
         """Kept sample i with its images as ImageRef (read back from the file)."""
@@ -449,11 +511,17 @@ class JsonlDataset:
     def _read(self, f, i: int) -> Sample:
         f.seek(self.starts[i])
         try:
-            parts = parse_record(self._decode_json(f.read(self.ends[i] - self.starts[i])), self.tokenizer,
-                                 self.image_root, check_files=False)
+            parts = parse_record(
+                self._decode_json(f.read(self.ends[i] - self.starts[i])),
+                self.tokenizer,
+                self.image_root,
+                check_files=False,
+            )
         except BadSample:
-            raise ConfigError(f"data.dataset: {self.name}:{self.lines[i]} changed since start-up (batches read "
-                              "their records back from the file)") from None
+            raise ConfigError(
+                f"data.dataset: {self.name}:{self.lines[i]} changed since start-up (batches read "
+                "their records back from the file)"
+            ) from None
         return Sample(parts).truncated(self.seq_len, self.tokens_per_image)
 
     def _decoded(self, i: int, sample: Sample) -> Sample | None:
@@ -465,8 +533,15 @@ class JsonlDataset:
                     part = load_image(part.path, self.image_size, self.max_image_pixels)
                 except ImageTooLarge as e:
                     return self._drop(i, f"image too large: {part.path} ({e})")
-                except (OSError, SyntaxError, ValueError, EOFError) as e:  # what Pillow raises for broken files
-                    return self._drop(i, f"image cannot be decoded: {part.path} ({type(e).__name__}: {e})")
+                except (
+                    OSError,
+                    SyntaxError,
+                    ValueError,
+                    EOFError,
+                ) as e:  # what Pillow raises for broken files
+                    return self._drop(
+                        i, f"image cannot be decoded: {part.path} ({type(e).__name__}: {e})"
+                    )
             parts.append(part)
         return Sample(parts)
 
@@ -485,5 +560,11 @@ class JsonlDataset:
             # Every sample of this rank's batch was dropped. A rank with no slots at all cannot
             # run the step its peers run, so it gets one padding token that trains nothing.
             rows[0] = [Sample([Prompt([self.tokenizer.PAD])])]
-        return collate(rows, self.seq_len, self.tokens_per_image, self.image_size, self.tokenizer.PAD,
-                       self.tokenizer.IMAGE)
+        return collate(
+            rows,
+            self.seq_len,
+            self.tokens_per_image,
+            self.image_size,
+            self.tokenizer.PAD,
+            self.tokenizer.IMAGE,
+        )

@@ -24,8 +24,12 @@ from titan_vlm.data.batch import Batch, Sample, collate, pack
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 
 COLORS = {
-    "red": (1.0, 0.1, 0.1), "green": (0.1, 0.9, 0.1), "blue": (0.2, 0.3, 1.0),
-    "yellow": (1.0, 0.9, 0.1), "magenta": (0.9, 0.1, 0.9), "white": (1.0, 1.0, 1.0),
+    "red": (1.0, 0.1, 0.1),
+    "green": (0.1, 0.9, 0.1),
+    "blue": (0.2, 0.3, 1.0),
+    "yellow": (1.0, 0.9, 0.1),
+    "magenta": (0.9, 0.1, 0.9),
+    "white": (1.0, 1.0, 1.0),
 }
 SHAPES = ("square", "circle", "triangle", "cross")
 COUNTS = ("one", "two", "three", "four")
@@ -45,12 +49,16 @@ def _shape_mask(shape: str, dx: torch.Tensor, dy: torch.Tensor, r: float) -> tor
     raise ValueError(shape)
 
 
-def draw_image(size: int, shape: str, color: tuple[float, float, float], cells: list[int],
-               rng: random.Random) -> torch.Tensor:
+def draw_image(
+    size: int, shape: str, color: tuple[float, float, float], cells: list[int], rng: random.Random
+) -> torch.Tensor:
     """A [3, size, size] image in [0, 1] with `shape` drawn once in each of `cells`."""
     img = torch.zeros(3, size, size)
-    ys, xs = torch.meshgrid(torch.arange(size, dtype=torch.float32), torch.arange(size, dtype=torch.float32),
-                            indexing="ij")
+    ys, xs = torch.meshgrid(
+        torch.arange(size, dtype=torch.float32),
+        torch.arange(size, dtype=torch.float32),
+        indexing="ij",
+    )
     half = size / 2
     for cell in cells:
         cx = (cell % 2) * half + half / 2 + rng.uniform(-size / 16, size / 16)
@@ -66,8 +74,10 @@ def describe(count: int, color: str, shape: str, cells: list[int], sentences: in
     plural = ("es" if shape.endswith("s") else "s") if count > 1 else ""
     out = [f"{COUNTS[count - 1]} {color} {shape}{plural}."]
     extra = [f"{CELLS[c]}: {color} {shape}." for c in cells]
-    extra += [f"the {shape}{plural} {'are' if count > 1 else 'is'} {color}.",
-              f"there {'are' if count > 1 else 'is'} {COUNTS[count - 1]}."]
+    extra += [
+        f"the {shape}{plural} {'are' if count > 1 else 'is'} {color}.",
+        f"there {'are' if count > 1 else 'is'} {COUNTS[count - 1]}.",
+    ]
     empty = [c for c in range(4) if c not in cells]
     extra += [f"{CELLS[c]}: nothing." for c in empty]
     for i in range(sentences - 1):
@@ -75,8 +85,12 @@ def describe(count: int, color: str, shape: str, cells: list[int], sentences: in
     return " ".join(out)
 
 
-TEXT_ONLY = ("no image.", "count: one two three four.", "colors: red green blue yellow magenta white.",
-             "shapes: square circle triangle cross.")
+TEXT_ONLY = (
+    "no image.",
+    "count: one two three four.",
+    "colors: red green blue yellow magenta white.",
+    "shapes: square circle triangle cross.",
+)
 
 
 class SyntheticCaptions:
@@ -90,16 +104,27 @@ class SyntheticCaptions:
     # and a long caption is cut to its row by design (data.sentences_per_image).
     bad_at_startup = truncated = dropped = 0
 
-    def __init__(self, image_size: int, tokens_per_image: int, seq_len: int, seed: int,
-                 sentences_per_image: int = 1, blank_images: bool = False, images_per_sample: int = 1,
-                 tokenizer: ByteTokenizer | HFTokenizer | None = None, packing: bool = False):
+    def __init__(
+        self,
+        image_size: int,
+        tokens_per_image: int,
+        seq_len: int,
+        seed: int,
+        sentences_per_image: int = 1,
+        blank_images: bool = False,
+        images_per_sample: int = 1,
+        tokenizer: ByteTokenizer | HFTokenizer | None = None,
+        packing: bool = False,
+    ):
         self.image_size = image_size
         self.tokens_per_image = tokens_per_image
         self.seq_len = seq_len
         self.images_per_sample = images_per_sample
         if seq_len - images_per_sample * tokens_per_image < 2:
-            raise ValueError(f"seq_len {seq_len} leaves no room for text after {images_per_sample} images of "
-                             f"{tokens_per_image} tokens")
+            raise ValueError(
+                f"seq_len {seq_len} leaves no room for text after {images_per_sample} images of "
+                f"{tokens_per_image} tokens"
+            )
         self.seed = seed
         self.sentences = sentences_per_image
         self.blank = blank_images
@@ -122,7 +147,11 @@ class SyntheticCaptions:
         `[k images, BOS text EOS]`)."""
         rng = random.Random(f"{self.seed}/{index}")
         drawn = [self.random_image(rng, self.sentences) for _ in range(self.images_per_sample)]
-        images = torch.stack([d[0] for d in drawn]) if drawn else torch.zeros(0, 3, self.image_size, self.image_size)
+        images = (
+            torch.stack([d[0] for d in drawn])
+            if drawn
+            else torch.zeros(0, 3, self.image_size, self.image_size)
+        )
         captions = [d[1] for d in drawn]
         if len(captions) == 1:
             text = captions[0]
@@ -143,7 +172,9 @@ class SyntheticCaptions:
         rng = random.Random(f"{self.seed}/packed/{row}/{j}")
         enc = self.tokenizer.encode
         k = self.images_per_sample
-        kind = rng.choices(["text", "caption", "middle", "end", "interleaved"], weights=[15, 40, 15, 10, 20])[0]
+        kind = rng.choices(
+            ["text", "caption", "middle", "end", "interleaved"], weights=[15, 40, 15, 10, 20]
+        )[0]
         if k == 0:
             kind = "text"
         elif kind == "interleaved" and k == 1:
@@ -156,7 +187,11 @@ class SyntheticCaptions:
             parts: list = [enc("image 1:", eos=False)]
             for i in range(count):
                 image, caption = self.random_image(rng, sentences)
-                after = enc(f" image {i + 2}:", bos=False, eos=False) if i + 1 < count else [self.tokenizer.EOS]
+                after = (
+                    enc(f" image {i + 2}:", bos=False, eos=False)
+                    if i + 1 < count
+                    else [self.tokenizer.EOS]
+                )
                 parts += [image, enc(f" {caption}", bos=False, eos=False) + after]
             return Sample(parts)
         image, caption = self.random_image(rng, sentences)
@@ -178,13 +213,22 @@ class SyntheticCaptions:
     def batch(self, step: int, dp_rank: int, dp_size: int, batch_size: int) -> Batch:
         first = (step * dp_size + dp_rank) * batch_size
         rows = [self.row(first + j) for j in range(batch_size)]
-        return collate(rows, self.seq_len, self.tokens_per_image, self.image_size, self.tokenizer.PAD,
-                       self.tokenizer.IMAGE)
+        return collate(
+            rows,
+            self.seq_len,
+            self.tokens_per_image,
+            self.image_size,
+            self.tokenizer.PAD,
+            self.tokenizer.IMAGE,
+        )
 
     def describe(self) -> str:
         k = self.images_per_sample
-        return (f"packed rows (data.packing), up to {k} image(s) per sample" if self.packing
-                else f"one sample per row, {k} image(s) per sample")
+        return (
+            f"packed rows (data.packing), up to {k} image(s) per sample"
+            if self.packing
+            else f"one sample per row, {k} image(s) per sample"
+        )
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """Tokenizers: the built-in byte-level one, or a Hugging Face `tokenizers` tokenizer.json
-(`model.tokenizer_path`). Both expose encode / decode, the BOS / EOS / PAD / IMAGE ids and vocab_size.
+(`model.tokenizer_path`). Both expose encode / decode, the BOS / EOS / PAD / IMAGE ids and
+vocab_size.
 IMAGE is the id image slots hold (data/batch.py collate); the decoder never reads it."""
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ class HFTokenizer:
         try:
             self.tok = Tokenizer.from_file(path)
         except Exception as e:  # the library's own parse errors
-            raise ConfigError(f"model.tokenizer_path: {path} is not a tokenizer.json ({e})") from None
+            raise ConfigError(
+                f"model.tokenizer_path: {path} is not a tokenizer.json ({e})"
+            ) from None
         vocab = self.tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1
 
@@ -49,12 +52,16 @@ class HFTokenizer:
                     return vocab[name]
             if default is not None:
                 return default
-            raise ConfigError(f"model.tokenizer_path: {path} has no {what} token (looked for {', '.join(names)})")
+            raise ConfigError(
+                f"model.tokenizer_path: {path} has no {what} token (looked for {', '.join(names)})"
+            )
 
         self.BOS = find(BOS_NAMES, "beginning-of-sequence")
         self.EOS = find(EOS_NAMES, "end-of-sequence")
         self.PAD = find(PAD_NAMES, "padding", default=self.EOS)  # padding carries no loss anyway
-        self.IMAGE = find(IMAGE_NAMES, "image", default=self.PAD)  # image slots carry no loss either
+        self.IMAGE = find(
+            IMAGE_NAMES, "image", default=self.PAD
+        )  # image slots carry no loss either
 
     def encode(self, text: str, bos: bool = True, eos: bool = True) -> list[int]:
         ids = self.tok.encode(text, add_special_tokens=False).ids

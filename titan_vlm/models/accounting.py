@@ -39,9 +39,13 @@ def train_flops(args: VLMArgs, num_images: int, text_tokens: int, attention_pair
 
 def batch_train_flops(args: VLMArgs, batch: Batch) -> float:
     """`train_flops` of a batch, its attention pairs counted under the mask rule (layout.py)."""
-    _, layout = build_layout(batch.doc, batch.image, bidirectional_images=args.image_attention == "bidirectional")
+    _, layout = build_layout(
+        batch.doc, batch.image, bidirectional_images=args.image_attention == "bidirectional"
+    )
     text = int(((batch.doc >= 0) & (batch.image < 0)).sum())
-    return train_flops(args, batch.images.shape[0], text, layout.rank_work()[0])  # one rank: the whole rows
+    return train_flops(
+        args, batch.images.shape[0], text, layout.rank_work()[0]
+    )  # one rank: the whole rows
 
 
 # fp32 parameter + fp32 gradient + AdamW's two fp32 moments

@@ -23,7 +23,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(
+            x
+        ) * self.weight
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +51,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
         self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: SeqLayout
+    ) -> torch.Tensor:
         b, n, _ = x.shape
         q = self.wq(x).view(b, n, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, n, -1, self.head_dim).transpose(1, 2)
@@ -78,7 +82,9 @@ class DecoderBlock(nn.Module):
         self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
         self.feed_forward = FeedForward(a)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: SeqLayout
+    ) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, layout)
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -104,10 +110,13 @@ class Decoder(nn.Module):
                 nn.init.normal_(p, std=0.02)
             elif name.endswith(("wo.weight", "w2.weight")):
                 nn.init.normal_(p, std=out_std)
-        nn.init.normal_(self.output.weight, std=self.args.dim ** -0.5)
+        nn.init.normal_(self.output.weight, std=self.args.dim**-0.5)
 
-    def forward(self, tokens: torch.Tensor, image_embeds: torch.Tensor | None, layout: SeqLayout) -> torch.Tensor:
-        """tokens [B, T] (local text), image_embeds [B, N, dim] or None -> logits [B, T, vocab] of the text.
+    def forward(
+        self, tokens: torch.Tensor, image_embeds: torch.Tensor | None, layout: SeqLayout
+    ) -> torch.Tensor:
+        """tokens [B, T] (local text), image_embeds [B, N, dim] or None -> logits [B, T, vocab] of
+        the text.
 
         The local sequence is `[image tokens, text tokens]`; `layout.positions` gives each its
         row position (RoPE and the causal order)."""

@@ -65,29 +65,44 @@ FLAVORS: dict[str, VLMArgs] = {
         decoder=DecoderArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, ffn_dim=768),
     ),
     "llava7b": VLMArgs(
-        vision=ViTArgs(image_size=336, patch_size=14, dim=1024, n_layers=24, n_heads=16, mlp_dim=4096),
-        decoder=DecoderArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008,
-                            vocab_size=32000, max_seq_len=131072),
+        vision=ViTArgs(
+            image_size=336, patch_size=14, dim=1024, n_layers=24, n_heads=16, mlp_dim=4096
+        ),
+        decoder=DecoderArgs(
+            dim=4096,
+            n_layers=32,
+            n_heads=32,
+            n_kv_heads=32,
+            ffn_dim=11008,
+            vocab_size=32000,
+            max_seq_len=131072,
+        ),
     ),
 }
 
 
 def get_flavor(name: str) -> VLMArgs:
     if name not in FLAVORS:
-        raise ConfigError(f"model.flavor: unknown flavor {name!r} (known: {', '.join(FLAVORS)}, hf)")
+        raise ConfigError(
+            f"model.flavor: unknown flavor {name!r} (known: {', '.join(FLAVORS)}, hf)"
+        )
     return FLAVORS[name]
 
 
 IMAGE_ATTENTION = ("causal", "bidirectional")
 
 
-def model_args(flavor: str, image_attention: str = "causal", hf_vision_path: str = "",
-               hf_text_path: str = "") -> VLMArgs:
+def model_args(
+    flavor: str, image_attention: str = "causal", hf_vision_path: str = "", hf_text_path: str = ""
+) -> VLMArgs:
     """The flavor's architecture with the config's model.image_attention. Flavor "hf": the shapes
     of the Hugging Face checkpoints given as model.hf_vision_path / hf_text_path, read from the
     config.json next to each (hf_weights.hf_flavor)."""
     if image_attention not in IMAGE_ATTENTION:
-        raise ConfigError(f"model.image_attention must be one of {', '.join(IMAGE_ATTENTION)}, got {image_attention!r}")
+        raise ConfigError(
+            f"model.image_attention must be one of {', '.join(IMAGE_ATTENTION)}, "
+            f"got {image_attention!r}"
+        )
     if flavor == "hf":
         from titan_vlm.models.hf_weights import hf_flavor
 

@@ -1,6 +1,7 @@
 """Load Hugging Face safetensors into titan_vlm's modules.
 
-    model.hf_vision_path = "siglip/model.safetensors"   # SigLIP-style vision tower (+ LLaVA projector)
+    model.hf_vision_path = "siglip/model.safetensors"   # SigLIP-style vision tower
+                                                        # (+ LLaVA projector)
     model.hf_text_path   = "llama/model.safetensors"    # Llama/Qwen-style decoder
 
 Names follow the public checkpoints: `vision_model.*` (SigLIP: no class token, separate q/k/v,
@@ -49,14 +50,22 @@ def vision_names(n_layers: int) -> dict[str, str]:
 
 
 def text_names(n_layers: int) -> dict[str, str]:
-    names = {"decoder.tok_embeddings.weight": "model.embed_tokens.weight",
-             "decoder.norm.weight": "model.norm.weight",
-             "decoder.output.weight": "lm_head.weight"}
-    ours_to_hf = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
-                  "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
-                  "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
-                  "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm",
-                  "ffn_norm": "post_attention_layernorm"}
+    names = {
+        "decoder.tok_embeddings.weight": "model.embed_tokens.weight",
+        "decoder.norm.weight": "model.norm.weight",
+        "decoder.output.weight": "lm_head.weight",
+    }
+    ours_to_hf = {
+        "attention.wq": "self_attn.q_proj",
+        "attention.wk": "self_attn.k_proj",
+        "attention.wv": "self_attn.v_proj",
+        "attention.wo": "self_attn.o_proj",
+        "feed_forward.w1": "mlp.gate_proj",
+        "feed_forward.w3": "mlp.up_proj",
+        "feed_forward.w2": "mlp.down_proj",
+        "attention_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+    }
     for i in range(n_layers):
         for ours, hf in ours_to_hf.items():
             names[f"decoder.layers.{i}.{ours}.weight"] = f"model.layers.{i}.{hf}.weight"
@@ -66,10 +75,14 @@ def text_names(n_layers: int) -> dict[str, str]:
 def _hf_config(weights: str, key: str, nested: str) -> tuple[dict, Path]:
     """The config.json beside a safetensors file; a LLaVA-style combined config nests the part."""
     if not weights:
-        raise ConfigError(f"model.flavor='hf' reads the shapes from the checkpoints: set model.{key}")
+        raise ConfigError(
+            f"model.flavor='hf' reads the shapes from the checkpoints: set model.{key}"
+        )
     path = Path(weights).parent / "config.json"
     if not path.is_file():
-        raise ConfigError(f"model.flavor='hf': {path} not found (the config.json beside model.{key})")
+        raise ConfigError(
+            f"model.flavor='hf': {path} not found (the config.json beside model.{key})"
+        )
     try:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -93,8 +106,12 @@ def hf_flavor(vision_path: str, text_path: str) -> VLMArgs:
         raise ConfigError(f"model.flavor='hf': {path}: {key}={value!r} is not supported ({why})")
 
     if "clip" in str(v.get("model_type", "")):
-        refuse(v_path, "model_type", v["model_type"], "a CLIP tower has a class token and a pre-layernorm; "
-               "titan_vlm's ViT is SigLIP-shaped")
+        refuse(
+            v_path,
+            "model_type",
+            v["model_type"],
+            "a CLIP tower has a class token and a pre-layernorm; titan_vlm's ViT is SigLIP-shaped",
+        )
     act = v.get("hidden_act", "gelu_pytorch_tanh")
     if act not in ("gelu", "gelu_pytorch_tanh"):
         refuse(v_path, "hidden_act", act, "the ViT has gelu and gelu_pytorch_tanh")
@@ -109,17 +126,34 @@ def hf_flavor(vision_path: str, text_path: str) -> VLMArgs:
         refuse(t_path, "rope_scaling", t["rope_scaling"], "plain RoPE only")
     dim, heads = need(t, t_path, "hidden_size"), need(t, t_path, "num_attention_heads")
     if t.get("head_dim") not in (None, dim // heads):
-        refuse(t_path, "head_dim", t["head_dim"], f"head_dim must be hidden_size / num_attention_heads = {dim // heads}")
-    vision = ViTArgs(image_size=need(v, v_path, "image_size"), patch_size=need(v, v_path, "patch_size"),
-                     channels=v.get("num_channels", 3), dim=need(v, v_path, "hidden_size"),
-                     n_layers=need(v, v_path, "num_hidden_layers"), n_heads=need(v, v_path, "num_attention_heads"),
-                     mlp_dim=need(v, v_path, "intermediate_size"), norm_eps=v.get("layer_norm_eps", 1e-6),
-                     act="gelu_tanh" if act == "gelu_pytorch_tanh" else "gelu")
-    decoder = DecoderArgs(dim=dim, n_layers=need(t, t_path, "num_hidden_layers"), n_heads=heads,
-                          n_kv_heads=t.get("num_key_value_heads") or heads,
-                          ffn_dim=need(t, t_path, "intermediate_size"), vocab_size=need(t, t_path, "vocab_size"),
-                          rope_theta=t.get("rope_theta", 10000.0), norm_eps=t.get("rms_norm_eps", 1e-6),
-                          max_seq_len=t.get("max_position_embeddings", 4096))
+        refuse(
+            t_path,
+            "head_dim",
+            t["head_dim"],
+            f"head_dim must be hidden_size / num_attention_heads = {dim // heads}",
+        )
+    vision = ViTArgs(
+        image_size=need(v, v_path, "image_size"),
+        patch_size=need(v, v_path, "patch_size"),
+        channels=v.get("num_channels", 3),
+        dim=need(v, v_path, "hidden_size"),
+        n_layers=need(v, v_path, "num_hidden_layers"),
+        n_heads=need(v, v_path, "num_attention_heads"),
+        mlp_dim=need(v, v_path, "intermediate_size"),
+        norm_eps=v.get("layer_norm_eps", 1e-6),
+        act="gelu_tanh" if act == "gelu_pytorch_tanh" else "gelu",
+    )
+    decoder = DecoderArgs(
+        dim=dim,
+        n_layers=need(t, t_path, "num_hidden_layers"),
+        n_heads=heads,
+        n_kv_heads=t.get("num_key_value_heads") or heads,
+        ffn_dim=need(t, t_path, "intermediate_size"),
+        vocab_size=need(t, t_path, "vocab_size"),
+        rope_theta=t.get("rope_theta", 10000.0),
+        norm_eps=t.get("rms_norm_eps", 1e-6),
+        max_seq_len=t.get("max_position_embeddings", 4096),
+    )
     return VLMArgs(vision=vision, decoder=decoder)
 
 
@@ -132,12 +166,16 @@ def _load_file(path: str) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, vision_path: str = "", text_path: str = "") -> list[str]:
+def load_hf_weights(
+    model: torch.nn.Module, vision_path: str = "", text_path: str = ""
+) -> list[str]:
     """Copy the named checkpoints into `model` (before any sharding). Returns the loaded names."""
     params = dict(model.named_parameters())
     loaded = []
-    for path, names in ((vision_path, vision_names(len(model.vision.layers))),
-                        (text_path, text_names(len(model.decoder.layers)))):
+    for path, names in (
+        (vision_path, vision_names(len(model.vision.layers))),
+        (text_path, text_names(len(model.decoder.layers))),
+    ):
         if not path:
             continue
         hf = _load_file(path)
@@ -151,8 +189,10 @@ def load_hf_weights(model: torch.nn.Module, vision_path: str = "", text_path: st
             if ours == "vision.pos_embed":
                 value = value.unsqueeze(0)  # HF: an Embedding table [patches, dim]
             if value.shape != target.shape:
-                raise ConfigError(f"{path}: tensor '{theirs}' has shape {tuple(value.shape)}, "
-                                  f"{ours} needs {tuple(target.shape)} (check model.flavor)")
+                raise ConfigError(
+                    f"{path}: tensor '{theirs}' has shape {tuple(value.shape)}, "
+                    f"{ours} needs {tuple(target.shape)} (check model.flavor)"
+                )
             target.copy_(value.to(target.dtype))
             loaded.append(ours)
     return loaded
@@ -163,8 +203,10 @@ def save_hf_weights(model: torch.nn.Module, vision_path: str, text_path: str) ->
     from safetensors.torch import save_file
 
     params = dict(model.named_parameters())
-    for path, names in ((vision_path, vision_names(len(model.vision.layers))),
-                        (text_path, text_names(len(model.decoder.layers)))):
+    for path, names in (
+        (vision_path, vision_names(len(model.vision.layers))),
+        (text_path, text_names(len(model.decoder.layers))),
+    ):
         out = {}
         for ours, theirs in names.items():
             value = params[ours].detach()

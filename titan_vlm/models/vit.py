@@ -1,4 +1,5 @@
-"""Vision transformer: patch embedding, learned positions, pre-norm blocks, bidirectional attention."""
+"""Vision transformer: patch embedding, learned positions, pre-norm blocks, bidirectional
+attention."""
 
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ class ViTAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # unflatten/flatten infer the head count from the last dim alone: a rank may encode no
         # images (cp_vision=shard), and view(b, n, -1, ...) cannot infer -1 for zero elements
-        q, k, v = (w(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for w in (self.q, self.k, self.v))
+        q, k, v = (
+            w(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+            for w in (self.q, self.k, self.v)
+        )
         out = attention(q, k, v, layout=None)
         return self.proj(out.transpose(1, 2).flatten(2))
 
@@ -52,7 +56,9 @@ class ViT(nn.Module):
     def __init__(self, a: ViTArgs):
         super().__init__()
         self.args = a
-        self.patch_embed = nn.Conv2d(a.channels, a.dim, kernel_size=a.patch_size, stride=a.patch_size)
+        self.patch_embed = nn.Conv2d(
+            a.channels, a.dim, kernel_size=a.patch_size, stride=a.patch_size
+        )
         self.pos_embed = nn.Parameter(torch.zeros(1, a.num_patches, a.dim))
         self.layers = nn.ModuleList(ViTBlock(a) for _ in range(a.n_layers))
         self.norm = nn.LayerNorm(a.dim, eps=a.norm_eps)

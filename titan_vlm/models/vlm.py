@@ -36,7 +36,9 @@ class VLM(nn.Module):
         """images [n, C, H, W] -> image embeddings [n, tokens_per_image, decoder dim]."""
         return self.projector(self.vision(images))
 
-    def forward(self, images: torch.Tensor, tokens: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
+    def forward(
+        self, images: torch.Tensor, tokens: torch.Tensor, layout: SeqLayout
+    ) -> torch.Tensor:
         """Single-device forward: images [n, C, H, W] (every image of the batch, n may be 0),
         tokens [B, T] the layout's text slots; returns the logits of the text slots. The trainer
         runs the same steps itself so that context parallelism can step in between encoder and

@@ -48,7 +48,9 @@ class CPOptions:
     vision: str = "shard"  # where the ViT runs: "replicate" | "broadcast" | "shard"
 
 
-def replicate_image_embeddings(embeds: torch.Tensor, cp_mesh: DeviceMesh, sum_grad: bool = True) -> torch.Tensor:
+def replicate_image_embeddings(
+    embeds: torch.Tensor, cp_mesh: DeviceMesh, sum_grad: bool = True
+) -> torch.Tensor:
     """Mark the image embeddings as whole on every CP rank and sum their gradient over cp.
 
     Forward: identity. Every CP rank encoded the same images, so `embeds` is the local view of a
@@ -78,7 +80,9 @@ class _BroadcastFromSource(torch.autograd.Function):
     source rank (the others pass nothing on)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, src: int, sum_grad: bool) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, group: dist.ProcessGroup, src: int, sum_grad: bool
+    ) -> torch.Tensor:
         ctx.group, ctx.src, ctx.sum_grad = group, src, sum_grad
         out = x.detach().clone()
         dist.broadcast(out, src=src, group=group)
@@ -92,12 +96,19 @@ class _BroadcastFromSource(torch.autograd.Function):
         return grad, None, None, None
 
 
-def encode_images_over_cp(model: torch.nn.Module, images: torch.Tensor, cp_mesh: DeviceMesh, mode: str,
-                          sum_grad: bool = True, embed_width: int | None = None) -> torch.Tensor:
+def encode_images_over_cp(
+    model: torch.nn.Module,
+    images: torch.Tensor,
+    cp_mesh: DeviceMesh,
+    mode: str,
+    sum_grad: bool = True,
+    embed_width: int | None = None,
+) -> torch.Tensor:
     """Image embeddings [n, tokens_per_image, D] of all n images, whole on every CP rank, their
     gradient summed over cp before it reaches the projector and ViT. `mode` is where the ViT
     runs (CPOptions.vision). `sum_grad=False` only for the negative-control test. `embed_width`:
-    the projector's local output width D when it is not the decoder's (image_embed_tp_shard: D/tp)."""
+    the projector's local output width D when it is not the decoder's
+    (image_embed_tp_shard: D/tp)."""
     cp_size = cp_mesh.size()
     if cp_size == 1:
         return model.encode_images(images)
@@ -112,24 +123,36 @@ def encode_images_over_cp(model: torch.nn.Module, images: torch.Tensor, cp_mesh:
             local = model.encode_images(images).float()  # travels in fp32 (the receivers' dtype)
         else:  # a leaf that wants a gradient, so this rank joins the backward reduce
             args = model.args
-            local = images.new_zeros((images.shape[0], args.tokens_per_image, embed_width or args.decoder.dim),
-                                     dtype=torch.float32).requires_grad_()
+            local = images.new_zeros(
+                (images.shape[0], args.tokens_per_image, embed_width or args.decoder.dim),
+                dtype=torch.float32,
+            ).requires_grad_()
         return _BroadcastFromSource.apply(local, group, src, sum_grad)
     if mode == "shard":
         sizes = image_shard_sizes(images.shape[0], cp_size)
         start = sum(sizes[:rank])
-        local = model.encode_images(images[start:start + sizes[rank]]).float()  # may be empty: still runs
+        local = model.encode_images(
+            images[start : start + sizes[rank]]
+        ).float()  # may be empty: still runs
         shape = torch.Size((images.shape[0], *local.shape[1:]))
-        sharded = DTensor.from_local(local, cp_mesh, [Shard(0)], run_check=False, shape=shape,
-                                     stride=torch.empty(shape, device="meta").stride())
+        sharded = DTensor.from_local(
+            local,
+            cp_mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=shape,
+            stride=torch.empty(shape, device="meta").stride(),
+        )
         full = sharded.redistribute(cp_mesh, [Replicate()])  # all-gather; backward: reduce-scatter
         return full.to_local(grad_placements=[Partial()] if sum_grad else None)
-    raise ValueError(f"unknown cp_vision mode {mode!r} (expected one of {', '.join(CP_VISION_MODES)})")
+    raise ValueError(
+        f"unknown cp_vision mode {mode!r} (expected one of {', '.join(CP_VISION_MODES)})"
+    )
 
 
 @torch.no_grad()
 def sync_broadcast_vision_grads(model: torch.nn.Module, cp_mesh: DeviceMesh) -> None:
-    """"broadcast" mode: only cp rank 0 ran the ViT and holds its (complete) gradients; hand them
+    """ "broadcast" mode: only cp rank 0 ran the ViT and holds its (complete) gradients; hand them
     to the other cp ranks so every replica takes the same optimizer step."""
     if cp_mesh.size() == 1:
         return
@@ -143,8 +166,13 @@ def sync_broadcast_vision_grads(model: torch.nn.Module, cp_mesh: DeviceMesh) -> 
             dist.broadcast(local, src=src, group=group)
 
 
-def shard_batch(batch: Batch, cp_mesh: DeviceMesh | None, comm_type: str = "p2p", bidirectional_images: bool = False,
-                pad_to_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
+def shard_batch(
+    batch: Batch,
+    cp_mesh: DeviceMesh | None,
+    comm_type: str = "p2p",
+    bidirectional_images: bool = False,
+    pad_to_multiple: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
     """This CP rank's text tokens and labels [B, T] and its SeqLayout (layout.build_layout: every
     image slot replicated, each sample's text split head-tail over the group). `cp_mesh=None`
     or a group of one: the whole rows, unsharded. Padding slots get token 0 and no label; they
@@ -152,7 +180,9 @@ def shard_batch(batch: Batch, cp_mesh: DeviceMesh | None, comm_type: str = "p2p"
     local slot count is padded to a multiple of it (sequence parallelism splits it over tp)."""
     cp_size = cp_mesh.size() if cp_mesh is not None else 1
     rank = cp_mesh.get_local_rank() if cp_size > 1 else 0
-    index, layout = build_layout(batch.doc, batch.image, cp_size, rank, bidirectional_images, pad_to_multiple)
+    index, layout = build_layout(
+        batch.doc, batch.image, cp_size, rank, bidirectional_images, pad_to_multiple
+    )
     device = batch.tokens.device
     index = index.to(device)
     pad = index < 0

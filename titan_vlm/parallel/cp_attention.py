@@ -26,7 +26,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_vlm.attention import Blocks, accumulators, blocks_backward, blocks_forward, expand_kv_heads, planned_attention
+from titan_vlm.attention import (
+    Blocks,
+    accumulators,
+    blocks_backward,
+    blocks_forward,
+    expand_kv_heads,
+    planned_attention,
+)
 from titan_vlm.layout import SeqLayout
 
 CP_COMM_TYPES = ("p2p", "allgather", "a2a")
@@ -57,11 +64,14 @@ class CPGroup:
     def shift(self, x: torch.Tensor) -> tuple[torch.Tensor, list]:
         """Start sending x to the next rank and receiving the previous rank's into a new buffer."""
         buf = torch.empty_like(x)
-        ops = [dist.P2POp(dist.isend, x, self.next, self.group), dist.P2POp(dist.irecv, buf, self.prev, self.group)]
+        ops = [
+            dist.P2POp(dist.isend, x, self.next, self.group),
+            dist.P2POp(dist.irecv, buf, self.prev, self.group),
+        ]
         return buf, dist.batch_isend_irecv(ops)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cp_group(mesh: DeviceMesh) -> CPGroup:
     """One CPGroup per CP mesh, made once (its neighbour look-ups are not free)."""
     return CPGroup(mesh)
@@ -78,7 +88,9 @@ class _RingAttention(torch.autograd.Function):
         blocks = Blocks(q)
         n = layout.num_image_tokens
         out, lse = accumulators(q)
-        aux_img = blocks_forward(blocks, q, k, v, layout.blocks("local", "images"), out, lse)  # never sent
+        aux_img = blocks_forward(
+            blocks, q, k, v, layout.blocks("local", "images"), out, lse
+        )  # never sent
         kv = torch.stack([k[:, :, n:], v[:, :, n:]]).contiguous()  # travels the ring as one buffer
         aux_ring = []
         for step in range(g.size):
@@ -102,15 +114,21 @@ class _RingAttention(torch.autograd.Function):
         n = layout.num_image_tokens
         dout = dout.contiguous()
         dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
-        blocks_backward(blocks, dout, q, k, v, out, lse, layout.blocks("local", "images"), aux_img, dq, dk, dv)
+        blocks_backward(
+            blocks, dout, q, k, v, out, lse, layout.blocks("local", "images"), aux_img, dq, dk, dv
+        )
         kv = torch.stack([k[:, :, n:], v[:, :, n:]]).contiguous()
         dkv_incoming, dreqs = None, []  # the travelling dK/dV accumulator of the block in hand
         for step in range(g.size):
             if step < g.size - 1:
                 incoming, reqs = g.shift(kv)
-            dkv = torch.zeros_like(kv, dtype=torch.float32)  # this rank's share for the block in hand
+            dkv = torch.zeros_like(
+                kv, dtype=torch.float32
+            )  # this rank's share for the block in hand
             plan = layout.blocks("local", (g.rank - step) % g.size)
-            blocks_backward(blocks, dout, q, kv[0], kv[1], out, lse, plan, aux_ring[step], dq, dkv[0], dkv[1])
+            blocks_backward(
+                blocks, dout, q, kv[0], kv[1], out, lse, plan, aux_ring[step], dq, dkv[0], dkv[1]
+            )
             if step > 0:
                 _wait(dreqs)  # the block's accumulator, from the previous rank
                 dkv += dkv_incoming
@@ -147,7 +165,9 @@ class _AllGatherAttention(torch.autograd.Function):
         blocks = Blocks(q)
         n = layout.num_image_tokens
         kv_text = torch.stack([k[:, :, n:], v[:, :, n:]])  # [2, B, Hkv, T, D]
-        gathered = g.all_gather(kv_text.movedim(3, 0)).movedim(0, 3)  # [2, B, Hkv, P*T, D], rank-major
+        gathered = g.all_gather(kv_text.movedim(3, 0)).movedim(
+            0, 3
+        )  # [2, B, Hkv, P*T, D], rank-major
         k_all = torch.cat([k[:, :, :n], gathered[0]], dim=2)
         v_all = torch.cat([v[:, :, :n], gathered[1]], dim=2)
         out, lse = accumulators(q)
@@ -164,8 +184,20 @@ class _AllGatherAttention(torch.autograd.Function):
         blocks = Blocks(q)
         n = layout.num_image_tokens
         dq, dk_all, dv_all = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k_all, v_all))
-        blocks_backward(blocks, dout.contiguous(), q, k_all, v_all, out, lse, layout.blocks("local", "all"), auxes,
-                        dq, dk_all, dv_all)
+        blocks_backward(
+            blocks,
+            dout.contiguous(),
+            q,
+            k_all,
+            v_all,
+            out,
+            lse,
+            layout.blocks("local", "all"),
+            auxes,
+            dq,
+            dk_all,
+            dv_all,
+        )
         dkv_text = torch.stack([dk_all[:, :, n:], dv_all[:, :, n:]])
         local = g.reduce_scatter(dkv_text.movedim(3, 0)).movedim(0, 3)  # [2, B, Hkv, T, D], summed
         dk = torch.cat([dk_all[:, :, :n], local[0]], dim=2)
@@ -217,10 +249,13 @@ class UlyssesAttention(_CPAttention):
     queries' output heads are all-gathered at the end."""
 
     def _seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's text [B, H, T, D] -> every rank's text (rank-major), this rank's heads [B, H/P, P*T, D]."""
+        """This rank's text [B, H, T, D] -> every rank's text (rank-major), this rank's heads
+        [B, H/P, P*T, D]."""
         p = self.g.size
         b, h, t, d = x.shape
-        y = _AllToAll.apply(x.reshape(b, p, h // p, t, d).movedim(1, 0), self.g)  # [P(src), B, H/P, T, D]
+        y = _AllToAll.apply(
+            x.reshape(b, p, h // p, t, d).movedim(1, 0), self.g
+        )  # [P(src), B, H/P, T, D]
         return y.movedim(0, 2).reshape(b, h // p, p * t, d)
 
     def _heads_to_seq(self, y: torch.Tensor) -> torch.Tensor:
@@ -235,9 +270,9 @@ class UlyssesAttention(_CPAttention):
         if k.shape[1] % p:  # K/V heads do not split over cp: expand them to the query heads
             k, v = expand_kv_heads(k, h), expand_kv_heads(v, h)
         hq, hk = h // p, k.shape[1] // p
-        q_all = torch.cat([q[:, r * hq:(r + 1) * hq, :n], self._seq_to_heads(q[:, :, n:])], dim=2)
-        k_all = torch.cat([k[:, r * hk:(r + 1) * hk, :n], self._seq_to_heads(k[:, :, n:])], dim=2)
-        v_all = torch.cat([v[:, r * hk:(r + 1) * hk, :n], self._seq_to_heads(v[:, :, n:])], dim=2)
+        q_all = torch.cat([q[:, r * hq : (r + 1) * hq, :n], self._seq_to_heads(q[:, :, n:])], dim=2)
+        k_all = torch.cat([k[:, r * hk : (r + 1) * hk, :n], self._seq_to_heads(k[:, :, n:])], dim=2)
+        v_all = torch.cat([v[:, r * hk : (r + 1) * hk, :n], self._seq_to_heads(v[:, :, n:])], dim=2)
         out = planned_attention(q_all, k_all, v_all, layout.blocks("all", "all"))
         text = self._heads_to_seq(out[:, :, n:])
         if n == 0:

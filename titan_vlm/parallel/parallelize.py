@@ -43,7 +43,9 @@ if TYPE_CHECKING:
 AC_MODES = ("none", "full", "selective")
 
 
-def _shard(module: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, divide_by: int = 1) -> None:
+def _shard(
+    module: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, divide_by: int = 1
+) -> None:
     fully_shard(module, mesh=mesh, mp_policy=mp)
     assert isinstance(module, FSDPModule)
     # Sum over ranks, then divide by `divide_by` (1: a plain sum): sum-only comms, since gloo has
@@ -52,7 +54,9 @@ def _shard(module: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, divide
     module.set_force_sum_reduction_for_comms(True)
 
 
-def apply_fsdp(model: VLM, mesh: Mesh, mixed_precision: str = "fp32", cp_vision: str = "shard") -> None:
+def apply_fsdp(
+    model: VLM, mesh: Mesh, mixed_precision: str = "fp32", cp_vision: str = "shard"
+) -> None:
     if mixed_precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
@@ -87,8 +91,15 @@ def apply_compile(model: VLM) -> None:
             block.compile()
 
 
-def parallelize_vlm(model: VLM, mesh: Mesh, mixed_precision: str = "fp32", cp_vision: str = "shard",
-                    ac_mode: str = "none", compile_blocks: bool = False, tp: TPOptions = TPOptions()) -> VLM:
+def parallelize_vlm(
+    model: VLM,
+    mesh: Mesh,
+    mixed_precision: str = "fp32",
+    cp_vision: str = "shard",
+    ac_mode: str = "none",
+    compile_blocks: bool = False,
+    tp: TPOptions = TPOptions(),
+) -> VLM:
     """Everything the trainer applies to the model, torchtitan's order: tensor parallelism,
     activation checkpointing, torch.compile, then FSDP. CP itself needs no module changes: it
     lives in the batch sharding and the SeqLayout the attention receives (context_parallel.py)."""

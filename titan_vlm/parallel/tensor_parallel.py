@@ -39,16 +39,22 @@ small vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
-                                               PrepareModuleOutput, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from titan_vlm.models.vlm import VLM
 
@@ -66,27 +72,49 @@ def _check_divisible_seq(name: str, tp: int) -> Callable[[nn.Module, tuple], Non
     def hook(module: nn.Module, args: tuple) -> None:
         length = args[0].shape[1]
         if length % tp:
-            raise ValueError(f"sequence parallel: the {name} sequence on this rank has {length} tokens, "
-                             f"not divisible by tensor_parallel_degree={tp}")
+            raise ValueError(
+                f"sequence parallel: the {name} sequence on this rank has {length} tokens, "
+                f"not divisible by tensor_parallel_degree={tp}"
+            )
 
     return hook
 
 
-def _sp_stack_boundaries(layers: nn.ModuleList, tp_mesh: DeviceMesh, n_args: int, name: str) -> None:
+def _sp_stack_boundaries(
+    layers: nn.ModuleList, tp_mesh: DeviceMesh, n_args: int, name: str
+) -> None:
     """Cut the sequence at the first block's input, gather it at the last block's output."""
     first_in = (Replicate(),) + (None,) * (n_args - 1)
     first_want = (Shard(1),) + (None,) * (n_args - 1)
     layers[0].register_forward_pre_hook(_check_divisible_seq(name, tp_mesh.size()))
-    parallelize_module(layers[0], tp_mesh, PrepareModuleInput(input_layouts=first_in, desired_input_layouts=first_want,
-                                                              use_local_output=True))
+    parallelize_module(
+        layers[0],
+        tp_mesh,
+        PrepareModuleInput(
+            input_layouts=first_in, desired_input_layouts=first_want, use_local_output=True
+        ),
+    )
     # A separate call: with one block, layers[0] is also layers[-1] and gets both hooks.
-    parallelize_module(layers[-1], tp_mesh, PrepareModuleOutput(output_layouts=Shard(1),
-                                                                desired_output_layouts=Replicate(),
-                                                                use_local_output=True))
+    parallelize_module(
+        layers[-1],
+        tp_mesh,
+        PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True
+        ),
+    )
 
 
-def _block_plan(attn: str, qkv: tuple[str, ...], out: str, norms: tuple[str, str], mlp: str | None,
-                mlp_in: tuple[str, ...], mlp_out: str, n_attn_args: int, sp: bool) -> dict[str, ParallelStyle]:
+def _block_plan(
+    attn: str,
+    qkv: tuple[str, ...],
+    out: str,
+    norms: tuple[str, str],
+    mlp: str | None,
+    mlp_in: tuple[str, ...],
+    mlp_out: str,
+    n_attn_args: int,
+    sp: bool,
+) -> dict[str, ParallelStyle]:
     """One transformer block. `mlp` is the MLP submodule when there is one (the decoder's
     feed_forward), else None (the ViT's fc1/fc2 sit on the block)."""
     between = Shard(1) if sp else Replicate()  # the residual stream's layout between the TP regions
@@ -99,12 +127,18 @@ def _block_plan(attn: str, qkv: tuple[str, ...], out: str, norms: tuple[str, str
             plan[norm] = SequenceParallel()
         # all-gather the normed slice before attention; DTensor output (not local) so the backward
         # turns the column-wise inputs' partial gradients into one reduce-scatter
-        plan[attn] = PrepareModuleInput(input_layouts=(Shard(1),) + (None,) * (n_attn_args - 1),
-                                        desired_input_layouts=(Replicate(),) + (None,) * (n_attn_args - 1))
+        plan[attn] = PrepareModuleInput(
+            input_layouts=(Shard(1),) + (None,) * (n_attn_args - 1),
+            desired_input_layouts=(Replicate(),) + (None,) * (n_attn_args - 1),
+        )
         if mlp is not None:
-            plan[mlp] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            plan[mlp] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
         else:
-            plan[mlp_in[0]] = ColwiseParallel(input_layouts=Shard(1))  # one consumer: it gathers itself
+            plan[mlp_in[0]] = ColwiseParallel(
+                input_layouts=Shard(1)
+            )  # one consumer: it gathers itself
     return plan
 
 
@@ -116,29 +150,62 @@ def apply_tp(model: VLM, tp_mesh: DeviceMesh, options: TPOptions = TPOptions()) 
     if tp_mesh.size() == 1:
         return
     sp = options.sequence_parallel
-    vit_plan = _block_plan("attn", ("attn.q", "attn.k", "attn.v"), "attn.proj", ("norm1", "norm2"), None,
-                           ("fc1",), "fc2", n_attn_args=1, sp=sp)
+    vit_plan = _block_plan(
+        "attn",
+        ("attn.q", "attn.k", "attn.v"),
+        "attn.proj",
+        ("norm1", "norm2"),
+        None,
+        ("fc1",),
+        "fc2",
+        n_attn_args=1,
+        sp=sp,
+    )
     for block in model.vision.layers:
         parallelize_module(block, tp_mesh, vit_plan)
-    dec_plan = _block_plan("attention", ("attention.wq", "attention.wk", "attention.wv"), "attention.wo",
-                           ("attention_norm", "ffn_norm"), "feed_forward", ("feed_forward.w1", "feed_forward.w3"),
-                           "feed_forward.w2", n_attn_args=4, sp=sp)  # attention(x, cos, sin, layout)
+    dec_plan = _block_plan(
+        "attention",
+        ("attention.wq", "attention.wk", "attention.wv"),
+        "attention.wo",
+        ("attention_norm", "ffn_norm"),
+        "feed_forward",
+        ("feed_forward.w1", "feed_forward.w3"),
+        "feed_forward.w2",
+        n_attn_args=4,
+        sp=sp,
+    )  # attention(x, cos, sin, layout)
     for block in model.decoder.layers:
         parallelize_module(block, tp_mesh, dec_plan)
     if sp:
         _sp_stack_boundaries(model.vision.layers, tp_mesh, 1, "ViT")
-        _sp_stack_boundaries(model.decoder.layers, tp_mesh, 4, "decoder")  # block(x, cos, sin, layout)
+        _sp_stack_boundaries(
+            model.decoder.layers, tp_mesh, 4, "decoder"
+        )  # block(x, cos, sin, layout)
     # Projector: column- then row-wise. With image_embed_tp_shard its partial sums are
     # reduce-scattered along the hidden dim instead of all-reduced: the embeddings stay sharded
     # (and travel the CP group at 1/tp size) until gather_image_embeds_over_tp.
-    parallelize_module(model.projector, tp_mesh, {
-        "fc1": ColwiseParallel(),
-        "fc2": RowwiseParallel(output_layouts=Shard(-1) if options.image_embed_shard else Replicate())})
+    parallelize_module(
+        model.projector,
+        tp_mesh,
+        {
+            "fc1": ColwiseParallel(),
+            "fc2": RowwiseParallel(
+                output_layouts=Shard(-1) if options.image_embed_shard else Replicate()
+            ),
+        },
+    )
     # Embedding rows and head columns split over vocabulary, both with replicated outputs (why:
     # the module docstring).
-    parallelize_module(model.decoder, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())})
+    parallelize_module(
+        model.decoder,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Replicate()
+            ),
+            "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        },
+    )
 
 
 def gather_image_embeds_over_tp(embeds: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
@@ -153,6 +220,12 @@ def gather_image_embeds_over_tp(embeds: torch.Tensor, tp_mesh: DeviceMesh) -> to
     if tp_mesh.size() == 1:
         return embeds
     shape = torch.Size((*embeds.shape[:-1], embeds.shape[-1] * tp_mesh.size()))
-    sharded = DTensor.from_local(embeds, tp_mesh, [Shard(embeds.ndim - 1)], run_check=False, shape=shape,
-                                 stride=torch.empty(shape, device="meta").stride())
+    sharded = DTensor.from_local(
+        embeds,
+        tp_mesh,
+        [Shard(embeds.ndim - 1)],
+        run_check=False,
+        shape=shape,
+        stride=torch.empty(shape, device="meta").stride(),
+    )
     return sharded.redistribute(tp_mesh, [Replicate()]).to_local()
