@@ -1,0 +1,92 @@
+"""Build the model the config asks for, sharded, without a full copy on any rank.
+
+    meta-device modules (no memory)  ->  spec.parallelize (TP, AC, compile, FSDP)
+      ->  to_empty (each rank allocates its own shards)  ->  spec.init_buffers (RoPE tables)
+      ->  load_hf_shards (each rank reads its boxes of the safetensors)  or  init_from_seed
+
+Start-up memory per rank is the rank's shards plus one row block or file slice at a time, so
+it falls with the FSDP shard count (benchmarks/startup_memory.py, docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from titan_vlm.config import JobConfig
+from titan_vlm.errors import ConfigError
+from titan_vlm.models.hf_folder import SafetensorsFiles, weight_files
+from titan_vlm.models.llava import hf_sources
+from titan_vlm.models.loading import init_from_seed, load_hf_shards
+from titan_vlm.models.spec import ModelSpec
+from titan_vlm.parallel_dims import Mesh
+
+logger = logging.getLogger("titan_vlm")
+
+
+def hf_files(cfg: JobConfig) -> list[tuple[str, list[Path]]]:
+    """(config key, safetensors files) of every Hugging Face source the config names."""
+    return [(key, weight_files(path, key)) for key, path in hf_sources(cfg)]
+
+
+def load_hf(model: nn.Module, spec: ModelSpec, args: Any, cfg: JobConfig) -> None:
+    """Fill `model` (sharded or not) from the config's Hugging Face sources. Each file tensor is
+    either loaded into a parameter or known to be unused (the adapter says why, and one log
+    line lists them); any other tensor is an error naming it."""
+    params = dict(model.named_parameters())
+    wanted = set(params)
+    for key, files in hf_files(cfg):
+        with SafetensorsFiles(files, key) as st:
+            keys = st.keys()
+            names = {o: h for o, h in spec.hf_names(args, keys).items() if o in wanted}
+            unused = spec.hf_unused(args, keys)
+            stray = sorted(keys - set(names.values()) - set(unused))
+            if stray:
+                raise ConfigError(
+                    f"{key}: {len(stray)} tensor(s) the model does not use and cannot explain, "
+                    f"e.g. '{stray[0]}' in {st.file_of(stray[0])} (another architecture?)"
+                )
+            read = load_hf_shards(params, st, names, key)
+        wanted -= set(names)
+        logger.info(
+            "%s: loaded %d tensors (%.1f MiB read on this rank)%s",
+            key,
+            len(names),
+            read / 2**20,
+            f"; not used: {_summary(unused)}" if unused else "",
+        )
+    if wanted:
+        missing = sorted(wanted)
+        raise ConfigError(
+            f"no Hugging Face tensor for {len(missing)} parameter(s), e.g. {missing[0]} "
+            "(give model.hf_path, or both model.hf_vision_path and model.hf_text_path)"
+        )
+
+
+def _summary(unused: dict[str, str]) -> str:
+    """'N tensors (reason), ...' grouped by reason."""
+    by_reason: dict[str, int] = {}
+    for reason in unused.values():
+        by_reason[reason] = by_reason.get(reason, 0) + 1
+    return "; ".join(f"{n} ({reason})" for reason, n in by_reason.items())
+
+
+def build_model(
+    spec: ModelSpec, cfg: JobConfig, mesh: Mesh, device: torch.device
+) -> tuple[nn.Module, Any]:
+    """The parallelized model on `device`, filled from Hugging Face weights or from the seed."""
+    args = spec.args(cfg)
+    with torch.device("meta"):
+        model = spec.build(args)
+    spec.parallelize(model, mesh, cfg)
+    model.to_empty(device=device)
+    spec.init_buffers(model)
+    if hf_sources(cfg):
+        load_hf(model, spec, args, cfg)
+    else:
+        init_from_seed(model, cfg.training.seed, lambda n, p: spec.init_rule(args, n, p))
+    return model, args

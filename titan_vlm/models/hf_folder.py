@@ -1,0 +1,117 @@
+"""A Hugging Face model folder as `save_pretrained` writes it, read without loading its tensors.
+
+    <folder>/config.json                      the architecture (models/hf_config.py reads it)
+    <folder>/model.safetensors                the weights, or
+    <folder>/model.safetensors.index.json     {"weight_map": {tensor name: shard file}} + the shards
+
+`SafetensorsFiles` knows every tensor's name, shape and dtype from the files' headers and reads
+any rectangular slice of one tensor (the safetensors slice API), so a rank reads only the part
+of each tensor it owns (models/loading.py). Nothing here imports transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from titan_vlm.errors import ConfigError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def read_json(path: Path, key: str) -> dict[str, Any]:
+    """A JSON object from `path`; a missing or malformed file is one line naming it and `key`."""
+    if not path.is_file():
+        raise ConfigError(f"{key}: {path} not found")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{key}: {path} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: {path} must hold a JSON object")
+    return value
+
+
+def weight_files(folder: Path, key: str) -> list[Path]:
+    """The safetensors files of a model folder (the index's shards, or model.safetensors), or a
+    single .safetensors file given directly."""
+    if folder.is_file() and folder.suffix == ".safetensors":
+        return [folder]
+    if not folder.is_dir():
+        raise ConfigError(f"{key}: {folder} is neither a model folder nor a .safetensors file")
+    if (folder / INDEX).is_file():
+        weight_map = read_json(folder / INDEX, key).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConfigError(f"{key}: {folder / INDEX} has no 'weight_map'")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ConfigError(
+                f"{key}: {folder / INDEX} names missing shard(s) {', '.join(missing)}"
+            )
+        return files
+    if (folder / SINGLE).is_file():
+        return [folder / SINGLE]
+    raise ConfigError(f"{key}: {folder} has neither {SINGLE} nor {INDEX}")
+
+
+def config_path(path: Path) -> Path:
+    """The config.json of a model folder, or of the folder holding a .safetensors file."""
+    return (path.parent if path.is_file() else path) / "config.json"
+
+
+class SafetensorsFiles:
+    """Every tensor of a set of safetensors files: names, shapes, dtypes and slice reads.
+
+    Use as a context manager (the files stay open, memory-mapped, while it is entered)."""
+
+    def __init__(self, files: list[Path], key: str):
+        from safetensors import safe_open
+
+        self.key = key
+        self._handles: dict[Path, Any] = {}
+        self._where: dict[str, Path] = {}
+        for path in files:
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as e:  # the library's own header errors: a truncated or foreign file
+                raise ConfigError(f"{key}: {path} is not a safetensors file ({e})") from None
+            self._handles[path] = handle
+            for name in handle.keys():
+                if name in self._where:
+                    raise ConfigError(
+                        f"{key}: tensor '{name}' is in both {self._where[name]} and {path}"
+                    )
+                self._where[name] = path
+
+    def __enter__(self) -> SafetensorsFiles:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._handles.clear()
+
+    def keys(self) -> set[str]:
+        return set(self._where)
+
+    def file_of(self, name: str) -> Path:
+        return self._where[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+
+    def read(self, name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """Tensor `name`, or only its `box` (one slice per dim): the bytes of that box are all
+        that is read from the file."""
+        part = self._handles[self._where[name]].get_slice(name)
+        if box is None:
+            return part[:]
+        if not box:  # a 0-d tensor
+            return part[:]
+        return part[box]

@@ -1,0 +1,155 @@
+"""The "llava" family: a ViT (SigLIP- or CLIP-shaped) and an MLP projector feeding a decoder
+(Llama, Mistral, Qwen2 or Qwen3), as transformers' LlavaForConditionalGeneration, plus the
+built-in flavors (models/flavors.py). Its `ModelSpec` (models/spec.py) is `LLAVA`.
+
+Where the architecture comes from (`llava_args`):
+  model.hf_path = <folder>      a LLaVA folder's config.json; with model.flavor = "hf" it IS the
+                                architecture, with a built-in flavor it must agree with it
+  model.hf_vision_path / hf_text_path
+                                separate towers (a folder, or a .safetensors file beside its
+                                config.json): a CLIP/SigLIP vision model (+ a LLaVA projector in
+                                its file) and a Llama/Mistral/Qwen decoder
+  neither                       the built-in flavor, trained from scratch
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+from titan_vlm.config import JobConfig
+from titan_vlm.errors import ConfigError
+from titan_vlm.models.accounting import batch_train_flops
+from titan_vlm.models.flavors import VLMArgs, get_flavor
+from titan_vlm.models.hf_adapter import export_names, hf_names, unused_hf_tensors
+from titan_vlm.models.hf_config import args_from_hf_config, text_args_from_hf, vision_args_from_hf
+from titan_vlm.models.hf_folder import config_path, read_json
+from titan_vlm.models.loading import Init
+from titan_vlm.models.spec import ModelSpec
+from titan_vlm.models.vlm import VLM
+from titan_vlm.parallel.parallelize import parallelize_vlm
+from titan_vlm.parallel.tensor_parallel import TPOptions
+
+if TYPE_CHECKING:
+    from titan_vlm.parallel_dims import Mesh
+
+
+def _first_difference(a: object, b: object, prefix: str = "") -> str | None:
+    """The first field (dotted) where two args dataclasses differ, or None."""
+    for f in dataclasses.fields(a):  # type: ignore[arg-type]
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if dataclasses.is_dataclass(x):
+            found = _first_difference(x, y, f"{prefix}{f.name}.")
+            if found:
+                return found
+        elif x != y:
+            return f"{prefix}{f.name}: {x!r} vs {y!r}"
+    return None
+
+
+def hf_sources(cfg: JobConfig) -> list[tuple[str, Path]]:
+    """(config key, path) of every Hugging Face source the config names."""
+    m = cfg.model
+    keys = ("hf_path", "hf_vision_path", "hf_text_path")
+    return [(f"model.{k}", Path(getattr(m, k))) for k in keys if getattr(m, k)]
+
+
+def llava_args(cfg: JobConfig) -> VLMArgs:
+    """The architecture the config asks for (module docstring), with model.image_attention."""
+    m = cfg.model
+    if m.hf_path and (m.hf_vision_path or m.hf_text_path):
+        raise ConfigError(
+            "model.hf_path is a whole model folder: leave model.hf_vision_path / hf_text_path empty"
+        )
+    if m.hf_path:
+        path = config_path(Path(m.hf_path))
+        from_hf = args_from_hf_config(read_json(path, "model.hf_path"), str(path))
+    elif m.hf_vision_path or m.hf_text_path:
+        if not (m.hf_vision_path and m.hf_text_path) and m.flavor == "hf":
+            raise ConfigError(
+                "model.flavor='hf' with separate towers needs both model.hf_vision_path and "
+                "model.hf_text_path"
+            )
+        vision = text = None
+        if m.hf_vision_path:
+            path = config_path(Path(m.hf_vision_path))
+            vision = vision_args_from_hf(read_json(path, "model.hf_vision_path"), str(path))
+        if m.hf_text_path:
+            path = config_path(Path(m.hf_text_path))
+            text = text_args_from_hf(read_json(path, "model.hf_text_path"), str(path))
+        base = get_flavor(m.flavor) if m.flavor != "hf" else VLMArgs()
+        from_hf = dataclasses.replace(
+            base, vision=vision or base.vision, decoder=text or base.decoder
+        )
+    elif m.flavor == "hf":
+        raise ConfigError("model.flavor='hf' reads the architecture from model.hf_path: set it")
+    else:
+        return dataclasses.replace(get_flavor(m.flavor), image_attention=m.image_attention)
+    if m.flavor != "hf":
+        diff = _first_difference(get_flavor(m.flavor), from_hf)
+        if diff:
+            where = ", ".join(str(p) for _, p in hf_sources(cfg))
+            raise ConfigError(
+                f"model.flavor={m.flavor!r} does not match the config.json of {where} ({diff}); "
+                "set model.flavor = 'hf' to take the architecture from the folder"
+            )
+    return dataclasses.replace(from_hf, image_attention=m.image_attention)
+
+
+def init_rule(args: VLMArgs, name: str, param: torch.Tensor) -> Init:
+    """How each parameter starts from scratch: weights of linear layers and the patch
+    convolution uniform in +-1/sqrt(fan_in) (PyTorch's default), the decoder's matrices
+    normal(0.02) with its residual outputs (wo, w2) at 0.02/sqrt(2 * layers) and its head at
+    dim^-0.5, position embeddings and the class token normal(0.02), norm weights ones, every
+    bias zeros."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "bias":
+        return Init("zeros")
+    if "norm" in name:
+        return Init("ones")
+    if name.startswith("decoder."):
+        if name == "decoder.output.weight":
+            return Init("normal", args.decoder.dim**-0.5)
+        if name.endswith(("wo.weight", "w2.weight")):
+            return Init("normal", 0.02 / math.sqrt(2 * args.decoder.n_layers))
+        return Init("normal", 0.02)
+    if param.ndim < 2:  # position embeddings, class token
+        return Init("normal", 0.02)
+    if name.endswith(("pos_embed", "position_embedding.weight")):
+        return Init("normal", 0.02)
+    return Init("uniform", 1 / math.sqrt(math.prod(param.shape[1:])))
+
+
+def parallelize(model: nn.Module, mesh: Mesh, cfg: JobConfig) -> None:
+    p = cfg.parallelism
+    tp = TPOptions(
+        sequence_parallel=p.enable_sequence_parallel, image_embed_shard=p.image_embed_tp_shard
+    )
+    parallelize_vlm(
+        model,  # type: ignore[arg-type]
+        mesh,
+        cfg.training.mixed_precision,
+        p.cp_vision,
+        cfg.activation_checkpoint.mode,
+        cfg.compile.enable,
+        tp,
+    )
+
+
+LLAVA = ModelSpec(
+    name="llava",
+    args=llava_args,
+    build=VLM,
+    init_rule=init_rule,
+    init_buffers=lambda model: model.init_buffers(),  # type: ignore[operator]
+    hf_names=hf_names,
+    hf_unused=unused_hf_tensors,
+    hf_export_names=export_names,
+    parallelize=parallelize,
+    flops=batch_train_flops,
+)

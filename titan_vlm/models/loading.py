@@ -1,0 +1,126 @@
+"""Fill a model whose parameters are already sharded, each rank writing only its own shards.
+
+The trainer builds the model on the meta device (no memory), applies TP and FSDP (the
+parameters become DTensors whose local pieces are still unallocated), allocates the local
+pieces (`Module.to_empty`), and only then fills them, by one of:
+
+  * `load_hf_shards`: each parameter's local piece is a box (an offset and a shape per dim) of
+    the full tensor; exactly that box is read from the Hugging Face safetensors files. A rank
+    of an FSDP group of N reads about 1/N of the weights, and at no time holds more.
+  * `init_from_seed`: the same box of a tensor drawn from a generator seeded by the job's seed,
+    the parameter's name and the row block (`ROW_BLOCK` rows of dim 0), so every layout, one
+    process or many, starts from the same weights, and a rank draws only the row blocks its
+    piece touches.
+
+Both work on plain tensors too (no FSDP: the box is the whole tensor).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from titan_vlm.errors import ConfigError
+from titan_vlm.models.hf_folder import SafetensorsFiles
+
+ROW_BLOCK = 64  # rows of dim 0 drawn from one seeded generator (init_from_seed)
+
+
+def local_box(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """This rank's piece of `param` and the box of the full tensor it holds."""
+    if not isinstance(param, DTensor):
+        return param, tuple(slice(0, n) for n in param.shape)
+    shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    local = param.to_local()
+    if tuple(local.shape) != tuple(shape):  # never seen; would mean a placement we cannot box
+        raise RuntimeError(
+            f"local piece {tuple(local.shape)} != computed box {tuple(shape)} ({param.placements})"
+        )
+    return local, tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+@torch.no_grad()
+def load_hf_shards(
+    params: dict[str, torch.Tensor], files: SafetensorsFiles, names: dict[str, str], where: str
+) -> int:
+    """Copy each parameter's local box from the file tensor `names[param name]`, whose full
+    shape must be the parameter's (the error names both). Returns the bytes this rank read."""
+    read = 0
+    for ours, theirs in names.items():
+        if theirs not in files.keys():
+            raise ConfigError(f"{where}: tensor '{theirs}' not found (needed for {ours})")
+        param = params[ours]
+        if files.shape(theirs) != tuple(param.shape):
+            raise ConfigError(
+                f"{where}: tensor '{theirs}' has shape {files.shape(theirs)}, {ours} needs "
+                f"{tuple(param.shape)} (check the config.json beside it)"
+            )
+        local, box = local_box(param)
+        if local.numel() == 0:
+            continue
+        piece = files.read(theirs, box)
+        local.copy_(piece.to(local.dtype))
+        read += piece.numel() * piece.element_size()
+    return read
+
+
+@dataclass(frozen=True)
+class Init:
+    """How one parameter starts: "normal" (mean 0, std `scale`), "uniform" (in [-scale, scale]),
+    "ones" or "zeros"."""
+
+    kind: str
+    scale: float = 0.0
+
+
+def _seed(seed: int, name: str, block: int) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}/{block}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _draw(init: Init, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    if init.kind == "normal":
+        return torch.randn(shape, generator=generator) * init.scale
+    if init.kind == "uniform":
+        return (torch.rand(shape, generator=generator) * 2 - 1) * init.scale
+    if init.kind == "ones":
+        return torch.ones(shape)
+    if init.kind == "zeros":
+        return torch.zeros(shape)
+    raise ValueError(f"unknown init kind {init.kind!r}")
+
+
+@torch.no_grad()
+def init_from_seed(model: nn.Module, seed: int, rule: Callable[[str, torch.Tensor], Init]) -> None:
+    """Every parameter from `rule(name, param)`, drawn in row blocks seeded by (seed, name,
+    block): the values of a row do not depend on which rank holds it (module docstring)."""
+    for name, param in model.named_parameters():
+        init = rule(name, param)
+        local, box = local_box(param)
+        if local.numel() == 0:
+            continue
+        if init.kind in ("ones", "zeros"):
+            local.fill_(1.0 if init.kind == "ones" else 0.0)
+            continue
+        full = tuple(param.shape)
+        if not full:  # a scalar: one block
+            local.copy_(_draw(init, (), torch.Generator().manual_seed(_seed(seed, name, 0))))
+            continue
+        rows = box[0]
+        first, last = rows.start // ROW_BLOCK, math.ceil(rows.stop / ROW_BLOCK)
+        blocks = []
+        for b in range(first, last):
+            n = min(ROW_BLOCK, full[0] - b * ROW_BLOCK)
+            gen = torch.Generator().manual_seed(_seed(seed, name, b))
+            blocks.append(_draw(init, (n, *full[1:]), gen))
+        drawn = torch.cat(blocks)[rows.start - first * ROW_BLOCK : rows.stop - first * ROW_BLOCK]
+        local.copy_(drawn[(slice(None), *box[1:])].to(local.dtype))

@@ -1,0 +1,48 @@
+"""The model-family boundary, in the spirit of torchtitan's TrainSpec.
+
+A family (today: "llava", a vision tower + projector feeding a decoder) supplies everything the
+trainer, the parallelisms and the checkpoint code need to know about its modules; they call
+this interface and never reach into module names:
+
+    args        the architecture, from a built-in flavor or a Hugging Face config.json (its
+                validation: what the modules cannot express is a one-line ConfigError)
+    build       the nn.Module (on whatever device is current: the trainer uses meta)
+    init_rule   how each parameter starts when training from scratch (models/loading.py)
+    init_buffers  recompute non-persistent buffers (RoPE tables) after `to_empty`
+    hf_names / hf_unused / hf_export_names
+                the Hugging Face state-dict adapter, both directions
+    parallelize TP, activation checkpointing, compile and FSDP, applied from outside
+    flops       model FLOPs of a batch
+
+The next family (say Qwen2-VL) is a new module with its own `ModelSpec`, added to the one
+registry, `models/registry.py`, which `model.name` chooses from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    from titan_vlm.config import JobConfig
+    from titan_vlm.data.batch import Batch
+    from titan_vlm.models.loading import Init
+    from titan_vlm.parallel_dims import Mesh
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    args: Callable[[JobConfig], Any]
+    build: Callable[[Any], nn.Module]
+    init_rule: Callable[[Any, str, torch.Tensor], Init]
+    init_buffers: Callable[[nn.Module], None]
+    hf_names: Callable[[Any, set[str]], dict[str, str]]
+    hf_unused: Callable[[Any, set[str]], dict[str, str]]
+    hf_export_names: Callable[[Any, str], dict[str, str]]
+    parallelize: Callable[[nn.Module, Mesh, JobConfig], None]
+    flops: Callable[[Any, Batch], float]
