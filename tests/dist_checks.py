@@ -333,3 +333,19 @@ def mismatched_batches(cp: int = 2) -> str:
     except RuntimeError as e:
         return str(e)
     return "no error"
+
+
+def built_weights(dp_shard: int, cp: int, tp: int = 1, **overrides) -> dict[str, torch.Tensor]:
+    """The trainer's model (models/build.py: meta, parallelize, each rank fills its own shards)
+    on a test mesh, gathered whole; overrides are section__key=value."""
+    from titan_vlm.models.build import build_model
+    from titan_vlm.models.registry import get_model_spec
+
+    cfg = JobConfig()
+    for dotted, value in overrides.items():
+        section, key = dotted.split("__")
+        setattr(getattr(cfg, section), key, value)
+    model, _ = build_model(
+        get_model_spec(cfg.model.name), cfg, make_mesh(dp_shard, cp, 1, tp), torch.device("cpu")
+    )
+    return {n: _full(p.detach()).clone() for n, p in model.named_parameters()}

@@ -138,8 +138,7 @@ def load_model_for_inference(path: str | Path) -> tuple[torch.nn.Module, JobConf
     """A whole (unsharded) model from a checkpoint folder or step dir, in one process, no
     process group: DCP assembles every shard into plain tensors."""
     from titan_vlm.config import load_config
-    from titan_vlm.models.flavors import model_args
-    from titan_vlm.models.vlm import VLM
+    from titan_vlm.models.registry import get_model_spec
 
     step_dir = latest_step_dir(Path(path))
     if step_dir is None:
@@ -152,14 +151,11 @@ def load_model_for_inference(path: str | Path) -> tuple[torch.nn.Module, JobConf
         [f"--model.{k}={v}" for k, v in saved["model"].items()]
         + [f"--data.dataset={saved['data']['dataset']}"]
     )
-    model = VLM(
-        model_args(
-            cfg.model.flavor,
-            cfg.model.image_attention,
-            cfg.model.hf_vision_path,
-            cfg.model.hf_text_path,
-        )
-    )
+    spec = get_model_spec(cfg.model.name)
+    with torch.device("meta"):
+        model = spec.build(spec.args(cfg))
+    model.to_empty(device="cpu")
+    spec.init_buffers(model)
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # one process without a process group is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -175,14 +171,34 @@ def export_safetensors(path: str | Path, out: str | Path) -> None:
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out))
 
 
-def main() -> None:
-    if len(sys.argv) != 4 or sys.argv[1] != "--export":
-        sys.exit(
-            "usage: python -m titan_vlm.checkpoint --export <checkpoint dir or step dir> "
-            "<out.safetensors>"
-        )
-    export_safetensors(sys.argv[2], sys.argv[3])
-    print(f"wrote {sys.argv[3]}")
+USAGE = """usage: python -m titan_vlm.checkpoint --export <checkpoint> <out.safetensors>
+       python -m titan_vlm.checkpoint --export-hf <checkpoint> <out folder> [--max-shard-gb G]
+<checkpoint>: a checkpoint folder (with 'latest') or a step-N folder.
+--export     the whole model under titan_vlm's own names, one safetensors file
+--export-hf  a Hugging Face folder in the format of the one training started from
+             (model.hf_path), which transformers' from_pretrained loads"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    from titan_vlm.models.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf
+
+    args = sys.argv[1:] if argv is None else argv
+    max_bytes = DEFAULT_MAX_SHARD_BYTES
+    if len(args) == 5 and args[3] == "--max-shard-gb":
+        max_bytes = int(float(args[4]) * 2**30)
+        args = args[:3]
+    if len(args) != 3 or args[0] not in ("--export", "--export-hf"):
+        sys.exit(USAGE)
+    try:
+        if args[0] == "--export":
+            export_safetensors(args[1], args[2])
+        else:
+            model, cfg = load_model_for_inference(args[1])
+            files = export_hf(model, cfg, Path(args[2]), max_bytes)
+            print(f"wrote {len(files)} safetensors file(s) and the source folder's other files")
+    except (ConfigError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    print(f"wrote {args[2]}")
 
 
 if __name__ == "__main__":

@@ -26,23 +26,27 @@ else:  # pragma: no cover
 class Job:
     dump_folder: str = "outputs"  # TensorBoard logs (tb/) and metrics.jsonl go here
     description: str = ""
-    max_restarts: int = (
-        0  # torchrun restarts a failed job this often; it resumes from the latest checkpoint
-    )
+    # torchrun restarts a failed job this often; it resumes from the latest checkpoint
+    max_restarts: int = 0
 
 
 @dataclass
 class Model:
-    flavor: str = "debug"  # see titan_vlm/models/flavors.py
+    # the model family (titan_vlm/models/registry.py): "llava" (a ViT + projector + decoder)
+    name: str = "llava"
+    # a built-in flavor (titan_vlm/models/flavors.py), or "hf": the architecture of model.hf_path
+    flavor: str = "debug"
+    # a Hugging Face model folder (config.json, safetensors, tokenizer, processor settings) to
+    # start from: its weights, tokenizer, chat template and image preprocessing
+    hf_path: str = ""
     attention_kernel: str = "auto"  # auto | cpu_flash | cuda_flash | cuda_efficient | cuda_cudnn
-    hf_vision_path: str = (
-        ""  # SigLIP-style vision tower (+ LLaVA projector) safetensors to start from
-    )
-    hf_text_path: str = ""  # Llama/Qwen-style decoder safetensors to start from
+    # separate towers instead of model.hf_path: a CLIP/SigLIP vision model (+ LLaVA projector)
+    # and a Llama/Mistral/Qwen decoder, each a folder or a .safetensors file beside its config.json
+    hf_vision_path: str = ""
+    hf_text_path: str = ""
     tokenizer_path: str = ""  # a Hugging Face tokenizer.json; "" is the built-in byte tokenizer
-    image_attention: str = (
-        "causal"  # tokens of one image see each other: "causal" | "bidirectional"
-    )
+    # tokens of one image see each other: "causal" | "bidirectional"
+    image_attention: str = "causal"
 
 
 @dataclass

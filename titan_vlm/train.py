@@ -29,9 +29,9 @@ from titan_vlm.data.batch import IGNORE_INDEX, Batch
 from titan_vlm.data.tokenizer import build_tokenizer
 from titan_vlm.layout import SeqLayout
 from titan_vlm.metrics import MetricsLogger, peak_memory_gib
-from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM, batch_train_flops, param_counts
-from titan_vlm.models.flavors import model_args
-from titan_vlm.models.hf_weights import load_hf_weights
+from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM, param_counts
+from titan_vlm.models.build import build_model
+from titan_vlm.models.registry import get_model_spec
 from titan_vlm.models.vlm import VLM
 from titan_vlm.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from titan_vlm.parallel.context_parallel import (
@@ -40,7 +40,6 @@ from titan_vlm.parallel.context_parallel import (
     shard_batch,
     sync_broadcast_vision_grads,
 )
-from titan_vlm.parallel.parallelize import parallelize_vlm
 from titan_vlm.parallel.tensor_parallel import TPOptions, gather_image_embeds_over_tp
 from titan_vlm.parallel_dims import Mesh, ParallelDims
 
@@ -230,32 +229,8 @@ def run_training(
     """The training loop on an existing mesh. Returns the metrics of the steps it ran.
     `stop_after` ends the run after that step as a crash would (tests of resuming)."""
     t = cfg.training
-    args = model_args(
-        cfg.model.flavor,
-        cfg.model.image_attention,
-        cfg.model.hf_vision_path,
-        cfg.model.hf_text_path,
-    )
+    spec = get_model_spec(cfg.model.name)
     use_kernel(cfg.model.attention_kernel)
-    torch.manual_seed(t.seed)  # identical initial weights on every rank, before sharding
-    model = VLM(args)
-    if cfg.model.hf_vision_path or cfg.model.hf_text_path:
-        loaded = load_hf_weights(model, cfg.model.hf_vision_path, cfg.model.hf_text_path)
-        logger.info(
-            "loaded %d tensors from %s",
-            len(loaded),
-            " and ".join(p for p in (cfg.model.hf_vision_path, cfg.model.hf_text_path) if p),
-        )
-    model = model.to(device)
-    counts = param_counts(model)
-    logger.info(
-        "model %s: %s parameters (vision %s, projector %s, decoder %s)",
-        cfg.model.flavor,
-        f"{sum(counts.values()):,}",
-        f"{counts['vision']:,}",
-        f"{counts['projector']:,}",
-        f"{counts['decoder']:,}",
-    )
     p = cfg.parallelism
     cp = CPOptions(comm_type=p.cp_comm_type, vision=p.cp_vision)
     dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
@@ -274,14 +249,16 @@ def run_training(
             "on" if tp.sequence_parallel else "off",
             "sharded along the hidden dim" if tp.image_embed_shard else "replicated",
         )
-    parallelize_vlm(
-        model,
-        mesh,
-        t.mixed_precision,
-        cp.vision,
-        cfg.activation_checkpoint.mode,
-        cfg.compile.enable,
-        tp,
+    # built on the meta device, sharded, then each rank fills only its own shards
+    model, args = build_model(spec, cfg, mesh, device)
+    counts = param_counts(model)
+    logger.info(
+        "model %s: %s parameters (vision %s, projector %s, decoder %s)",
+        cfg.model.hf_path or cfg.model.flavor,
+        f"{sum(counts.values()):,}",
+        f"{counts['vision']:,}",
+        f"{counts['projector']:,}",
+        f"{counts['decoder']:,}",
     )
     vision_shards = mesh.shards(mesh.fsdp_no_cp if cp.vision == "broadcast" else mesh.fsdp)
     decoder_shards = mesh.shards(mesh.fsdp)
@@ -379,7 +356,7 @@ def run_training(
         batch = data.batch(step - 1, dp_rank, dp, t.local_batch_size)
         # The global batch's model FLOPs and dropped samples: one all-reduce (exact as float64).
         sums = torch.tensor(
-            [batch_train_flops(args, batch), data.dropped - dropped_before],
+            [spec.flops(args, batch), data.dropped - dropped_before],
             dtype=torch.float64,
             device=device,
         )

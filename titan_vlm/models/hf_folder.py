@@ -22,6 +22,7 @@ from titan_vlm.errors import ConfigError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 def read_json(path: Path, key: str) -> dict[str, Any]:
@@ -105,6 +106,12 @@ class SafetensorsFiles:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        code = self._handles[self._where[name]].get_slice(name).get_dtype()
+        if code not in DTYPES:
+            raise ConfigError(f"{self.key}: tensor '{name}' has dtype {code}, not a float type")
+        return DTYPES[code]
 
     def read(self, name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
         """Tensor `name`, or only its `box` (one slice per dim): the bytes of that box are all

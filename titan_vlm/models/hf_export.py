@@ -1,0 +1,118 @@
+"""Hugging Face folders in and out of one process: inference from a folder, export to a folder.
+
+    python -m titan_vlm.checkpoint --export-hf <checkpoint folder or step dir> <out folder>
+
+writes the trained model in its source folder's format (model.hf_path): the same tensor names
+(the adapter's, in the key style the source used), each in the source tensor's dtype, sharded as
+`model-0000k-of-0000n.safetensors` + `model.safetensors.index.json` above `max_shard_bytes`;
+tensors the model does not use (vision layers past vision_feature_layer, SigLIP's head, ...)
+are copied from the source unchanged, and every other file of the source folder (config.json,
+generation_config.json, tokenizer, chat template, processor settings) is copied as it is, since
+training changes no shape. `from_pretrained` on the result finds no missing or unexpected
+tensor; tied embeddings stay tied (one tensor, under the embedding's name).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from titan_vlm.config import JobConfig
+from titan_vlm.errors import ConfigError
+from titan_vlm.models.build import load_hf
+from titan_vlm.models.hf_folder import INDEX, SINGLE, SafetensorsFiles, weight_files
+from titan_vlm.models.registry import get_model_spec
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
+
+
+def hf_config(hf_path: str, image_attention: str = "causal") -> JobConfig:
+    """The JobConfig of a model taken whole from a Hugging Face folder."""
+    cfg = JobConfig()
+    cfg.model.flavor = "hf"
+    cfg.model.hf_path = hf_path
+    cfg.model.image_attention = image_attention
+    return cfg
+
+
+def load_hf_model(cfg: JobConfig) -> tuple[nn.Module, Any]:
+    """The whole model of `cfg`'s Hugging Face sources in this process (no process group):
+    built on meta, allocated on the CPU, filled from the files."""
+    spec = get_model_spec(cfg.model.name)
+    args = spec.args(cfg)
+    with torch.device("meta"):
+        model = spec.build(args)
+    model.to_empty(device="cpu")
+    spec.init_buffers(model)
+    load_hf(model, spec, args, cfg)
+    return model.eval(), args
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Tensors in name order, a new shard whenever the next would pass `max_bytes`."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    return shards
+
+
+def export_hf(
+    model: nn.Module,
+    cfg: JobConfig,
+    out: Path,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[Path]:
+    """Write `model` (whole, trained from cfg.model.hf_path) as a Hugging Face folder `out`.
+    Returns the weight files written."""
+    from safetensors.torch import save_file
+
+    if not cfg.model.hf_path:
+        raise ConfigError(
+            "--export-hf writes the format of the folder a model started from (model.hf_path); "
+            "this model has none: use --export for titan_vlm's own names"
+        )
+    source = Path(cfg.model.hf_path)
+    spec = get_model_spec(cfg.model.name)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    tensors: dict[str, torch.Tensor] = {}
+    with SafetensorsFiles(weight_files(source, "model.hf_path"), "model.hf_path") as st:
+        keys = st.keys()
+        names = spec.hf_names(model.args, keys)  # type: ignore[arg-type]
+        for ours, theirs in names.items():
+            if ours in params:
+                tensors[theirs] = params[ours].to(st.dtype(theirs)).contiguous()
+        for theirs in spec.hf_unused(model.args, keys):  # type: ignore[arg-type]
+            if theirs not in tensors:
+                tensors[theirs] = st.read(theirs)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in (*out.glob("*.safetensors"), out / INDEX):
+        old.unlink(missing_ok=True)  # a previous export's shards would mix with this one's
+    for item in source.iterdir():
+        if item.is_file() and item.suffix != ".safetensors" and item.name != INDEX:
+            shutil.copy2(item, out / item.name)
+    shards = _shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        files = [out / SINGLE]
+    else:
+        n = len(shards)
+        files = [out / f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for path, shard in zip(files, shards):
+        save_file(shard, str(path), metadata={"format": "pt"})
+    if len(files) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+            "weight_map": {name: path.name for path, s in zip(files, shards) for name in s},
+        }
+        (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return files
