@@ -1,4 +1,6 @@
-"""Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+"""Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU; with the right
+DecoderArgs exactly transformers' Llama, Mistral, Qwen2 or Qwen3 (biases, q/k norms, an explicit
+head_dim, RoPE scaling, tied embeddings).
 
 It takes the row's image embeddings (already projected to its width) and its text tokens and
 runs them as one sequence `[image tokens, text tokens]`; where each local token sits in the row
@@ -7,19 +9,26 @@ comes from the `SeqLayout`, so the same code runs unsharded and context-parallel
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from titan_vlm.attention import SeqLayout, attention
-from titan_vlm.models.flavors import DecoderArgs
+from titan_vlm.models.flavors import DecoderArgs, Rope
 
 
 class RMSNorm(nn.Module):
+    """Normalises the last dim (computed in fp32), then scales by `weight` [dim]."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -28,8 +37,32 @@ class RMSNorm(nn.Module):
         ) * self.weight
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def inv_frequencies(head_dim: int, theta: float, rope: Rope) -> torch.Tensor:
+    """RoPE's inverse frequencies [head_dim / 2] (float64), scaled as transformers'
+    modeling_rope_utils scales them for rope types "default", "linear" and "llama3"."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if rope.type == "linear":
+        return inv_freq / rope.factor
+    if rope.type == "llama3":
+        old_len = rope.original_max_position_embeddings
+        low_freq_wavelen = old_len / rope.low_freq_factor
+        high_freq_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_tables(
+    head_dim: int, max_len: int, theta: float, rope: Rope
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_len, head_dim] (fp32, computed in float64) for each position."""
+    inv_freq = inv_frequencies(head_dim, theta, rope)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
@@ -43,21 +76,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    """Grouped-query attention. Biases: `qkv_bias` on wq/wk/wv, `o_bias` on wo. `qk_norm`: an
+    RMSNorm over head_dim (one weight shared by the heads, q_norm / k_norm) on every query and key
+    head before RoPE (Qwen3)."""
+
     def __init__(self, a: DecoderArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
-        self.wq = nn.Linear(a.dim, a.n_heads * a.head_dim, bias=False)
-        self.wk = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
-        self.wv = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
-        self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
+        self.wq = nn.Linear(a.dim, a.n_heads * a.head_dim, bias=a.qkv_bias)
+        self.wk = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.wv = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=a.o_bias)
+        self.qk_norm = a.qk_norm
+        if a.qk_norm:
+            self.q_norm = RMSNorm(a.head_dim, a.norm_eps)
+            self.k_norm = RMSNorm(a.head_dim, a.norm_eps)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: SeqLayout
     ) -> torch.Tensor:
         b, n, _ = x.shape
-        q = self.wq(x).view(b, n, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, n, -1, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(b, n, -1, self.head_dim)
+        k = self.wk(x).view(b, n, -1, self.head_dim)
         v = self.wv(x).view(b, n, -1, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention(q, k, v, layout)
         return self.wo(out.transpose(1, 2).reshape(b, n, -1))
@@ -66,9 +110,9 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, a: DecoderArgs):
         super().__init__()
-        self.w1 = nn.Linear(a.dim, a.ffn_dim, bias=False)
-        self.w3 = nn.Linear(a.dim, a.ffn_dim, bias=False)
-        self.w2 = nn.Linear(a.ffn_dim, a.dim, bias=False)
+        self.w1 = nn.Linear(a.dim, a.ffn_dim, bias=a.mlp_bias)
+        self.w3 = nn.Linear(a.dim, a.ffn_dim, bias=a.mlp_bias)
+        self.w2 = nn.Linear(a.ffn_dim, a.dim, bias=a.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -90,19 +134,36 @@ class DecoderBlock(nn.Module):
 
 
 class Decoder(nn.Module):
+    """tok_embeddings -> blocks -> norm -> output. With `tie_embeddings` the output head's weight
+    IS the embedding table (one Parameter: named_parameters lists it once, as
+    tok_embeddings.weight, and training keeps the two equal)."""
+
     def __init__(self, a: DecoderArgs):
         super().__init__()
         self.args = a
         self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
         self.layers = nn.ModuleList(DecoderBlock(a) for _ in range(a.n_layers))
         self.norm = RMSNorm(a.dim, a.norm_eps)
-        self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
-        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights()
+        if a.tie_embeddings:
+            self.output = nn.Linear(a.dim, a.vocab_size, bias=False, device="meta")
+            self.output.weight = self.tok_embeddings.weight
+        else:
+            self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self._init_rope()
+        self._init_own_weights()
 
-    def init_weights(self) -> None:
+    def _init_rope(self) -> None:
+        a = self.args
+        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a.rope)
+        device = self.rope_cos.device
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+
+    @torch.no_grad()
+    def _init_own_weights(self) -> None:
+        """The decoder's initialisation over the modules' defaults: normal weights, residual
+        projections scaled by depth, zero biases."""
         nn.init.normal_(self.tok_embeddings.weight, std=0.02)
         out_std = 0.02 / (2 * self.args.n_layers) ** 0.5  # residual projections scaled by depth
         for name, p in self.named_parameters():
@@ -110,7 +171,23 @@ class Decoder(nn.Module):
                 nn.init.normal_(p, std=0.02)
             elif name.endswith(("wo.weight", "w2.weight")):
                 nn.init.normal_(p, std=out_std)
-        nn.init.normal_(self.output.weight, std=self.args.dim**-0.5)
+            elif name.startswith("layers.") and name.endswith(".bias"):
+                nn.init.zeros_(p)
+        if not self.args.tie_embeddings:
+            nn.init.normal_(self.output.weight, std=self.args.dim**-0.5)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Re-initialise every parameter and the RoPE tables in place, drawing from the random
+        generator in the order construction does: after the same seed, a model built on the meta
+        device and materialised (to_empty) gets the weights a model built on the CPU has."""
+        for m in self.modules():
+            if m is self.output and self.args.tie_embeddings:
+                continue  # the embedding's weight: construction drew nothing for it here
+            if isinstance(m, (nn.Embedding, nn.Linear, RMSNorm)):
+                m.reset_parameters()
+        self._init_rope()
+        self._init_own_weights()
 
     def forward(
         self, tokens: torch.Tensor, image_embeds: torch.Tensor | None, layout: SeqLayout

@@ -1,33 +1,107 @@
 """Model shapes. `debug` trains in well under a second a step on a CPU; `llava7b` is shaped like
 LLaVA-1.5-7B (CLIP ViT-L/14 at 336 px, a 2-layer MLP projector, a Llama-2-7B decoder) and is used
-for FLOP and memory accounting (build it on the meta device)."""
+for FLOP and memory accounting (build it on the meta device).
+
+The args also express the published Hugging Face families exactly (models/hf_config.py reads
+them from config.json): CLIP and SigLIP towers cut at LLaVA's `vision_feature_layer`, LLaVA's
+projector, and Llama / Mistral / Qwen2 / Qwen3 decoders. The defaults are the built-in flavors'
+architecture (a SigLIP-like tower, every layer, then its final norm; a bias-free Llama decoder).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
 from titan_vlm.config import ConfigError
+from titan_vlm.models.activations import ACT_FNS
+
+# Activations by their Hugging Face names (`hidden_act`, `projector_hidden_act`).
+ACTIVATIONS = tuple(ACT_FNS)
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
 class ViTArgs:
+    """The vision tower. Its output is the features the projector takes: `tokens_per_image`
+    vectors per image.
+
+    Invariants: the sequence is [class token (class_token)] + one token per patch, with learned
+    positions for each; `pre_norm` (CLIP's pre_layrnorm) runs on the embeddings; only `n_layers`
+    blocks are built and run (a LLaVA model cut at `vision_feature_layer` has fewer than its source
+    tower's `source_layers`); `post_norm` (SigLIP's post_layernorm, the built-in flavors' final
+    norm) runs after the last block; `drop_first` then drops position 0 (LLaVA's
+    vision_feature_select_strategy "default", whatever the tower)."""
+
     image_size: int = 32
     patch_size: int = 8
     channels: int = 3
     dim: int = 64
-    n_layers: int = 2
+    n_layers: int = 2  # blocks built and run
     n_heads: int = 4
     mlp_dim: int = 256
     norm_eps: float = 1e-5
-    act: str = "gelu"  # the MLP's GELU: "gelu" (exact) or "gelu_tanh" (SigLIP's gelu_pytorch_tanh)
+    act: str = "gelu"  # the MLP's activation, one of ACTIVATIONS (SigLIP: gelu_pytorch_tanh)
+    patch_bias: bool = True  # the patch convolution's bias (CLIP has none)
+    class_token: bool = False  # CLIP's class_embedding, prepended before the positions are added
+    pre_norm: bool = False  # CLIP's pre_layrnorm on the embeddings
+    post_norm: bool = True  # a final LayerNorm after the last block (LLaVA never applies one)
+    drop_first: bool = False  # drop position 0 of the output (vision_feature_select_strategy)
+    source_layers: int = 0  # blocks of the source checkpoint's tower; 0: n_layers
+
+    def __post_init__(self) -> None:
+        if self.act not in ACTIVATIONS:
+            raise ConfigError(
+                f"ViT act {self.act!r} is not supported (supported: {', '.join(ACTIVATIONS)})"
+            )
+        if self.source_layers == 0:
+            object.__setattr__(self, "source_layers", self.n_layers)
+        if self.source_layers < self.n_layers:
+            raise ConfigError(
+                f"ViT n_layers={self.n_layers} is more than source_layers={self.source_layers}"
+            )
 
     @property
     def num_patches(self) -> int:
         return (self.image_size // self.patch_size) ** 2
 
+    @property
+    def num_positions(self) -> int:
+        """Rows of the position embedding: the patches and the class token."""
+        return self.num_patches + int(self.class_token)
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.num_positions - int(self.drop_first)
+
+
+@dataclass(frozen=True)
+class Rope:
+    """RoPE frequency scaling as transformers computes it (modeling_rope_utils): "default" (none),
+    "linear" (inv_freq / factor) or "llama3" (Llama 3.1's smooth by-wavelength scaling, which uses
+    the other three fields)."""
+
+    type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.type not in ROPE_TYPES:
+            raise ConfigError(
+                f"rope type {self.type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+            )
+
 
 @dataclass(frozen=True)
 class DecoderArgs:
+    """A Llama-style decoder (RMSNorm, RoPE in the rotate-half layout, grouped-query attention,
+    SwiGLU). Qwen2 is `qkv_bias`, Qwen3 `qk_norm` (RMSNorm over head_dim on every query and key
+    head before RoPE), Llama's attention_bias is `qkv_bias` and `o_bias`.
+
+    `head_dim` left at 0 becomes dim // n_heads at construction (replace() keeps the resolved
+    value: give head_dim again when changing dim or n_heads)."""
+
     dim: int = 128
     n_layers: int = 3
     n_heads: int = 4
@@ -37,10 +111,17 @@ class DecoderArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     max_seq_len: int = 65536  # RoPE table length: the longest row the model can see
+    head_dim: int = 0
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False  # on w1, w2 and w3
+    qk_norm: bool = False
+    rope: Rope = field(default_factory=Rope)
+    tie_embeddings: bool = False  # the output head is the embedding table (one Parameter)
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
 
 
 @dataclass(frozen=True)
@@ -50,11 +131,23 @@ class VLMArgs:
     # How the tokens of one image see each other in the decoder: "causal" (in slot order, like
     # any token) or "bidirectional" (all of them). Text is causal either way (layout.py).
     image_attention: str = "causal"
+    projector_act: str = "gelu"  # between the projector's two linears, one of ACTIVATIONS
+    projector_bias: bool = True
+    # The token id that stands for one image slot in a Hugging Face model's prompts (LLaVA's
+    # image_token_index); None for the built-in flavors, whose data marks image slots itself.
+    image_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.projector_act not in ACTIVATIONS:
+            raise ConfigError(
+                f"projector act {self.projector_act!r} is not supported "
+                f"(supported: {', '.join(ACTIVATIONS)})"
+            )
 
     @property
     def tokens_per_image(self) -> int:
-        """Tokens one image occupies in the decoder's sequence (one per ViT patch)."""
-        return self.vision.num_patches
+        """Tokens one image occupies in the decoder's sequence (the ViT's output positions)."""
+        return self.vision.tokens_per_image
 
 
 FLAVORS: dict[str, VLMArgs] = {

@@ -141,7 +141,7 @@ def hf_flavor(vision_path: str, text_path: str) -> VLMArgs:
         n_heads=need(v, v_path, "num_attention_heads"),
         mlp_dim=need(v, v_path, "intermediate_size"),
         norm_eps=v.get("layer_norm_eps", 1e-6),
-        act="gelu_tanh" if act == "gelu_pytorch_tanh" else "gelu",
+        act=act,
     )
     decoder = DecoderArgs(
         dim=dim,
@@ -186,8 +186,6 @@ def load_hf_weights(
                 raise ConfigError(f"{path}: tensor '{theirs}' not found (needed for {ours})")
             value = hf[theirs]
             target = params[ours]
-            if ours == "vision.pos_embed":
-                value = value.unsqueeze(0)  # HF: an Embedding table [patches, dim]
             if value.shape != target.shape:
                 raise ConfigError(
                     f"{path}: tensor '{theirs}' has shape {tuple(value.shape)}, "
@@ -210,5 +208,5 @@ def save_hf_weights(model: torch.nn.Module, vision_path: str, text_path: str) ->
         out = {}
         for ours, theirs in names.items():
             value = params[ours].detach()
-            out[theirs] = (value.squeeze(0) if ours == "vision.pos_embed" else value).contiguous()
+            out[theirs] = value.contiguous()
         save_file(out, path)

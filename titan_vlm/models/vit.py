@@ -1,20 +1,22 @@
 """Vision transformer: patch embedding, learned positions, pre-norm blocks, bidirectional
-attention."""
+attention. With the right ViTArgs it is a SigLIP or a CLIP vision tower as LLaVA uses it (the
+features of `hidden_states[vision_feature_layer]`)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from titan_vlm.attention import attention
+from titan_vlm.models.activations import ACT_FNS
 from titan_vlm.models.flavors import ViTArgs
 
 
 class ViTAttention(nn.Module):
-    """Separate q/k/v projections (as SigLIP's q_proj/k_proj/v_proj): a fused [3*dim] output
-    split column-wise would give a tensor-parallel rank a mix of q and k columns, while separate
-    ones split cleanly into whole heads per rank. Head counts are inferred (-1): the local count."""
+    """Separate q/k/v projections (as SigLIP's and CLIP's q_proj/k_proj/v_proj): a fused [3*dim]
+    output split column-wise would give a tensor-parallel rank a mix of q and k columns, while
+    separate ones split cleanly into whole heads per rank. Head counts are inferred (-1): the
+    local count."""
 
     def __init__(self, a: ViTArgs):
         super().__init__()
@@ -38,7 +40,7 @@ class ViTAttention(nn.Module):
 class ViTBlock(nn.Module):
     def __init__(self, a: ViTArgs):
         super().__init__()
-        self.approximate = "tanh" if a.act == "gelu_tanh" else "none"  # SigLIP uses the tanh form
+        self.act = ACT_FNS[a.act]
         self.norm1 = nn.LayerNorm(a.dim, eps=a.norm_eps)
         self.attn = ViTAttention(a)
         self.norm2 = nn.LayerNorm(a.dim, eps=a.norm_eps)
@@ -47,25 +49,57 @@ class ViTBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate=self.approximate))
+        return x + self.fc2(self.act(self.fc1(self.norm2(x))))
 
 
 class ViT(nn.Module):
-    """images [n, C, H, W] -> patch features [n, num_patches, dim]."""
+    """images [n, C, H, W] -> features [n, tokens_per_image, dim].
+
+    embeddings = patches (+ class token in front) + pos_embed [num_positions, dim] -> pre_norm ->
+    the `n_layers` blocks -> norm (post_norm) -> position 0 dropped (drop_first). Parameters
+    (class_embedding [dim], pos_embed [positions, dim]) have the Hugging Face tensors' shapes;
+    `pre_norm` and `norm` exist only when the args ask for them."""
 
     def __init__(self, a: ViTArgs):
         super().__init__()
         self.args = a
         self.patch_embed = nn.Conv2d(
-            a.channels, a.dim, kernel_size=a.patch_size, stride=a.patch_size
+            a.channels, a.dim, kernel_size=a.patch_size, stride=a.patch_size, bias=a.patch_bias
         )
-        self.pos_embed = nn.Parameter(torch.zeros(1, a.num_patches, a.dim))
+        if a.class_token:
+            self.class_embedding = nn.Parameter(torch.empty(a.dim))
+        self.pos_embed = nn.Parameter(torch.zeros(a.num_positions, a.dim))
+        if a.pre_norm:
+            self.pre_norm = nn.LayerNorm(a.dim, eps=a.norm_eps)
         self.layers = nn.ModuleList(ViTBlock(a) for _ in range(a.n_layers))
-        self.norm = nn.LayerNorm(a.dim, eps=a.norm_eps)
+        if a.post_norm:
+            self.norm = nn.LayerNorm(a.dim, eps=a.norm_eps)
+        self._init_embeddings()
+
+    def _init_embeddings(self) -> None:
         nn.init.normal_(self.pos_embed, std=0.02)
+        if self.args.class_token:
+            nn.init.normal_(self.class_embedding, std=0.02)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Re-initialise every parameter in place, drawing from the random generator in the order
+        construction does: after the same seed, a model built on the meta device and
+        materialised (to_empty) gets the weights a model built on the CPU has."""
+        for m in self.modules():
+            if isinstance(m, (nn.Conv2d, nn.Linear, nn.LayerNorm)):
+                m.reset_parameters()
+        self._init_embeddings()
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = self.patch_embed(images).flatten(2).transpose(1, 2) + self.pos_embed
+        x = self.patch_embed(images).flatten(2).transpose(1, 2)
+        if self.args.class_token:
+            x = torch.cat([self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1), x], dim=1)
+        x = x + self.pos_embed
+        if self.args.pre_norm:
+            x = self.pre_norm(x)
         for layer in self.layers:
             x = layer(x)
-        return self.norm(x)
+        if self.args.post_norm:
+            x = self.norm(x)
+        return x[:, 1:] if self.args.drop_first else x

@@ -4,24 +4,32 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from titan_vlm.layout import SeqLayout
+from titan_vlm.models.activations import ACT_FNS
 from titan_vlm.models.decoder import Decoder
 from titan_vlm.models.flavors import VLMArgs
 from titan_vlm.models.vit import ViT
 
 
 class Projector(nn.Module):
-    """Two-layer MLP from the ViT width to the decoder width (LLaVA-1.5 style)."""
+    """Two-layer MLP from the ViT width to the decoder width (LLaVA's multi_modal_projector:
+    linear_1 -> projector_hidden_act -> linear_2, biases per multimodal_projector_bias)."""
 
-    def __init__(self, vit_dim: int, dim: int):
+    def __init__(self, vit_dim: int, dim: int, act: str = "gelu", bias: bool = True):
         super().__init__()
-        self.fc1 = nn.Linear(vit_dim, dim)
-        self.fc2 = nn.Linear(dim, dim)
+        self.act = ACT_FNS[act]
+        self.fc1 = nn.Linear(vit_dim, dim, bias=bias)
+        self.fc2 = nn.Linear(dim, dim, bias=bias)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Re-initialise in place, drawing from the random generator as construction does."""
+        self.fc1.reset_parameters()
+        self.fc2.reset_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
+        return self.fc2(self.act(self.fc1(x)))
 
 
 class VLM(nn.Module):
@@ -29,8 +37,23 @@ class VLM(nn.Module):
         super().__init__()
         self.args = args
         self.vision = ViT(args.vision)
-        self.projector = Projector(args.vision.dim, args.decoder.dim)
+        self.projector = Projector(
+            args.vision.dim, args.decoder.dim, args.projector_act, args.projector_bias
+        )
         self.decoder = Decoder(args.decoder)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Re-initialise every parameter (and the RoPE tables) in place. It draws from the random
+        generator in the order construction does, so that after the same seed
+
+            with torch.device("meta"): model = VLM(args)
+            model.to_empty(device=...); model.init_weights()
+
+        gives the weights `VLM(args)` gets on the CPU."""
+        self.vision.init_weights()
+        self.projector.init_weights()
+        self.decoder.init_weights()
 
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         """images [n, C, H, W] -> image embeddings [n, tokens_per_image, decoder dim]."""
