@@ -84,7 +84,7 @@ def write_folder(folder: Path, layers: int, dim: int) -> int:
     args = spec.args(cfg)
     with torch.device("meta"):
         model = spec.build(args)
-    names = spec.hf_export_names(args, "llava")
+    names = spec.hf_export_names(args)
     gen = torch.Generator().manual_seed(0)
     tensors = {
         names[n]: (torch.randn(p.shape, generator=gen) * 0.02).to(torch.bfloat16)

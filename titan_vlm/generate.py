@@ -1,96 +1,202 @@
-"""Ask a trained model about an image:
+"""Ask a model about an image, greedily, in one process:
 
     python -m titan_vlm.generate --checkpoint outputs/vlm_cp/checkpoint --image shapes.png \\
         [--prompt "..."]
+    python -m titan_vlm.generate --hf-path <Hugging Face folder> --image cat.png \\
+        --prompt "What is this?" [--raw-prompt] [--max-new-tokens N] [--print-ids]
 
-Greedy decoding, one process, no parallelism. The image is resized to the model's input size
-(data/images.py, as in training). Two prompt formats, as the training data has them
-(`--template`, default auto):
+A model that came from a Hugging Face folder (--hf-path, or a checkpoint trained from
+model.hf_path) is asked as transformers asks it: the folder's image preprocessing, tokenizer and
+chat template (data/hf_processor.py), decoding until one of the folder's end-of-sequence ids
+(generation_config.json, else config.json). `--raw-prompt`: the prompt is tokenized as given
+(the tokenizer's own special tokens, e.g. BOS) and each `<image>` in it becomes the image's
+tokens, as the LLaVA processor does; without it the chat template wraps the prompt. The answer
+then equals transformers' greedy `generate` on the same folder, image and prompt.
+
+A built-in model (the byte tokenizer) is asked in one of two formats, as its training data had
+them (`--template`, default auto):
   caption  the answer continues the prompt after the image, `[image] BOS prompt ...` (the built-in
            data's and a caption record's layout); auto picks it without --prompt or for a model
            trained on the built-in data
-  chat     `BOS USER: [image]\n<prompt> ASSISTANT:` and the answer (data/jsonl.py's chat template,
+  chat     `BOS USER: [image]\\n<prompt> ASSISTANT:` and the answer (data/jsonl.py's chat template,
            LLaVA's layout); auto picks it for a --prompt to a model trained on a .json / .jsonl file
 until EOS or --max-new-tokens.
+
+`--print-ids` prints the generated token ids (the end-of-sequence id included, as transformers'
+output has it), space-separated, as the last line.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
 
 import torch
+import torch.nn as nn
 
 from titan_vlm.data.batch import Part, Sample, collate
+from titan_vlm.data.hf_processor import HFProcessor, chat_prompt
 from titan_vlm.data.images import load_image
 from titan_vlm.data.jsonl import chat_question
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
-from titan_vlm.models.vlm import VLM
+from titan_vlm.errors import ConfigError
 from titan_vlm.parallel.context_parallel import shard_batch
 
 TEMPLATES = ("auto", "caption", "chat")
 
 
 @torch.no_grad()
+def greedy(
+    model: nn.Module,
+    prefix: list[Part],
+    eos: set[int],
+    max_new_tokens: int,
+    pad_id: int,
+    image_id: int | None = None,
+) -> list[int]:
+    """The greedy continuation of `prefix` (text ids and at most one image, data/batch.py parts):
+    its token ids up to and including the first id in `eos`, or `max_new_tokens` of them."""
+    args = model.args  # type: ignore[union-attr]
+    images = [p for p in prefix if isinstance(p, torch.Tensor) and p.ndim == 3]
+    embeds = model.encode_images(torch.stack(images))  # type: ignore[operator]  # computed once
+    tpi, size = args.tokens_per_image, args.vision.image_size
+    out: list[int] = []
+    while len(out) < max_new_tokens:
+        row = Sample(prefix + [list(out)] if out else prefix)
+        batch = collate([[row]], row.num_slots(tpi), tpi, size, pad_id, image_id)
+        tokens, _, layout = shard_batch(
+            batch, None, bidirectional_images=args.image_attention == "bidirectional"
+        )
+        logits = model.decoder(tokens, layout.place_images(embeds), layout)  # type: ignore[operator]
+        out.append(int(logits[0, -1].argmax()))
+        if out[-1] in eos:
+            break
+    return out
+
+
+def ask_builtin(
+    model: nn.Module,
+    image: torch.Tensor,
+    prompt: str,
+    max_new_tokens: int,
+    tok: ByteTokenizer | HFTokenizer,
+    chat: bool,
+) -> tuple[str, list[int]]:
+    """A built-in model's answer and its ids: the greedy continuation of `prompt` after `image`
+    ([3, H, W] in [-1, 1]); `chat`: the answer to `prompt` asked about `image` in the chat
+    template (see the module docstring)."""
+    prefix: list[Part] = (
+        chat_question(image, prompt, tok) if chat else [image, tok.encode(prompt, eos=False)]
+    )
+    ids = greedy(model, prefix, {tok.EOS}, max_new_tokens, tok.PAD)
+    return tok.decode([i for i in ids if i != tok.EOS]), ids
+
+
 def generate(
-    model: VLM,
+    model: nn.Module,
     image: torch.Tensor,
     prompt: str = "",
     max_new_tokens: int = 64,
     tok: ByteTokenizer | HFTokenizer | None = None,
     chat: bool = False,
 ) -> str:
-    """Greedy continuation of `prompt` after `image` ([3, H, W] in [-1, 1]); `chat`: the answer
-    to `prompt` asked about `image` in the chat template (see the module docstring)."""
-    tok = tok or ByteTokenizer()
-    prefix: list[Part] = (
-        chat_question(image, prompt, tok) if chat else [image, tok.encode(prompt, eos=False)]
-    )
-    embeds = model.encode_images(image.unsqueeze(0))  # [1, N, D], computed once
-    tpi = model.args.tokens_per_image
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        row = Sample(prefix + [out] if out else prefix)
-        batch = collate([[row]], row.num_slots(tpi), tpi, image.shape[-1], tok.PAD)
-        tokens, _, layout = shard_batch(
-            batch, None, bidirectional_images=model.args.image_attention == "bidirectional"
-        )
-        logits = model.decoder(tokens, layout.place_images(embeds), layout)
-        nxt = int(logits[0, -1].argmax())
-        if nxt == tok.EOS:
-            break
-        out.append(nxt)
-    return tok.decode(out)
+    """`ask_builtin`'s answer (the byte tokenizer by default)."""
+    return ask_builtin(model, image, prompt, max_new_tokens, tok or ByteTokenizer(), chat)[0]
+
+
+def eos_ids(folder: Path) -> set[int]:
+    """The end-of-sequence ids transformers' generate stops at: generation_config.json's
+    eos_token_id (an id or a list), else config.json's (top level or text_config)."""
+    for name in ("generation_config.json", "config.json"):
+        path = folder / name
+        if not path.is_file():
+            continue
+        cfg = json.loads(path.read_text())
+        value = cfg.get("eos_token_id", cfg.get("text_config", {}).get("eos_token_id"))
+        if value is not None:
+            return set(value) if isinstance(value, list) else {int(value)}
+    raise ConfigError(f"{folder}: no eos_token_id in generation_config.json or config.json")
+
+
+def ask_hf(
+    model: nn.Module,
+    folder: Path,
+    image_path: str,
+    prompt: str,
+    raw: bool,
+    max_new_tokens: int,
+) -> tuple[str, list[int]]:
+    """The answer of a model from a Hugging Face folder, and its token ids (module docstring)."""
+    proc = HFProcessor.from_folder(str(folder))
+    image = proc.preprocess_image(image_path)
+    prefix = proc.prompt_parts(prompt, [image]) if raw else chat_prompt(proc, prompt, image)
+    eos = eos_ids(folder)
+    ids = greedy(model, prefix, eos, max_new_tokens, proc.tokenizer.PAD, proc.image_token_id)
+    return proc.tokenizer.decode([i for i in ids if i not in eos]), ids
 
 
 def main() -> None:
     from titan_vlm.checkpoint import load_model_for_inference
     from titan_vlm.data.tokenizer import build_tokenizer
+    from titan_vlm.models.hf_export import hf_config, load_hf_model
 
-    parser = argparse.ArgumentParser(
-        description="Describe an image with a trained titan_vlm checkpoint."
+    parser = argparse.ArgumentParser(description="Ask a model about an image (greedy decoding).")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--checkpoint", help="a titan_vlm checkpoint folder (with 'latest') or a step-N folder"
     )
-    parser.add_argument(
-        "--checkpoint", required=True, help="checkpoint folder (with 'latest') or a step-N folder"
-    )
+    source.add_argument("--hf-path", help="a Hugging Face model folder (no titan checkpoint)")
     parser.add_argument("--image", required=True)
     parser.add_argument("--prompt", default="")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument(
+        "--raw-prompt",
+        action="store_true",
+        help="Hugging Face models: tokenize the prompt as given, each <image> the image's tokens",
+    )
+    parser.add_argument(
+        "--print-ids", action="store_true", help="print the generated ids as the last line"
+    )
+    parser.add_argument(
         "--template",
         choices=TEMPLATES,
         default="auto",
-        help="prompt format: caption, chat, or auto (chat for a --prompt to a model trained on a "
-        ".json / .jsonl file)",
+        help="built-in models: caption, chat, or auto (chat for a --prompt to a model trained on "
+        "a .json / .jsonl file)",
     )
     opts = parser.parse_args()
-    model, cfg = load_model_for_inference(opts.checkpoint)
-    image = load_image(opts.image, model.args.vision.image_size)
-    tok = build_tokenizer(cfg.model.tokenizer_path)
-    chat = opts.template == "chat" or (
-        opts.template == "auto" and bool(opts.prompt) and cfg.data.dataset != "synthetic"
-    )
-    answer = generate(model, image, opts.prompt, opts.max_new_tokens, tok, chat=chat)
-    print(answer.strip() if chat else opts.prompt + answer)
+    try:
+        if opts.hf_path:
+            cfg = hf_config(opts.hf_path)
+            model, _ = load_hf_model(cfg)
+        else:
+            model, cfg = load_model_for_inference(opts.checkpoint)
+        if cfg.model.hf_path:
+            answer, ids = ask_hf(
+                model,
+                Path(cfg.model.hf_path),
+                opts.image,
+                opts.prompt,
+                opts.raw_prompt,
+                opts.max_new_tokens,
+            )
+            print(answer.strip())
+        else:
+            if opts.raw_prompt:
+                raise ConfigError("--raw-prompt is for models from a Hugging Face folder")
+            image = load_image(opts.image, model.args.vision.image_size)
+            tok = build_tokenizer(cfg.model.tokenizer_path)
+            chat = opts.template == "chat" or (
+                opts.template == "auto" and bool(opts.prompt) and cfg.data.dataset != "synthetic"
+            )
+            answer, ids = ask_builtin(model, image, opts.prompt, opts.max_new_tokens, tok, chat)
+            print(answer.strip() if chat else opts.prompt + answer)
+    except (ConfigError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    if opts.print_ids:
+        print(" ".join(str(i) for i in ids))
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def export_hf(
     tensors: dict[str, torch.Tensor] = {}
     with SafetensorsFiles(weight_files(source, "model.hf_path"), "model.hf_path") as st:
         keys = st.keys()
-        names = spec.hf_names(model.args, keys)  # type: ignore[arg-type]
+        names = spec.hf_names(model.args, keys, str(source))  # type: ignore[arg-type]
         for ours, theirs in names.items():
             if ours in params:
                 tensors[theirs] = params[ours].to(st.dtype(theirs)).contiguous()

@@ -125,6 +125,11 @@ def init_rule(args: VLMArgs, name: str, param: torch.Tensor) -> Init:
     return Init("uniform", 1 / math.sqrt(math.prod(param.shape[1:])))
 
 
+def init_buffers(model: nn.Module) -> None:
+    """The RoPE tables, which `to_empty` leaves unset (they are not parameters)."""
+    model.decoder._init_rope()  # type: ignore[union-attr,operator]
+
+
 def parallelize(model: nn.Module, mesh: Mesh, cfg: JobConfig) -> None:
     p = cfg.parallelism
     tp = TPOptions(
@@ -146,7 +151,7 @@ LLAVA = ModelSpec(
     args=llava_args,
     build=VLM,
     init_rule=init_rule,
-    init_buffers=lambda model: model.init_buffers(),  # type: ignore[operator]
+    init_buffers=init_buffers,
     hf_names=hf_names,
     hf_unused=unused_hf_tensors,
     hf_export_names=export_names,
