@@ -146,13 +146,20 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(a.dim, a.norm_eps)
         if a.tie_embeddings:
             self.output = nn.Linear(a.dim, a.vocab_size, bias=False, device="meta")
-            self.output.weight = self.tok_embeddings.weight
+            self.tie_weights()
         else:
             self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         self._init_rope()
         self._init_own_weights()
+
+    def tie_weights(self) -> None:
+        """With tie_embeddings, make the output head's weight the embedding's Parameter again.
+        Anything that replaces parameters module by module (`to_empty`, `to` across devices)
+        gives the two modules separate copies: call this after it (init_weights does)."""
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
 
     def _init_rope(self) -> None:
         a = self.args
@@ -180,7 +187,9 @@ class Decoder(nn.Module):
     def init_weights(self) -> None:
         """Re-initialise every parameter and the RoPE tables in place, drawing from the random
         generator in the order construction does: after the same seed, a model built on the meta
-        device and materialised (to_empty) gets the weights a model built on the CPU has."""
+        device and materialised (to_empty) gets the weights a model built on the CPU has. Ties the
+        embeddings again first (to_empty untied them)."""
+        self.tie_weights()
         for m in self.modules():
             if m is self.output and self.args.tie_embeddings:
                 continue  # the embedding's weight: construction drew nothing for it here
