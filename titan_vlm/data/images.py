@@ -1,14 +1,48 @@
-"""Image files into the model's input: the one place training data and generate decode images."""
+"""Image files into the model's input: the one place training data and generate decode images.
+
+Two preprocessings: `load_image` (the built-in models: SigLIP-style, square resize to the model's
+size, values in [-1, 1]) and `ImageProcessing` (a Hugging Face model folder's image processor
+settings, data/hf_processor.py), which computes what transformers' PIL image processors compute."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from math import ceil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from PIL import Image as PILImage
 
 
 class ImageTooLarge(ValueError):
     """An image file whose header says it has more pixels than allowed (nothing was decoded)."""
+
+
+@contextmanager
+def open_image(path: str | Path, max_pixels: int | None = None) -> Iterator[PILImage.Image]:
+    """The image file, opened lazily (pixels not yet decoded). `max_pixels`: raise ImageTooLarge,
+    from the header alone, for an image with more pixels. Pillow's own errors (a missing,
+    truncated or corrupt file) pass through."""
+    from PIL import Image
+
+    try:
+        img = Image.open(path)
+    except Image.DecompressionBombError as e:  # Pillow's own bound (2 x Image.MAX_IMAGE_PIXELS)
+        raise ImageTooLarge(str(e)) from None
+    with img:
+        width, height = img.size  # from the header; pixels are decoded lazily
+        if max_pixels is not None and width * height > max_pixels:
+            raise ImageTooLarge(
+                f"image of {width}x{height} pixels is larger than "
+                f"data.max_image_pixels={max_pixels}"
+            )
+        yield img
 
 
 def load_image(path: str | Path, size: int, max_pixels: int | None = None) -> torch.Tensor:
@@ -20,19 +54,91 @@ def load_image(path: str | Path, size: int, max_pixels: int | None = None) -> to
     Pillow's own errors (a missing, truncated or corrupt file) pass through."""
     from PIL import Image
 
-    try:
-        img = Image.open(path)
-    except Image.DecompressionBombError as e:  # Pillow's own bound (2 x Image.MAX_IMAGE_PIXELS)
-        raise ImageTooLarge(str(e)) from None
-    with img:
-        width, height = img.size  # from the header; pixels are decoded lazily below
-        if max_pixels is not None and width * height > max_pixels:
-            raise ImageTooLarge(
-                f"image of {width}x{height} pixels is larger than "
-                f"data.max_image_pixels={max_pixels}"
-            )
+    with open_image(path, max_pixels) as img:
         rgb = img.convert("RGB")
         if rgb.size != (size, size):
             rgb = rgb.resize((size, size), Image.BICUBIC)
         pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(size, size, 3)
     return pixels.permute(2, 0, 1).float() / 255 * 2 - 1
+
+
+@dataclass(frozen=True)
+class ImageProcessing:
+    """What transformers' PIL-backend image processors do to one image (CLIPImageProcessor and
+    SiglipImageProcessor; transformers 5 uses that backend where torchvision is not installed),
+    step by step in their order, each step skipped when its setting is None:
+
+    1. `convert_rgb`: transparency composited onto white, then RGB (uint8);
+    2. resize with Pillow's `resample` filter: `shortest_edge` (the short side to that length,
+       the long side to int(shortest_edge * long / short)), or `resize_to` (height, width);
+    3. `crop` (height, width): a center crop (top and left rounded down; zero padding where the
+       image is smaller);
+    4. `rescale_factor`: x * factor in float64, then float32;
+    5. `mean` / `std` per channel: (x - mean) / std in float32.
+
+    The result is a float32 [3, H, W] tensor, bit for bit transformers' pixel_values."""
+
+    convert_rgb: bool
+    shortest_edge: int | None
+    resize_to: tuple[int, int] | None
+    resample: int
+    crop: tuple[int, int] | None
+    rescale_factor: float | None
+    mean: tuple[float, float, float] | None
+    std: tuple[float, float, float] | None
+
+    @property
+    def output_size(self) -> tuple[int, int] | None:
+        """(height, width) of every output, or None where it follows the image's aspect ratio."""
+        return self.crop or self.resize_to
+
+    def __call__(self, image: PILImage.Image) -> torch.Tensor:
+        from PIL import Image
+
+        if self.convert_rgb:
+            if "A" in image.getbands() or image.info.get("transparency") is not None:
+                rgba = image.convert("RGBA")
+                white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+                image = Image.alpha_composite(white, rgba).convert("RGB")
+            else:
+                image = image.convert("RGB")
+        if image.mode != "RGB":
+            raise ValueError(
+                f"a {image.mode} image, and the image processor does not convert to RGB"
+            )
+        if self.shortest_edge is not None:
+            w, h = image.size
+            short, long = (w, h) if w <= h else (h, w)
+            new_long = int(self.shortest_edge * long / short)
+            size = (self.shortest_edge, new_long) if w <= h else (new_long, self.shortest_edge)
+            image = image.resize(size, Image.Resampling(self.resample))
+        elif self.resize_to is not None:
+            image = image.resize(self.resize_to[::-1], Image.Resampling(self.resample))
+        pixels = np.array(image).transpose(2, 0, 1)  # [3, H, W] uint8
+        if self.crop is not None:
+            pixels = center_crop(pixels, *self.crop)
+        if self.rescale_factor is not None:
+            pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        pixels = pixels.astype(np.float32)
+        if self.mean is not None and self.std is not None:
+            mean = np.array(self.mean, dtype=np.float32)[:, None, None]
+            std = np.array(self.std, dtype=np.float32)[:, None, None]
+            pixels = (pixels - mean) / std
+        return torch.from_numpy(np.ascontiguousarray(pixels))
+
+
+def center_crop(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    """The [C, height, width] center of [C, H, W] pixels (top and left offsets rounded down), the
+    image zero-padded first (half each side, the extra pixel before) where it is smaller."""
+    _, h, w = pixels.shape
+    top, left = (h - height) // 2, (w - width) // 2
+    if top >= 0 and left >= 0:
+        return pixels[:, top : top + height, left : left + width]
+    new_h, new_w = max(height, h), max(width, w)
+    padded = np.zeros((pixels.shape[0], new_h, new_w), dtype=pixels.dtype)
+    top_pad, left_pad = ceil((new_h - h) / 2), ceil((new_w - w) / 2)
+    padded[:, top_pad : top_pad + h, left_pad : left_pad + w] = pixels
+    top, left = top + top_pad, left + left_pad
+    return padded[
+        :, max(0, top) : min(new_h, top + height), max(0, left) : min(new_w, left + width)
+    ]

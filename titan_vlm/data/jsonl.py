@@ -21,7 +21,14 @@ The chat template (conversations), with `|` between context and trained text:
 Only the assistant turns carry loss (the standard LLaVA masking): the user turns are `Prompt`s
 (data/batch.py), which no position is trained to predict; the first answer token is predicted
 from the ":" of "ASSISTANT:" and each EOS from its answer. A caption is `BOS text EOS` (the image
-first: `[image] BOS text EOS`, the built-in data's layout), all of it trained.
+first: `[image] BOS text EOS`, the built-in data's layout), all of it trained (without BOS for a
+tokenizer that has none, as Qwen2's).
+
+With a Hugging Face model folder's processor (`JsonlDataset(..., processor=...)`,
+data/hf_processor.py) conversations use the folder's chat template instead, with the loss on
+the assistant turns (and the end tokens the template writes after them), and images are
+preprocessed as the folder's image processor does; a conversation the template cannot render
+(its raise_exception, an image in an assistant turn) is a bad sample ("chat template").
 
 Deterministic and resumable without any state of its own: at start-up every rank reads the file
 once, parses and tokenizes every record and counts its images (images are only checked to
@@ -60,6 +67,7 @@ from typing import Any
 
 from titan_vlm.config import ConfigError, Data
 from titan_vlm.data.batch import Batch, Part, Prompt, Sample, collate, is_image
+from titan_vlm.data.hf_processor import ChatError, HFProcessor
 from titan_vlm.data.images import ImageTooLarge, load_image
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -192,9 +200,10 @@ def caption_segments(
     """`BOS text EOS` with the images at their placeholders, or one image without a placeholder
     first: `[image] BOS text EOS`."""
     images = list(images)
+    bos: list[Segment] = [] if tok.BOS is None else [("text", tok.BOS)]
     if PLACEHOLDER not in text and len(images) == 1:
-        return [("image", images[0]), ("text", tok.BOS), ("text", text), ("text", tok.EOS)]
-    return [("text", tok.BOS), *_with_images("text", text, images), ("text", tok.EOS)]
+        return [("image", images[0]), *bos, ("text", text), ("text", tok.EOS)]
+    return [*bos, *_with_images("text", text, images), ("text", tok.EOS)]
 
 
 def _paths(record: dict) -> list[str]:
@@ -212,9 +221,14 @@ def _blank(text: str) -> bool:
 
 
 def parse_record(
-    record: Any, tok: ByteTokenizer | HFTokenizer, image_root: Path, check_files: bool
+    record: Any,
+    tok: ByteTokenizer | HFTokenizer,
+    image_root: Path,
+    check_files: bool,
+    processor: HFProcessor | None = None,
 ) -> list[Part]:
-    """One record into Sample parts (images as ImageRef), or BadSample saying why not."""
+    """One record into Sample parts (images as ImageRef), or BadSample saying why not.
+    `processor`: conversations in its chat template (else the built-in one)."""
     if not isinstance(record, dict):
         raise BadSample("bad record", f"expected a JSON object, got {type(record).__name__}")
     paths = _paths(record)
@@ -270,6 +284,11 @@ def parse_record(
     if "conversations" in record:
         if placeholders == 0 and refs:  # LLaVA's convention: the image opens the first user turn
             turns[0] = (True, PLACEHOLDER + "\n" + turns[0][1])
+        if processor is not None:
+            try:
+                return processor.conversation_parts(turns, refs)
+            except ChatError as e:
+                raise BadSample("chat template", str(e)) from None
         return assemble(chat_segments(turns, refs, tok), tok)
     return assemble(caption_segments(record["text"], refs, tok), tok)
 
@@ -348,7 +367,11 @@ class JsonlDataset:
     seq_len), `dropped` (samples this process left out of its batches: an image that cannot be
     decoded or is too large; each read counts). `log_startup` / `log_batches`: whether this
     process logs the start-up / batch-time warnings (the trainer lets one rank log each kind
-    once: start-up on rank 0, batch-time on each dp rank's first cp and tp rank)."""
+    once: start-up on rank 0, batch-time on each dp rank's first cp and tp rank).
+
+    `processor`: a Hugging Face model folder's (data/hf_processor.py): conversations in its chat
+    template, images preprocessed by its image processor (its image size must be
+    `image_size`); `tokenizer` must then be `processor.tokenizer`."""
 
     def __init__(
         self,
@@ -365,7 +388,16 @@ class JsonlDataset:
         max_image_pixels: int = 4096 * 4096,
         log_startup: bool = True,
         log_batches: bool = True,
+        processor: HFProcessor | None = None,
     ):
+        if processor is not None and tokenizer is not processor.tokenizer:
+            raise ValueError("JsonlDataset: with a processor, the tokenizer is processor.tokenizer")
+        if processor is not None and processor.image_size != image_size:
+            raise ConfigError(
+                f"model.hf_path: {processor.folder}: images of {processor.image_size} pixels, "
+                f"the model takes {image_size}"
+            )
+        self.processor = processor
         if on_bad_sample not in BAD_SAMPLE_MODES:
             raise ConfigError(
                 f"data.on_bad_sample must be one of {', '.join(BAD_SAMPLE_MODES)}, "
@@ -404,7 +436,9 @@ class JsonlDataset:
         for line, start, end in spans:
             try:
                 record = self._decode_json(raw[start:end])
-                parts = parse_record(record, tokenizer, self.image_root, check_files=True)
+                parts = parse_record(
+                    record, tokenizer, self.image_root, check_files=True, processor=processor
+                )
             except BadSample as bad:
                 self._bad(line, str(bad), log_startup)
                 self.skipped[bad.kind] += 1
@@ -516,6 +550,7 @@ class JsonlDataset:
                 self.tokenizer,
                 self.image_root,
                 check_files=False,
+                processor=self.processor,
             )
         except BadSample:
             raise ConfigError(
@@ -530,7 +565,10 @@ class JsonlDataset:
         for part in sample.parts:
             if is_image(part):
                 try:
-                    part = load_image(part.path, self.image_size, self.max_image_pixels)
+                    if self.processor is not None:
+                        part = self.processor.preprocess_image(part.path, self.max_image_pixels)
+                    else:
+                        part = load_image(part.path, self.image_size, self.max_image_pixels)
                 except ImageTooLarge as e:
                     return self._drop(i, f"image too large: {part.path} ({e})")
                 except (

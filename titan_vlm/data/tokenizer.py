@@ -1,11 +1,20 @@
-"""Tokenizers: the built-in byte-level one, or a Hugging Face `tokenizers` tokenizer.json
-(`model.tokenizer_path`). Both expose encode / decode, the BOS / EOS / PAD / IMAGE ids and
-vocab_size.
+"""Tokenizers: the built-in byte-level one, or a Hugging Face `tokenizers` tokenizer.json. Both
+expose encode / decode, the BOS / EOS / PAD / IMAGE ids and vocab_size.
+
+A Hugging Face tokenizer comes two ways:
+- a bare tokenizer.json (`model.tokenizer_path`): its special tokens are found by their common
+  spellings (BOS_NAMES, ...);
+- a model folder (`HFTokenizer.from_folder`, data/hf_processor.py): tokenizer.json with the
+  folder's tokenizer_config.json (and special_tokens_map.json where present), read as
+  transformers reads them; `encode_text(text, add_special_tokens)` then equals transformers'
+  tokenizer on the same folder.
 IMAGE is the id image slots hold (data/batch.py collate); the decoder never reads it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from titan_vlm.config import ConfigError
 
@@ -30,21 +39,76 @@ EOS_NAMES = ("</s>", "<|end_of_text|>", "<eos>", "<|endoftext|>", "<|im_end|>")
 PAD_NAMES = ("<pad>", "<|pad|>", "<|finetune_right_pad_id|>")
 IMAGE_NAMES = ("<image>", "<|image_pad|>", "<|image|>")  # LLaVA, Qwen2-VL, Llama 3.2 vision
 
+# The named special tokens of a tokenizer_config.json / special_tokens_map.json.
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string, or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def read_json(path: Path, what: str) -> dict:
+    """A JSON object file; a one-line ConfigError naming it if it is missing or not one."""
+    if not path.is_file():
+        raise ConfigError(f"{what}: {path.parent}: no {path.name}")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{what}: {path} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what}: {path} must hold a JSON object")
+    return value
+
 
 class HFTokenizer:
-    def __init__(self, path: str):
+    """A tokenizer.json (see the module docstring). `special_tokens`: the named special tokens
+    (bos_token, eos_token, unk_token, pad_token -> their strings, those the files name);
+    `adds_bos`: whether encode_text(..., add_special_tokens=True) puts BOS first."""
+
+    def __init__(self, path: str, config: dict | None = None, key: str = "model.tokenizer_path"):
+        """`config`: the folder's tokenizer_config.json merged over its special_tokens_map.json
+        (from_folder), or None for a bare tokenizer.json whose special tokens are guessed."""
         from tokenizers import Tokenizer
 
         if not Path(path).is_file():
-            raise ConfigError(f"model.tokenizer_path: file not found: {path}")
+            raise ConfigError(f"{key}: file not found: {path}")
         try:
             self.tok = Tokenizer.from_file(path)
         except Exception as e:  # the library's own parse errors
-            raise ConfigError(
-                f"model.tokenizer_path: {path} is not a tokenizer.json ({e})"
-            ) from None
+            raise ConfigError(f"{key}: {path} is not a tokenizer.json ({e})") from None
+        if config is None:
+            self._guess(path, key)
+        else:
+            self._configure(path, config)
+        self.vocab_size = max(self.tok.get_vocab(with_added_tokens=True).values()) + 1
+        self.adds_bos = self.BOS is not None and self.encode_text("", True)[:1] == [self.BOS]
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, image_token: str | None = None) -> HFTokenizer:
+        """The tokenizer of a model folder as transformers loads it: tokenizer.json, with
+        tokenizer_config.json's special tokens (special_tokens_map.json fills keys it lacks).
+        IMAGE is `image_token`'s id (which must be a token of the tokenizer), else PAD."""
+        folder = Path(folder)
+        config = read_json(folder / "tokenizer_config.json", "model.hf_path")
+        extra = folder / "special_tokens_map.json"
+        if extra.is_file():
+            config = {**read_json(extra, "model.hf_path"), **config}
+        tok = cls(str(folder / "tokenizer.json"), config, key="model.hf_path")
+        if image_token is not None:
+            image = tok.tok.token_to_id(image_token)
+            if image is None:
+                raise ConfigError(
+                    f"model.hf_path: {folder}: the image token {image_token!r} is not a token of "
+                    "tokenizer.json"
+                )
+            tok.IMAGE = image
+        return tok
+
+    def _guess(self, path: str, key: str) -> None:
         vocab = self.tok.get_vocab(with_added_tokens=True)
-        self.vocab_size = max(vocab.values()) + 1
 
         def find(names: tuple[str, ...], what: str, default: int | None = None) -> int:
             for name in names:
@@ -52,18 +116,47 @@ class HFTokenizer:
                     return vocab[name]
             if default is not None:
                 return default
-            raise ConfigError(
-                f"model.tokenizer_path: {path} has no {what} token (looked for {', '.join(names)})"
-            )
+            raise ConfigError(f"{key}: {path} has no {what} token (looked for {', '.join(names)})")
 
-        self.BOS = find(BOS_NAMES, "beginning-of-sequence")
+        self.special_tokens: dict[str, str] = {}
+        self.BOS: int | None = find(BOS_NAMES, "beginning-of-sequence")
         self.EOS = find(EOS_NAMES, "end-of-sequence")
         self.PAD = find(PAD_NAMES, "padding", default=self.EOS)  # padding carries no loss anyway
-        self.IMAGE = find(
-            IMAGE_NAMES, "image", default=self.PAD
-        )  # image slots carry no loss either
+        self.IMAGE = find(IMAGE_NAMES, "image", default=self.PAD)  # image slots carry no loss
+
+    def _configure(self, path: str, config: dict) -> None:
+        """As transformers 5 sets up a tokenizer.json: every special token the config names
+        becomes an added special token where it is not one yet; which special tokens encoding
+        adds (BOS, EOS) is the file's post-processor alone: transformers 5 drops the config's
+        add_bos_token / add_eos_token when there is a tokenizer.json (4.x wrote them into it)."""
+        from tokenizers import AddedToken
+
+        self.special_tokens = {k: t for k in SPECIAL_KEYS if (t := _content(config.get(k)))}
+        extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+        extra = extra.values() if isinstance(extra, dict) else extra
+        added = {t.content for t in self.tok.get_added_tokens_decoder().values()}
+        for token in [*self.special_tokens.values(), *(_content(t) for t in extra)]:
+            if token and token not in added:
+                self.tok.add_special_tokens([AddedToken(token, special=True, normalized=False)])
+                added.add(token)
+        ids = {k: self.tok.token_to_id(t) for k, t in self.special_tokens.items()}
+        if ids.get("eos_token") is None:
+            raise ConfigError(
+                f"model.hf_path: {Path(path).parent}: tokenizer_config.json names no eos_token"
+            )
+        self.BOS = ids.get("bos_token")
+        self.EOS = ids["eos_token"]
+        self.PAD = ids.get("pad_token", self.EOS)  # padding carries no loss anyway
+        self.IMAGE = self.PAD  # from_folder sets the image token's id
+
+    def encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        """`text` as transformers' tokenizer encodes it (special tokens in the text are matched;
+        `add_special_tokens`: the post-processor's BOS / EOS)."""
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode(self, text: str, bos: bool = True, eos: bool = True) -> list[int]:
+        if bos and self.BOS is None:
+            raise ValueError("this tokenizer has no BOS token")
         ids = self.tok.encode(text, add_special_tokens=False).ids
         return ([self.BOS] if bos else []) + ids + ([self.EOS] if eos else [])
 

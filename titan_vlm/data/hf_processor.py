@@ -1,0 +1,453 @@
+"""What a Hugging Face model folder says about its inputs: the tokenizer, the chat template and
+the image preprocessing, each computing what transformers' processor (LlavaProcessor with a
+CLIPImageProcessor or SiglipImageProcessor) computes on the same folder.
+
+    proc = HFProcessor.from_folder("llava-1.5-7b-hf")
+    proc.encode("USER: <image>\\nWhat is this? ASSISTANT:")   # input ids, one <image> per image
+    proc.prompt_parts("USER: <image>\\nWhat is this? ASSISTANT:", [proc.preprocess_image(path)])
+    chat_prompt(proc, "What is this?", image)                 # the chat template's question
+    proc.conversation_parts(turns, images)                     # a training sample, loss on answers
+
+Sample parts (data/batch.py) hold one image as one part; `input_ids(parts, n)` writes each image
+as n image tokens, as the processor's input_ids do (n: the model's tokens per image).
+
+Files read (a folder as `save_pretrained` writes it; a missing one is a one-line ConfigError
+naming the folder and file): tokenizer.json and tokenizer_config.json (special_tokens_map.json
+where present: data/tokenizer.py); the image processor settings from processor_config.json's
+"image_processor" (transformers 5) or preprocessor_config.json; config.json for the image token
+id (`image_token_index` or `image_token_id`, checked against the tokenizer) and the model's input
+size (`vision_config.image_size`, checked against the image processor's output size). The chat
+template, where the folder has one, as transformers' processor picks it: processor_config.json's
+"chat_template", else chat_template.json, else chat_template.jinja, else tokenizer_config.json's
+"chat_template" (a named list: the "default" one).
+
+Image preprocessing is transformers' PIL backend (data/images.py ImageProcessing), which is what
+transformers 5 runs where torchvision is not installed (it then warns that CLIPImageProcessor
+"falls back to CLIPImageProcessorPil"); with torchvision, transformers 5 resizes with torchvision
+instead, whose numbers differ from Pillow's by up to a few 1e-2.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from titan_vlm.config import ConfigError
+from titan_vlm.data.batch import Part, Prompt, is_image
+from titan_vlm.data.images import ImageProcessing, open_image
+from titan_vlm.data.tokenizer import HFTokenizer, read_json
+
+PLACEHOLDER = "<image>"  # a LLaVA conversation's image placeholder (data/jsonl.py)
+KEY = "model.hf_path"
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+# transformers' class defaults for the settings a preprocessor file may leave out
+IMAGE_PROCESSORS: dict[str, dict[str, Any]] = {
+    "CLIPImageProcessor": {
+        "size": {"shortest_edge": 224},
+        "crop_size": {"height": 224, "width": 224},
+        "do_center_crop": True,
+        "image_mean": OPENAI_CLIP_MEAN,
+        "image_std": OPENAI_CLIP_STD,
+    },
+    "SiglipImageProcessor": {
+        "size": {"height": 224, "width": 224},
+        "do_center_crop": False,
+        "image_mean": (0.5, 0.5, 0.5),
+        "image_std": (0.5, 0.5, 0.5),
+    },
+}
+COMMON_DEFAULTS = {
+    "do_convert_rgb": True,
+    "do_resize": True,
+    "resample": 3,  # bicubic
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+}
+
+
+class ChatError(ValueError):
+    """A conversation this folder's chat template cannot turn into a sample (a bad record)."""
+
+
+@dataclass
+class HFProcessor:
+    """A model folder's input side (see the module docstring). `tokens_per_image`: what the
+    folder's processor settings imply (patch_size, num_additional_image_tokens,
+    vision_feature_select_strategy), None where they do not say; the model decides."""
+
+    folder: str
+    tokenizer: HFTokenizer
+    image_token: str
+    image_token_id: int
+    image_processing: ImageProcessing
+    image_size: int  # the model's input size, config.json vision_config.image_size
+    tokens_per_image: int | None
+    chat_template: str | None
+    template_file: str  # where the chat template came from, for errors
+
+    @classmethod
+    def from_folder(cls, path: str) -> HFProcessor:
+        folder = Path(path)
+        if not folder.is_dir():
+            raise ConfigError(f"{KEY}: folder not found: {path}")
+        config = read_json(folder / "config.json", KEY)
+        processor: dict = {}
+        if (folder / "processor_config.json").is_file():
+            processor = read_json(folder / "processor_config.json", KEY)
+        if isinstance(processor.get("image_processor"), dict):
+            settings, settings_file = processor["image_processor"], "processor_config.json"
+        elif (folder / "preprocessor_config.json").is_file():
+            settings = read_json(folder / "preprocessor_config.json", KEY)
+            settings_file = "preprocessor_config.json"
+        else:
+            raise ConfigError(
+                f"{KEY}: {path}: no image processor settings (preprocessor_config.json, or "
+                "processor_config.json with an 'image_processor' entry)"
+            )
+        image_token = processor.get("image_token", PLACEHOLDER)
+        tokenizer = HFTokenizer.from_folder(folder, image_token)
+        image_token_id = tokenizer.IMAGE
+        for key in ("image_token_index", "image_token_id"):
+            if key in config and config[key] != image_token_id:
+                raise ConfigError(
+                    f"{KEY}: {path}/config.json: {key}={config[key]} but the tokenizer's "
+                    f"{image_token!r} is id {image_token_id}"
+                )
+        where = f"{path}/{settings_file}"
+        processing = image_processing(settings, where)
+        image_size = config.get("vision_config", config).get("image_size")
+        if not isinstance(image_size, int):
+            raise ConfigError(f"{KEY}: {path}/config.json: no vision_config.image_size")
+        if processing.output_size != (image_size, image_size):
+            raise ConfigError(
+                f"{KEY}: {where}: the image processor makes images of "
+                f"{_describe_size(processing)}, config.json's vision_config.image_size is "
+                f"{image_size}"
+            )
+        template, template_file = _chat_template(folder, processor)
+        return cls(
+            folder=str(path),
+            tokenizer=tokenizer,
+            image_token=image_token,
+            image_token_id=image_token_id,
+            image_processing=processing,
+            image_size=image_size,
+            tokens_per_image=_tokens_per_image(processor, image_size),
+            chat_template=template,
+            template_file=template_file,
+        )
+
+    # -- text ------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`text` as the folder's tokenizer encodes it (transformers' tokenizer(text))."""
+        return self.tokenizer.encode_text(text, add_special_tokens)
+
+    def prompt_parts(self, text: str, images: list[Part]) -> list[Part]:
+        """A raw prompt as LlavaProcessor(text=..., images=...) reads it: tokenized by the
+        folder's tokenizer with its special tokens (e.g. BOS), each `<image>` (the image token)
+        the next of `images`. All context (Prompt parts)."""
+        return self._parts(text, images, add_special_tokens=True, trained=[])
+
+    def input_ids(self, parts: list[Part], tokens_per_image: int) -> list[int]:
+        """The processor's input_ids for Sample parts: each image as `tokens_per_image` image
+        tokens."""
+        ids: list[int] = []
+        for part in parts:
+            ids += [self.image_token_id] * tokens_per_image if is_image(part) else list(part)
+        return ids
+
+    # -- chat template ---------------------------------------------------------------------
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        """The chat template applied as transformers' apply_chat_template(tokenize=False) applies
+        it: same jinja2 environment and globals, the tokenizer's special token strings."""
+        if self.chat_template is None:
+            raise ConfigError(
+                f"{KEY}: {self.folder} has no chat template (chat_template.jinja, "
+                "chat_template.json or tokenizer_config.json's 'chat_template')"
+            )
+        try:
+            return _compiled(self.chat_template).render(
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.tokenizer.special_tokens,
+            )
+        except Exception as e:  # the template's own raise_exception and jinja2's errors
+            raise ChatError(f"{self.template_file}: {type(e).__name__}: {e}") from None
+
+    def add_special_tokens(self, rendered: str) -> bool:
+        """Whether transformers' processor adds the tokenizer's special tokens to a rendered chat:
+        not when it already starts with the BOS string."""
+        bos = self.tokenizer.special_tokens.get("bos_token")
+        return not (bos and rendered.startswith(bos))
+
+    def chat_parts(self, messages: list[dict], images: list[Part]) -> list[Part]:
+        """`messages` (HF chat format) rendered with the generation prompt and tokenized as
+        processor.apply_chat_template(..., add_generation_prompt=True, tokenize=True) does; all
+        context. `images` fill the {"type": "image"} items in order."""
+        text = self.render(messages, add_generation_prompt=True)
+        return self._parts(text, images, self.add_special_tokens(text), trained=[])
+
+    def conversation_parts(self, turns: list[tuple[bool, str]], images: list[Part]) -> list[Part]:
+        """A LLaVA conversation (turns: (from the user?, text with `<image>` placeholders),
+        alternating from the user) as a training sample in the folder's chat template: the ids
+        of the whole rendering (as apply_chat_template gives them), trained (plain lists) where a
+        token lies entirely inside an assistant turn's span, context (Prompt) elsewhere.
+
+        The span of assistant message i is what rendering messages[:i + 1] adds to rendering
+        messages[:i] with the generation prompt: the answer and whatever the template writes
+        after it (an end token such as </s> or <|im_end|>\\n). The renderings must be prefixes of
+        each other and of the whole; a template for which they are not (one that rewrites
+        earlier turns) is a ConfigError naming its file. A token that straddles a span's edge
+        (e.g. a byte-level " USER" whose space ends the answer) is context."""
+        messages = [_message(from_user, text) for from_user, text in turns]
+        full = self.render(messages, add_generation_prompt=False)
+        spans: list[tuple[int, int]] = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True)
+            after = self.render(messages[: i + 1], add_generation_prompt=False)
+            start = spans[-1][1] if spans else 0
+            if not (after.startswith(before) and full.startswith(after) and len(before) >= start):
+                raise ConfigError(
+                    f"{KEY}: {self.template_file}: the chat template is not prefix-stable: the "
+                    f"rendering of the first {i} message(s) with the generation prompt and of the "
+                    f"first {i + 1} are not prefixes of the whole conversation's, so the answers "
+                    "cannot be told from the context"
+                )
+            spans.append((len(before), len(after)))
+        return self._parts(full, images, self.add_special_tokens(full), spans)
+
+    def _parts(
+        self,
+        text: str,
+        images: list[Part],
+        add_special_tokens: bool,
+        trained: list[tuple[int, int]],
+    ) -> list[Part]:
+        """`text` tokenized whole, cut into parts: each image token becomes the next image,
+        tokens inside a `trained` character span plain lists, the rest Prompt."""
+        enc = self.tokenizer.tok.encode(text, add_special_tokens=add_special_tokens)
+        count = enc.ids.count(self.image_token_id)
+        if count != len(images):
+            raise ChatError(
+                f"{count} image token(s) {self.image_token!r} for {len(images)} image(s)"
+            )
+        images = list(images)
+        parts: list[Part] = []
+        run: list[int] = []
+        run_trained = False
+
+        def flush() -> None:
+            if run:
+                parts.append(list(run) if run_trained else Prompt(run))
+                run.clear()
+
+        for token, (start, end) in zip(enc.ids, enc.offsets):
+            if token == self.image_token_id:
+                if any(s <= start < e for s, e in trained):
+                    raise ChatError("an image inside an assistant turn")
+                flush()
+                parts.append(images.pop(0))
+                continue
+            is_trained = any(s <= start and end <= e for s, e in trained)
+            if is_trained != run_trained:
+                flush()
+                run_trained = is_trained
+            run.append(token)
+        flush()
+        return parts
+
+    # -- images ----------------------------------------------------------------------------
+
+    def preprocess_image(self, image: Any, max_pixels: int | None = None) -> torch.Tensor:
+        """An image file (path) or PIL image as the folder's image processor's pixel_values:
+        float32 [3, image_size, image_size]. `max_pixels`: as data/images.py open_image."""
+        if isinstance(image, (str, Path)):
+            with open_image(image, max_pixels) as img:
+                return self.image_processing(img)
+        return self.image_processing(image)
+
+
+def chat_prompt(processor: HFProcessor, question: str, image: Part) -> list[Part]:
+    """A one-turn question about one image in the folder's chat template, ending with the
+    generation prompt (what follows is the answer): Sample parts, all context."""
+    return processor.chat_parts([_message(True, f"{PLACEHOLDER}{question}")], [image])
+
+
+def _message(from_user: bool, text: str) -> dict:
+    """One LLaVA turn as an HF chat message. A user turn's content: each `<image>` placeholder
+    a {"type": "image"} item, the text between them (stripped of the whitespace around the
+    placeholders, e.g. LLaVA's "<image>\\n") {"type": "text"} items; the template decides where
+    images and separators go. An assistant turn: one text item."""
+    if not from_user:
+        if PLACEHOLDER in text:
+            raise ChatError("an <image> placeholder in an assistant turn")
+        return {"role": "assistant", "content": [{"type": "text", "text": text}]}
+    content: list[dict] = []
+    for i, piece in enumerate(text.split(PLACEHOLDER)):
+        if i:
+            content.append({"type": "image"})
+        if piece.strip():
+            content.append({"type": "text", "text": piece.strip()})
+    return {"role": "user", "content": content}
+
+
+def _describe_size(p: ImageProcessing) -> str:
+    if p.output_size is None:
+        return f"the image's aspect ratio (shortest edge {p.shortest_edge}, no center crop)"
+    return f"{p.output_size[0]}x{p.output_size[1]} pixels"
+
+
+def _size(value: Any, what: str, where: str, square: bool) -> dict:
+    """A size setting as transformers normalises it: an int is a shortest edge (or, for
+    crop_size, a square), a dict is kept."""
+    if isinstance(value, int):
+        return {"height": value, "width": value} if square else {"shortest_edge": value}
+    if isinstance(value, dict):
+        return value
+    raise ConfigError(f"{KEY}: {where}: {what} must be an int or a dict, got {value!r}")
+
+
+def _triple(value: Any, what: str, where: str) -> tuple[float, float, float]:
+    values = [value] * 3 if isinstance(value, (int, float)) else value
+    if not (isinstance(values, (list, tuple)) and len(values) == 3):
+        raise ConfigError(f"{KEY}: {where}: {what} must be one number or three, got {value!r}")
+    return tuple(float(v) for v in values)  # type: ignore[return-value]
+
+
+def image_processing(settings: dict, where: str) -> ImageProcessing:
+    """A preprocessor file's settings (CLIPImageProcessor or SiglipImageProcessor, with
+    transformers' class defaults for what it leaves out) as data/images.py ImageProcessing;
+    anything it cannot do is a one-line ConfigError naming the file and key."""
+    kind = str(settings.get("image_processor_type", ""))
+    base = kind.removesuffix("Fast").removesuffix("Pil")
+    if base not in IMAGE_PROCESSORS:
+        raise ConfigError(
+            f"{KEY}: {where}: image_processor_type {kind!r} is not supported "
+            f"(supported: {', '.join(IMAGE_PROCESSORS)})"
+        )
+    s = {**COMMON_DEFAULTS, **IMAGE_PROCESSORS[base], **settings}
+    for key in ("do_pad", "do_reduce_labels", "do_flip_channel_order"):
+        if s.get(key):
+            raise ConfigError(f"{KEY}: {where}: {key}=true is not supported")
+    shortest_edge = resize_to = crop = None
+    if s["do_resize"]:
+        size = _size(s["size"], "size", where, square=False)
+        if set(size) == {"shortest_edge"}:
+            shortest_edge = int(size["shortest_edge"])
+        elif set(size) == {"height", "width"}:
+            resize_to = (int(size["height"]), int(size["width"]))
+        else:
+            raise ConfigError(f"{KEY}: {where}: size {size} is not supported")
+    if s.get("do_center_crop"):
+        c = _size(s["crop_size"], "crop_size", where, square=True)
+        if set(c) != {"height", "width"}:
+            raise ConfigError(f"{KEY}: {where}: crop_size {c} is not supported")
+        crop = (int(c["height"]), int(c["width"]))
+    return ImageProcessing(
+        convert_rgb=bool(s["do_convert_rgb"]),
+        shortest_edge=shortest_edge,
+        resize_to=resize_to,
+        resample=int(s["resample"]),
+        crop=crop,
+        rescale_factor=float(s["rescale_factor"]) if s["do_rescale"] else None,
+        mean=_triple(s["image_mean"], "image_mean", where) if s["do_normalize"] else None,
+        std=_triple(s["image_std"], "image_std", where) if s["do_normalize"] else None,
+    )
+
+
+def _tokens_per_image(processor: dict, image_size: int) -> int | None:
+    """LlavaProcessor's count of image tokens per image, where processor_config.json says."""
+    patch = processor.get("patch_size")
+    if not isinstance(patch, int):
+        return None
+    n = (image_size // patch) ** 2 + int(processor.get("num_additional_image_tokens", 0))
+    return n - 1 if processor.get("vision_feature_select_strategy") == "default" else n
+
+
+def _chat_template(folder: Path, processor: dict) -> tuple[str | None, str]:
+    """The folder's chat template and the file it came from (see the module docstring)."""
+    candidates: list[tuple[Any, str]] = [(processor.get("chat_template"), "processor_config.json")]
+    if (folder / "chat_template.json").is_file():
+        value = read_json(folder / "chat_template.json", KEY).get("chat_template")
+        candidates.append((value, "chat_template.json"))
+    if (folder / "chat_template.jinja").is_file():
+        text = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        candidates.append((text, "chat_template.jinja"))
+    tokenizer_config = read_json(folder / "tokenizer_config.json", KEY)
+    candidates.append((tokenizer_config.get("chat_template"), "tokenizer_config.json"))
+    for value, name in candidates:
+        if value is None:
+            continue
+        where = str(folder / name)
+        if isinstance(value, list):  # named templates: [{"name": ..., "template": ...}]
+            value = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        if isinstance(value, dict):
+            if "default" not in value:
+                raise ConfigError(f"{KEY}: {where}: named chat templates without a 'default' one")
+            value = value["default"]
+        if not isinstance(value, str):
+            raise ConfigError(f"{KEY}: {where}: the chat template must be a string")
+        return value, where
+    return None, str(folder)
+
+
+_TEMPLATES: dict[str, Any] = {}
+
+
+def _compiled(template: str) -> Any:
+    """The template compiled in transformers' chat-template environment: a sandbox with
+    trim_blocks and lstrip_blocks, loop controls, the {% generation %} block (rendered as its
+    body), a tojson that does not escape HTML, raise_exception and strftime_now."""
+    if template not in _TEMPLATES:
+        _TEMPLATES[template] = _environment().from_string(template)
+    return _TEMPLATES[template]
+
+
+def _environment() -> Any:
+    from datetime import datetime
+
+    import jinja2
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(
+                lineno
+            )
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
