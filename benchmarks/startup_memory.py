@@ -95,12 +95,12 @@ def write_folder(folder: Path, layers: int, dim: int) -> int:
 
 
 def worker(rank: int, size: int, results, folder: str, how: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
     from titan_vlm.models.build import build_model
     from titan_vlm.models.hf_export import hf_config
     from titan_vlm.models.registry import get_model_spec
     from titan_vlm.parallel_dims import Mesh
-
-    from torch.distributed.device_mesh import init_device_mesh
 
     root = init_device_mesh(
         "cpu", (1, size, 1, 1), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp")

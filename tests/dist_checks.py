@@ -22,7 +22,7 @@ from titan_vlm.config import JobConfig, Training
 from titan_vlm.data.batch import IGNORE_INDEX, Batch, Sample, collate
 from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.metrics import SavedForBackward
-from titan_vlm.models.flavors import get_flavor, model_args
+from titan_vlm.models.flavors import get_flavor
 from titan_vlm.models.vlm import VLM
 from titan_vlm.optim import build_optimizer, build_scheduler
 from titan_vlm.parallel import tensor_parallel
@@ -145,7 +145,7 @@ def parity(
     `merge_samples` (negative control only) lets the parallel run's samples attend to each other.
     `tp`, `sp`, `image_embed_tp_shard`: tensor parallelism (TPOptions); `tp_unreduced_norms` is
     the TP negative control (_sp_norms_with_local_weights)."""
-    args = model_args("debug", image_attention)
+    args = dataclasses.replace(get_flavor("debug"), image_attention=image_attention)
     t = Training(
         lr=1e-3,
         warmup_steps=0,

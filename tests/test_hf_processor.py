@@ -108,6 +108,8 @@ def build_folder(path, kind: str) -> str:
         tokenizer=fast,
         patch_size=patch,
         vision_feature_select_strategy="default" if kind == "clip" else "full",
+        # the class token position (llava-1.5-hf's processor_config.json says 1)
+        num_additional_image_tokens=1 if kind == "clip" else 0,
         chat_template=spec["template"],
     )
     processor.save_pretrained(str(path))

@@ -155,7 +155,7 @@ def load_model_for_inference(path: str | Path) -> tuple[torch.nn.Module, JobConf
     with torch.device("meta"):
         model = spec.build(spec.args(cfg))
     model.to_empty(device="cpu")
-    spec.init_buffers(model)
+    spec.after_to_empty(model)
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # one process without a process group is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -87,14 +86,12 @@ class ParallelDims:
 
     def validate_model(self, cfg: JobConfig) -> None:
         """Checks that need both the degrees and the model/data shapes."""
-        from titan_vlm.models.flavors import model_args
+        from titan_vlm.data import model_inputs
+        from titan_vlm.models.build import hf_files
+        from titan_vlm.models.registry import get_model_spec
 
-        vlm = model_args(
-            cfg.model.flavor,
-            cfg.model.image_attention,
-            cfg.model.hf_vision_path,
-            cfg.model.hf_text_path,
-        )
+        vlm = get_model_spec(cfg.model.name).args(cfg)  # reads and checks any HF config.json
+        hf_files(cfg)  # each HF source's safetensors are there
         t = cfg.training
         k = cfg.data.images_per_sample
         if not 0 <= k <= 64:
@@ -155,13 +152,7 @@ class ParallelDims:
                 f"model.flavor={cfg.model.flavor}: n_heads {dec.n_heads} not divisible by "
                 f"n_kv_heads {dec.n_kv_heads}"
             )
-        for key in ("hf_vision_path", "hf_text_path"):
-            path = getattr(cfg.model, key)
-            if path and not Path(path).is_file():
-                raise ConfigError(f"model.{key}: file not found: {path}")
-        from titan_vlm.data.tokenizer import build_tokenizer
-
-        vocab = build_tokenizer(cfg.model.tokenizer_path).vocab_size
+        vocab = model_inputs(cfg)[0].vocab_size
         if vocab > vlm.decoder.vocab_size:
             raise ConfigError(
                 f"model.tokenizer_path: the tokenizer has {vocab} ids, flavor '{cfg.model.flavor}' "

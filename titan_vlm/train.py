@@ -24,9 +24,8 @@ from torch.distributed.tensor import DTensor
 from titan_vlm.attention import select_kernel, use_kernel
 from titan_vlm.checkpoint import Checkpointer
 from titan_vlm.config import ConfigError, JobConfig, load_config
-from titan_vlm.data import build_dataset
+from titan_vlm.data import build_dataset, model_inputs
 from titan_vlm.data.batch import IGNORE_INDEX, Batch
-from titan_vlm.data.tokenizer import build_tokenizer
 from titan_vlm.layout import SeqLayout
 from titan_vlm.metrics import MetricsLogger, peak_memory_gib
 from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM, param_counts
@@ -299,7 +298,7 @@ def run_training(
     data = build_dataset(
         cfg,
         args,
-        build_tokenizer(cfg.model.tokenizer_path),
+        *model_inputs(cfg),
         log_startup=dist.get_rank() == 0,
         log_batches=mesh.cp.get_local_rank() == 0 and mesh.tp.get_local_rank() == 0,
     )

@@ -7,22 +7,39 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from titan_vlm.config import JobConfig
+    from titan_vlm.data.hf_processor import HFProcessor
     from titan_vlm.data.jsonl import JsonlDataset
     from titan_vlm.data.synthetic import SyntheticCaptions
     from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
     from titan_vlm.models.flavors import VLMArgs
 
 
+def model_inputs(cfg: JobConfig) -> tuple[ByteTokenizer | HFTokenizer, HFProcessor | None]:
+    """The tokenizer and (for a model from a Hugging Face folder) the folder's processor: its
+    tokenizer, chat template and image preprocessing (data/hf_processor.py).
+    model.tokenizer_path, when set, overrides the tokenizer."""
+    from titan_vlm.data.hf_processor import HFProcessor
+    from titan_vlm.data.tokenizer import build_tokenizer
+
+    processor = HFProcessor.from_folder(cfg.model.hf_path) if cfg.model.hf_path else None
+    if processor is not None and not cfg.model.tokenizer_path:
+        return processor.tokenizer, processor
+    return build_tokenizer(cfg.model.tokenizer_path), processor
+
+
 def build_dataset(
     cfg: JobConfig,
     args: VLMArgs,
     tokenizer: ByteTokenizer | HFTokenizer,
+    processor: HFProcessor | None = None,
     log_startup: bool = True,
     log_batches: bool = True,
 ) -> SyntheticCaptions | JsonlDataset:
     """The dataset data.dataset names: "synthetic" or a .json / .jsonl file. Both read a batch as
     `batch(step, dp_rank, dp_size, local_batch_size)` (rows numbered globally, so the step is the
     data position) and carry the counters the metrics report (bad_at_startup, truncated, dropped).
+    `processor`: a Hugging Face folder's (`model_inputs`): a dataset file's conversations in its
+    chat template and images preprocessed as it says.
     log_startup / log_batches: which warnings this rank logs (JsonlDataset)."""
     from titan_vlm.data.jsonl import JsonlDataset
     from titan_vlm.data.synthetic import SyntheticCaptions
@@ -54,4 +71,5 @@ def build_dataset(
         max_image_pixels=d.max_image_pixels,
         log_startup=log_startup,
         log_batches=log_batches,
+        processor=processor,
     )

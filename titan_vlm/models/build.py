@@ -55,12 +55,16 @@ def load_hf(model: nn.Module, spec: ModelSpec, args: Any, cfg: JobConfig) -> Non
             read / 2**20,
             f"; not used: {_summary(unused)}" if unused else "",
         )
-    if wanted:
-        missing = sorted(wanted)
+    projector = {n for n in wanted if n.startswith("projector.")}
+    if wanted - projector:
+        missing = sorted(wanted - projector)
         raise ConfigError(
             f"no Hugging Face tensor for {len(missing)} parameter(s), e.g. {missing[0]} "
             "(give model.hf_path, or both model.hf_vision_path and model.hf_text_path)"
         )
+    if projector:  # separate towers: the projector between them starts from the seed
+        init_from_seed(model, cfg.training.seed, lambda n, p: spec.init_rule(args, n, p), projector)
+        logger.info("projector: no Hugging Face tensors, initialised from training.seed")
 
 
 def _summary(unused: dict[str, str]) -> str:
@@ -80,7 +84,7 @@ def build_model(
         model = spec.build(args)
     spec.parallelize(model, mesh, cfg)
     model.to_empty(device=device)
-    spec.init_buffers(model)
+    spec.after_to_empty(model)
     if hf_sources(cfg):
         load_hf(model, spec, args, cfg)
     else:

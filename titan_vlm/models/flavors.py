@@ -10,7 +10,7 @@ architecture (a SigLIP-like tower, every layer, then its final norm; a bias-free
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from titan_vlm.config import ConfigError
 from titan_vlm.models.activations import ACT_FNS
@@ -183,21 +183,3 @@ def get_flavor(name: str) -> VLMArgs:
 
 
 IMAGE_ATTENTION = ("causal", "bidirectional")
-
-
-def model_args(
-    flavor: str, image_attention: str = "causal", hf_vision_path: str = "", hf_text_path: str = ""
-) -> VLMArgs:
-    """The flavor's architecture with the config's model.image_attention. Flavor "hf": the shapes
-    of the Hugging Face checkpoints given as model.hf_vision_path / hf_text_path, read from the
-    config.json next to each (hf_weights.hf_flavor)."""
-    if image_attention not in IMAGE_ATTENTION:
-        raise ConfigError(
-            f"model.image_attention must be one of {', '.join(IMAGE_ATTENTION)}, "
-            f"got {image_attention!r}"
-        )
-    if flavor == "hf":
-        from titan_vlm.models.hf_weights import hf_flavor
-
-        return replace(hf_flavor(hf_vision_path, hf_text_path), image_attention=image_attention)
-    return replace(get_flavor(flavor), image_attention=image_attention)

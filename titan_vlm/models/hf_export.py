@@ -48,7 +48,7 @@ def load_hf_model(cfg: JobConfig) -> tuple[nn.Module, Any]:
     with torch.device("meta"):
         model = spec.build(args)
     model.to_empty(device="cpu")
-    spec.init_buffers(model)
+    spec.after_to_empty(model)
     load_hf(model, spec, args, cfg)
     return model.eval(), args
 

@@ -25,7 +25,7 @@ import torch.nn as nn
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError
 from titan_vlm.models.accounting import batch_train_flops
-from titan_vlm.models.flavors import VLMArgs, get_flavor
+from titan_vlm.models.flavors import IMAGE_ATTENTION, VLMArgs, get_flavor
 from titan_vlm.models.hf_adapter import export_names, hf_names, unused_hf_tensors
 from titan_vlm.models.hf_config import args_from_hf_config, text_args_from_hf, vision_args_from_hf
 from titan_vlm.models.hf_folder import config_path, read_json
@@ -62,6 +62,11 @@ def hf_sources(cfg: JobConfig) -> list[tuple[str, Path]]:
 def llava_args(cfg: JobConfig) -> VLMArgs:
     """The architecture the config asks for (module docstring), with model.image_attention."""
     m = cfg.model
+    if m.image_attention not in IMAGE_ATTENTION:
+        raise ConfigError(
+            f"model.image_attention must be one of {', '.join(IMAGE_ATTENTION)}, "
+            f"got {m.image_attention!r}"
+        )
     if m.hf_path and (m.hf_vision_path or m.hf_text_path):
         raise ConfigError(
             "model.hf_path is a whole model folder: leave model.hf_vision_path / hf_text_path empty"
@@ -125,9 +130,11 @@ def init_rule(args: VLMArgs, name: str, param: torch.Tensor) -> Init:
     return Init("uniform", 1 / math.sqrt(math.prod(param.shape[1:])))
 
 
-def init_buffers(model: nn.Module) -> None:
-    """The RoPE tables, which `to_empty` leaves unset (they are not parameters)."""
+def after_to_empty(model: nn.Module) -> None:
+    """What `to_empty` undoes: the RoPE tables (buffers, left unset) and tied embeddings (it
+    gives the head a copy of its own; FSDP then follows the module attribute)."""
     model.decoder._init_rope()  # type: ignore[union-attr,operator]
+    model.decoder.tie_weights()  # type: ignore[union-attr,operator]
 
 
 def parallelize(model: nn.Module, mesh: Mesh, cfg: JobConfig) -> None:
@@ -151,7 +158,7 @@ LLAVA = ModelSpec(
     args=llava_args,
     build=VLM,
     init_rule=init_rule,
-    init_buffers=init_buffers,
+    after_to_empty=after_to_empty,
     hf_names=hf_names,
     hf_unused=unused_hf_tensors,
     hf_export_names=export_names,

@@ -100,10 +100,18 @@ def _draw(init: Init, shape: tuple[int, ...], generator: torch.Generator) -> tor
 
 
 @torch.no_grad()
-def init_from_seed(model: nn.Module, seed: int, rule: Callable[[str, torch.Tensor], Init]) -> None:
-    """Every parameter from `rule(name, param)`, drawn in row blocks seeded by (seed, name,
-    block): the values of a row do not depend on which rank holds it (module docstring)."""
+def init_from_seed(
+    model: nn.Module,
+    seed: int,
+    rule: Callable[[str, torch.Tensor], Init],
+    only: set[str] | None = None,
+) -> None:
+    """Every parameter (or those named in `only`) from `rule(name, param)`, drawn in row blocks
+    seeded by (seed, name, block): the values of a row do not depend on which rank holds it
+    (module docstring)."""
     for name, param in model.named_parameters():
+        if only is not None and name not in only:
+            continue
         init = rule(name, param)
         local, box = local_box(param)
         if local.numel() == 0:

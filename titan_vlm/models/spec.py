@@ -8,7 +8,7 @@ this interface and never reach into module names:
                 validation: what the modules cannot express is a one-line ConfigError)
     build       the nn.Module (on whatever device is current: the trainer uses meta)
     init_rule   how each parameter starts when training from scratch (models/loading.py)
-    init_buffers  recompute non-persistent buffers (RoPE tables) after `to_empty`
+    after_to_empty  redo what `Module.to_empty` undoes: buffers (RoPE tables), tied weights
     hf_names / hf_unused / hf_export_names
                 the Hugging Face state-dict adapter, both directions
     parallelize TP, activation checkpointing, compile and FSDP, applied from outside
@@ -40,7 +40,7 @@ class ModelSpec:
     args: Callable[[JobConfig], Any]
     build: Callable[[Any], nn.Module]
     init_rule: Callable[[Any, str, torch.Tensor], Init]
-    init_buffers: Callable[[nn.Module], None]
+    after_to_empty: Callable[[nn.Module], None]
     hf_names: Callable[[Any, set[str], str], dict[str, str]]
     hf_unused: Callable[[Any, set[str]], dict[str, str]]
     hf_export_names: Callable[[Any], dict[str, str]]

@@ -1,0 +1,237 @@
+"""A Hugging Face LLaVA folder, as transformers writes it (model, tokenizer, chat template, image
+processor), through the whole of titan_vlm: the trainer loads it sharded, its first CP=2 loss
+equals transformers' loss on the same rows, `--export-hf` gives a folder transformers loads with
+no missing or unexpected tensor and the same logits, and `generate` answers what transformers'
+`generate` answers, from the folder and from a trained checkpoint.
+
+Two folders: "clip" (LLaVA-1.5: a CLIP tower cut at layer -2, the class token dropped, a Llama
+decoder, BOS, LLaVA's template) and "siglip" (a SigLIP tower, every position, a Qwen2 decoder
+with q/k/v biases and tied embeddings, a ChatML template, no BOS).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from test_hf_models import TEXT, perturb
+from test_hf_processor import build_folder, draw_png
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import (  # noqa: E402
+    AutoProcessor,
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    Qwen2Config,
+    SiglipVisionConfig,
+)
+
+from titan_vlm.data import build_dataset, model_inputs  # noqa: E402
+from titan_vlm.data.batch import IGNORE_INDEX  # noqa: E402
+from titan_vlm.models.hf_adapter import hf_names  # noqa: E402
+from titan_vlm.models.hf_export import hf_config  # noqa: E402
+from titan_vlm.models.registry import get_model_spec  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4)
+RUN = dict(
+    steps=1,
+    model__flavor="hf",
+    data__packing=False,
+    data__images_per_sample=1,
+    training__seq_len=80,
+    training__local_batch_size=2,
+    metrics__enable_tensorboard=False,
+)
+
+
+def write_llava_folder(path: Path, kind: str) -> Path:
+    """The processor files of test_hf_processor's folder, then a tiny random LLaVA model whose
+    config matches them (image size and patch, vocabulary, special token ids)."""
+    build_folder(path, kind)
+    tok = json.loads((path / "tokenizer.json").read_text())
+    vocab = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    size = {"clip": (30, 5), "siglip": (28, 7)}[kind]
+    text = dict(TEXT, vocab_size=len(tok["model"]["vocab"]))
+    text.update(pad_token_id=vocab["<pad>"], bos_token_id=vocab["<s>"])
+    if kind == "clip":
+        vision = CLIPVisionConfig(**TOWER, image_size=size[0], patch_size=size[1])
+        config = LlavaConfig(
+            vision_config=vision,
+            text_config=LlamaConfig(**text, eos_token_id=vocab["</s>"]),
+            image_token_index=vocab["<image>"],
+        )
+    else:
+        vision = SiglipVisionConfig(**TOWER, image_size=size[0], patch_size=size[1])
+        qwen = Qwen2Config(**text, eos_token_id=vocab["<|im_end|>"], tie_word_embeddings=True)
+        config = LlavaConfig(
+            vision_config=vision,
+            text_config=qwen,
+            image_token_index=vocab["<image>"],
+            vision_feature_layer=-1,
+            vision_feature_select_strategy="full",
+            projector_hidden_act="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+        )
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).eval()
+    perturb(model)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=["clip", "siglip"])
+def folder(request, tmp_path_factory) -> Path:
+    return write_llava_folder(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def hf_model(path: Path) -> LlavaForConditionalGeneration:
+    return LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_each_rank_loads_its_shards_of_the_files(pool, folder):
+    """dp_shard=2 x cp=2 (FSDP over 4) and dp_shard=2 x tp=2: every parameter, gathered, is its
+    file tensor bit for bit."""
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        files = {k: f.get_tensor(k) for k in f.keys()}
+    args = get_model_spec("llava").args(hf_config(str(folder)))
+    names = hf_names(args, set(files))
+    for dp_shard, cp, tp in ((2, 2, 1), (2, 1, 2)):
+        built = pool.run(
+            "built_weights",
+            dp_shard=dp_shard,
+            cp=cp,
+            tp=tp,
+            model__flavor="hf",
+            model__hf_path=str(folder),
+        )[0]
+        assert set(built) == set(names)  # tied embeddings: one parameter, named once
+        wrong = [n for n, t in built.items() if not torch.equal(t, files[names[n]])]
+        assert wrong == [], (dp_shard, cp, tp)
+
+
+def reference_loss(model: LlavaForConditionalGeneration, batch) -> float:
+    """transformers' loss on titan_vlm's rows: each row's ids (its image slots as the image
+    token), its images, titan_vlm's (already shifted) labels, mean over every label."""
+    ids = batch.tokens.clone()
+    ids[batch.image >= 0] = model.config.image_token_index
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in range(ids.shape[0]):
+            used = batch.image[row][batch.image[row] >= 0].unique()
+            images = batch.images[used]
+            logits = model(input_ids=ids[row : row + 1], pixel_values=images).logits[0]
+            labels = batch.labels[row]
+            keep = labels != IGNORE_INDEX
+            total += float(
+                torch.nn.functional.cross_entropy(logits[keep], labels[keep], reduction="sum")
+            )
+            count += int(keep.sum())
+    return total / count
+
+
+def test_first_cp2_loss_equals_transformers(pool, folder):
+    cfg = hf_config(str(folder))
+    for dotted, value in RUN.items():
+        if "__" in dotted:
+            section, key = dotted.split("__")
+            setattr(getattr(cfg, section), key, value)
+    args = get_model_spec("llava").args(cfg)
+    batch = build_dataset(cfg, args, *model_inputs(cfg)).batch(0, 0, 1, 2)
+    assert batch.images.shape[0] == 2 and int((batch.labels != IGNORE_INDEX).sum()) > 10
+    ours = pool.run("train_run", dp_shard=1, cp=2, model__hf_path=str(folder), **RUN)[0]
+    theirs = reference_loss(hf_model(folder), batch)
+    assert abs(ours[0]["loss"] - theirs) < 1e-6 * max(1.0, theirs), (ours[0]["loss"], theirs)
+    # negative control: the same rows through the other feature layer change the loss
+    other = hf_model(folder)
+    other.config.vision_feature_layer = -2 if other.config.vision_feature_layer == -1 else -1
+    assert abs(reference_loss(other, batch) - theirs) > 1e-3
+
+
+def run(*argv: str) -> str:
+    done = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def transformers_answer(path: Path, image: str, prompt: str, raw: bool, n: int) -> list[int]:
+    from PIL import Image
+
+    processor = AutoProcessor.from_pretrained(path)
+    if not raw:
+        messages = [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}
+        ]
+        prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(images=Image.open(image), text=prompt, return_tensors="pt")
+    with torch.no_grad():
+        out = hf_model(path).generate(**inputs, do_sample=False, max_new_tokens=n)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def ids_of(stdout: str) -> list[int]:
+    return [int(i) for i in stdout.strip().splitlines()[-1].split()]
+
+
+def test_generate_from_the_folder_equals_transformers(folder, tmp_path):
+    image = draw_png(tmp_path / "shapes.png")
+    raw = "USER: <image>\nWhat is this? ASSISTANT:"
+    for prompt, flags in (("What is this?", []), (raw, ["--raw-prompt"])):
+        out = run(
+            "-m", "titan_vlm.generate", "--hf-path", str(folder), "--image", image,
+            "--prompt", prompt, "--max-new-tokens", "8", "--print-ids", *flags,
+        )  # fmt: skip
+        theirs = transformers_answer(folder, image, prompt, bool(flags), 8)
+        assert ids_of(out) == theirs, (prompt, out)
+
+
+def test_trained_model_exports_to_transformers(pool, folder, tmp_path):
+    """Train 2 steps at cp=2 from the folder, export, load the export in transformers: no
+    missing or unexpected tensor, trained weights (not the source's), the same answers as
+    titan_vlm's generate on the checkpoint; tied embeddings stay one tensor."""
+    dump = tmp_path / "run"
+    run_cfg = dict(RUN, steps=2, checkpoint__enable=True, checkpoint__interval=2)
+    pool.run(
+        "train_run", dp_shard=1, cp=2, model__hf_path=str(folder), job__dump_folder=str(dump),
+        **run_cfg,
+    )  # fmt: skip
+    ckpt = dump / "copy0" / "checkpoint"
+    for max_gb, n_files in (("5", 1), ("0.00001", None)):
+        out = tmp_path / f"export_{max_gb}"
+        run("-m", "titan_vlm.checkpoint", "--export-hf", str(ckpt), str(out),
+            "--max-shard-gb", max_gb)  # fmt: skip
+        files = sorted(out.glob("*.safetensors"))
+        assert len(files) == 1 if n_files == 1 else len(files) > 1
+        assert (out / "model.safetensors.index.json").is_file() == (len(files) > 1)
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            assert (out / name).is_file(), name
+        exported, info = LlavaForConditionalGeneration.from_pretrained(
+            out, dtype=torch.float32, output_loading_info=True
+        )
+        assert info["missing_keys"] == set() or not info["missing_keys"], info
+        assert not info["unexpected_keys"] and not info["mismatched_keys"], info
+        source = hf_model(folder)
+        moved = [
+            n for n, p in exported.named_parameters()
+            if not torch.equal(p, dict(source.named_parameters())[n])
+        ]  # fmt: skip
+        assert len(moved) > 10  # the export holds the trained weights
+        lm_head = exported.get_output_embeddings().weight
+        tied = exported.get_input_embeddings().weight
+        assert (lm_head.data_ptr() == tied.data_ptr()) == (folder.name.startswith("siglip"))
+    image = draw_png(tmp_path / "ask.png")
+    ours = run(
+        "-m", "titan_vlm.generate", "--checkpoint", str(ckpt), "--image", image,
+        "--prompt", "What is this?", "--max-new-tokens", "8", "--print-ids",
+    )  # fmt: skip
+    assert ids_of(ours) == transformers_answer(out, image, "What is this?", False, 8)
