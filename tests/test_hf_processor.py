@@ -193,6 +193,83 @@ def test_add_bos_token_is_the_tokenizer_json_s(folders, tmp_path):
     assert (guessed.BOS, guessed.EOS, guessed.IMAGE) == (1, 2, 4)
 
 
+def sentencepiece_style_tokenizer(path) -> None:
+    """A tokenizer.json as transformers 4.x writes Llama 2's: byte-fallback BPE behind a
+    "Prepend ▁" normalizer (which prepends after every special token too), BOS added."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+    tok.train_from_iterator(
+        CORPUS, trainers.BpeTrainer(vocab_size=500, special_tokens=SPECIALS + bytes_)
+    )
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    tok.save(str(path / "tokenizer.json"))
+
+
+TEXTS = [
+    "USER: <image>\nWhat is this? ASSISTANT:",
+    " A red circle.",
+    "<s>USER: hi",
+    "e\u0301  x\n\ny",
+]
+
+
+def test_tokenizer_class_as_transformers_loads_it(folders, tmp_path):
+    """Which class transformers 5 runs tokenizer.json with: a llava folder keeps the file
+    whatever tokenizer_class says; LlamaTokenizer and Qwen2Tokenizer elsewhere rebuild its
+    pre-tokenization (for a 4.x Llama file that changes the ids after special tokens)."""
+    from transformers import AutoTokenizer, LlamaConfig, Qwen2Config
+
+    def folder(name, config, tokenizer_class, source=None):
+        path = tmp_path / name
+        path.mkdir()
+        if source is None:
+            sentencepiece_style_tokenizer(path)
+        else:
+            shutil.copy(source, path / "tokenizer.json")
+        special = dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+        (path / "tokenizer_config.json").write_text(
+            json.dumps(
+                dict(
+                    tokenizer_class=tokenizer_class,
+                    legacy=False,
+                    **special,
+                    extra_special_tokens=["<image>"],
+                )
+            )
+        )
+        config.save_pretrained(str(path))
+        return path
+
+    llava = shutil.copy(folders["clip"] + "/config.json", tmp_path / "llava.json")
+    cases = {
+        "llama": folder("llama", LlamaConfig(), "LlamaTokenizer"),
+        "llava": folder("llava", transformers.LlavaConfig.from_json_file(llava), "LlamaTokenizer"),
+        "qwen2": folder(
+            "qwen2", Qwen2Config(), "Qwen2Tokenizer", folders["siglip"] + "/tokenizer.json"
+        ),
+    }
+    ids = {}
+    for name, path in cases.items():
+        ours, theirs = HFTokenizer.from_folder(path), AutoTokenizer.from_pretrained(str(path))
+        for text in TEXTS:
+            for special in (True, False):
+                expected = theirs(text, add_special_tokens=special)["input_ids"]
+                assert ours.encode_text(text, special) == expected, (name, text, special)
+        ids[name] = ours.encode_text(TEXTS[0], True)
+    assert ids["llama"] != ids["llava"]  # the same files, run two ways
+    bert = folder("bert", LlamaConfig(), "BertTokenizer")
+    with pytest.raises(ConfigError, match=r"tokenizer_class 'BertTokenizer' is not supported"):
+        HFTokenizer.from_folder(bert)
+
+
 @pytest.mark.parametrize("kind", sorted(FOLDERS))
 @pytest.mark.parametrize("size,mode", [((45, 31), "RGB"), ((23, 50), "RGBA"), ((28, 28), "L")])
 def test_pixel_values_equal_the_image_processor(folders, tmp_path, kind, size, mode):
