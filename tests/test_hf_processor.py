@@ -319,6 +319,24 @@ def test_chat_prompt_equals_apply_chat_template(folders, tmp_path, kind):
     assert ours.tokenizer.tok.decode(parts[-1], skip_special_tokens=False).endswith(end)
 
 
+def test_a_template_in_tokenizer_config_is_applied_as_the_tokenizer_does(folders, tmp_path):
+    """Without a processor template, tokenizer_config.json's: transformers' processor has none
+    then, its tokenizer's apply_chat_template renders it and adds no special tokens (here no
+    BOS, which the processor would add)."""
+    from transformers import AutoTokenizer
+
+    folder = shutil.copytree(folders["clip"], tmp_path / "f")
+    template = (folder / "chat_template.jinja").read_text()
+    (folder / "chat_template.jinja").unlink()
+    edit_json(folder, "tokenizer_config.json", chat_template=template)
+    ours, theirs = HFProcessor.from_folder(str(folder)), AutoTokenizer.from_pretrained(str(folder))
+    msgs = messages("What is this?", image="a.png")
+    expected = theirs.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    parts = chat_prompt(ours, "What is this?", torch.zeros(3, 30, 30))
+    assert ours.input_ids(parts, 1) == list(expected["input_ids"])
+    assert expected["input_ids"][0] != ours.tokenizer.BOS and ours.tokenizer.adds_bos
+
+
 ANSWERS = ("A red circle.", "yes.")
 
 

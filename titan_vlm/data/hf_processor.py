@@ -18,8 +18,10 @@ where present: data/tokenizer.py); the image processor settings from processor_c
 id (`image_token_index` or `image_token_id`, checked against the tokenizer) and the model's input
 size (`vision_config.image_size`, checked against the image processor's output size). The chat
 template, where the folder has one, as transformers' processor picks it: processor_config.json's
-"chat_template", else chat_template.json, else chat_template.jinja, else tokenizer_config.json's
-"chat_template" (a named list: the "default" one).
+"chat_template", else chat_template.json, else chat_template.jinja; else tokenizer_config.json's
+"chat_template" (a named list: the "default" one), which transformers' processor does not read
+but its tokenizer's apply_chat_template does, and then as that one tokenizes: without adding
+special tokens (the processor adds them unless the rendering starts with the BOS string).
 
 Image preprocessing is transformers' PIL backend (data/images.py ImageProcessing), which is what
 transformers 5 runs where torchvision is not installed (it then warns that CLIPImageProcessor
@@ -91,6 +93,7 @@ class HFProcessor:
     tokens_per_image: int | None
     chat_template: str | None
     template_file: str  # where the chat template came from, for errors
+    template_is_tokenizers: bool  # from tokenizer_config.json (see the module docstring)
 
     @classmethod
     def from_folder(cls, path: str) -> HFProcessor:
@@ -142,6 +145,7 @@ class HFProcessor:
             tokens_per_image=_tokens_per_image(processor, image_size),
             chat_template=template,
             template_file=template_file,
+            template_is_tokenizers=template_file.endswith("tokenizer_config.json"),
         )
 
     # -- text ------------------------------------------------------------------------------
@@ -186,10 +190,11 @@ class HFProcessor:
             raise ChatError(f"{self.template_file}: {type(e).__name__}: {e}") from None
 
     def add_special_tokens(self, rendered: str) -> bool:
-        """Whether transformers' processor adds the tokenizer's special tokens to a rendered chat:
-        not when it already starts with the BOS string."""
+        """Whether transformers adds the tokenizer's special tokens to a rendered chat: the
+        processor does unless it starts with the BOS string; the tokenizer's apply_chat_template
+        (a template from tokenizer_config.json) never does."""
         bos = self.tokenizer.special_tokens.get("bos_token")
-        return not (bos and rendered.startswith(bos))
+        return not (self.template_is_tokenizers or (bos and rendered.startswith(bos)))
 
     def chat_parts(self, messages: list[dict], images: list[Part]) -> list[Part]:
         """`messages` (HF chat format) rendered with the generation prompt and tokenized as
