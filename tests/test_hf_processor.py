@@ -337,6 +337,31 @@ def test_a_template_in_tokenizer_config_is_applied_as_the_tokenizer_does(folders
     assert expected["input_ids"][0] != ours.tokenizer.BOS and ours.tokenizer.adds_bos
 
 
+def test_transformers_4_layout(folders, tmp_path):
+    """The layout transformers 4.x writes: the image processor in preprocessor_config.json, the
+    template in chat_template.json, special_tokens_map.json beside tokenizer_config.json."""
+    folder = shutil.copytree(folders["clip"], tmp_path / "f")
+    config = json.loads((folder / "processor_config.json").read_text())
+    (folder / "preprocessor_config.json").write_text(json.dumps(config.pop("image_processor")))
+    (folder / "processor_config.json").write_text(json.dumps(config))
+    template = (folder / "chat_template.jinja").read_text()
+    (folder / "chat_template.jinja").unlink()
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    edit_json(folder, "tokenizer_config.json", pad_token=None)
+    (folder / "special_tokens_map.json").write_text(json.dumps({"pad_token": "<pad>"}))
+    path = draw_png(tmp_path / "a.png")
+    ours, theirs = HFProcessor.from_folder(str(folder)), hf_processor(str(folder))
+    assert ours.template_file.endswith("chat_template.json") and ours.tokenizer.PAD == 3
+    msgs = messages("What is this?", image=path)
+    expected = theirs.apply_chat_template(
+        msgs, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    image = ours.preprocess_image(path)
+    parts = chat_prompt(ours, "What is this?", image)
+    assert ours.input_ids(parts, ours.tokens_per_image) == expected["input_ids"][0].tolist()
+    assert torch.equal(image, expected["pixel_values"][0])
+
+
 ANSWERS = ("A red circle.", "yes.")
 
 
