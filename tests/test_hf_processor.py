@@ -13,7 +13,7 @@ from PIL import Image, ImageDraw
 
 from titan_vlm.config import ConfigError
 from titan_vlm.data.batch import IGNORE_INDEX, Prompt, Sample, collate, is_image
-from titan_vlm.data.hf_processor import HFProcessor, chat_prompt
+from titan_vlm.data.hf_processor import ChatError, HFProcessor, chat_prompt
 from titan_vlm.data.jsonl import JsonlDataset
 from titan_vlm.data.tokenizer import HFTokenizer
 
@@ -412,11 +412,20 @@ def test_jsonl_dataset_uses_the_folder(folders, tmp_path):
         ],
     }
     caption = {"text": "It is blue."}
-    (tmp_path / "d.jsonl").write_text(json.dumps(record) + "\n" + json.dumps(caption) + "\n")
+    image_in_answer = {
+        "image": "a.png",
+        "conversations": [
+            {"from": "human", "value": "What is this?"},
+            {"from": "gpt", "value": "<image> this."},
+        ],
+    }
+    lines = [json.dumps(r) for r in (record, caption, image_in_answer)]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
     n, seq = proc.tokens_per_image, 128
     data = JsonlDataset(
         str(tmp_path / "d.jsonl"), proc.tokenizer, 28, n, seq, 0, shuffle=False, processor=proc
     )
+    assert data.skipped == {"chat template": 1}  # an image in an answer: a bad sample
     batch = data.batch(0, 0, 1, 1)
     theirs = hf_processor(folder)
     msgs = messages("What is this?", ANSWERS[0], image=str(tmp_path / "a.png"))
@@ -494,4 +503,14 @@ def test_folder_errors(folders, tmp_path):
     )
     proc = HFProcessor.from_folder(str(folder))
     with pytest.raises(ConfigError, match=r"chat_template.jinja: the chat template is not prefix"):
+        proc.conversation_parts([(True, "What is this?"), (False, "A circle.")], [])
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m }")
+    with pytest.raises(ConfigError, match=r"chat_template.jinja: chat template line 1: "):
+        HFProcessor.from_folder(str(folder))
+    # A template's raise_exception is about one conversation: a bad sample, not the folder's.
+    (folder / "chat_template.jinja").write_text(
+        "{% if messages|length > 1 %}{{ raise_exception('one turn only') }}{% endif %}x"
+    )
+    proc = HFProcessor.from_folder(str(folder))
+    with pytest.raises(ChatError, match=r"chat_template.jinja: TemplateError: one turn only"):
         proc.conversation_parts([(True, "What is this?"), (False, "A circle.")], [])

@@ -135,6 +135,8 @@ class HFProcessor:
                 f"{image_size}"
             )
         template, template_file = _chat_template(folder, processor)
+        if template is not None:
+            _compiled(template, template_file)  # a syntax error is the file's, not a sample's
         return cls(
             folder=str(path),
             tokenizer=tokenizer,
@@ -178,15 +180,17 @@ class HFProcessor:
                 f"{KEY}: {self.folder} has no chat template (chat_template.jinja, "
                 "chat_template.json or tokenizer_config.json's 'chat_template')"
             )
+        import jinja2
+
         try:
-            return _compiled(self.chat_template).render(
+            return _compiled(self.chat_template, self.template_file).render(
                 messages=messages,
                 tools=None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.tokenizer.special_tokens,
             )
-        except Exception as e:  # the template's own raise_exception and jinja2's errors
+        except (jinja2.TemplateError, TypeError) as e:  # raise_exception, undefined, bad types
             raise ChatError(f"{self.template_file}: {type(e).__name__}: {e}") from None
 
     def add_special_tokens(self, rendered: str) -> bool:
@@ -412,12 +416,18 @@ def _chat_template(folder: Path, processor: dict) -> tuple[str | None, str]:
 _TEMPLATES: dict[str, Any] = {}
 
 
-def _compiled(template: str) -> Any:
+def _compiled(template: str, where: str) -> Any:
     """The template compiled in transformers' chat-template environment: a sandbox with
     trim_blocks and lstrip_blocks, loop controls, the {% generation %} block (rendered as its
-    body), a tojson that does not escape HTML, raise_exception and strftime_now."""
+    body), a tojson that does not escape HTML, raise_exception and strftime_now. A syntax error
+    is a ConfigError naming `where`, its file."""
+    import jinja2
+
     if template not in _TEMPLATES:
-        _TEMPLATES[template] = _environment().from_string(template)
+        try:
+            _TEMPLATES[template] = _environment().from_string(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ConfigError(f"{KEY}: {where}: chat template line {e.lineno}: {e}") from None
     return _TEMPLATES[template]
 
 
