@@ -13,7 +13,7 @@ from PIL import Image, ImageDraw
 
 from titan_vlm.config import ConfigError
 from titan_vlm.data.batch import IGNORE_INDEX, Prompt, Sample, collate, is_image
-from titan_vlm.data.hf_processor import HFProcessor, chat_prompt
+from titan_vlm.data.hf_processor import ChatError, HFProcessor, chat_prompt
 from titan_vlm.data.jsonl import JsonlDataset
 from titan_vlm.data.tokenizer import HFTokenizer
 
@@ -195,6 +195,83 @@ def test_add_bos_token_is_the_tokenizer_json_s(folders, tmp_path):
     assert (guessed.BOS, guessed.EOS, guessed.IMAGE) == (1, 2, 4)
 
 
+def sentencepiece_style_tokenizer(path) -> None:
+    """A tokenizer.json as transformers 4.x writes Llama 2's: byte-fallback BPE behind a
+    "Prepend ▁" normalizer (which prepends after every special token too), BOS added."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+    tok.train_from_iterator(
+        CORPUS, trainers.BpeTrainer(vocab_size=500, special_tokens=SPECIALS + bytes_)
+    )
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    tok.save(str(path / "tokenizer.json"))
+
+
+TEXTS = [
+    "USER: <image>\nWhat is this? ASSISTANT:",
+    " A red circle.",
+    "<s>USER: hi",
+    "e\u0301  x\n\ny",
+]
+
+
+def test_tokenizer_class_as_transformers_loads_it(folders, tmp_path):
+    """Which class transformers 5 runs tokenizer.json with: a llava folder keeps the file
+    whatever tokenizer_class says; LlamaTokenizer and Qwen2Tokenizer elsewhere rebuild its
+    pre-tokenization (for a 4.x Llama file that changes the ids after special tokens)."""
+    from transformers import AutoTokenizer, LlamaConfig, Qwen2Config
+
+    def folder(name, config, tokenizer_class, source=None):
+        path = tmp_path / name
+        path.mkdir()
+        if source is None:
+            sentencepiece_style_tokenizer(path)
+        else:
+            shutil.copy(source, path / "tokenizer.json")
+        special = dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+        (path / "tokenizer_config.json").write_text(
+            json.dumps(
+                dict(
+                    tokenizer_class=tokenizer_class,
+                    legacy=False,
+                    **special,
+                    extra_special_tokens=["<image>"],
+                )
+            )
+        )
+        config.save_pretrained(str(path))
+        return path
+
+    llava = shutil.copy(folders["clip"] + "/config.json", tmp_path / "llava.json")
+    cases = {
+        "llama": folder("llama", LlamaConfig(), "LlamaTokenizer"),
+        "llava": folder("llava", transformers.LlavaConfig.from_json_file(llava), "LlamaTokenizer"),
+        "qwen2": folder(
+            "qwen2", Qwen2Config(), "Qwen2Tokenizer", folders["siglip"] + "/tokenizer.json"
+        ),
+    }
+    ids = {}
+    for name, path in cases.items():
+        ours, theirs = HFTokenizer.from_folder(path), AutoTokenizer.from_pretrained(str(path))
+        for text in TEXTS:
+            for special in (True, False):
+                expected = theirs(text, add_special_tokens=special)["input_ids"]
+                assert ours.encode_text(text, special) == expected, (name, text, special)
+        ids[name] = ours.encode_text(TEXTS[0], True)
+    assert ids["llama"] != ids["llava"]  # the same files, run two ways
+    bert = folder("bert", LlamaConfig(), "BertTokenizer")
+    with pytest.raises(ConfigError, match=r"tokenizer_class 'BertTokenizer' is not supported"):
+        HFTokenizer.from_folder(bert)
+
+
 @pytest.mark.parametrize("kind", sorted(FOLDERS))
 @pytest.mark.parametrize("size,mode", [((45, 31), "RGB"), ((23, 50), "RGBA"), ((28, 28), "L")])
 def test_pixel_values_equal_the_image_processor(folders, tmp_path, kind, size, mode):
@@ -242,6 +319,49 @@ def test_chat_prompt_equals_apply_chat_template(folders, tmp_path, kind):
     assert ours.input_ids(parts, ours.tokens_per_image) == expected["input_ids"][0].tolist()
     end = ("ASSISTANT:", "<|im_start|>assistant\n")[kind == "siglip"]
     assert ours.tokenizer.tok.decode(parts[-1], skip_special_tokens=False).endswith(end)
+
+
+def test_a_template_in_tokenizer_config_is_applied_as_the_tokenizer_does(folders, tmp_path):
+    """Without a processor template, tokenizer_config.json's: transformers' processor has none
+    then, its tokenizer's apply_chat_template renders it and adds no special tokens (here no
+    BOS, which the processor would add)."""
+    from transformers import AutoTokenizer
+
+    folder = shutil.copytree(folders["clip"], tmp_path / "f")
+    template = (folder / "chat_template.jinja").read_text()
+    (folder / "chat_template.jinja").unlink()
+    edit_json(folder, "tokenizer_config.json", chat_template=template)
+    ours, theirs = HFProcessor.from_folder(str(folder)), AutoTokenizer.from_pretrained(str(folder))
+    msgs = messages("What is this?", image="a.png")
+    expected = theirs.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    parts = chat_prompt(ours, "What is this?", torch.zeros(3, 30, 30))
+    assert ours.input_ids(parts, 1) == list(expected["input_ids"])
+    assert expected["input_ids"][0] != ours.tokenizer.BOS and ours.tokenizer.adds_bos
+
+
+def test_transformers_4_layout(folders, tmp_path):
+    """The layout transformers 4.x writes: the image processor in preprocessor_config.json, the
+    template in chat_template.json, special_tokens_map.json beside tokenizer_config.json."""
+    folder = shutil.copytree(folders["clip"], tmp_path / "f")
+    config = json.loads((folder / "processor_config.json").read_text())
+    (folder / "preprocessor_config.json").write_text(json.dumps(config.pop("image_processor")))
+    (folder / "processor_config.json").write_text(json.dumps(config))
+    template = (folder / "chat_template.jinja").read_text()
+    (folder / "chat_template.jinja").unlink()
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    edit_json(folder, "tokenizer_config.json", pad_token=None)
+    (folder / "special_tokens_map.json").write_text(json.dumps({"pad_token": "<pad>"}))
+    path = draw_png(tmp_path / "a.png")
+    ours, theirs = HFProcessor.from_folder(str(folder)), hf_processor(str(folder))
+    assert ours.template_file.endswith("chat_template.json") and ours.tokenizer.PAD == 3
+    msgs = messages("What is this?", image=path)
+    expected = theirs.apply_chat_template(
+        msgs, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    image = ours.preprocess_image(path)
+    parts = chat_prompt(ours, "What is this?", image)
+    assert ours.input_ids(parts, ours.tokens_per_image) == expected["input_ids"][0].tolist()
+    assert torch.equal(image, expected["pixel_values"][0])
 
 
 ANSWERS = ("A red circle.", "yes.")
@@ -294,11 +414,20 @@ def test_jsonl_dataset_uses_the_folder(folders, tmp_path):
         ],
     }
     caption = {"text": "It is blue."}
-    (tmp_path / "d.jsonl").write_text(json.dumps(record) + "\n" + json.dumps(caption) + "\n")
+    image_in_answer = {
+        "image": "a.png",
+        "conversations": [
+            {"from": "human", "value": "What is this?"},
+            {"from": "gpt", "value": "<image> this."},
+        ],
+    }
+    lines = [json.dumps(r) for r in (record, caption, image_in_answer)]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
     n, seq = proc.tokens_per_image, 128
     data = JsonlDataset(
         str(tmp_path / "d.jsonl"), proc.tokenizer, 28, n, seq, 0, shuffle=False, processor=proc
     )
+    assert data.skipped == {"chat template": 1}  # an image in an answer: a bad sample
     batch = data.batch(0, 0, 1, 1)
     theirs = hf_processor(folder)
     msgs = messages("What is this?", ANSWERS[0], image=str(tmp_path / "a.png"))
@@ -376,4 +505,14 @@ def test_folder_errors(folders, tmp_path):
     )
     proc = HFProcessor.from_folder(str(folder))
     with pytest.raises(ConfigError, match=r"chat_template.jinja: the chat template is not prefix"):
+        proc.conversation_parts([(True, "What is this?"), (False, "A circle.")], [])
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m }")
+    with pytest.raises(ConfigError, match=r"chat_template.jinja: chat template line 1: "):
+        HFProcessor.from_folder(str(folder))
+    # A template's raise_exception is about one conversation: a bad sample, not the folder's.
+    (folder / "chat_template.jinja").write_text(
+        "{% if messages|length > 1 %}{{ raise_exception('one turn only') }}{% endif %}x"
+    )
+    proc = HFProcessor.from_folder(str(folder))
+    with pytest.raises(ChatError, match=r"chat_template.jinja: TemplateError: one turn only"):
         proc.conversation_parts([(True, "What is this?"), (False, "A circle.")], [])

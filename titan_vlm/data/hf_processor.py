@@ -18,8 +18,10 @@ where present: data/tokenizer.py); the image processor settings from processor_c
 id (`image_token_index` or `image_token_id`, checked against the tokenizer) and the model's input
 size (`vision_config.image_size`, checked against the image processor's output size). The chat
 template, where the folder has one, as transformers' processor picks it: processor_config.json's
-"chat_template", else chat_template.json, else chat_template.jinja, else tokenizer_config.json's
-"chat_template" (a named list: the "default" one).
+"chat_template", else chat_template.json, else chat_template.jinja; else tokenizer_config.json's
+"chat_template" (a named list: the "default" one), which transformers' processor does not read
+but its tokenizer's apply_chat_template does, and then as that one tokenizes: without adding
+special tokens (the processor adds them unless the rendering starts with the BOS string).
 
 Image preprocessing is transformers' PIL backend (data/images.py ImageProcessing), which is what
 transformers 5 runs where torchvision is not installed (it then warns that CLIPImageProcessor
@@ -91,6 +93,7 @@ class HFProcessor:
     tokens_per_image: int | None
     chat_template: str | None
     template_file: str  # where the chat template came from, for errors
+    template_is_tokenizers: bool  # from tokenizer_config.json (see the module docstring)
 
     @classmethod
     def from_folder(cls, path: str) -> HFProcessor:
@@ -132,6 +135,8 @@ class HFProcessor:
                 f"{image_size}"
             )
         template, template_file = _chat_template(folder, processor)
+        if template is not None:
+            _compiled(template, template_file)  # a syntax error is the file's, not a sample's
         return cls(
             folder=str(path),
             tokenizer=tokenizer,
@@ -142,6 +147,7 @@ class HFProcessor:
             tokens_per_image=_tokens_per_image(processor, image_size),
             chat_template=template,
             template_file=template_file,
+            template_is_tokenizers=template_file.endswith("tokenizer_config.json"),
         )
 
     # -- text ------------------------------------------------------------------------------
@@ -174,22 +180,25 @@ class HFProcessor:
                 f"{KEY}: {self.folder} has no chat template (chat_template.jinja, "
                 "chat_template.json or tokenizer_config.json's 'chat_template')"
             )
+        import jinja2
+
         try:
-            return _compiled(self.chat_template).render(
+            return _compiled(self.chat_template, self.template_file).render(
                 messages=messages,
                 tools=None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.tokenizer.special_tokens,
             )
-        except Exception as e:  # the template's own raise_exception and jinja2's errors
+        except (jinja2.TemplateError, TypeError) as e:  # raise_exception, undefined, bad types
             raise ChatError(f"{self.template_file}: {type(e).__name__}: {e}") from None
 
     def add_special_tokens(self, rendered: str) -> bool:
-        """Whether transformers' processor adds the tokenizer's special tokens to a rendered chat:
-        not when it already starts with the BOS string."""
+        """Whether transformers adds the tokenizer's special tokens to a rendered chat: the
+        processor does unless it starts with the BOS string; the tokenizer's apply_chat_template
+        (a template from tokenizer_config.json) never does."""
         bos = self.tokenizer.special_tokens.get("bos_token")
-        return not (bos and rendered.startswith(bos))
+        return not (self.template_is_tokenizers or (bos and rendered.startswith(bos)))
 
     def chat_parts(self, messages: list[dict], images: list[Part]) -> list[Part]:
         """`messages` (HF chat format) rendered with the generation prompt and tokenized as
@@ -407,12 +416,18 @@ def _chat_template(folder: Path, processor: dict) -> tuple[str | None, str]:
 _TEMPLATES: dict[str, Any] = {}
 
 
-def _compiled(template: str) -> Any:
+def _compiled(template: str, where: str) -> Any:
     """The template compiled in transformers' chat-template environment: a sandbox with
     trim_blocks and lstrip_blocks, loop controls, the {% generation %} block (rendered as its
-    body), a tojson that does not escape HTML, raise_exception and strftime_now."""
+    body), a tojson that does not escape HTML, raise_exception and strftime_now. A syntax error
+    is a ConfigError naming `where`, its file."""
+    import jinja2
+
     if template not in _TEMPLATES:
-        _TEMPLATES[template] = _environment().from_string(template)
+        try:
+            _TEMPLATES[template] = _environment().from_string(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ConfigError(f"{KEY}: {where}: chat template line {e.lineno}: {e}") from None
     return _TEMPLATES[template]
 
 

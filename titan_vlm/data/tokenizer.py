@@ -6,8 +6,8 @@ A Hugging Face tokenizer comes two ways:
   spellings (BOS_NAMES, ...);
 - a model folder (`HFTokenizer.from_folder`, data/hf_processor.py): tokenizer.json with the
   folder's tokenizer_config.json (and special_tokens_map.json where present), read as
-  transformers reads them; `encode_text(text, add_special_tokens)` then equals transformers'
-  tokenizer on the same folder.
+  transformers 5 reads them (its tokenizer_class: data/tokenizer_classes.py);
+  `encode_text(text, add_special_tokens)` then equals transformers' tokenizer on the folder.
 IMAGE is the id image slots hold (data/batch.py collate); the decoder never reads it."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from titan_vlm.config import ConfigError
+from titan_vlm.data import tokenizer_classes
 
 
 class ByteTokenizer:
@@ -68,35 +69,49 @@ class HFTokenizer:
     (bos_token, eos_token, unk_token, pad_token -> their strings, those the files name);
     `adds_bos`: whether encode_text(..., add_special_tokens=True) puts BOS first."""
 
-    def __init__(self, path: str, config: dict | None = None, key: str = "model.tokenizer_path"):
+    def __init__(
+        self,
+        path: str,
+        config: dict | None = None,
+        key: str = "model.tokenizer_path",
+        model_type: str | None = None,
+    ):
         """`config`: the folder's tokenizer_config.json merged over its special_tokens_map.json
-        (from_folder), or None for a bare tokenizer.json whose special tokens are guessed."""
+        (from_folder), or None for a bare tokenizer.json whose special tokens are guessed;
+        `model_type`: the folder's config.json's (which class transformers loads it with)."""
         from tokenizers import Tokenizer
 
         if not Path(path).is_file():
             raise ConfigError(f"{key}: file not found: {path}")
-        try:
-            self.tok = Tokenizer.from_file(path)
-        except Exception as e:  # the library's own parse errors
-            raise ConfigError(f"{key}: {path} is not a tokenizer.json ({e})") from None
         if config is None:
+            try:
+                self.tok = Tokenizer.from_file(path)
+            except Exception as e:  # the library's own parse errors
+                raise ConfigError(f"{key}: {path} is not a tokenizer.json ({e})") from None
             self._guess(path, key)
         else:
+            self.tok = tokenizer_classes.load(Path(path), config, model_type)
             self._configure(path, config)
+        self.tok.no_truncation()  # as transformers' tokenizer(text) (a file may set them)
+        self.tok.no_padding()
         self.vocab_size = max(self.tok.get_vocab(with_added_tokens=True).values()) + 1
         self.adds_bos = self.BOS is not None and self.encode_text("", True)[:1] == [self.BOS]
 
     @classmethod
     def from_folder(cls, folder: str | Path, image_token: str | None = None) -> HFTokenizer:
-        """The tokenizer of a model folder as transformers loads it: tokenizer.json, with
-        tokenizer_config.json's special tokens (special_tokens_map.json fills keys it lacks).
+        """The tokenizer of a model folder as transformers loads it: tokenizer.json (run as the
+        class transformers picks runs it: data/tokenizer_classes.py), with tokenizer_config.json's
+        special tokens (special_tokens_map.json fills keys it lacks).
         IMAGE is `image_token`'s id (which must be a token of the tokenizer), else PAD."""
         folder = Path(folder)
         config = read_json(folder / "tokenizer_config.json", "model.hf_path")
         extra = folder / "special_tokens_map.json"
         if extra.is_file():
             config = {**read_json(extra, "model.hf_path"), **config}
-        tok = cls(str(folder / "tokenizer.json"), config, key="model.hf_path")
+        model_type = None
+        if (folder / "config.json").is_file():
+            model_type = read_json(folder / "config.json", "model.hf_path").get("model_type")
+        tok = cls(str(folder / "tokenizer.json"), config, "model.hf_path", model_type)
         if image_token is not None:
             image = tok.tok.token_to_id(image_token)
             if image is None:
