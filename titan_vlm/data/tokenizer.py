@@ -170,10 +170,11 @@ class HFTokenizer:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode(self, text: str, bos: bool = True, eos: bool = True) -> list[int]:
-        if bos and self.BOS is None:
-            raise ValueError("this tokenizer has no BOS token")
+        """`text`'s ids, after BOS (`bos`: where the tokenizer has one; Qwen2's has none, its
+        sequences start with the text) and before EOS (`eos`)."""
         ids = self.tok.encode(text, add_special_tokens=False).ids
-        return ([self.BOS] if bos else []) + ids + ([self.EOS] if eos else [])
+        start = [self.BOS] if bos and self.BOS is not None else []
+        return start + ids + ([self.EOS] if eos else [])
 
     def decode(self, ids: list[int]) -> str:
         specials = (self.BOS, self.EOS, self.PAD, self.IMAGE)
