@@ -137,7 +137,7 @@ def ask_hf(
     return proc.tokenizer.decode([i for i in ids if i not in eos]), ids
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from titan_vlm.checkpoint import load_model_for_inference
     from titan_vlm.data.tokenizer import build_tokenizer
     from titan_vlm.models.hf_export import hf_config, load_hf_model
@@ -166,7 +166,7 @@ def main() -> None:
         help="built-in models: caption, chat, or auto (chat for a --prompt to a model trained on "
         "a .json / .jsonl file)",
     )
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
     try:
         if opts.hf_path:
             cfg = hf_config(opts.hf_path)
