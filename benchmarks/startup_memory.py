@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -70,8 +72,8 @@ def llava_config(layers: int, dim: int) -> dict:
     }
 
 
-def write_folder(folder: Path, layers: int, dim: int) -> int:
-    """A LLaVA folder with random weights (bf16); returns the parameter count."""
+def write_folder(folder: Path, layers: int, dim: int) -> None:
+    """A LLaVA folder with random weights (bf16)."""
     from safetensors.torch import save_file
 
     from titan_vlm.models.hf_export import hf_config
@@ -91,7 +93,6 @@ def write_folder(folder: Path, layers: int, dim: int) -> int:
         for n, p in model.named_parameters()
     }
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return sum(t.numel() for t in tensors.values())
 
 
 def worker(rank: int, size: int, results, folder: str, how: str) -> None:
@@ -129,18 +130,24 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--folder", default="/tmp/titan_vlm_startup_bench")
+    parser.add_argument("--write-only", action="store_true", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     folder = Path(opts.folder) / f"l{opts.layers}_d{opts.dim}"
+    if opts.write_only:
+        write_folder(folder, opts.layers, opts.dim)
+        return
     if not (folder / "model.safetensors").is_file():
-        count = write_folder(folder, opts.layers, opts.dim)
-    else:
-        count = sum(1 for _ in [0])  # recount below from the header
-        from safetensors import safe_open
+        # in a process of its own: Linux keeps a process's peak RSS across fork and exec, so
+        # the workers started below would inherit this one's peak from writing the weights
+        subprocess.run([sys.executable, __file__, *sys.argv[1:], "--write-only"], check=True)
+    from safetensors import safe_open
 
-        with safe_open(str(folder / "model.safetensors"), "pt") as f:
-            count = sum(int(torch.tensor(f.get_slice(k).get_shape()).prod()) for k in f.keys())
-    print(f"# {count / 1e6:.0f}M parameters ({count * 4 / 2**30:.2f} GiB in fp32), "
-          f"torch {torch.__version__}, {os.cpu_count()} CPU cores")
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        count = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    print(
+        f"# {count / 1e6:.0f}M parameters ({count * 4 / 2**30:.2f} GiB in fp32), "
+        f"torch {torch.__version__}, {os.cpu_count()} CPU cores"
+    )
     print("| FSDP shards | how | peak RSS, worst rank (GiB) | build time (s) |")
     print("|---|---|---|---|")
     for size in [int(s) for s in opts.shards.split(",")]:
