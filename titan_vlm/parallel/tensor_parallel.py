@@ -174,6 +174,11 @@ def apply_tp(model: VLM, tp_mesh: DeviceMesh, options: TPOptions = TPOptions()) 
         n_attn_args=4,
         sp=sp,
     )  # attention(x, cos, sin, layout)
+    if model.decoder.args.qk_norm:
+        # q/k norms (Qwen3) run on [B, L, heads, head_dim] with this rank's heads: their shared
+        # weight's gradient is a partial sum over tp, reduced as the SP norms' are (heads = dim 2)
+        for norm in ("attention.q_norm", "attention.k_norm"):
+            dec_plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
     for block in model.decoder.layers:
         parallelize_module(block, tp_mesh, dec_plan)
     if sp:
@@ -206,6 +211,9 @@ def apply_tp(model: VLM, tp_mesh: DeviceMesh, options: TPOptions = TPOptions()) 
             "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         },
     )
+    # Tied embeddings: each style distributed its own copy of the one weight; both are [vocab,
+    # dim] split Shard(0) over tp, so the head can take the embedding's DTensor back, exactly.
+    model.decoder.tie_weights()
 
 
 def gather_image_embeds_over_tp(embeds: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
