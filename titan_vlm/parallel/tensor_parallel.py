@@ -34,7 +34,12 @@ exactly one rank and the others add exact zeros, so the all-reduce is exact) wit
 output, because the image embeddings are concatenated in front of the text after it. `output` is
 column-wise (vocab columns split) with its logits all-gathered (Replicate): the loss then runs
 unchanged on every tp rank; a vocab-parallel loss would save the gather but is more code for a
-small vocabulary.
+small vocabulary. Tied embeddings (DecoderArgs.tie_embeddings): both split the one [vocab, dim]
+weight Shard(0), so the head takes the embedding's DTensor back after the plan (one Parameter,
+both uses' gradients summed in it).
+
+Q/K norms (Qwen3): one [head_dim] weight shared by all heads, applied to this rank's heads; its
+gradient is a partial sum over tp, reduced like the SP norms' (SequenceParallel on the heads dim).
 """
 
 from __future__ import annotations
