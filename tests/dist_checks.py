@@ -22,7 +22,7 @@ from titan_vlm.config import JobConfig, Training
 from titan_vlm.data.batch import IGNORE_INDEX, Batch, Sample, collate
 from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.metrics import SavedForBackward
-from titan_vlm.models.flavors import get_flavor
+from titan_vlm.models.flavors import Rope, VLMArgs, get_flavor
 from titan_vlm.models.vlm import VLM
 from titan_vlm.optim import build_optimizer, build_scheduler
 from titan_vlm.parallel import tensor_parallel
@@ -137,6 +137,7 @@ def parity(
     sp: bool = False,
     image_embed_tp_shard: bool = False,
     tp_unreduced_norms: bool = False,
+    hf_features: bool = False,
 ) -> dict:
     """One optimizer step of the parallel trainer against one process with the same weights and
     global batch. Returns both losses and grad norms and, per group (vision, projector, decoder),
@@ -144,8 +145,11 @@ def parity(
     parameter after the step. Rows: the synthetic data (`packing` on or off) or `special_rows`.
     `merge_samples` (negative control only) lets the parallel run's samples attend to each other.
     `tp`, `sp`, `image_embed_tp_shard`: tensor parallelism (TPOptions); `tp_unreduced_norms` is
-    the TP negative control (_sp_norms_with_local_weights)."""
+    the TP negative control (_sp_norms_with_local_weights). `hf_features`: the debug shapes with
+    every module feature of the Hugging Face families (hf_features_args)."""
     args = dataclasses.replace(get_flavor("debug"), image_attention=image_attention)
+    if hf_features:
+        args = hf_features_args(args)
     t = Training(
         lr=1e-3,
         warmup_steps=0,
@@ -251,7 +255,42 @@ def parity(
         "ntokens": stats["ntokens"],
         "ref_ntokens": int((full.labels != IGNORE_INDEX).sum()),
         "cp_balance": stats["cp_balance"],
+        "tied": model.decoder.output.weight is model.decoder.tok_embeddings.weight,
     }
+
+
+def hf_features_args(args: VLMArgs) -> VLMArgs:
+    """`args` with every module feature the Hugging Face families add: a CLIP-style tower cut
+    before its last layer (class token dropped, pre-norm, no patch bias, quick_gelu, no post
+    norm), a bias-free tanh-GELU projector, a decoder with q/k/v/o and MLP biases, q/k norms, a
+    head_dim that is not dim / heads, llama3 RoPE and tied embeddings."""
+    v, d = args.vision, args.decoder
+    return dataclasses.replace(
+        args,
+        vision=dataclasses.replace(
+            v,
+            n_layers=v.n_layers - 1,
+            source_layers=v.n_layers,
+            act="quick_gelu",
+            patch_bias=False,
+            class_token=True,
+            pre_norm=True,
+            post_norm=False,
+            drop_first=True,
+        ),
+        decoder=dataclasses.replace(
+            d,
+            head_dim=d.head_dim // 2,
+            qkv_bias=True,
+            o_bias=True,
+            mlp_bias=True,
+            qk_norm=True,
+            rope=Rope("llama3", 8.0, 1.0, 4.0, 16),
+            tie_embeddings=True,
+        ),
+        projector_act="gelu_pytorch_tanh",
+        projector_bias=False,
+    )
 
 
 @contextlib.contextmanager

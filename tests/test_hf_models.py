@@ -18,6 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import (
+    CLIPConfig,
+    CLIPModel,
     CLIPVisionConfig,
     CLIPVisionModel,
     LlamaConfig,
@@ -27,6 +29,8 @@ from transformers import (
     MistralConfig,
     Qwen2Config,
     Qwen3Config,
+    SiglipConfig,
+    SiglipModel,
     SiglipVisionConfig,
     SiglipVisionModel,
 )
@@ -305,6 +309,30 @@ def test_vision_tower_folders_match_last_hidden_state(tmp_path):
         assert v4.keys() == hf_names(ours.args, keys).keys()
 
 
+def test_contrastive_model_folders_give_their_vision_tower(tmp_path):
+    """A whole CLIPModel / SiglipModel folder (what the hub mostly holds as a separate tower): its
+    vision_config and vision_model.* tensors; the text tower and projections are reported."""
+    image = torch.rand(2, 3, 16, 16) * 2 - 1
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    for name, cls, config in (
+        ("siglip", SiglipModel, SiglipConfig(text_config=text, vision_config=TOWER)),
+        ("clip", CLIPModel, CLIPConfig(text_config=text, vision_config=TOWER)),
+    ):
+        torch.manual_seed(0)
+        hf = cls(config).eval()
+        perturb(hf)
+        hf.save_pretrained(tmp_path / name)
+        v = vision_args_from_hf(json.loads((tmp_path / name / "config.json").read_text()), name)
+        ours = VLM(VLMArgs(vision=v)).eval()
+        keys = file_keys(tmp_path / name)
+        load_into(ours, tmp_path / name, keys)
+        unused = unused_hf_tensors(ours.args, keys)
+        assert "logit_scale" in unused and "text_model.embeddings.token_embedding.weight" in unused
+        with torch.no_grad():
+            theirs = hf.vision_model(pixel_values=image).last_hidden_state
+            assert relative_error(ours.vision(image), theirs) < TOL, name
+
+
 def test_causal_lm_folder_matches_transformers(tmp_path):
     torch.manual_seed(0)
     hf = LlamaForCausalLM(LlamaConfig(**TEXT, rope_parameters=LLAMA3, tie_word_embeddings=True))
@@ -451,3 +479,28 @@ def test_a_stray_tensor_is_an_error(tmp_path):
         hf_names(args, keys - {"language_model.model.norm.weight"}, "f")
     with pytest.raises(ConfigError, match=r"f: no known tensor-name style"):
         hf_names(args, {"foo.weight"}, "f")
+
+
+# --- the new module features under the parallel trainer ----------------------------------------
+
+# dist_checks.hf_features_args: a CLIP-style tower cut before its last layer, biases everywhere,
+# q/k norms, head_dim != dim / heads, llama3 RoPE and TIED embeddings. Sequence parallelism is
+# left out: the tower's 17 positions (class token) do not split over tp = 2.
+HF_FEATURE_LAYOUTS = {
+    "dp2xcp2": dict(dp_shard=2, cp=2),
+    "cp2xtp2": dict(cp=2, tp=2, comm="allgather"),
+    "dp2xtp2_replicate_vision": dict(dp_shard=2, tp=2, cp=1, vision="replicate"),
+}
+
+
+@pytest.mark.parametrize("layout", HF_FEATURE_LAYOUTS.values(), ids=HF_FEATURE_LAYOUTS.keys())
+def test_hf_features_train_exactly_under_fsdp_cp_tp(pool, layout):
+    """One optimizer step with FSDP, CP and TP equals one process, and the tied head stays the
+    embedding's Parameter through FSDP's and TP's parameter replacement and the step."""
+    from test_parity import mismatches, report
+
+    results = pool.run("parity", hf_features=True, **layout)
+    report(str(layout), results[0])
+    for rank, result in enumerate(results):
+        assert mismatches(result) == [], f"rank {rank}: {mismatches(result)}"
+        assert result["tied"], f"rank {rank}: the head is no longer the embedding"

@@ -230,10 +230,10 @@ class ParallelDims:
         if (
             p.enable_sequence_parallel
         ):  # the decoder's local slots are padded to a multiple of tp (layout.py)
-            if vit.num_patches % tp:
+            if vit.num_positions % tp:
                 raise ConfigError(
-                    f"parallelism.enable_sequence_parallel: the ViT's {vit.num_patches} "
-                    "patches per image "
+                    f"parallelism.enable_sequence_parallel: the ViT's {vit.num_positions} "
+                    "positions per image "
                     f"must divide by tensor_parallel_degree={tp}"
                 )
 

@@ -21,18 +21,20 @@ def train_flops(args: VLMArgs, num_images: int, text_tokens: int, attention_pair
     """Model FLOPs of forward + backward (3x forward) for `num_images` images and
     `text_tokens` text tokens whose decoder attention computes `attention_pairs` query-key pairs.
 
-    Matmuls: 2 FLOPs per parameter per token; attention: QK^T and AV, 4 * dim per query-key
-    pair per layer (the ViT's images are bidirectional). The CP-replicated image tokens are
-    counted once: this is the useful work, not what the ranks execute."""
+    Matmuls: 2 FLOPs per parameter per token; attention: QK^T and AV, 4 * heads * head_dim per
+    query-key pair per layer (the ViT's images are bidirectional, over its patches and class
+    token). The CP-replicated image tokens are counted once: this is the useful work, not what the
+    ranks execute."""
     v, d = args.vision, args.decoder
-    n = v.num_patches
+    n = v.num_positions  # the ViT's sequence (patches and class token)
     vit_params = v.n_layers * (4 * v.dim * v.dim + 2 * v.dim * v.mlp_dim)
     vision = num_images * (2 * vit_params * n + v.n_layers * 4 * n * n * v.dim)
-    projector = num_images * 2 * (v.dim * d.dim + d.dim * d.dim) * n
-    kv_dim = d.n_kv_heads * d.head_dim
-    layer_params = 2 * d.dim * d.dim + 2 * d.dim * kv_dim + 3 * d.dim * d.ffn_dim
-    seq = num_images * n + text_tokens
-    decoder = 2 * d.n_layers * layer_params * seq + d.n_layers * 4 * attention_pairs * d.dim
+    tpi = args.tokens_per_image
+    projector = num_images * 2 * (v.dim * d.dim + d.dim * d.dim) * tpi
+    q_dim, kv_dim = d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim
+    layer_params = 2 * d.dim * q_dim + 2 * d.dim * kv_dim + 3 * d.dim * d.ffn_dim
+    seq = num_images * tpi + text_tokens
+    decoder = 2 * d.n_layers * layer_params * seq + d.n_layers * 4 * attention_pairs * q_dim
     head = 2 * d.dim * d.vocab_size * text_tokens
     return 3.0 * (vision + projector + decoder + head)
 

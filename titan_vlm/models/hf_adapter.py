@@ -14,6 +14,8 @@ Key styles, resolved from the names present (`key_style`), one prefix per part:
                                             model.language_model.*, lm_head.weight
     CLIPVisionModel / SiglipVisionModel     5.x: embeddings.*, encoder.* ... (no prefix);
                                             4.x: vision_model.*
+    CLIPModel / SiglipModel                 vision_model.* (text_model.*, the projections and
+                                            logit_scale / logit_bias unused)
     Llama / Mistral / Qwen2 / Qwen3         model.*, lm_head.weight
 
 Tensors the model knowingly does not use (`unused_hf_tensors`): the tower's layers past LLaVA's
@@ -66,7 +68,17 @@ LLAVA_MODEL = KeyStyle(
     "lm_head.weight",
 )
 VISION_HF5 = KeyStyle("vision tower (transformers 5)", vision="")
-VISION_HF4 = KeyStyle("vision tower (transformers 4)", vision="vision_model.")
+VISION_HF4 = KeyStyle(
+    "vision tower (vision_model.*: transformers 4, CLIPModel)", vision="vision_model."
+)
+# A whole CLIPModel / SiglipModel folder: what is not its vision tower.
+_CONTRASTIVE_REST = (
+    "text_model.",
+    "logit_scale",
+    "logit_bias",
+    "visual_projection.",
+    "text_projection.",
+)
 CAUSAL_LM = KeyStyle("causal LM", text="model.", head="lm_head.weight")
 STYLES = (LLAVA_HF5, LLAVA_HF4, LLAVA_MODEL, VISION_HF5, VISION_HF4, CAUSAL_LM)
 
@@ -201,6 +213,8 @@ def unused_hf_tensors(args: VLMArgs, file_keys: set[str]) -> dict[str, str]:
                 reason = "SigLIP's pooling head"
             elif rest == "embeddings.position_ids":
                 reason = "position_ids buffer"
+        if style.text is None and style.projector is None and key.startswith(_CONTRASTIVE_REST):
+            reason = "the contrastive model's text tower and projections"
         if style.text is not None and key.startswith(style.text):
             if key.endswith("rotary_emb.inv_freq"):
                 reason = "rotary inv_freq buffer"

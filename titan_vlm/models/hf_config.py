@@ -3,7 +3,8 @@
     args_from_hf_config(config, where)  a LlavaForConditionalGeneration folder (model_type
                                         "llava"): a CLIP or SigLIP tower + a Llama, Mistral, Qwen2
                                         or Qwen3 text model
-    vision_args_from_hf(config, where)  a CLIPVisionModel / SiglipVisionModel folder
+    vision_args_from_hf(config, where)  a CLIPVisionModel / SiglipVisionModel folder (or a whole
+                                        CLIPModel / SiglipModel: its vision tower)
     text_args_from_hf(config, where)    a Llama / Mistral / Qwen2 / Qwen3 ForCausalLM folder
 
 `config` is the parsed config.json and `where` the file it came from (for the messages). Both the
@@ -23,6 +24,7 @@ from titan_vlm.config import ConfigError
 from titan_vlm.models.flavors import ACTIVATIONS, ROPE_TYPES, DecoderArgs, Rope, ViTArgs, VLMArgs
 
 VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
+CONTRASTIVE_TYPES = ("clip", "siglip")  # a whole CLIPModel / SiglipModel: its vision tower
 TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SELECT_STRATEGIES = ("default", "full")
 
@@ -297,10 +299,18 @@ def _text(s: _Section, model_type: str) -> DecoderArgs:
 
 
 def vision_args_from_hf(config: dict, where: str) -> ViTArgs:
-    """A CLIPVisionModel / SiglipVisionModel config.json -> the tower's `last_hidden_state`:
-    every layer, every position (CLIP's class token included), SigLIP's post_layernorm applied.
-    (LLaVA takes other features: args_from_hf_config.)"""
-    model_type = _model_type(config, where, "", VISION_TYPES)
+    """A CLIPVisionModel / SiglipVisionModel config.json, or a CLIPModel / SiglipModel one (the
+    contrastive model: its vision_config), -> the tower's `last_hidden_state`: every layer, every
+    position (CLIP's class token included), SigLIP's post_layernorm applied. (LLaVA takes other
+    features: args_from_hf_config.)"""
+    model_type = _model_type(config, where, "", (*VISION_TYPES, *CONTRASTIVE_TYPES))
+    if model_type in CONTRASTIVE_TYPES:
+        vision_cfg = config.get("vision_config") or {}
+        v_type = _model_type(
+            vision_cfg, where, "vision_config.", VISION_TYPES, f"{model_type}_vision_model"
+        )
+        top = _Section(config, where, "", {})
+        return _vision(top.sub("vision_config", _VISION_DEFAULTS[v_type]), v_type)
     return _vision(_Section(config, where, "", _VISION_DEFAULTS[model_type]), model_type)
 
 

@@ -34,7 +34,12 @@ exactly one rank and the others add exact zeros, so the all-reduce is exact) wit
 output, because the image embeddings are concatenated in front of the text after it. `output` is
 column-wise (vocab columns split) with its logits all-gathered (Replicate): the loss then runs
 unchanged on every tp rank; a vocab-parallel loss would save the gather but is more code for a
-small vocabulary.
+small vocabulary. Tied embeddings (DecoderArgs.tie_embeddings): both split the one [vocab, dim]
+weight Shard(0), so the head takes the embedding's DTensor back after the plan (one Parameter,
+both uses' gradients summed in it).
+
+Q/K norms (Qwen3): one [head_dim] weight shared by all heads, applied to this rank's heads; its
+gradient is a partial sum over tp, reduced like the SP norms' (SequenceParallel on the heads dim).
 """
 
 from __future__ import annotations
@@ -174,6 +179,11 @@ def apply_tp(model: VLM, tp_mesh: DeviceMesh, options: TPOptions = TPOptions()) 
         n_attn_args=4,
         sp=sp,
     )  # attention(x, cos, sin, layout)
+    if model.decoder.args.qk_norm:
+        # q/k norms (Qwen3) run on [B, L, heads, head_dim] with this rank's heads: their shared
+        # weight's gradient is a partial sum over tp, reduced as the SP norms' are (heads = dim 2)
+        for norm in ("attention.q_norm", "attention.k_norm"):
+            dec_plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
     for block in model.decoder.layers:
         parallelize_module(block, tp_mesh, dec_plan)
     if sp:
@@ -206,6 +216,9 @@ def apply_tp(model: VLM, tp_mesh: DeviceMesh, options: TPOptions = TPOptions()) 
             "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         },
     )
+    # Tied embeddings: each style distributed its own copy of the one weight; both are [vocab,
+    # dim] split Shard(0) over tp, so the head can take the embedding's DTensor back, exactly.
+    model.decoder.tie_weights()
 
 
 def gather_image_embeds_over_tp(embeds: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
