@@ -1,0 +1,125 @@
+"""Loading Hugging Face folders in one process (models/build.py, models/hf_export.py): separate
+towers, and every way a folder can be wrong ends in one line naming the file, tensor or key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from test_hf_models import TEXT, TOWER, perturb
+from transformers import LlamaForCausalLM, SiglipVisionModel
+
+from titan_vlm.config import ConfigError, JobConfig
+from titan_vlm.errors import ConfigError as LeafConfigError
+from titan_vlm.models.hf_export import export_hf, hf_config, load_hf_model
+from titan_vlm.models.llava import init_rule
+from titan_vlm.models.loading import init_from_seed
+from titan_vlm.models.vlm import VLM
+
+transformers = pytest.importorskip("transformers")
+
+
+def towers(tmp_path: Path) -> tuple[Path, Path]:
+    from transformers import LlamaConfig, SiglipVisionConfig
+
+    torch.manual_seed(0)
+    vision = SiglipVisionModel(SiglipVisionConfig(**TOWER))
+    text = LlamaForCausalLM(LlamaConfig(**TEXT))
+    for model, name in ((vision, "siglip"), (text, "llama")):
+        perturb(model)
+        model.save_pretrained(tmp_path / name)
+    return tmp_path / "siglip", tmp_path / "llama"
+
+
+def tensors(folder: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def separate(vision: Path, text: Path, flavor: str = "hf") -> JobConfig:
+    cfg = JobConfig()
+    cfg.model.flavor = flavor
+    cfg.model.hf_vision_path, cfg.model.hf_text_path = str(vision), str(text)
+    return cfg
+
+
+def test_separate_towers_load_and_the_projector_starts_from_the_seed(tmp_path):
+    vision, text = towers(tmp_path)
+    cfg = separate(vision, text)
+    model, args = load_hf_model(cfg)
+    params = dict(model.named_parameters())
+    v, t = tensors(vision), tensors(text)
+    assert torch.equal(
+        params["vision.layers.1.attn.q.weight"], v["encoder.layers.1.self_attn.q_proj.weight"]
+    )
+    assert torch.equal(params["decoder.tok_embeddings.weight"], t["model.embed_tokens.weight"])
+    assert torch.equal(params["decoder.output.weight"], t["lm_head.weight"])
+    # the projector is what a from-scratch run at the same seed draws for it
+    projector = {n for n in params if n.startswith("projector.")}
+    with torch.device("meta"):
+        fresh = VLM(args)
+    fresh.to_empty(device="cpu")
+    init_from_seed(fresh, cfg.training.seed, lambda n, p: init_rule(args, n, p), projector)
+    drawn = dict(fresh.named_parameters())
+    assert projector and all(torch.equal(params[n], drawn[n]) for n in projector)
+    assert float(params["projector.fc1.weight"].detach().abs().max()) > 0
+
+
+def test_a_built_in_flavor_must_match_the_folder(tmp_path):
+    vision, text = towers(tmp_path)
+    with pytest.raises(
+        ConfigError, match=r"model.flavor='debug' does not match .* set model.flavor = 'hf'"
+    ):
+        load_hf_model(separate(vision, text, flavor="debug"))
+    assert ConfigError is LeafConfigError  # one error type, from the leaf module
+
+
+def test_broken_folders_are_one_line_errors(tmp_path):
+    vision, text = towers(tmp_path)
+    cfg = separate(vision, text)
+    weights = text / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])  # truncated in the middle of the tensors
+    with pytest.raises(ConfigError, match=r"model.hf_text_path: .*model.safetensors"):
+        load_hf_model(cfg)
+    weights.write_bytes(b"not a safetensors file at all")
+    with pytest.raises(ConfigError, match=r"model.hf_text_path: .*is not a safetensors file"):
+        load_hf_model(cfg)
+    weights.unlink()
+    with pytest.raises(ConfigError, match=r"model.hf_text_path: .* has neither model.safetensors"):
+        load_hf_model(cfg)
+    (text / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
+        )
+    )
+    with pytest.raises(ConfigError, match=r"names missing shard\(s\) model-00001-of-00002"):
+        load_hf_model(cfg)
+    (text / "config.json").write_text("{broken")
+    with pytest.raises(ConfigError, match=r"model.hf_text_path: .*config.json is not JSON"):
+        load_hf_model(cfg)
+
+
+def test_a_tensor_of_the_wrong_shape_is_named(tmp_path):
+    vision, text = towers(tmp_path)
+    config = json.loads((text / "config.json").read_text())
+    config["intermediate_size"] = 2 * config["intermediate_size"]
+    (text / "config.json").write_text(json.dumps(config))
+    wrong = (
+        r"'model.layers.0.mlp.gate_proj.weight' has shape \(64, 32\), "
+        r"decoder.layers.0.feed_forward.w1.weight needs \(128, 32\)"
+    )
+    with pytest.raises(ConfigError, match=wrong):
+        load_hf_model(separate(vision, text))
+
+
+def test_export_hf_needs_a_source_folder(tmp_path):
+    cfg = JobConfig()  # the debug flavor, from scratch
+    with pytest.raises(
+        ConfigError, match=r"--export-hf writes the format of the folder .* use --export"
+    ):
+        export_hf(torch.nn.Linear(1, 1), cfg, tmp_path / "out")
+    assert hf_config(str(tmp_path)).model.flavor == "hf"
