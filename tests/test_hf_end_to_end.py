@@ -4,9 +4,10 @@ equals transformers' loss on the same rows, `--export-hf` gives a folder transfo
 no missing or unexpected tensor and the same logits, and `generate` answers what transformers'
 `generate` answers, from the folder and from a trained checkpoint.
 
-Two folders: "clip" (LLaVA-1.5: a CLIP tower cut at layer -2, the class token dropped, a Llama
-decoder, BOS, LLaVA's template) and "siglip" (a SigLIP tower, every position, a Qwen2 decoder
-with q/k/v biases and tied embeddings, a ChatML template, no BOS).
+Four folders (KINDS): LLaVA-1.5's CLIP tower (cut at layer -2, the class token dropped, BOS,
+LLaVA's template) with a Llama 3.1-RoPE or a Mistral decoder, and a SigLIP tower (every
+position, a ChatML template, no BOS) with a Qwen2 (q/k/v biases, tied embeddings) or a Qwen3
+(q/k norms) decoder.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from test_hf_models import TEXT, perturb
+from test_hf_models import LLAMA3, TEXT, perturb
 from test_hf_processor import build_folder, draw_png
 
 transformers = pytest.importorskip("transformers")
@@ -31,7 +32,9 @@ from transformers import (  # noqa: E402
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    MistralConfig,
     Qwen2Config,
+    Qwen3Config,
     SiglipVisionConfig,
 )
 
@@ -53,34 +56,48 @@ RUN = dict(
 )
 
 
+# folder kind -> (processor files of test_hf_processor, decoder)
+KINDS = {
+    "clip_llama3": ("clip", "llama3"),  # LLaVA-1.5's tower with Llama 3.1's RoPE scaling
+    "siglip_qwen2_tied": ("siglip", "qwen2"),  # q/k/v biases, tied embeddings, ChatML
+    "siglip_qwen3": ("siglip", "qwen3"),  # q/k norms, head_dim != hidden / heads
+    "clip_mistral": ("clip", "mistral"),  # linear RoPE scaling, no projector bias
+}
+
+
 def write_llava_folder(path: Path, kind: str) -> Path:
     """The processor files of test_hf_processor's folder, then a tiny random LLaVA model whose
     config matches them (image size and patch, vocabulary, special token ids)."""
-    build_folder(path, kind)
+    processor, decoder = KINDS[kind]
+    build_folder(path, processor)
     tok = json.loads((path / "tokenizer.json").read_text())
     vocab = {t["content"]: t["id"] for t in tok["added_tokens"]}
-    size = {"clip": (30, 5), "siglip": (28, 7)}[kind]
     text = dict(TEXT, vocab_size=len(tok["model"]["vocab"]))
     text.update(pad_token_id=vocab["<pad>"], bos_token_id=vocab["<s>"])
-    if kind == "clip":
-        vision = CLIPVisionConfig(**TOWER, image_size=size[0], patch_size=size[1])
-        config = LlavaConfig(
-            vision_config=vision,
-            text_config=LlamaConfig(**text, eos_token_id=vocab["</s>"]),
-            image_token_index=vocab["<image>"],
-        )
+    text["eos_token_id"] = vocab["</s>" if processor == "clip" else "<|im_end|>"]
+    top: dict = {}
+    if decoder == "llama3":
+        text_config = LlamaConfig(**text, rope_parameters=LLAMA3)
+    elif decoder == "mistral":
+        linear = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+        text_config = MistralConfig(**text, sliding_window=None, rope_parameters=linear)
+        top = dict(multimodal_projector_bias=False)
+    elif decoder == "qwen2":
+        text_config = Qwen2Config(**text, tie_word_embeddings=True)
+        top = dict(tie_word_embeddings=True, projector_hidden_act="gelu_pytorch_tanh")
     else:
-        vision = SiglipVisionConfig(**TOWER, image_size=size[0], patch_size=size[1])
-        qwen = Qwen2Config(**text, eos_token_id=vocab["<|im_end|>"], tie_word_embeddings=True)
-        config = LlavaConfig(
-            vision_config=vision,
-            text_config=qwen,
-            image_token_index=vocab["<image>"],
-            vision_feature_layer=-1,
-            vision_feature_select_strategy="full",
-            projector_hidden_act="gelu_pytorch_tanh",
-            tie_word_embeddings=True,
-        )
+        text_config = Qwen3Config(**text, head_dim=16)
+    if processor == "clip":
+        vision = CLIPVisionConfig(**TOWER, image_size=30, patch_size=5)
+    else:
+        vision = SiglipVisionConfig(**TOWER, image_size=28, patch_size=7)
+        top.update(vision_feature_layer=-1, vision_feature_select_strategy="full")
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text_config,
+        image_token_index=vocab["<image>"],
+        **top,
+    )
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(config).eval()
     perturb(model)
@@ -88,7 +105,7 @@ def write_llava_folder(path: Path, kind: str) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=["clip", "siglip"])
+@pytest.fixture(scope="module", params=list(KINDS))
 def folder(request, tmp_path_factory) -> Path:
     return write_llava_folder(tmp_path_factory.mktemp(request.param), request.param)
 
@@ -229,7 +246,7 @@ def test_trained_model_exports_to_transformers(pool, folder, tmp_path):
         assert len(moved) > 10  # the export holds the trained weights
         lm_head = exported.get_output_embeddings().weight
         tied = exported.get_input_embeddings().weight
-        assert (lm_head.data_ptr() == tied.data_ptr()) == (folder.name.startswith("siglip"))
+        assert (lm_head.data_ptr() == tied.data_ptr()) == ("tied" in folder.name)
     image = draw_png(tmp_path / "ask.png")
     ours = run(
         "titan_vlm.generate", "--checkpoint", str(ckpt), "--image", image,
