@@ -170,7 +170,8 @@ def test_folder_settings_and_tokenizer(folders, kind):
     )
     assert ours.tokenizer.adds_bos == (kind == "clip")
     patches = (FOLDERS[kind]["size"] // FOLDERS[kind]["patch"]) ** 2
-    assert ours.tokens_per_image == (patches - 1 if kind == "clip" else patches)
+    # CLIP: the class token and then the first position dropped ("default"), as LLaVA-1.5's 576
+    assert ours.tokens_per_image == patches
     for text in ["What is this?", " A red circle.\n", "<s>yes <image><|im_end|>\nno", ""]:
         for special in (True, False):
             expected = theirs.tokenizer(text, add_special_tokens=special)["input_ids"]
