@@ -185,7 +185,10 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     max_bytes = DEFAULT_MAX_SHARD_BYTES
     if len(args) == 5 and args[3] == "--max-shard-gb":
-        max_bytes = int(float(args[4]) * 2**30)
+        try:
+            max_bytes = int(float(args[4]) * 2**30)
+        except ValueError:
+            sys.exit(f"error: --max-shard-gb takes a number of GiB, got {args[4]!r}")
         args = args[:3]
     if len(args) != 3 or args[0] not in ("--export", "--export-hf"):
         sys.exit(USAGE)

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from titan_vlm.data.batch import Part, Sample, collate
-from titan_vlm.data.hf_processor import HFProcessor, chat_prompt
+from titan_vlm.data.hf_processor import ChatError, HFProcessor, chat_prompt
 from titan_vlm.data.images import load_image
 from titan_vlm.data.jsonl import chat_question
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
@@ -113,7 +113,10 @@ def eos_ids(folder: Path) -> set[int]:
         path = folder / name
         if not path.is_file():
             continue
-        cfg = json.loads(path.read_text())
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not JSON ({e})") from None
         value = cfg.get("eos_token_id", cfg.get("text_config", {}).get("eos_token_id"))
         if value is not None:
             return set(value) if isinstance(value, list) else {int(value)}
@@ -193,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             answer, ids = ask_builtin(model, image, opts.prompt, opts.max_new_tokens, tok, chat)
             print(answer.strip() if chat else opts.prompt + answer)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, ChatError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
     if opts.print_ids:
         print(" ".join(str(i) for i in ids))

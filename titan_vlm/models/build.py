@@ -26,6 +26,7 @@ from titan_vlm.models.spec import ModelSpec
 from titan_vlm.parallel_dims import Mesh
 
 logger = logging.getLogger("titan_vlm")
+SAME_ROWS = 64  # rows compared of a tensor the model holds once (ModelSpec.hf_same)
 
 
 def hf_files(cfg: JobConfig) -> list[tuple[str, list[Path]]]:
@@ -46,6 +47,15 @@ def load_hf(model: nn.Module, spec: ModelSpec, args: Any, cfg: JobConfig) -> Non
             # it neither maps nor knows to be unused
             names = spec.hf_names(args, keys, key)
             unused = spec.hf_unused(args, keys)
+            for copy, original in spec.hf_same(args, keys):
+                # the same leading rows on every rank, so all ranks decide alike
+                rows = (slice(0, min(SAME_ROWS, st.shape(original)[0])),)
+                if not torch.equal(st.read(copy, rows), st.read(original, rows)):
+                    raise ConfigError(
+                        f"{key}: config.json ties the embeddings, but '{copy}' in "
+                        f"{st.file_of(copy)} is not '{original}' (set tie_word_embeddings "
+                        "to false, or drop the tensor)"
+                    )
             read = load_hf_shards(params, st, names, key)
         wanted -= set(names)
         logger.info(

@@ -82,7 +82,18 @@ def export_hf(
             "--export-hf writes the format of the folder a model started from (model.hf_path); "
             "this model has none: use --export for titan_vlm's own names"
         )
+    if cfg.model.image_attention != "causal":
+        raise ConfigError(
+            "--export-hf: this model was trained with model.image_attention="
+            f"{cfg.model.image_attention!r}; transformers' LLaVA attends causally, so the export "
+            "would compute something else"
+        )
     source = Path(cfg.model.hf_path)
+    folder = source.parent if source.is_file() else source
+    if out.resolve() == folder.resolve() or folder.resolve() in out.resolve().parents:
+        raise ConfigError(
+            f"--export-hf: {out} is (inside) the source folder {folder}; choose another"
+        )
     spec = get_model_spec(cfg.model.name)
     params = {n: p.detach() for n, p in model.named_parameters()}
     tensors: dict[str, torch.Tensor] = {}
@@ -95,10 +106,12 @@ def export_hf(
         for theirs in spec.hf_unused(model.args, keys):  # type: ignore[arg-type]
             if theirs not in tensors:
                 tensors[theirs] = st.read(theirs)
+        for copy, original in spec.hf_same(model.args, keys):  # type: ignore[arg-type]
+            tensors[copy] = tensors[original].clone()  # the trained tensor, not the source's
     out.mkdir(parents=True, exist_ok=True)
     for old in (*out.glob("*.safetensors"), out / INDEX):
         old.unlink(missing_ok=True)  # a previous export's shards would mix with this one's
-    for item in source.iterdir():
+    for item in folder.iterdir():
         if item.is_file() and item.suffix != ".safetensors" and item.name != INDEX:
             shutil.copy2(item, out / item.name)
     shards = _shards(tensors, max_shard_bytes)

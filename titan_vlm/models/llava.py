@@ -7,8 +7,8 @@ Where the architecture comes from (`llava_args`):
                                 architecture, with a built-in flavor it must agree with it
   model.hf_vision_path / hf_text_path
                                 separate towers (a folder, or a .safetensors file beside its
-                                config.json): a CLIP/SigLIP vision model (+ a LLaVA projector in
-                                its file) and a Llama/Mistral/Qwen decoder
+                                config.json): a CLIP/SigLIP vision model and a Llama/Mistral/
+                                Qwen decoder; the projector starts from training.seed
   neither                       the built-in flavor, trained from scratch
 """
 
@@ -26,7 +26,7 @@ from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError
 from titan_vlm.models.accounting import batch_train_flops
 from titan_vlm.models.flavors import IMAGE_ATTENTION, VLMArgs, get_flavor
-from titan_vlm.models.hf_adapter import export_names, hf_names, unused_hf_tensors
+from titan_vlm.models.hf_adapter import export_names, hf_names, key_style, unused_hf_tensors
 from titan_vlm.models.hf_config import args_from_hf_config, text_args_from_hf, vision_args_from_hf
 from titan_vlm.models.hf_folder import config_path, read_json
 from titan_vlm.models.loading import Init
@@ -75,10 +75,10 @@ def llava_args(cfg: JobConfig) -> VLMArgs:
         path = config_path(Path(m.hf_path))
         from_hf = args_from_hf_config(read_json(path, "model.hf_path"), str(path))
     elif m.hf_vision_path or m.hf_text_path:
-        if not (m.hf_vision_path and m.hf_text_path) and m.flavor == "hf":
+        if not (m.hf_vision_path and m.hf_text_path):
             raise ConfigError(
-                "model.flavor='hf' with separate towers needs both model.hf_vision_path and "
-                "model.hf_text_path"
+                "separate towers need both model.hf_vision_path and model.hf_text_path (the "
+                "projector between them starts from training.seed)"
             )
         vision = text = None
         if m.hf_vision_path:
@@ -130,6 +130,17 @@ def init_rule(args: VLMArgs, name: str, param: torch.Tensor) -> Init:
     return Init("uniform", 1 / math.sqrt(math.prod(param.shape[1:])))
 
 
+def hf_same(args: VLMArgs, file_keys: set[str]) -> list[tuple[str, str]]:
+    """(file tensor, the file tensor it must equal): with tied embeddings, a head the file still
+    holds must be the embedding, else the config and the weights disagree."""
+    if not args.decoder.tie_embeddings:
+        return []
+    style = key_style(file_keys)
+    if style.head is None or style.head not in file_keys or style.text is None:
+        return []
+    return [(style.head, f"{style.text}embed_tokens.weight")]
+
+
 def after_to_empty(model: nn.Module) -> None:
     """What `to_empty` undoes: the RoPE tables (buffers, left unset) and tied embeddings (it
     gives the head a copy of its own; FSDP then follows the module attribute)."""
@@ -161,6 +172,7 @@ LLAVA = ModelSpec(
     after_to_empty=after_to_empty,
     hf_names=hf_names,
     hf_unused=unused_hf_tensors,
+    hf_same=hf_same,
     hf_export_names=export_names,
     parallelize=parallelize,
     flops=batch_train_flops,

@@ -9,8 +9,9 @@ this interface and never reach into module names:
     build       the nn.Module (on whatever device is current: the trainer uses meta)
     init_rule   how each parameter starts when training from scratch (models/loading.py)
     after_to_empty  redo what `Module.to_empty` undoes: buffers (RoPE tables), tied weights
-    hf_names / hf_unused / hf_export_names
-                the Hugging Face state-dict adapter, both directions
+    hf_names / hf_unused / hf_same / hf_export_names
+                the Hugging Face state-dict adapter, both directions (hf_same: file tensors the
+                model holds once, e.g. a tied head, which must equal the one it loads)
     parallelize TP, activation checkpointing, compile and FSDP, applied from outside
     flops       model FLOPs of a batch
 
@@ -43,6 +44,7 @@ class ModelSpec:
     after_to_empty: Callable[[nn.Module], None]
     hf_names: Callable[[Any, set[str], str], dict[str, str]]
     hf_unused: Callable[[Any, set[str]], dict[str, str]]
+    hf_same: Callable[[Any, set[str]], list[tuple[str, str]]]
     hf_export_names: Callable[[Any], dict[str, str]]
     parallelize: Callable[[nn.Module, Mesh, JobConfig], None]
     flops: Callable[[Any, Batch], float]
