@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from titan_vlm.varlen import Block, PackedPlan, pack
+
 if TYPE_CHECKING:
     from titan_vlm.attention import CPAttention
 
-# (rows of the batch, query slots, key slots, causal): one kernel call of the attention
-Block = tuple[slice, slice, slice, bool]
 ALL_ROWS = slice(None)
 
 
@@ -227,6 +227,18 @@ class SeqLayout:
         if key not in self._plans:
             self._plans[key] = plan(
                 self.slots(queries, rank), self.slots(keys, rank), self.bidirectional_images
+            )
+        return self._plans[key]
+
+    def packed(self, queries: str, keys: str | int, rank: int | None = None) -> PackedPlan:
+        """`blocks(queries, keys, rank)` packed into varlen calls (varlen.pack), made once per
+        batch."""
+        key = ("packed", queries, keys, self.rank if rank is None else rank)
+        if key not in self._plans:
+            self._plans[key] = pack(
+                self.blocks(queries, keys, rank),
+                self.slots(queries, rank).order,
+                self.slots(keys, rank).order,
             )
         return self._plans[key]
 

@@ -26,15 +26,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_vlm.attention import (
-    Blocks,
-    accumulators,
-    blocks_backward,
-    blocks_forward,
-    expand_kv_heads,
-    planned_attention,
-)
+from titan_vlm.attention import float_grads, planned_attention
+from titan_vlm.kernels import expand_kv_heads, select_varlen
 from titan_vlm.layout import SeqLayout
+from titan_vlm.varlen import merge, run_plan, run_plan_backward
 
 CP_COMM_TYPES = ("p2p", "allgather", "a2a")
 
@@ -83,62 +78,78 @@ def _wait(reqs: list) -> None:
 
 
 class _RingAttention(torch.autograd.Function):
+    """Step 0: this rank's queries against its local K/V (the images and its own text), one
+    plan. Step s > 0: against the text K/V of rank r - s, which arrived over the ring while the
+    previous step computed. Plans merge by log-sum-exp. Backward: the local plan's dK/dV stay
+    here; each other rank's block has a float32 dK/dV accumulator that travels with it and
+    reaches its owner after P - 1 hops."""
+
     @staticmethod
     def forward(ctx, q, k, v, layout: SeqLayout, g: CPGroup):
-        blocks = Blocks(q)
+        kernel = select_varlen(q.device, q.dtype)
         n = layout.num_image_tokens
-        out, lse = accumulators(q)
-        aux_img = blocks_forward(
-            blocks, q, k, v, layout.blocks("local", "images"), out, lse
-        )  # never sent
         kv = torch.stack([k[:, :, n:], v[:, :, n:]]).contiguous()  # travels the ring as one buffer
+        if g.size > 1:
+            incoming, reqs = g.shift(kv)  # overlapped with the local plan
+        out, lse, aux_local = run_plan(kernel, q, k, v, layout.packed("local", "local"))
+        out = out.float()
         aux_ring = []
-        for step in range(g.size):
+        for step in range(1, g.size):
+            _wait(reqs)
+            kv = incoming
             if step < g.size - 1:
-                incoming, reqs = g.shift(kv)  # overlapped with the blocks below
-            plan = layout.blocks("local", (g.rank - step) % g.size)  # against the holder's text
-            aux_ring.append(blocks_forward(blocks, q, kv[0], kv[1], plan, out, lse))
-            if step < g.size - 1:
-                _wait(reqs)
-                kv = incoming
+                incoming, reqs = g.shift(kv)  # overlapped with the plan below
+            plan = layout.packed("local", (g.rank - step) % g.size)  # against the holder's text
+            part_out, part_lse, aux = run_plan(kernel, q, kv[0], kv[1], plan)
+            out, lse = merge(out, lse, part_out, part_lse)
+            aux_ring.append(aux)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta = (layout, g, aux_img, aux_ring)
+        ctx.meta = (kernel, layout, g, aux_local, aux_ring)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        layout, g, aux_img, aux_ring = ctx.meta
-        blocks = Blocks(q)
+        kernel, layout, g, aux_local, aux_ring = ctx.meta
         n = layout.num_image_tokens
         dout = dout.contiguous()
-        dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
-        blocks_backward(
-            blocks, dout, q, k, v, out, lse, layout.blocks("local", "images"), aux_img, dq, dk, dv
-        )
+        dq, dk, dv = float_grads(q, k, v)
         kv = torch.stack([k[:, :, n:], v[:, :, n:]]).contiguous()
+        if g.size > 1:
+            incoming, reqs = g.shift(kv)
+        plan = layout.packed("local", "local")
+        run_plan_backward(kernel, dout, q, k, v, out, lse, plan, aux_local, dq, dk, dv)
         dkv_incoming, dreqs = None, []  # the travelling dK/dV accumulator of the block in hand
-        for step in range(g.size):
+        for step in range(1, g.size):
+            _wait(reqs)
+            kv = incoming
             if step < g.size - 1:
                 incoming, reqs = g.shift(kv)
-            dkv = torch.zeros_like(
-                kv, dtype=torch.float32
-            )  # this rank's share for the block in hand
-            plan = layout.blocks("local", (g.rank - step) % g.size)
-            blocks_backward(
-                blocks, dout, q, kv[0], kv[1], out, lse, plan, aux_ring[step], dq, dkv[0], dkv[1]
+            dkv = torch.zeros_like(kv, dtype=torch.float32)  # this rank's share, block in hand
+            plan = layout.packed("local", (g.rank - step) % g.size)
+            run_plan_backward(
+                kernel,
+                dout,
+                q,
+                kv[0],
+                kv[1],
+                out,
+                lse,
+                plan,
+                aux_ring[step - 1],
+                dq,
+                dkv[0],
+                dkv[1],
             )
-            if step > 0:
+            if step > 1:
                 _wait(dreqs)  # the block's accumulator, from the previous rank
                 dkv += dkv_incoming
-            dkv_incoming, dreqs = g.shift(dkv)  # overlapped with the next step's blocks
-            if step < g.size - 1:
-                _wait(reqs)
-                kv = incoming
-        _wait(dreqs)  # after P hops our own block's accumulator is back, complete
-        dk[:, :, n:] += dkv_incoming[0]
-        dv[:, :, n:] += dkv_incoming[1]
+            dkv_incoming, dreqs = g.shift(dkv)  # overlapped with the next step's plan
+        if g.size > 1:
+            _wait(dreqs)  # after P - 1 hops our own block's accumulator is back, complete
+            dk[:, :, n:] += dkv_incoming[0]
+            dv[:, :, n:] += dkv_incoming[1]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
@@ -157,46 +168,32 @@ class RingAttention(_CPAttention):
 
 
 class _AllGatherAttention(torch.autograd.Function):
-    """Gather every rank's text K/V (rank-major, the "all" slots), run this rank's queries'
-    blocks against them. Backward reduce-scatters dK/dV."""
+    """Gather every rank's text K/V (rank-major, the "all" slots), run this rank's queries
+    against them as one plan. Backward reduce-scatters dK/dV."""
 
     @staticmethod
     def forward(ctx, q, k, v, layout: SeqLayout, g: CPGroup):
-        blocks = Blocks(q)
+        kernel = select_varlen(q.device, q.dtype)
         n = layout.num_image_tokens
         kv_text = torch.stack([k[:, :, n:], v[:, :, n:]])  # [2, B, Hkv, T, D]
-        gathered = g.all_gather(kv_text.movedim(3, 0)).movedim(
-            0, 3
-        )  # [2, B, Hkv, P*T, D], rank-major
+        # [2, B, Hkv, P*T, D], rank-major
+        gathered = g.all_gather(kv_text.movedim(3, 0)).movedim(0, 3)
         k_all = torch.cat([k[:, :, :n], gathered[0]], dim=2)
         v_all = torch.cat([v[:, :, :n], gathered[1]], dim=2)
-        out, lse = accumulators(q)
-        auxes = blocks_forward(blocks, q, k_all, v_all, layout.blocks("local", "all"), out, lse)
-        out = out.to(q.dtype)
+        out, lse, auxes = run_plan(kernel, q, k_all, v_all, layout.packed("local", "all"))
         ctx.save_for_backward(q, k_all, v_all, out, lse)
-        ctx.meta = (layout, g, auxes)
+        ctx.meta = (kernel, layout, g, auxes)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k_all, v_all, out, lse = ctx.saved_tensors
-        layout, g, auxes = ctx.meta
-        blocks = Blocks(q)
+        kernel, layout, g, auxes = ctx.meta
         n = layout.num_image_tokens
-        dq, dk_all, dv_all = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k_all, v_all))
-        blocks_backward(
-            blocks,
-            dout.contiguous(),
-            q,
-            k_all,
-            v_all,
-            out,
-            lse,
-            layout.blocks("local", "all"),
-            auxes,
-            dq,
-            dk_all,
-            dv_all,
+        dq, dk_all, dv_all = float_grads(q, k_all, v_all)
+        plan = layout.packed("local", "all")
+        run_plan_backward(
+            kernel, dout.contiguous(), q, k_all, v_all, out, lse, plan, auxes, dq, dk_all, dv_all
         )
         dkv_text = torch.stack([dk_all[:, :, n:], dv_all[:, :, n:]])
         local = g.reduce_scatter(dkv_text.movedim(3, 0)).movedim(0, 3)  # [2, B, Hkv, T, D], summed
@@ -273,7 +270,7 @@ class UlyssesAttention(_CPAttention):
         q_all = torch.cat([q[:, r * hq : (r + 1) * hq, :n], self._seq_to_heads(q[:, :, n:])], dim=2)
         k_all = torch.cat([k[:, r * hk : (r + 1) * hk, :n], self._seq_to_heads(k[:, :, n:])], dim=2)
         v_all = torch.cat([v[:, r * hk : (r + 1) * hk, :n], self._seq_to_heads(v[:, :, n:])], dim=2)
-        out = planned_attention(q_all, k_all, v_all, layout.blocks("all", "all"))
+        out = planned_attention(q_all, k_all, v_all, layout.packed("all", "all"))
         text = self._heads_to_seq(out[:, :, n:])
         if n == 0:
             return text
