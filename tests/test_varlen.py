@@ -16,6 +16,7 @@ from test_layout import packed_batch
 from titan_vlm.data.batch import Sample, collate
 from titan_vlm.kernels import VARLEN
 from titan_vlm.layout import build_layout, visible
+from titan_vlm.parallel.cp_attention import CP_COMM_TYPES, kernel_launches
 from titan_vlm.varlen import PackedPlan, VarlenCall, VarlenKernel, run_plan, run_plan_backward
 
 TPI = 16
@@ -180,13 +181,21 @@ def test_executor_equals_the_dense_masked_softmax(kernel, bidirectional):
             assert (mine - theirs).abs().max() < 20 * tol
 
 
-@pytest.mark.parametrize("cp", [1, 2, 4])
-def test_cuda_call_count_does_not_depend_on_the_samples_per_row(cp):
+LAYOUTS = [(1, None)] + [(cp, comm) for cp in (2, 4) for comm in CP_COMM_TYPES]
+
+
+@pytest.mark.parametrize("cp, comm", LAYOUTS, ids=[f"cp{cp}_{comm}" for cp, comm in LAYOUTS])
+def test_cuda_launches_do_not_depend_on_the_samples_per_row(cp, comm):
     """The CUDA path launches one varlen call per packed call: per plan at most one causal and
-    one dense, whatever the number of samples (and images) in a row."""
-    counts = {}
+    one dense, whatever the number of samples (and images) in a row. The CPU loop's launches
+    grow with the samples (the control)."""
+    cuda, cpu = {}, {}
     for n in (2, 8, 32, 128):
         batch = row_of_samples(n, 4096)
-        _, layout = build_layout(batch.doc, batch.image, cp, 0)
-        counts[n] = [len(layout.packed(*names).calls) for names in plan_names(cp, 0)]
-    assert len(set(map(tuple, counts.values()))) == 1, counts
+        for rank in range(cp):
+            _, layout = build_layout(batch.doc, batch.image, cp, rank)
+            cuda[n, rank] = kernel_launches(layout, comm, VARLEN["cuda_flash"])
+            cpu[n, rank] = kernel_launches(layout, comm, VARLEN["cpu_flash"])
+    assert len(set(cuda.values())) == 1, cuda
+    assert max(cuda.values()) <= 2 * max(cp, 1)
+    assert cpu[128, 0] > cpu[2, 0]

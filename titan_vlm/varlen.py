@@ -243,8 +243,8 @@ def run_plan(
     kernel: VarlenKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PackedPlan
 ) -> tuple[torch.Tensor, torch.Tensor, list]:
     """q [B, H, Lq, D], k/v [B, Hkv, Lk, D] -> out [B, H, Lq, D] (q's dtype), lse [B, H, Lq]
-    (float32, float64 for float64 q), and the calls' auxes. Queries in no sequence (padding, or seeing no key of this
-    plan) get out 0 and lse -inf."""
+    (float32, float64 for float64 q), and the calls' auxes. Queries in no sequence (padding, or
+    seeing no key of this plan) get out 0 and lse -inf."""
     b, h, lq, d = q.shape
     scale = d**-0.5
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, L, heads, D] views

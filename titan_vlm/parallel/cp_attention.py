@@ -29,9 +29,34 @@ from torch.distributed.device_mesh import DeviceMesh
 from titan_vlm.attention import float_grads, planned_attention
 from titan_vlm.kernels import expand_kv_heads, select_varlen
 from titan_vlm.layout import SeqLayout
-from titan_vlm.varlen import merge, run_plan, run_plan_backward
+from titan_vlm.varlen import VarlenKernel, merge, run_plan, run_plan_backward
 
 CP_COMM_TYPES = ("p2p", "allgather", "a2a")
+
+
+def attention_plans(comm: str | None, cp: int, rank: int) -> list[tuple[str, str | int]]:
+    """The plans (query slots, key slots; names as in SeqLayout.slots) one decoder attention
+    runs on CP rank `rank`, in order; `comm` None: no CP. Each plan is one packed call per
+    causality (varlen.pack), and plans merge by log-sum-exp."""
+    if comm is None:
+        return [("local", "local")]
+    if comm == "p2p":
+        return [("local", "local")] + [("local", (rank - s) % cp) for s in range(1, cp)]
+    if comm == "allgather":
+        return [("local", "all")]
+    if comm == "a2a":
+        return [("all", "all")]
+    raise ValueError(f"parallelism.cp_comm_type must be one of {CP_COMM_TYPES}, got {comm!r}")
+
+
+def kernel_launches(layout: SeqLayout, comm: str | None, kernel: VarlenKernel) -> int:
+    """Attention kernel launches of one decoder layer's forward on the layout's rank (the
+    backward launches as many): what `kernel` costs for every call of every plan."""
+    return sum(
+        kernel.launches(call)
+        for queries, keys in attention_plans(comm, len(layout.texts), layout.rank)
+        for call in layout.packed(queries, keys).calls
+    )
 
 
 class CPGroup:
