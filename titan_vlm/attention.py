@@ -32,25 +32,97 @@ from titan_vlm.kernels import (  # noqa: F401 - re-exported: the kernel registry
     select_varlen,
     use_kernel,
 )
-from titan_vlm.layout import Block, SeqLayout
-from titan_vlm.varlen import PackedPlan, pack, run_plan, run_plan_backward
+from titan_vlm.layout import Block, LayoutHandle, SeqLayout
+from titan_vlm.parallel.cp_attention import ALGORITHMS, LocalAttention
+from titan_vlm.varlen import PackedPlan, float_grads, pack, run_plan, run_plan_backward
 
 
 class CPAttention(Protocol):
     """A context-parallel attention algorithm (see parallel/cp_attention.py)."""
 
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout
-    ) -> torch.Tensor: ...
+    comm: str
 
 
-def float_grads(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """float32 gradient accumulators shaped as the tensors."""
-    return tuple(torch.zeros_like(t, dtype=torch.float32) for t in tensors)
+# ----------------------------------------------------------------------------------------------
+# The decoder's attention as one custom op: torch.compile sees an opaque op with a fake
+# implementation (shapes from its tensor arguments alone) and a registered autograd formula,
+# so a compiled decoder block is one graph. The layout travels as an opaque reference object
+# (LayoutHandle); `images` [B, N] and `texts` (every CP rank's [B, T]) are the layout's slot
+# metadata, passed so that the fake implementation knows N, P and T symbolically.
+
+
+@torch.library.custom_op("titan_vlm::attention", mutates_args=())
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    images: torch.Tensor,
+    texts: list[torch.Tensor],
+    comm: str,
+    handle: LayoutHandle,
+) -> list[torch.Tensor]:
+    """[out, aux token, *saved] of ALGORITHMS[comm] (cp_attention.Algorithm)."""
+    layout = handle.layout
+    algorithm = layout.cp if layout.cp is not None else LocalAttention()
+    out, saved, aux = algorithm.forward(q, k, v, layout)
+    # the memory layouts the fake promises: out [B, L, H, D] in memory, the rest contiguous
+    out = out.transpose(1, 2).contiguous().transpose(1, 2)
+    return [out, handle.keep(aux), *(s.contiguous() for s in saved)]
+
+
+@_attention_op.register_fake
+def _(q, k, v, images, texts, comm, handle):
+    b, h, length, d = q.shape
+    out = q.new_empty(b, length, h, d).transpose(1, 2)
+    saved = ALGORITHMS[comm].saved_like(q, k, images.shape[1], texts)
+    return [out, torch.empty((), dtype=torch.long), *saved]
+
+
+@torch.library.custom_op("titan_vlm::attention_backward", mutates_args=())
+def _attention_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    outputs: list[torch.Tensor],
+    comm: str,
+    handle: LayoutHandle,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    layout = handle.layout
+    algorithm = layout.cp if layout.cp is not None else LocalAttention()
+    out, token, *saved = outputs
+    aux = handle.take(token)
+    grads = algorithm.backward(dout.contiguous(), q, k, v, out, saved, layout, aux)
+    # each gradient in its input's memory layout, as the fake promises
+    return tuple(
+        g if g.stride() == x.stride() else torch.empty_like(x).copy_(g)
+        for g, x in zip(grads, (q, k, v))
+    )
+
+
+@_attention_backward_op.register_fake
+def _(dout, q, k, v, outputs, comm, handle):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, _, texts, comm, handle = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.comm, ctx.handle, ctx.texts = comm, handle, len(texts)
+
+
+def _backward(ctx, grads: list[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
+    q, k, v, *outputs = ctx.saved_tensors
+    dq, dk, dv = _attention_backward_op(grads[0], q, k, v, outputs, ctx.comm, ctx.handle)
+    return dq, dk, dv, None, [None] * ctx.texts, None, None
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _PlannedAttention(torch.autograd.Function):
-    """Attention of q over k/v as one packed plan (no merge: each query is in one sequence)."""
+    """Attention of q over k/v under one explicit packed plan (checks and benchmarks; the model
+    goes through the op above)."""
 
     @staticmethod
     def forward(
@@ -67,7 +139,7 @@ class _PlannedAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         kernel, plan, auxes = ctx.meta
         dq, dk, dv = float_grads(q, k, v)
-        run_plan_backward(kernel, dout, q, k, v, out, lse, plan, auxes, dq, dk, dv)
+        run_plan_backward(kernel, dout.contiguous(), q, k, v, out, lse, plan, auxes, dq, dk, dv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
@@ -120,15 +192,6 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return _BlockAttention.apply(q, k, v)
 
 
-@torch.compiler.disable  # the plan is Python data that changes with every batch
-def _decoder_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout
-) -> torch.Tensor:
-    if layout.cp is not None:
-        return layout.cp(q, k, v, layout)
-    return planned_attention(q, k, v, layout.packed("local", "local"))
-
-
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout | None
 ) -> torch.Tensor:
@@ -137,4 +200,5 @@ def attention(
     CP group when the text is sharded (layout.cp)."""
     if layout is None:
         return block_attention(q, k, v)
-    return _decoder_attention(q, k, v, layout)
+    texts = [t.order for t in layout.texts]
+    return _attention_op(q, k, v, layout.images.order, texts, layout.comm, layout.handle)[0]

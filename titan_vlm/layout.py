@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from torch._library.opaque_object import register_opaque_type
+from torch._opaque_base import OpaqueBase
 
 from titan_vlm.varlen import Block, PackedPlan, pack
 
@@ -182,6 +184,33 @@ def plan(q: Slots, k: Slots, bidirectional_images: bool) -> list[Block]:
     return out
 
 
+class LayoutHandle(OpaqueBase):
+    """The layout as the attention op's opaque argument (a torch.library reference type):
+    torch.compile passes it to the op as a graph input without looking inside, so a new batch's
+    layout neither breaks the graph nor recompiles it. It also keeps what a kernel's backward
+    needs from its forward besides tensors (its "aux": RNG state, padded lengths), under a token
+    the op returns; nothing here holds activations."""
+
+    def __init__(self, layout: SeqLayout):
+        self.layout = layout
+        self._kept: dict[int, object] = {}
+        self._next = 0
+
+    def keep(self, aux: object) -> torch.Tensor:
+        """Keep `aux` until `take`; the token is a 0-dim int64 tensor."""
+        self._next += 1
+        self._kept[self._next] = aux
+        return torch.tensor(self._next)
+
+    def take(self, token: torch.Tensor) -> object:
+        """The aux kept under `token`. Kept, not popped: a backward may run again on the same
+        forward (retain_graph); the handle dies with its batch's layout."""
+        return self._kept[int(token)]
+
+
+register_opaque_type(LayoutHandle, typ="reference")
+
+
 @dataclass
 class SeqLayout:
     """The local slots of one CP rank's batch and everything attention needs to know about them.
@@ -203,6 +232,16 @@ class SeqLayout:
     bidirectional_images: bool = False
     cp: CPAttention | None = None
     _plans: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        # not a dataclass field: FSDP's input casting rebuilds dataclasses from their fields
+        # (dataclasses.replace), and the rebuilt layout gets its own handle here
+        self.handle = LayoutHandle(self)
+
+    @property
+    def comm(self) -> str:
+        """The attention algorithm: "local" or the CP algorithm's cp_comm_type."""
+        return "local" if self.cp is None else self.cp.comm
 
     @property
     def num_image_tokens(self) -> int:

@@ -282,6 +282,7 @@ def run_training(
         cfg.activation_checkpoint.mode,
         cfg.compile.enable,
         tp,
+        fullgraph=cfg.compile.fullgraph,
     )
     vision_shards = mesh.shards(mesh.fsdp_no_cp if cp.vision == "broadcast" else mesh.fsdp)
     decoder_shards = mesh.shards(mesh.fsdp)

@@ -289,6 +289,13 @@ def run_plan_backward(
         dv.transpose(1, 2).index_put_(ki, dv_.to(dv.dtype), accumulate=True)
 
 
+def float_grads(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """float32 gradient accumulators shaped as the tensors (float64 for float64 ones)."""
+    return tuple(
+        torch.zeros_like(t, dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors
+    )
+
+
 def merge(
     out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
