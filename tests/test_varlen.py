@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 from test_layout import packed_batch
+from torch.distributed.utils import _apply_to_tensors
 
 from titan_vlm.data.batch import Sample, collate
 from titan_vlm.kernels import VARLEN
@@ -199,3 +200,14 @@ def test_cuda_launches_do_not_depend_on_the_samples_per_row(cp, comm):
     assert len(set(cuda.values())) == 1, cuda
     assert max(cuda.values()) <= 2 * max(cp, 1)
     assert cpu[128, 0] > cpu[2, 0]
+
+
+def test_copies_of_a_layout_share_its_plans():
+    """FSDP's mixed-precision input casting rebuilds the layout (dataclasses.replace) for every
+    block it wraps: the copies must not plan again, and each gets its own op handle."""
+    batch = packed_batch()
+    _, layout = build_layout(batch.doc, batch.image, 2, 0)
+    copy = _apply_to_tensors(lambda t: t, layout)  # what FSDP's input casting does
+    assert copy is not layout
+    assert copy.packed("local", 1) is layout.packed("local", 1)
+    assert copy.handle.layout is copy and layout.handle.layout is layout

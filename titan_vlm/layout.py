@@ -34,8 +34,9 @@ blocks (`plan`): no kernel needs an arbitrary mask, and no masked-out pair is co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._library.opaque_object import register_opaque_type
@@ -184,6 +185,23 @@ def plan(q: Slots, k: Slots, bidirectional_images: bool) -> list[Block]:
     return out
 
 
+class PlanCache:
+    """The plans of one batch by key, made once. A plain object, not a dict, so that every copy
+    of the layout shares it: FSDP's mixed-precision input casting rebuilds dataclasses (and
+    dicts) field by field for every block it wraps, which would start each copy empty."""
+
+    def __init__(self) -> None:
+        self._made: dict = {}
+
+    def get(self, key: tuple, make: Callable[[], object]) -> Any:
+        if key not in self._made:
+            self._made[key] = make()
+        return self._made[key]
+
+    def clear(self) -> None:
+        self._made.clear()
+
+
 class LayoutHandle(OpaqueBase):
     """The layout as the attention op's opaque argument (a torch.library reference type):
     torch.compile passes it to the op as a graph input without looking inside, so a new batch's
@@ -231,7 +249,7 @@ class SeqLayout:
     row_positions: torch.Tensor  # [B, S] every row slot's position within its sample
     bidirectional_images: bool = False
     cp: CPAttention | None = None
-    _plans: dict = field(default_factory=dict, repr=False)
+    _plans: PlanCache = field(default_factory=PlanCache, repr=False)
 
     def __post_init__(self) -> None:
         # not a dataclass field: FSDP's input casting rebuilds dataclasses from their fields
@@ -263,23 +281,25 @@ class SeqLayout:
         """The block plan of `queries` over `keys` (names as in `slots`), made once per batch and
         reused by every layer and by backward."""
         key = (queries, keys, self.rank if rank is None else rank)
-        if key not in self._plans:
-            self._plans[key] = plan(
+        return self._plans.get(
+            key,
+            lambda: plan(
                 self.slots(queries, rank), self.slots(keys, rank), self.bidirectional_images
-            )
-        return self._plans[key]
+            ),
+        )
 
     def packed(self, queries: str, keys: str | int, rank: int | None = None) -> PackedPlan:
         """`blocks(queries, keys, rank)` packed into varlen calls (varlen.pack), made once per
         batch."""
         key = ("packed", queries, keys, self.rank if rank is None else rank)
-        if key not in self._plans:
-            self._plans[key] = pack(
+        return self._plans.get(
+            key,
+            lambda: pack(
                 self.blocks(queries, keys, rank),
                 self.slots(queries, rank).order,
                 self.slots(keys, rank).order,
-            )
-        return self._plans[key]
+            ),
+        )
 
     def rank_work(self) -> list[int]:
         """Query-key pairs each CP rank's queries (all image slots + its text) compute against
