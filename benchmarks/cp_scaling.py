@@ -89,8 +89,8 @@ def analytic_bytes(
         return 0
     d = get_flavor(flavor).decoder
     kv = 2 * batch * d.n_kv_heads * t_local * d.head_dim  # this rank's text K and V, elements
-    if comm == "p2p":  # K/V go P-1 hops each way; the fp32 dK/dV accumulators go P hops
-        per_layer = (cp - 1) * kv * elem * 2 + cp * kv * 4
+    if comm == "p2p":  # K/V go P-1 hops each way; the fp32 dK/dV accumulators P-1 hops too
+        per_layer = (cp - 1) * kv * elem * 2 + (cp - 1) * kv * 4
     elif comm == "allgather":  # all-gather K/V; reduce-scatter fp32 dK/dV of the whole text
         per_layer = (cp - 1) * kv * elem + (cp - 1) * kv * 4
     else:  # a2a: q, k, v and out (and their grads) move (P-1)/P; image outputs all-gathered by head

@@ -1,10 +1,12 @@
 """GPU checks of titan_vlm's attention kernels: python benchmarks/gpu_check.py (needs CUDA).
 
-1. Every CUDA block kernel (flash for bf16, memory-efficient for fp32 and bf16, cuDNN) used
-   exactly as the ring attention uses it: the block plans of P virtual ranks on packed rows
-   (several samples, an image mid-text) are replayed in one process (blocks, log-sum-exp merges,
-   and the backward of every block with the merged out and lse), and the output and dQ/dK/dV
-   are compared with a float64 masked reference of the whole rows.
+1. Every CUDA kernel used exactly as the ring attention uses it: FlashAttention-2's varlen
+   kernel (cuda_flash, bf16, K/V heads not expanded), and the loop over sequences with the
+   memory-efficient (fp32, bf16) and cuDNN block kernels. The packed plans of P virtual ranks
+   on packed rows (several samples, an image mid-text) are replayed in one process (whole
+   plans, log-sum-exp merges across ring steps, and the backward of every plan with the merged
+   out and lse), and the output and dQ/dK/dV are compared with a float64 masked reference of
+   the whole rows.
    `python benchmarks/gpu_check.py cpu_flash float32 cpu` runs the same check on a CPU.
 2. The block kernel's own speed: causal forward + backward at long lengths, in TFLOP/s.
 
@@ -17,9 +19,10 @@ import time
 
 import torch
 
-from titan_vlm.attention import KERNELS, Blocks, accumulators, blocks_backward, blocks_forward
 from titan_vlm.data.batch import Sample, collate
+from titan_vlm.kernels import KERNELS, VARLEN
 from titan_vlm.layout import Slots, build_layout, visible
+from titan_vlm.varlen import merge, run_plan, run_plan_backward
 
 TPI = 64  # image slots per image in this check
 
@@ -49,9 +52,10 @@ def reference(q, k, v, batch):
 
 
 def simulate_ring(q, k, v, batch, p, kernel):
-    """Replay the ring of p ranks on one device: each rank's block plans (images, then every
-    rank's text), log-sum-exp merges, and the backward of every block with the merged out/lse.
-    q/k/v hold the whole rows in row order."""
+    """Replay the ring of p ranks on one device, as RingAttention runs it: each rank's packed
+    plans (the local plan, then every other rank's text) through the varlen `kernel`, log-sum-exp
+    merges of the plans, and the backward of every plan with the merged out/lse. q/k/v hold the
+    whole rows in row order."""
     layouts = [build_layout(batch.doc, batch.image, p, r)[1] for r in range(p)]
     idx = [
         torch.cat([lay.images.order, lay.texts[r].order], 1).to(q.device)
@@ -64,18 +68,28 @@ def simulate_ring(q, k, v, batch, p, kernel):
 
     local = [(take(q, i), take(k, i), take(v, i)) for i in idx]
     n = layouts[0].num_image_tokens
-    blocks = Blocks(q)
-    blocks.kernel = kernel
     dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
     out_row = torch.zeros_like(q)
     for r, (ql, kl, vl) in enumerate(local):
         lay = layouts[r]
-        out, lse = accumulators(ql)
-        plans = [(lay.blocks("local", "images"), kl[:, :, :n], vl[:, :, :n])]
-        plans += [
-            (lay.blocks("local", s), local[s][1][:, :, n:], local[s][2][:, :, n:]) for s in range(p)
+        # step 0: the local plan (images and own text); step s: rank r - s's text
+        steps = [(lay.packed("local", "local"), kl, vl, idx[r])]
+        steps += [
+            (
+                lay.packed("local", (r - s) % p),
+                *(x[:, :, n:] for x in local[(r - s) % p][1:]),
+                idx[(r - s) % p][:, n:],
+            )
+            for s in range(1, p)
         ]
-        auxes = [blocks_forward(blocks, ql, kk, vv, plan, out, lse) for plan, kk, vv in plans]
+        out, lse, auxes = None, None, []
+        for plan, kk, vv, _ in steps:
+            part_out, part_lse, aux = run_plan(kernel, ql, kk, vv, plan)
+            auxes.append(aux)
+            if out is None:
+                out, lse = part_out.float(), part_lse
+            else:
+                out, lse = merge(out, lse, part_out, part_lse)
         out = out.to(q.dtype)
         # backward with dout = 1 on every real output slot
         # (the replicated image rows once: rank 0's)
@@ -83,13 +97,12 @@ def simulate_ring(q, k, v, batch, p, kernel):
         if r > 0:
             dout[:, :, :n] = 0
         dql = torch.zeros_like(ql, dtype=torch.float32)
-        for (plan, kk, vv), aux, s in zip(plans, auxes, [None, *range(p)]):
+        for (plan, kk, vv, keys), aux in zip(steps, auxes):
             dkk, dvv = (
                 torch.zeros_like(kk, dtype=torch.float32),
                 torch.zeros_like(vv, dtype=torch.float32),
             )
-            blocks_backward(blocks, dout, ql, kk, vv, out, lse, plan, aux, dql, dkk, dvv)
-            keys = idx[r][:, :n] if s is None else idx[s][:, n:]
+            run_plan_backward(kernel, dout, ql, kk, vv, out, lse, plan, aux, dql, dkk, dvv)
             for grad, acc in ((dkk, dk), (dvv, dv)):
                 scatter(acc, keys, grad)
         scatter(dq, idx[r], dql)
@@ -120,7 +133,7 @@ def check_kernel(name: str, dtype: torch.dtype, device: str = "cuda") -> None:
         q = torch.randn(shape, device=device, dtype=dtype)
         k = torch.randn(shape[0], 2, *shape[2:], device=device, dtype=dtype)
         v = torch.randn(shape[0], 2, *shape[2:], device=device, dtype=dtype)
-        out, dq, dk, dv = simulate_ring(q, k, v, batch, p, KERNELS[name])
+        out, dq, dk, dv = simulate_ring(q, k, v, batch, p, VARLEN[name])
         ref, (rq, rk, rv) = reference(q, k, v, batch)
         ref.sum().backward()
         print(

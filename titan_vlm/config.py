@@ -114,6 +114,7 @@ class ActivationCheckpoint:
 @dataclass
 class Compile:
     enable: bool = False  # torch.compile each ViT and decoder block
+    fullgraph: bool = True  # one graph per block: a graph break is an error, not a silent split
 
 
 @dataclass

@@ -34,16 +34,19 @@ blocks (`plan`): no kernel needs an arbitrary mask, and no masked-out pair is co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._library.opaque_object import register_opaque_type
+from torch._opaque_base import OpaqueBase
+
+from titan_vlm.varlen import Block, PackedPlan, pack
 
 if TYPE_CHECKING:
     from titan_vlm.attention import CPAttention
 
-# (rows of the batch, query slots, key slots, causal): one kernel call of the attention
-Block = tuple[slice, slice, slice, bool]
 ALL_ROWS = slice(None)
 
 
@@ -182,6 +185,50 @@ def plan(q: Slots, k: Slots, bidirectional_images: bool) -> list[Block]:
     return out
 
 
+class PlanCache:
+    """The plans of one batch by key, made once. A plain object, not a dict, so that every copy
+    of the layout shares it: FSDP's mixed-precision input casting rebuilds dataclasses (and
+    dicts) field by field for every block it wraps, which would start each copy empty."""
+
+    def __init__(self) -> None:
+        self._made: dict = {}
+
+    def get(self, key: tuple, make: Callable[[], object]) -> Any:
+        if key not in self._made:
+            self._made[key] = make()
+        return self._made[key]
+
+    def clear(self) -> None:
+        self._made.clear()
+
+
+class LayoutHandle(OpaqueBase):
+    """The layout as the attention op's opaque argument (a torch.library reference type):
+    torch.compile passes it to the op as a graph input without looking inside, so a new batch's
+    layout neither breaks the graph nor recompiles it. It also keeps what a kernel's backward
+    needs from its forward besides tensors (its "aux": RNG state, padded lengths), under a token
+    the op returns; nothing here holds activations."""
+
+    def __init__(self, layout: SeqLayout):
+        self.layout = layout
+        self._kept: dict[int, object] = {}
+        self._next = 0
+
+    def keep(self, aux: object) -> torch.Tensor:
+        """Keep `aux` until `take`; the token is a 0-dim int64 tensor."""
+        self._next += 1
+        self._kept[self._next] = aux
+        return torch.tensor(self._next)
+
+    def take(self, token: torch.Tensor) -> object:
+        """The aux kept under `token`. Kept, not popped: a backward may run again on the same
+        forward (retain_graph); the handle dies with its batch's layout."""
+        return self._kept[int(token)]
+
+
+register_opaque_type(LayoutHandle, typ="reference")
+
+
 @dataclass
 class SeqLayout:
     """The local slots of one CP rank's batch and everything attention needs to know about them.
@@ -202,7 +249,17 @@ class SeqLayout:
     row_positions: torch.Tensor  # [B, S] every row slot's position within its sample
     bidirectional_images: bool = False
     cp: CPAttention | None = None
-    _plans: dict = field(default_factory=dict, repr=False)
+    _plans: PlanCache = field(default_factory=PlanCache, repr=False)
+
+    def __post_init__(self) -> None:
+        # not a dataclass field: FSDP's input casting rebuilds dataclasses from their fields
+        # (dataclasses.replace), and the rebuilt layout gets its own handle here
+        self.handle = LayoutHandle(self)
+
+    @property
+    def comm(self) -> str:
+        """The attention algorithm: "local" or the CP algorithm's cp_comm_type."""
+        return "local" if self.cp is None else self.cp.comm
 
     @property
     def num_image_tokens(self) -> int:
@@ -224,11 +281,25 @@ class SeqLayout:
         """The block plan of `queries` over `keys` (names as in `slots`), made once per batch and
         reused by every layer and by backward."""
         key = (queries, keys, self.rank if rank is None else rank)
-        if key not in self._plans:
-            self._plans[key] = plan(
+        return self._plans.get(
+            key,
+            lambda: plan(
                 self.slots(queries, rank), self.slots(keys, rank), self.bidirectional_images
-            )
-        return self._plans[key]
+            ),
+        )
+
+    def packed(self, queries: str, keys: str | int, rank: int | None = None) -> PackedPlan:
+        """`blocks(queries, keys, rank)` packed into varlen calls (varlen.pack), made once per
+        batch."""
+        key = ("packed", queries, keys, self.rank if rank is None else rank)
+        return self._plans.get(
+            key,
+            lambda: pack(
+                self.blocks(queries, keys, rank),
+                self.slots(queries, rank).order,
+                self.slots(keys, rank).order,
+            ),
+        )
 
     def rank_work(self) -> list[int]:
         """Query-key pairs each CP rank's queries (all image slots + its text) compute against

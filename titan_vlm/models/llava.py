@@ -161,6 +161,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: JobConfig) -> None:
         cfg.activation_checkpoint.mode,
         cfg.compile.enable,
         tp,
+        fullgraph=cfg.compile.fullgraph,
     )
 
 

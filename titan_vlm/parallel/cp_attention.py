@@ -21,22 +21,42 @@ summed over ranks, its image gradients are the true ones.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_vlm.attention import (
-    Blocks,
-    accumulators,
-    blocks_backward,
-    blocks_forward,
-    expand_kv_heads,
-    planned_attention,
-)
+from titan_vlm.kernels import expand_kv_heads, reduce_kv_heads, select_varlen
 from titan_vlm.layout import SeqLayout
+from titan_vlm.varlen import VarlenKernel, float_grads, merge, run_plan, run_plan_backward
 
 CP_COMM_TYPES = ("p2p", "allgather", "a2a")
+
+
+def attention_plans(comm: str | None, cp: int, rank: int) -> list[tuple[str, str | int]]:
+    """The plans (query slots, key slots; names as in SeqLayout.slots) one decoder attention
+    runs on CP rank `rank`, in order; `comm` None: no CP. Each plan is one packed call per
+    causality (varlen.pack), and plans merge by log-sum-exp."""
+    if comm is None:
+        return [("local", "local")]
+    if comm == "p2p":
+        return [("local", "local")] + [("local", (rank - s) % cp) for s in range(1, cp)]
+    if comm == "allgather":
+        return [("local", "all")]
+    if comm == "a2a":
+        return [("all", "all")]
+    raise ValueError(f"parallelism.cp_comm_type must be one of {CP_COMM_TYPES}, got {comm!r}")
+
+
+def kernel_launches(layout: SeqLayout, comm: str | None, kernel: VarlenKernel) -> int:
+    """Attention kernel launches of one decoder layer's forward on the layout's rank (the
+    backward launches as many): what `kernel` costs for every call of every plan."""
+    return sum(
+        kernel.launches(call)
+        for queries, keys in attention_plans(comm, len(layout.texts), layout.rank)
+        for call in layout.packed(queries, keys).calls
+    )
 
 
 class CPGroup:
@@ -61,6 +81,12 @@ class CPGroup:
         dist.reduce_scatter_single(out, x.contiguous(), op=dist.ReduceOp.SUM, group=self.group)
         return out
 
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """x [P, ...]: slice j goes to rank j; slice s of the result came from rank s."""
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(out, x.contiguous(), group=self.group)
+        return out
+
     def shift(self, x: torch.Tensor) -> tuple[torch.Tensor, list]:
         """Start sending x to the next rank and receiving the previous rank's into a new buffer."""
         buf = torch.empty_like(x)
@@ -82,202 +108,261 @@ def _wait(reqs: list) -> None:
         req.wait()
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, layout: SeqLayout, g: CPGroup):
-        blocks = Blocks(q)
-        n = layout.num_image_tokens
-        out, lse = accumulators(q)
-        aux_img = blocks_forward(
-            blocks, q, k, v, layout.blocks("local", "images"), out, lse
-        )  # never sent
-        kv = torch.stack([k[:, :, n:], v[:, :, n:]]).contiguous()  # travels the ring as one buffer
-        aux_ring = []
-        for step in range(g.size):
-            if step < g.size - 1:
-                incoming, reqs = g.shift(kv)  # overlapped with the blocks below
-            plan = layout.blocks("local", (g.rank - step) % g.size)  # against the holder's text
-            aux_ring.append(blocks_forward(blocks, q, kv[0], kv[1], plan, out, lse))
-            if step < g.size - 1:
-                _wait(reqs)
-                kv = incoming
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta = (layout, g, aux_img, aux_ring)
-        return out
+class Algorithm:
+    """One attention algorithm as a forward/backward pair without autograd (the custom op in
+    attention_op.py wraps them). forward(q, k, v, layout) -> (out, saved, aux): `saved` are the
+    tensors its backward needs besides q, k, v, out (the log-sum-exp first), `aux` what the
+    kernels' backward needs that is not a tensor. `saved_like` builds `saved` from shapes alone
+    (the op's fake implementation): `n` image slots, `texts` [B, T] of every CP rank."""
+
+    comm = "abstract"
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout
+    ) -> tuple[torch.Tensor, list[torch.Tensor], Any]:
+        raise NotImplementedError
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        saved: list[torch.Tensor],
+        layout: SeqLayout,
+        aux: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
 
     @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        layout, g, aux_img, aux_ring = ctx.meta
-        blocks = Blocks(q)
-        n = layout.num_image_tokens
-        dout = dout.contiguous()
-        dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
-        blocks_backward(
-            blocks, dout, q, k, v, out, lse, layout.blocks("local", "images"), aux_img, dq, dk, dv
-        )
-        kv = torch.stack([k[:, :, n:], v[:, :, n:]]).contiguous()
-        dkv_incoming, dreqs = None, []  # the travelling dK/dV accumulator of the block in hand
-        for step in range(g.size):
-            if step < g.size - 1:
-                incoming, reqs = g.shift(kv)
-            dkv = torch.zeros_like(
-                kv, dtype=torch.float32
-            )  # this rank's share for the block in hand
-            plan = layout.blocks("local", (g.rank - step) % g.size)
-            blocks_backward(
-                blocks, dout, q, kv[0], kv[1], out, lse, plan, aux_ring[step], dq, dkv[0], dkv[1]
-            )
-            if step > 0:
-                _wait(dreqs)  # the block's accumulator, from the previous rank
-                dkv += dkv_incoming
-            dkv_incoming, dreqs = g.shift(dkv)  # overlapped with the next step's blocks
-            if step < g.size - 1:
-                _wait(reqs)
-                kv = incoming
-        _wait(dreqs)  # after P hops our own block's accumulator is back, complete
-        dk[:, :, n:] += dkv_incoming[0]
-        dv[:, :, n:] += dkv_incoming[1]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+    def saved_like(
+        q: torch.Tensor, k: torch.Tensor, n: int, texts: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        return [_lse_like(q, q.shape[1], q.shape[2])]
 
 
-class _CPAttention:
+def _lse_like(q: torch.Tensor, heads: int, length: int) -> torch.Tensor:
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    return q.new_empty(q.shape[0], heads, length, dtype=dtype)
+
+
+class LocalAttention(Algorithm):
+    """No CP: the local slots against themselves, one plan."""
+
+    comm = "local"
+
+    def forward(self, q, k, v, layout):
+        kernel = select_varlen(q.device, q.dtype)
+        out, lse, aux = run_plan(kernel, q, k, v, layout.packed("local", "local"))
+        return out, [lse], (kernel, aux)
+
+    def backward(self, dout, q, k, v, out, saved, layout, aux):
+        kernel, auxes = aux
+        dq, dk, dv = float_grads(q, k, v)
+        plan = layout.packed("local", "local")
+        run_plan_backward(kernel, dout, q, k, v, out, saved[0], plan, auxes, dq, dk, dv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _CPAttention(Algorithm):
     def __init__(self, mesh: DeviceMesh):
         self.g = cp_group(mesh)
 
 
 class RingAttention(_CPAttention):
-    """cp_comm_type = "p2p": text K/V blocks travel the ring (async send/recv overlapped with the
-    blocks in hand); partial results merge by log-sum-exp; in backward dK/dV travel with their
-    block. A rank holds its own text K/V and one block in flight, never the whole sequence's."""
+    """cp_comm_type = "p2p": ring attention. Step 0: this rank's queries against its local K/V
+    (the images and its own text), one plan, while its text K/V start around the ring. Step
+    s > 0: against the text K/V of rank r - s, which arrived while the previous step computed.
+    Plans merge by log-sum-exp. Backward: the local plan's dK/dV stay here; each other rank's
+    block has a float32 dK/dV accumulator that travels with it and reaches its owner after P - 1
+    hops. A rank holds its own text K/V and one block in flight, never the whole sequence's."""
 
-    def __call__(self, q, k, v, layout: SeqLayout) -> torch.Tensor:
-        return _RingAttention.apply(q, k, v, layout, self.g)
+    comm = "p2p"
 
-
-class _AllGatherAttention(torch.autograd.Function):
-    """Gather every rank's text K/V (rank-major, the "all" slots), run this rank's queries'
-    blocks against them. Backward reduce-scatters dK/dV."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, layout: SeqLayout, g: CPGroup):
-        blocks = Blocks(q)
+    def forward(self, q, k, v, layout):
+        g = self.g
+        kernel = select_varlen(q.device, q.dtype)
         n = layout.num_image_tokens
-        kv_text = torch.stack([k[:, :, n:], v[:, :, n:]])  # [2, B, Hkv, T, D]
-        gathered = g.all_gather(kv_text.movedim(3, 0)).movedim(
-            0, 3
-        )  # [2, B, Hkv, P*T, D], rank-major
-        k_all = torch.cat([k[:, :, :n], gathered[0]], dim=2)
-        v_all = torch.cat([v[:, :, :n], gathered[1]], dim=2)
-        out, lse = accumulators(q)
-        auxes = blocks_forward(blocks, q, k_all, v_all, layout.blocks("local", "all"), out, lse)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k_all, v_all, out, lse)
-        ctx.meta = (layout, g, auxes)
-        return out
+        kv = torch.stack([k[:, :, n:], v[:, :, n:]]).contiguous()  # travels the ring as one buffer
+        if g.size > 1:
+            incoming, reqs = g.shift(kv)  # overlapped with the local plan
+        out, lse, aux_local = run_plan(kernel, q, k, v, layout.packed("local", "local"))
+        out = out.float()
+        aux_ring = []
+        for step in range(1, g.size):
+            _wait(reqs)
+            kv = incoming
+            if step < g.size - 1:
+                incoming, reqs = g.shift(kv)  # overlapped with the plan below
+            plan = layout.packed("local", (g.rank - step) % g.size)  # against the holder's text
+            part_out, part_lse, aux = run_plan(kernel, q, kv[0], kv[1], plan)
+            out, lse = merge(out, lse, part_out, part_lse)
+            aux_ring.append(aux)
+        return out.to(q.dtype), [lse], (kernel, aux_local, aux_ring)
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k_all, v_all, out, lse = ctx.saved_tensors
-        layout, g, auxes = ctx.meta
-        blocks = Blocks(q)
+    def backward(self, dout, q, k, v, out, saved, layout, aux):
+        g = self.g
+        kernel, aux_local, aux_ring = aux
+        lse = saved[0]
         n = layout.num_image_tokens
-        dq, dk_all, dv_all = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k_all, v_all))
-        blocks_backward(
-            blocks,
-            dout.contiguous(),
-            q,
-            k_all,
-            v_all,
-            out,
-            lse,
-            layout.blocks("local", "all"),
-            auxes,
-            dq,
-            dk_all,
-            dv_all,
-        )
-        dkv_text = torch.stack([dk_all[:, :, n:], dv_all[:, :, n:]])
-        local = g.reduce_scatter(dkv_text.movedim(3, 0)).movedim(0, 3)  # [2, B, Hkv, T, D], summed
-        dk = torch.cat([dk_all[:, :, :n], local[0]], dim=2)
-        dv = torch.cat([dv_all[:, :, :n], local[1]], dim=2)
-        return dq.to(q.dtype), dk.to(k_all.dtype), dv.to(v_all.dtype), None, None
+        dq, dk, dv = float_grads(q, k, v)
+        kv = torch.stack([k[:, :, n:], v[:, :, n:]]).contiguous()
+        if g.size > 1:
+            incoming, reqs = g.shift(kv)
+        plan = layout.packed("local", "local")
+        run_plan_backward(kernel, dout, q, k, v, out, lse, plan, aux_local, dq, dk, dv)
+        dkv_incoming, dreqs = None, []  # the travelling dK/dV accumulator of the block in hand
+        for step in range(1, g.size):
+            _wait(reqs)
+            kv = incoming
+            if step < g.size - 1:
+                incoming, reqs = g.shift(kv)
+            dkv = torch.zeros_like(kv, dtype=torch.float32)  # this rank's share, block in hand
+            plan = layout.packed("local", (g.rank - step) % g.size)
+            run_plan_backward(
+                kernel, dout, q, kv[0], kv[1], out, lse, plan, aux_ring[step - 1], dq, *dkv
+            )
+            if step > 1:
+                _wait(dreqs)  # the block's accumulator, from the previous rank
+                dkv += dkv_incoming
+            dkv_incoming, dreqs = g.shift(dkv)  # overlapped with the next step's plan
+        if g.size > 1:
+            _wait(dreqs)  # after P - 1 hops our own block's accumulator is back, complete
+            dk[:, :, n:] += dkv_incoming[0]
+            dv[:, :, n:] += dkv_incoming[1]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class AllGatherAttention(_CPAttention):
-    """cp_comm_type = "allgather": every rank gathers the whole text K/V (simple; memory grows
-    with the sequence)."""
+    """cp_comm_type = "allgather": gather every rank's text K/V (rank-major, the "all" slots)
+    and run this rank's queries against them as one plan (simple; memory grows with the
+    sequence). Backward reduce-scatters dK/dV."""
 
-    def __call__(self, q, k, v, layout: SeqLayout) -> torch.Tensor:
-        return _AllGatherAttention.apply(q, k, v, layout, self.g)
+    comm = "allgather"
 
+    def forward(self, q, k, v, layout):
+        kernel = select_varlen(q.device, q.dtype)
+        n = layout.num_image_tokens
+        kv_text = torch.stack([k[:, :, n:], v[:, :, n:]])  # [2, B, Hkv, T, D]
+        # [2, B, Hkv, P*T, D], rank-major
+        gathered = self.g.all_gather(kv_text.movedim(3, 0)).movedim(0, 3)
+        k_all = torch.cat([k[:, :, :n], gathered[0]], dim=2)
+        v_all = torch.cat([v[:, :, :n], gathered[1]], dim=2)
+        out, lse, aux = run_plan(kernel, q, k_all, v_all, layout.packed("local", "all"))
+        return out, [lse, k_all, v_all], (kernel, aux)
 
-class _AllToAll(torch.autograd.Function):
-    """x [P, ...]: slice j goes to rank j; slice s of the result came from rank s. Self-inverse."""
+    def backward(self, dout, q, k, v, out, saved, layout, aux):
+        kernel, auxes = aux
+        lse, k_all, v_all = saved
+        n = layout.num_image_tokens
+        dq, dk_all, dv_all = float_grads(q, k_all, v_all)
+        plan = layout.packed("local", "all")
+        run_plan_backward(kernel, dout, q, k_all, v_all, out, lse, plan, auxes, dq, dk_all, dv_all)
+        dkv_text = torch.stack([dk_all[:, :, n:], dv_all[:, :, n:]])
+        local = self.g.reduce_scatter(dkv_text.movedim(3, 0)).movedim(0, 3)  # [2, B, Hkv, T, D]
+        dk = torch.cat([dk_all[:, :, :n], local[0]], dim=2)
+        dv = torch.cat([dv_all[:, :, :n], local[1]], dim=2)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, g: CPGroup) -> torch.Tensor:
-        ctx.g = g
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        dist.all_to_all_single(out, x.contiguous(), group=g.group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _AllToAll.apply(grad, ctx.g), None
-
-
-class _AllGatherHeads(torch.autograd.Function):
-    """[B, H/P, L, D] -> [B, H, L, D] (every rank's heads); backward reduce-scatters (sums the
-    partial gradients of the replicated result and keeps this rank's heads)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, g: CPGroup) -> torch.Tensor:
-        ctx.g = g
-        return g.all_gather(x.movedim(1, 0)).movedim(0, 1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return ctx.g.reduce_scatter(grad.movedim(1, 0)).movedim(0, 1), None
+    def saved_like(q, k, n, texts):
+        kv = k.new_empty(k.shape[0], k.shape[1], n + len(texts) * texts[0].shape[1], k.shape[3])
+        return [_lse_like(q, q.shape[1], q.shape[2]), kv, torch.empty_like(kv)]
 
 
 class UlyssesAttention(_CPAttention):
     """cp_comm_type = "a2a": all-to-all from sequence-sharded to head-sharded, whole-sequence
-    attention on H/P heads, all-to-all back. The replicated image tokens are not sent: each rank
-    takes its own heads of them locally (so the image K/V are not counted CP-fold), and the image
-    queries' output heads are all-gathered at the end."""
+    attention on H/P heads (one plan), all-to-all back. The replicated image tokens are not
+    sent: each rank takes its own heads of them locally (so the image K/V are not counted
+    CP-fold), and the image queries' output heads are all-gathered at the end. K/V heads that do
+    not split over cp are expanded to the query heads first."""
+
+    comm = "a2a"
 
     def _seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's text [B, H, T, D] -> every rank's text (rank-major), this rank's heads
         [B, H/P, P*T, D]."""
         p = self.g.size
         b, h, t, d = x.shape
-        y = _AllToAll.apply(
-            x.reshape(b, p, h // p, t, d).movedim(1, 0), self.g
-        )  # [P(src), B, H/P, T, D]
+        y = self.g.all_to_all(x.reshape(b, p, h // p, t, d).movedim(1, 0))  # [P(src), B, H/P..]
         return y.movedim(0, 2).reshape(b, h // p, p * t, d)
 
     def _heads_to_seq(self, y: torch.Tensor) -> torch.Tensor:
+        """The inverse of `_seq_to_heads`."""
         p = self.g.size
         b, hp, length, d = y.shape
-        z = y.reshape(b, hp, p, length // p, d).movedim(2, 0)
-        return _AllToAll.apply(z, self.g).movedim(0, 1).reshape(b, hp * p, length // p, d)
+        z = self.g.all_to_all(y.reshape(b, hp, p, length // p, d).movedim(2, 0))
+        return z.movedim(0, 1).reshape(b, hp * p, length // p, d)
 
-    def __call__(self, q, k, v, layout: SeqLayout) -> torch.Tensor:
-        n, p, r = layout.num_image_tokens, self.g.size, self.g.rank
-        h = q.shape[1]
-        if k.shape[1] % p:  # K/V heads do not split over cp: expand them to the query heads
+    def _gather_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, H/P, L, ...] -> [B, H, L, ...] (every rank's heads)."""
+        return self.g.all_gather(x.movedim(1, 0)).movedim(0, 1)
+
+    def _split(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """This rank's heads of the image slots, every rank's text for them: [B, H/P, n + P*T]."""
+        hp, r = x.shape[1] // self.g.size, self.g.rank
+        return torch.cat([x[:, r * hp : (r + 1) * hp, :n], self._seq_to_heads(x[:, :, n:])], 2)
+
+    def _expanded(self, k: torch.Tensor) -> bool:
+        """Whether the K/V heads do not split over cp (then they are expanded to the query
+        heads)."""
+        return k.shape[1] % self.g.size != 0
+
+    def forward(self, q, k, v, layout):
+        kernel = select_varlen(q.device, q.dtype)
+        n, h = layout.num_image_tokens, q.shape[1]
+        if self._expanded(k):
             k, v = expand_kv_heads(k, h), expand_kv_heads(v, h)
-        hq, hk = h // p, k.shape[1] // p
-        q_all = torch.cat([q[:, r * hq : (r + 1) * hq, :n], self._seq_to_heads(q[:, :, n:])], dim=2)
-        k_all = torch.cat([k[:, r * hk : (r + 1) * hk, :n], self._seq_to_heads(k[:, :, n:])], dim=2)
-        v_all = torch.cat([v[:, r * hk : (r + 1) * hk, :n], self._seq_to_heads(v[:, :, n:])], dim=2)
-        out = planned_attention(q_all, k_all, v_all, layout.blocks("all", "all"))
-        text = self._heads_to_seq(out[:, :, n:])
-        if n == 0:
-            return text
-        return torch.cat([_AllGatherHeads.apply(out[:, :, :n].contiguous(), self.g), text], dim=2)
+        q_all, k_all, v_all = (self._split(x, n) for x in (q, k, v))
+        out_all, lse_all, aux = run_plan(kernel, q_all, k_all, v_all, layout.packed("all", "all"))
+        text = self._heads_to_seq(out_all[:, :, n:])
+        out = torch.cat([self._gather_heads(out_all[:, :, :n].contiguous()), text], dim=2)
+        return out, [lse_all, q_all, k_all, v_all, out_all], (kernel, aux)
+
+    def backward(self, dout, q, k, v, out, saved, layout, aux):
+        kernel, auxes = aux
+        lse_all, q_all, k_all, v_all, out_all = saved
+        n, p, r = layout.num_image_tokens, self.g.size, self.g.rank
+        # the image outputs were all-gathered by head: sum every rank's gradient of my heads
+        d_img = self.g.reduce_scatter(dout[:, :, :n].movedim(1, 0)).movedim(0, 1)
+        dout_all = torch.cat([d_img, self._seq_to_heads(dout[:, :, n:])], dim=2)
+        plan = layout.packed("all", "all")
+        grads = float_grads(q_all, k_all, v_all)
+        run_plan_backward(
+            kernel, dout_all, q_all, k_all, v_all, out_all, lse_all, plan, auxes, *grads
+        )
+
+        def back(dx_all: torch.Tensor) -> torch.Tensor:
+            """The gradient of `_split`: my heads of the image slots, the text sent back."""
+            hx = dx_all.shape[1]
+            b, length = dx_all.shape[0], q.shape[2]
+            dx = dx_all.new_zeros(b, hx * p, length, dx_all.shape[3])
+            dx[:, r * hx : (r + 1) * hx, :n] = dx_all[:, :, :n]
+            dx[:, :, n:] = self._heads_to_seq(dx_all[:, :, n:].contiguous())
+            return dx
+
+        dq, dk, dv = (back(g) for g in grads)
+        if self._expanded(k):
+            dk, dv = reduce_kv_heads(dk, k.shape[1]), reduce_kv_heads(dv, k.shape[1])
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    @staticmethod
+    def saved_like(q, k, n, texts):
+        p = len(texts)
+        b, h, _, d = q.shape
+        length = n + p * texts[0].shape[1]
+        hk = (k.shape[1] if k.shape[1] % p == 0 else h) // p
+        q_all = q.new_empty(b, h // p, length, d)
+        k_all = k.new_empty(b, hk, length, d)
+        return [
+            _lse_like(q, h // p, length),
+            q_all,
+            k_all,
+            torch.empty_like(k_all),
+            torch.empty_like(q_all),
+        ]
 
 
 CP_ATTENTION = {"p2p": RingAttention, "allgather": AllGatherAttention, "a2a": UlyssesAttention}
+ALGORITHMS: dict[str, type[Algorithm]] = {"local": LocalAttention, **CP_ATTENTION}

@@ -84,11 +84,14 @@ def apply_ac(model: VLM, mode: str) -> None:
             layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
 
 
-def apply_compile(model: VLM) -> None:
-    """torch.compile each ViT and decoder block in place (the blocks share one compiled graph)."""
+def apply_compile(model: VLM, fullgraph: bool = True) -> None:
+    """torch.compile each ViT and decoder block in place (the blocks share one compiled graph).
+    The decoder's attention, local or context-parallel, is one opaque custom op
+    (titan_vlm::attention, attention.py), so with `fullgraph` each block is a single graph and a
+    graph break is an error."""
     for layers in (model.vision.layers, model.decoder.layers):
         for block in layers:
-            block.compile()
+            block.compile(fullgraph=fullgraph)
 
 
 def parallelize_vlm(
@@ -99,6 +102,7 @@ def parallelize_vlm(
     ac_mode: str = "none",
     compile_blocks: bool = False,
     tp: TPOptions = TPOptions(),
+    fullgraph: bool = True,
 ) -> VLM:
     """Everything the trainer applies to the model, torchtitan's order: tensor parallelism,
     activation checkpointing, torch.compile, then FSDP. CP itself needs no module changes: it
@@ -106,6 +110,6 @@ def parallelize_vlm(
     apply_tp(model, mesh.tp, tp)
     apply_ac(model, ac_mode)
     if compile_blocks:
-        apply_compile(model)
+        apply_compile(model, fullgraph)
     apply_fsdp(model, mesh, mixed_precision, cp_vision)
     return model
