@@ -93,6 +93,7 @@ class Plan:
     compute_s: float
     step_s: float
     tokens_per_step: int
+    efficiency: float
 
     @property
     def mfu(self) -> float:
@@ -152,4 +153,5 @@ def make_plan(
         compute_s=compute_s,
         step_s=step_s,
         tokens_per_step=layout.dp * work.rows * work.seq_len,
+        efficiency=efficiency,
     )
