@@ -333,3 +333,19 @@ def mismatched_batches(cp: int = 2) -> str:
     except RuntimeError as e:
         return str(e)
     return "no error"
+
+
+def model_state_bytes(
+    dp_shard: int, cp: int, dp_replicate: int = 1, tp: int = 1, vision: str = "shard"
+) -> int:
+    """The trainer's "model state per rank" on this rank, in bytes: STATE_BYTES_PER_PARAM times
+    the local elements of every parameter after parallelize_vlm (run_training's expression)."""
+    from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM
+
+    mesh = make_mesh(dp_shard, cp, dp_replicate, tp)
+    torch.manual_seed(0)
+    model = parallelize_vlm(
+        VLM(get_flavor("debug")), mesh, cp_vision=vision, tp=TPOptions(sequence_parallel=tp > 1)
+    )
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    return STATE_BYTES_PER_PARAM * local
