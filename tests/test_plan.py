@@ -40,11 +40,10 @@ def cp_scaling_workload(seq_len: int, rows: int = 1, sentences: int | None = Non
 
 
 def planned(cp: int, comm: str, work: Workload, ac: str = "none") -> tuple[int, int]:
-    """(activation bytes as autograd's hooks see them, CP attention bytes sent) per rank."""
+    """(activation bytes saved for backward, CP attention bytes sent) per rank."""
     layout = Layout(cp=cp, cp_comm_type=comm, mixed_precision="fp32", ac_mode=ac)
-    acts = activation_bytes(SHAPES, layout, work, ac)
-    seen = sum(acts.values()) - acts["checkpointed block inputs"]
-    return seen, cp_attention_bytes(SHAPES, layout, work)
+    saved = sum(activation_bytes(SHAPES, layout, work, ac).values())
+    return saved, cp_attention_bytes(SHAPES, layout, work)
 
 
 def test_matches_the_recorded_cp_scaling_table_at_every_row():
@@ -89,13 +88,13 @@ def test_matches_cp_scaling_measured_now(cp):
 
 @pytest.mark.parametrize("ac", ["selective", "full"])
 def test_activation_checkpointing_matches_what_autograd_saves(pool, ac):
-    """With AC the hooks see the blocks outside the checkpoints; the checkpoints' inputs are
-    listed apart (held by the checkpoint, not saved through autograd)."""
+    """With AC, autograd keeps the blocks outside the checkpoints and each checkpoint's input."""
     for cp, comm in ((1, "p2p"), (2, "p2p"), (2, "a2a")):
         measured = max(
             r["bytes"] for r in pool.run("saved_for_backward", cp=cp, comm=comm, seq_len=528, ac=ac)
         )
         saved, _ = planned(cp, comm, cp_scaling_workload(528, sentences=40), ac)
+        print(f"ac={ac} cp={cp} {comm}: saved {measured}, planned {saved}")
         assert abs(saved / measured - 1) < 0.10, (cp, comm, saved, measured)
 
 

@@ -19,8 +19,8 @@ them (each storage once; checked against `metrics.SavedForBackward` by tests/tes
     token ids; the last hidden state, the head's input and the log-softmax of the text (fp32).
 
 The replicated image slots are in L on every CP rank. Activation checkpointing keeps, for each
-checkpointed block, only its input (held by the checkpoint, not saved through autograd's hooks:
-listed apart as "checkpointed block inputs") and recomputes the block in backward.
+checkpointed block, only its input ("checkpointed block inputs") and recomputes the block in
+backward (a transient of one block's activations, `recompute_bytes`).
 """
 
 from __future__ import annotations
