@@ -131,6 +131,7 @@ def test_plan_prints_every_part(capsys):
         "checkpointed block inputs",
         "peak memory estimate",
         "cp attention (p2p)",
+        "cp attention by cp_comm_type",
         "image embeddings (shard)",
         "fsdp all-gather (decoder)",
         "MFU",

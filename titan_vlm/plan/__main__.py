@@ -12,16 +12,19 @@ rank, each row one sample: `data.images_per_sample` images, then text to the end
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from titan_vlm.config import ConfigError, JobConfig, load_config, world_size_of
 from titan_vlm.models.flavors import model_args
+from titan_vlm.parallel.cp_attention import CP_COMM_TYPES
 from titan_vlm.parallel_dims import ParallelDims
+from titan_vlm.plan.comm import cp_attention_bytes
 from titan_vlm.plan.cost import EFFICIENCY, Plan, make_plan, span
 from titan_vlm.plan.hardware import HARDWARE, get_hardware
 from titan_vlm.plan.memory import AC_MODES
 from titan_vlm.plan.search import search
-from titan_vlm.plan.shapes import model_shapes
+from titan_vlm.plan.shapes import ModelShapes, model_shapes
 from titan_vlm.plan.spec import Layout, Workload
 
 GIB = 2**30
@@ -68,7 +71,7 @@ def flops(n: float) -> str:
     return f"{n / 1e6:,.1f} MFLOP"
 
 
-def report(plan: Plan, args_line: str) -> list[str]:
+def report(plan: Plan, shapes: ModelShapes, work: Workload, args_line: str) -> list[str]:
     lay, hw = plan.layout, plan.hardware
     unit = "GiB" if plan.state.total >= GIB else "MiB"
 
@@ -118,6 +121,16 @@ def report(plan: Plan, args_line: str) -> list[str]:
             f"  {c.name:<34}{c.group:>13}{c.group_size:>6}{link:>9}{gib(c.sent_bytes):>10}"
             f"{t.seconds:>9.4f}  {'yes' if c.overlapped else 'no'}"
         )
+    if lay.cp > 1:
+        by_type = []
+        for comm in CP_COMM_TYPES:
+            other = dataclasses.replace(lay, cp_comm_type=comm)
+            heads = shapes.decoder.n_heads // lay.tp
+            if comm == "a2a" and heads % lay.cp:
+                by_type.append(f"{comm} - (heads per tp rank do not divide by cp)")
+            else:
+                by_type.append(f"{comm} {gib(cp_attention_bytes(shapes, other, work))}")
+        lines.append(f"  cp attention by cp_comm_type, {unit}: " + " | ".join(by_type))
     lines += [
         "",
         f"step time {plan.step_s:.3f} s | MFU {100 * plan.mfu:.1f}% | "
@@ -174,7 +187,13 @@ def main(argv: list[str] | None = None) -> None:
             return
         ParallelDims.from_config(cfg, world).validate_model(cfg)
         layout = Layout.from_config(cfg, world)
-        print("\n".join(report(make_plan(shapes, layout, work, hw, gpn, opts.efficiency), head)))
+        print(
+            "\n".join(
+                report(
+                    make_plan(shapes, layout, work, hw, gpn, opts.efficiency), shapes, work, head
+                )
+            )
+        )
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
