@@ -4,7 +4,7 @@ trains on per step (`Workload`), and the per-CP-rank geometry the project's own 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -77,6 +77,7 @@ class Workload:
     doc: torch.Tensor
     image: torch.Tensor
     bidirectional_images: bool = False
+    _geometries: dict = field(default_factory=dict, repr=False)  # (cp, pad multiple) -> Geometry
 
     @classmethod
     def uniform(
@@ -108,8 +109,9 @@ class Workload:
         return int(((self.doc >= 0) & (self.image < 0)).sum())
 
     def geometry(self, cp: int, pad_to_multiple: int = 1) -> Geometry:
+        """One CP rank's share of these rows (made once per cp and padding multiple)."""
         key = (cp, pad_to_multiple)
-        cache = self.__dict__.setdefault("_geometry", {})
+        cache = self._geometries
         if key not in cache:
             _, lay = build_layout(
                 self.doc, self.image, cp, 0, self.bidirectional_images, pad_to_multiple
