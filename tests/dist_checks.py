@@ -388,3 +388,19 @@ def built_weights(dp_shard: int, cp: int, tp: int = 1, **overrides) -> dict[str,
         get_model_spec(cfg.model.name), cfg, make_mesh(dp_shard, cp, 1, tp), torch.device("cpu")
     )
     return {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def model_state_bytes(
+    dp_shard: int, cp: int, dp_replicate: int = 1, tp: int = 1, vision: str = "shard"
+) -> int:
+    """The trainer's "model state per rank" on this rank, in bytes: STATE_BYTES_PER_PARAM times
+    the local elements of every parameter after parallelize_vlm (run_training's expression)."""
+    from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM
+
+    mesh = make_mesh(dp_shard, cp, dp_replicate, tp)
+    torch.manual_seed(0)
+    model = parallelize_vlm(
+        VLM(get_flavor("debug")), mesh, cp_vision=vision, tp=TPOptions(sequence_parallel=tp > 1)
+    )
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    return STATE_BYTES_PER_PARAM * local

@@ -243,24 +243,73 @@ def world_size_of(cfg: JobConfig) -> int:
     )
 
 
+def _count(env: dict[str, str], name: str, default: str | None = None) -> int | None:
+    """A positive integer from the environment (None when unset and no default)."""
+    value = env.get(name, default)
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def launch_shape(cfg: JobConfig, env: dict[str, str]) -> tuple[int, int]:
+    """(processes per node, nodes) of a launch, from the environment run_train.sh passes on:
+    NNODES (default 1), NPROC per node (default: the degrees' product over NNODES), and on more
+    than one node either RDZV_ENDPOINT (host:port of torchrun's c10d rendezvous) or NODE_RANK
+    with MASTER_ADDR (a static rendezvous). Checks what can be checked before any worker
+    starts; the degrees against the total world are ParallelDims' check."""
+    nnodes = _count(env, "NNODES", "1")
+    nproc = _count(env, "NPROC")
+    if nproc is None:
+        world = world_size_of(cfg)
+        if world % nnodes:
+            raise ConfigError(
+                f"NNODES={nnodes} does not divide the {world} processes the parallel degrees "
+                "need (set NPROC, processes per node, or the degrees)"
+            )
+        nproc = world // nnodes
+    endpoint, node_rank = env.get("RDZV_ENDPOINT"), env.get("NODE_RANK")
+    if endpoint is not None:
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"RDZV_ENDPOINT must be host:port, got {endpoint!r}")
+        if node_rank is not None:
+            raise ConfigError("set RDZV_ENDPOINT (c10d rendezvous) or NODE_RANK, not both")
+    elif nnodes > 1:
+        if node_rank is None:
+            raise ConfigError(
+                f"NNODES={nnodes} needs RDZV_ENDPOINT=host:port (c10d rendezvous) or NODE_RANK "
+                "and MASTER_ADDR (static)"
+            )
+        if not node_rank.isdigit() or int(node_rank) >= nnodes:
+            raise ConfigError(f"NODE_RANK must be in 0..{nnodes - 1}, got {node_rank!r}")
+        if not env.get("MASTER_ADDR"):
+            raise ConfigError("NODE_RANK needs MASTER_ADDR, the address of node 0")
+    tp = cfg.parallelism.tensor_parallel_degree
+    if nnodes > 1 and nproc % tp:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree={tp} must divide NPROC={nproc} (processes per "
+            "node): a tp group runs inside one node"
+        )
+    return nproc, nnodes
+
+
 def main() -> None:
-    """`python -m titan_vlm.config --config F [overrides]`: validate, then print the process count
-    (the environment's NPROC, when set, is checked against the degrees instead) and
-    job.max_restarts, for run_train.sh."""
+    """`python -m titan_vlm.config --config F [overrides]`: validate the config and the launch
+    (launch_shape: NNODES, NPROC, ...) against the total world, then print the processes per
+    node and job.max_restarts, for run_train.sh."""
     import os
 
     # Under `python -m` this file is __main__: use the package's own module, so that the
     # ConfigError raised by parallel_dims is the one caught here.
-    from titan_vlm.config import ConfigError, load_config
+    from titan_vlm.config import ConfigError, launch_shape, load_config
     from titan_vlm.parallel_dims import ParallelDims
 
     try:
         cfg = load_config(sys.argv[1:])
-        nproc = os.environ.get("NPROC")
-        if nproc is not None and not nproc.isdigit():
-            raise ConfigError(f"NPROC must be a process count, got {nproc!r}")
-        world = int(nproc) if nproc else world_size_of(cfg)
-        ParallelDims.from_config(cfg, world).validate_model(cfg)
+        nproc, nnodes = launch_shape(cfg, dict(os.environ))
+        ParallelDims.from_config(cfg, nproc * nnodes).validate_model(cfg)
         if cfg.job.max_restarts < 0:
             raise ConfigError(f"job.max_restarts must be >= 0, got {cfg.job.max_restarts}")
         if cfg.job.max_restarts and not cfg.checkpoint.enable:
@@ -270,15 +319,15 @@ def main() -> None:
             )
         import torch
 
-        if torch.cuda.is_available() and world > torch.cuda.device_count():
+        if torch.cuda.is_available() and nproc > torch.cuda.device_count():
             raise ConfigError(
-                f"{world} processes but {torch.cuda.device_count()} GPUs on this machine "
+                f"{nproc} processes but {torch.cuda.device_count()} GPUs on this machine "
                 "(one process per GPU; set NPROC or the degrees)"
             )
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(world, cfg.job.max_restarts)
+    print(nproc, cfg.job.max_restarts)
 
 
 if __name__ == "__main__":

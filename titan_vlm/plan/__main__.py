@@ -1,0 +1,203 @@
+"""Price a layout without starting any process:
+
+    python -m titan_vlm.plan --config train_configs/vlm_cp.toml [--section.key=value ...]
+        [--gpu h100|h200|a100|cpu] [--nodes N --gpus-per-node G] [--seq-len L]
+    python -m titan_vlm.plan [--config F] [--section.key=value ...] --search --seq-len L --gpus N
+        [--gpu h100] [--top K]
+
+The workload is `training.local_batch_size` rows of `training.seq_len` slots per data-parallel
+rank, each row one sample: `data.images_per_sample` images, then text to the end of the row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from titan_vlm.config import ConfigError, JobConfig, load_config, world_size_of
+from titan_vlm.models.flavors import model_args
+from titan_vlm.parallel.cp_attention import CP_COMM_TYPES
+from titan_vlm.parallel_dims import ParallelDims
+from titan_vlm.plan.comm import cp_attention_bytes
+from titan_vlm.plan.cost import EFFICIENCY, Plan, make_plan, span
+from titan_vlm.plan.hardware import HARDWARE, get_hardware
+from titan_vlm.plan.memory import AC_MODES
+from titan_vlm.plan.search import search
+from titan_vlm.plan.shapes import ModelShapes, model_shapes
+from titan_vlm.plan.spec import Layout, Workload
+
+GIB = 2**30
+UNITS = {"GiB": 2**30, "MiB": 2**20}
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
+    parser = argparse.ArgumentParser(
+        prog="python -m titan_vlm.plan", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--gpu", default="h100", help=f"one of {', '.join(HARDWARE)}")
+    parser.add_argument("--nodes", type=int, help="nodes (with --gpus-per-node)")
+    parser.add_argument("--gpus-per-node", type=int, help="default: the hardware's")
+    parser.add_argument("--gpus", type=int, help="total devices (default: nodes x gpus per node)")
+    parser.add_argument("--seq-len", type=int, help="overrides training.seq_len")
+    parser.add_argument("--search", action="store_true", help="list the layouts that fit")
+    parser.add_argument("--top", type=int, default=10, help="--search: rows to print")
+    parser.add_argument(
+        "--efficiency", type=float, default=EFFICIENCY, help="fraction of peak FLOP/s reached"
+    )
+    opts, rest = parser.parse_known_args(argv)
+    cfg = load_config(rest)
+    if opts.seq_len is not None:
+        cfg.training.seq_len = opts.seq_len
+    return opts, cfg
+
+
+def world_of(opts: argparse.Namespace, cfg: JobConfig, gpus_per_node: int) -> int:
+    if opts.gpus is not None:
+        world = opts.gpus
+    elif opts.nodes is not None:
+        world = opts.nodes * gpus_per_node
+    else:
+        world = world_size_of(cfg)
+    if world < 1:
+        raise ConfigError(f"--gpus / --nodes: need at least one device, got {world}")
+    return world
+
+
+def flops(n: float) -> str:
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n / 1e6:,.1f} MFLOP"
+
+
+def report(plan: Plan, shapes: ModelShapes, work: Workload, args_line: str) -> list[str]:
+    lay, hw = plan.layout, plan.hardware
+    unit = "GiB" if plan.state.total >= GIB else "MiB"
+
+    def gib(n: float) -> str:
+        return f"{n / UNITS[unit]:.2f}"
+
+    lines = [
+        args_line,
+        f"layout: {lay.describe()} on {lay.world} x {hw.name} ({plan.gpus_per_node} per node)",
+        "",
+        f"per rank (rank 0: the largest FSDP shard), {unit}:",
+        f"  parameters {gib(plan.state.params)} | gradients {gib(plan.state.grads)} | "
+        f"optimizer {gib(plan.state.optimizer)} | model state {plan.state.total / GIB:.3f} GiB "
+        "(the trainer's 'model state per rank' line)",
+        "",
+        f"activations saved for backward per rank, {unit} (image slots on every CP rank):",
+        f"  {'module':<30}" + "".join(f"{m:>11}" for m in AC_MODES),
+    ]
+    modules = list(plan.activations["none"])
+    for m in modules:
+        lines.append(
+            f"  {m:<30}" + "".join(f"{gib(plan.activations[ac][m]):>11}" for ac in AC_MODES)
+        )
+    lines.append(
+        f"  {'total':<30}"
+        + "".join(f"{gib(sum(plan.activations[ac].values())):>11}" for ac in AC_MODES)
+    )
+    p = plan.peak
+    lines += [
+        "",
+        f"peak memory estimate (ac={lay.ac_mode}): {gib(p.total)} {unit} of {hw.hbm_gib:.1f} GiB "
+        f"({'fits' if plan.fits else 'does NOT fit'} in 90%): state {gib(p.state)} + unsharded "
+        f"params {gib(p.unsharded_params)} + activations {gib(p.activations)} + transient "
+        f"{gib(p.transient)}",
+        "",
+        f"FLOPs per step: {flops(plan.useful_flops)} useful (whole job, image tokens once); the "
+        f"busiest rank runs {flops(plan.rank_flops)} = {plan.compute_s:.3f} s at "
+        f"{flops(plan.rank_flops / plan.compute_s)}/s ({plan.efficiency:.0%} of peak)",
+        "",
+        "collectives, bytes each rank sends per step:",
+        f"  {'what':<34}{'group':>13}{'ranks':>6}{'link':>9}{unit:>10}{'s':>9}  overlapped",
+    ]
+    for t in plan.comms:
+        c = t.collective
+        link = "in node" if span(lay, c.group) <= plan.gpus_per_node else "network"
+        lines.append(
+            f"  {c.name:<34}{c.group:>13}{c.group_size:>6}{link:>9}{gib(c.sent_bytes):>10}"
+            f"{t.seconds:>9.4f}  {'yes' if c.overlapped else 'no'}"
+        )
+    if lay.cp > 1:
+        by_type = []
+        for comm in CP_COMM_TYPES:
+            other = dataclasses.replace(lay, cp_comm_type=comm)
+            heads = shapes.decoder.n_heads // lay.tp
+            if comm == "a2a" and heads % lay.cp:
+                by_type.append(f"{comm} - (heads per tp rank do not divide by cp)")
+            else:
+                by_type.append(f"{comm} {gib(cp_attention_bytes(shapes, other, work))}")
+        lines.append(f"  cp attention by cp_comm_type, {unit}: " + " | ".join(by_type))
+    lines += [
+        "",
+        f"step time {plan.step_s:.3f} s | MFU {100 * plan.mfu:.1f}% | "
+        f"{plan.tokens_per_s:,.0f} tokens/s ({plan.tokens_per_step:,} slots per step)",
+    ]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        opts, cfg = parse(sys.argv[1:] if argv is None else argv)
+        hw = get_hardware(opts.gpu)
+        gpn = opts.gpus_per_node or hw.gpus_per_node
+        world = world_of(opts, cfg, gpn)
+        args = model_args(
+            cfg.model.flavor,
+            cfg.model.image_attention,
+            cfg.model.hf_vision_path,
+            cfg.model.hf_text_path,
+        )
+        shapes = model_shapes(args)
+        t = cfg.training
+        work = Workload.uniform(
+            t.seq_len, t.local_batch_size, cfg.data.images_per_sample, args.tokens_per_image
+        )
+        head = (
+            f"plan: flavor {cfg.model.flavor}, {t.local_batch_size} row(s) x {t.seq_len} slots "
+            f"per data-parallel rank ({cfg.data.images_per_sample} image(s) of "
+            f"{args.tokens_per_image} slots per row), {t.mixed_precision}, on {hw.name} "
+            f"(peak {flops(hw.peak_flops)}/s bf16, {hw.hbm_gib:.1f} GiB, "
+            f"{hw.intra_gbps:.0f} / {hw.inter_gbps:.0f} GB/s in / between nodes)"
+        )
+        if opts.search:
+            fitting, priced = search(cfg, shapes, work, hw, world, gpn, opts.efficiency)
+            print(head)
+            print(
+                f"search: {world} devices, {gpn} per node: {priced} layouts the trainer accepts, "
+                f"{len(fitting)} fit; fastest first:"
+            )
+            print(
+                f"  {'dp_rep':>6}{'dp_shard':>9}{'cp':>5}{'tp':>4}  {'comm':<10}{'vision':<10}"
+                f"{'ac':<10}{'peak GiB':>9}{'step s':>9}{'MFU %':>7}{'tokens/s':>12}"
+            )
+            for p in fitting[: opts.top]:
+                lay = p.layout
+                print(
+                    f"  {lay.dp_replicate:>6}{lay.dp_shard:>9}{lay.cp:>5}{lay.tp:>4}  "
+                    f"{lay.cp_comm_type:<10}{lay.cp_vision:<10}{lay.ac_mode:<10}"
+                    f"{p.peak.total / GIB:>9.1f}{p.step_s:>9.3f}{100 * p.mfu:>7.1f}"
+                    f"{p.tokens_per_s:>12,.0f}"
+                )
+            if not fitting:
+                print("  none: more devices, a shorter sequence or a smaller model")
+            return
+        ParallelDims.from_config(cfg, world).validate_model(cfg)
+        layout = Layout.from_config(cfg, world)
+        print(
+            "\n".join(
+                report(
+                    make_plan(shapes, layout, work, hw, gpn, opts.efficiency), shapes, work, head
+                )
+            )
+        )
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

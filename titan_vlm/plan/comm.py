@@ -1,0 +1,171 @@
+"""Bytes each collective sends per rank per step, and which link carries it.
+
+Counted as benchmarks/cp_scaling.py counts them (a ring all-gather sends P-1 pieces, a
+reduce-scatter or all-to-all (P-1)/P of its input, a point-to-point send its tensor):
+
+  cp attention (per decoder layer; kv = this rank's text K and V, 2 x rows x K/V heads x text
+  slots x head dim elements, per tp rank)
+    p2p         forward (P-1) kv sends, backward (P-1) kv sends + P fp32 dK/dV sends
+    allgather   forward all-gather of kv, backward reduce-scatter of fp32 dK/dV of the whole text
+    a2a         q, k, v out and back (forward) and their gradients (backward), (P-1)/P each, plus
+                the image queries' output heads all-gathered (and reduce-scattered back)
+    with activation checkpointing the recomputed forward of a checkpointed block sends again.
+  image embeddings over cp (fp32, context_parallel.encode_images_over_cp)
+    shard       all-gather of ceil(n/P) images per rank, reduce-scatter of the gradient
+    replicate   all-reduce of the gradient (2 (P-1)/P)
+    broadcast   broadcast and reduce of all of them, then the vision gradients broadcast
+  fsdp          all-gather of each rank's padded shard in the compute dtype in forward and again
+                in backward (the root modules stay gathered), reduce-scatter of fp32 gradients;
+                with dp_replicate > 1 the shards' all-reduce over the replicas (HSDP)
+  tp            Megatron's count: two all-reduces of a block's activations in forward and two
+                in backward (sequence parallelism moves the same bytes as all-gather +
+                reduce-scatter), the embedding's all-reduce and the logits' all-gather.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from titan_vlm.plan.memory import (
+    checkpointed,
+    padded_shard_numel,
+    shards,
+    vision_images_on_rank,
+)
+from titan_vlm.plan.shapes import ModelShapes
+from titan_vlm.plan.spec import Layout, Workload
+
+
+@dataclass(frozen=True)
+class Collective:
+    name: str
+    group: str  # the mesh dim(s) it runs over: "cp", "tp", "fsdp", "dp_replicate"
+    group_size: int
+    sent_bytes: int  # per rank per step
+    overlapped: bool  # runs under compute (ring p2p, FSDP prefetch) rather than blocking it
+
+
+def cp_attention_bytes(shapes: ModelShapes, layout: Layout, work: Workload) -> int:
+    """Bytes one rank sends per step for the CP attention (all decoder layers)."""
+    p = layout.cp
+    if p == 1:
+        return 0
+    d = shapes.decoder
+    a, t = layout.act_bytes, layout.tp
+    g = work.geometry(p, t if layout.sequence_parallel else 1)
+    B, T, N = work.rows, g.text_slots, g.image_slots
+    heads, kv_heads = d.n_heads // t, d.n_kv_heads // t
+    kv = 2 * B * kv_heads * T * d.head_dim  # elements
+    if layout.cp_comm_type == "p2p":
+        forward, backward = (p - 1) * kv * a, (p - 1) * kv * a + p * kv * 4
+    elif layout.cp_comm_type == "allgather":
+        forward, backward = (p - 1) * kv * a, (p * kv * 4) * (p - 1) // p
+    else:
+        k_heads = kv_heads if kv_heads % p == 0 else heads
+        text = B * T * d.head_dim * a  # one head's text on this rank
+
+        def moved(nbytes: int) -> int:
+            return nbytes * (p - 1) // p
+
+        # q, k, v and out are separate all-to-alls; the image heads one all-gather (forward)
+        # and one reduce-scatter (backward)
+        image_out = B * N * heads // p * d.head_dim * a
+        forward = (
+            moved(text * heads) * 2 + moved(text * k_heads) * 2 + ((p - 1) * image_out if N else 0)
+        )
+        backward = (
+            moved(text * heads) * 2 + moved(text * k_heads) * 2 + (moved(image_out * p) if N else 0)
+        )
+    recomputed = checkpointed(d.n_layers, layout.ac_mode)
+    return d.n_layers * (forward + backward) + recomputed * forward
+
+
+def image_embedding_bytes(shapes: ModelShapes, layout: Layout, work: Workload) -> int:
+    p, n = layout.cp, work.num_images
+    if p == 1 or n == 0:
+        return 0
+    width = shapes.decoder.dim // (layout.tp if layout.image_embed_tp_shard else 1)
+    one = shapes.tokens_per_image * width * 4  # fp32 on the wire
+    if layout.cp_vision == "shard":
+        return 2 * (p - 1) * math.ceil(n / p) * one
+    if layout.cp_vision == "replicate":
+        return 2 * (p - 1) * n * one // p
+    vision_grads = 4 * sum(
+        padded_shard_numel(q, layout) for q in shapes.params if q.group != "decoder"
+    )
+    return 2 * n * one + vision_grads
+
+
+def fsdp_collectives(shapes: ModelShapes, layout: Layout) -> list[Collective]:
+    out = []
+    for side, groups in (("decoder", ("decoder",)), ("vision", ("vision", "projector"))):
+        s, r = shards(layout, groups[0])
+        params = [q for q in shapes.params if q.group in groups]
+        shard = sum(padded_shard_numel(q, layout) for q in params)
+        in_blocks = sum(padded_shard_numel(q, layout) for q in params if ".layers." in q.name)
+        if s > 1:
+            gathers = (shard + in_blocks) * layout.act_bytes * (s - 1)
+            out.append(Collective(f"fsdp all-gather ({side})", "fsdp", s, gathers, True))
+            out.append(
+                Collective(f"fsdp reduce-scatter ({side})", "fsdp", s, shard * 4 * (s - 1), True)
+            )
+        if r > 1:
+            out.append(
+                Collective(
+                    f"hsdp all-reduce ({side})",
+                    "dp_replicate",
+                    r,
+                    2 * shard * 4 * (r - 1) // r,
+                    True,
+                )
+            )
+    return out
+
+
+def tp_bytes(shapes: ModelShapes, layout: Layout, work: Workload) -> int:
+    t = layout.tp
+    if t == 1:
+        return 0
+    d, v = shapes.decoder, shapes.vision
+    a = layout.act_bytes
+    g = work.geometry(layout.cp, t if layout.sequence_parallel else 1)
+    B, L, T = work.rows, g.local_slots, g.text_slots
+    n_vis = vision_images_on_rank(layout, work.num_images)
+
+    def all_reduce(nbytes: int) -> int:
+        return 2 * nbytes * (t - 1) // t
+
+    blocks = d.n_layers * 4 * all_reduce(B * L * d.dim * a)
+    blocks += v.n_layers * 4 * all_reduce(n_vis * v.patches * v.dim * a)
+    edges = 2 * all_reduce(B * T * d.dim * a) + B * T * d.vocab_size // t * a * (t - 1)
+    return blocks + edges
+
+
+def collectives(shapes: ModelShapes, layout: Layout, work: Workload) -> list[Collective]:
+    out = []
+    if layout.cp > 1:
+        out.append(
+            Collective(
+                f"cp attention ({layout.cp_comm_type})",
+                "cp",
+                layout.cp,
+                cp_attention_bytes(shapes, layout, work),
+                layout.cp_comm_type == "p2p",
+            )
+        )
+        out.append(
+            Collective(
+                f"image embeddings ({layout.cp_vision})",
+                "cp",
+                layout.cp,
+                image_embedding_bytes(shapes, layout, work),
+                False,
+            )
+        )
+    if layout.tp > 1:
+        out.append(
+            Collective("tp activations", "tp", layout.tp, tp_bytes(shapes, layout, work), False)
+        )
+    out.extend(fsdp_collectives(shapes, layout))
+    return out

@@ -1,0 +1,218 @@
+"""Bytes one rank holds: parameters, gradients and optimizer state (as the trainer's "model state
+per rank" line counts them), and activations by module for each activation-checkpointing mode.
+
+Activations are what autograd saves for backward, tensor by tensor, as titan_vlm's modules save
+them (each storage once; checked against `metrics.SavedForBackward` by tests/test_plan.py):
+
+  decoder block, per local slot (L = image slots + this CP rank's text slots), a = bytes of the
+  compute dtype, d width, f MLP width, h / kv query / K/V head widths (per tp rank):
+    two RMSNorms      4d + 4 + a.d each (the fp32 input, its rsqrt, the normalised input)
+    their outputs     a.d each (saved by the projections that read them)
+    attention         a.h (q) + 2 a.kv (k, v) + a.h (out) + 4 heads (log-sum-exp); the
+                      all-gather algorithm saves the gathered text K/V instead of the local
+                      ones; the all-to-all one saves q, k, v, out and lse of the whole sequence
+                      for H/P heads and a copy of its output for wo
+    SwiGLU MLP        4 a.f (w1 and w3 outputs, silu output, their product)
+  ViT block, per patch: two LayerNorms (a.dv + 8 each), their outputs, q, k, v, out (a.dv each,
+    over tp), 4 bytes per head, the GELU's input and output (a.mlp each, over tp)
+  once: the pixels, the final norms, the projector; RoPE cos/sin (fp32, shared by all layers);
+    token ids; the last hidden state, the head's input and the log-softmax of the text (fp32).
+
+The replicated image slots are in L on every CP rank. Activation checkpointing keeps, for each
+checkpointed block, only its input ("checkpointed block inputs") and recomputes the block in
+backward (a transient of one block's activations, `recompute_bytes`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM
+from titan_vlm.plan.shapes import ModelShapes, Param
+from titan_vlm.plan.spec import Geometry, Layout, Workload
+
+AC_MODES = ("none", "selective", "full")
+
+
+def checkpointed(n_layers: int, mode: str) -> int:
+    """Blocks that parallelize.apply_ac wraps: all ("full"), every other from 0 ("selective")."""
+    return {"none": 0, "full": n_layers, "selective": (n_layers + 1) // 2}[mode]
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters, gradients, optimizer state
+
+
+def shards(layout: Layout, group: str) -> tuple[int, int]:
+    """(FSDP shard count, replicate count) of a parameter group (parallel/parallelize.py):
+    the decoder over dp_shard x cp, the vision side too except with cp_vision = broadcast."""
+    if group != "decoder" and layout.cp_vision == "broadcast":
+        return layout.dp_shard, layout.dp_replicate
+    return layout.dp_shard * layout.cp, layout.dp_replicate
+
+
+def local_shape(p: Param, layout: Layout) -> tuple[int, ...]:
+    """The shape rank 0 holds: tp's split, then FSDP's dim-0 chunk (torch.chunk sizes: rank 0
+    gets the first, largest chunk)."""
+    shape = list(p.shape)
+    if p.tp_dim is not None and layout.tp > 1:
+        shape[p.tp_dim] //= layout.tp
+    s, _ = shards(layout, p.group)
+    if shape:
+        shape[0] = min(shape[0], math.ceil(shape[0] / s))
+    return tuple(shape)
+
+
+def padded_shard_numel(p: Param, layout: Layout) -> int:
+    """Elements of one rank's FSDP shard as it travels (padded to the largest chunk)."""
+    return math.prod(local_shape(p, layout))
+
+
+def local_params(shapes: ModelShapes, layout: Layout) -> dict[str, int]:
+    out = dict.fromkeys(("vision", "projector", "decoder"), 0)
+    for p in shapes.params:
+        out[p.group] += math.prod(local_shape(p, layout))
+    return out
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    params: int  # fp32 sharded parameters
+    grads: int  # fp32 sharded gradients
+    optimizer: int  # AdamW's two fp32 moments
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def state_bytes(shapes: ModelShapes, layout: Layout) -> StateBytes:
+    """`STATE_BYTES_PER_PARAM` (16) bytes per local parameter element, split 4 / 4 / 8: what the
+    trainer logs as "model state per rank" (rank 0, the largest shard)."""
+    n = sum(local_params(shapes, layout).values())
+    assert STATE_BYTES_PER_PARAM == 16
+    return StateBytes(4 * n, 4 * n, 8 * n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+
+
+def vision_images_on_rank(layout: Layout, num_images: int) -> int:
+    """Images the busiest CP rank encodes (context_parallel.image_shard_sizes for "shard")."""
+    if layout.cp == 1 or layout.cp_vision != "shard":
+        return num_images
+    return math.ceil(num_images / layout.cp)
+
+
+def decoder_block_bytes(shapes: ModelShapes, layout: Layout, g: Geometry, rows: int) -> int:
+    d = shapes.decoder
+    a, t, p = layout.act_bytes, layout.tp, layout.cp
+    L = g.local_slots
+    h, kv = d.n_heads // t * d.head_dim, d.n_kv_heads // t * d.head_dim
+    heads = d.n_heads // t
+    norm_tokens = L // t if layout.sequence_parallel else L
+    norms = 2 * norm_tokens * (4 * d.dim + 4 + a * d.dim) + 2 * L * a * d.dim
+    if layout.cp_comm_type == "a2a" and p > 1:
+        whole = g.image_slots + p * g.text_slots
+        kv_heads = d.n_kv_heads // t if (d.n_kv_heads // t) % p == 0 else heads
+        attn = whole * (
+            2 * a * h // p + 2 * a * kv_heads * d.head_dim // p + 4 * heads // p
+        ) + L * a * (heads * d.head_dim)
+    else:
+        keys = g.image_slots + p * g.text_slots if layout.cp_comm_type == "allgather" else L
+        attn = L * (2 * a * h + 4 * heads) + keys * 2 * a * kv
+    mlp = 4 * a * (d.ffn_dim // t) * L
+    return rows * (norms + attn + mlp)
+
+
+def vision_block_bytes(shapes: ModelShapes, layout: Layout, images: int) -> int:
+    v = shapes.vision
+    a, t = layout.act_bytes, layout.tp
+    norms = 2 * (a * v.dim + 8) // (t if layout.sequence_parallel else 1) + 2 * a * v.dim
+    per_patch = norms + 4 * a * v.dim // t + 4 * v.n_heads // t + 2 * a * v.mlp_dim // t
+    return images * v.patches * per_patch
+
+
+def activation_bytes(
+    shapes: ModelShapes, layout: Layout, work: Workload, mode: str
+) -> dict[str, int]:
+    """Saved-for-backward bytes of one rank (the busiest) by module under AC `mode`."""
+    d, v = shapes.decoder, shapes.vision
+    a, t = layout.act_bytes, layout.tp
+    g = work.geometry(layout.cp, t if layout.sequence_parallel else 1)
+    B, L, T = work.rows, g.local_slots, g.text_slots
+    n_vis = vision_images_on_rank(layout, work.num_images)
+    dec_block = decoder_block_bytes(shapes, layout, g, B)
+    vit_block = vision_block_bytes(shapes, layout, n_vis)
+    dec_ckpt = checkpointed(d.n_layers, mode)
+    vit_ckpt = checkpointed(v.n_layers, mode)
+    block_in = L // t if layout.sequence_parallel else L
+    last_hidden = 4 * L * d.dim if a == 4 else 4 * T * d.dim  # fp32: the norm keeps h itself
+    return {
+        "vision blocks": (v.n_layers - vit_ckpt) * vit_block,
+        "vision pixels and final norm": n_vis * (v.pixels * a + v.patches * (a * v.dim + 8)),
+        "projector": n_vis * v.patches * (a * v.dim + 2 * a * d.dim // t),
+        "decoder blocks": (d.n_layers - dec_ckpt) * dec_block,
+        "rope tables": B * L * 2 * 4 * d.head_dim,
+        "token ids": B * T * 8,
+        "head and loss": B * (last_hidden + T * (4 + 2 * a * d.dim + 4 * d.vocab_size + 8)),
+        "checkpointed block inputs": dec_ckpt * B * block_in * a * d.dim
+        + vit_ckpt * n_vis * v.patches * a * v.dim,
+    }
+
+
+def recompute_bytes(shapes: ModelShapes, layout: Layout, work: Workload, mode: str) -> int:
+    """The transient of backward under AC: one checkpointed block's activations, recomputed."""
+    if mode == "none":
+        return 0
+    t = layout.tp
+    g = work.geometry(layout.cp, t if layout.sequence_parallel else 1)
+    n_vis = vision_images_on_rank(layout, work.num_images)
+    return max(
+        decoder_block_bytes(shapes, layout, g, work.rows),
+        vision_block_bytes(shapes, layout, n_vis),
+    )
+
+
+@dataclass(frozen=True)
+class PeakMemory:
+    state: int  # fp32 params, grads, AdamW moments (sharded)
+    unsharded_params: int  # FSDP's all-gathered params in use: the roots and two blocks
+    activations: int  # saved for backward (and checkpointed inputs)
+    transient: int  # the largest short-lived buffer of backward (logits or one block)
+
+    @property
+    def total(self) -> int:
+        return self.state + self.unsharded_params + self.activations + self.transient
+
+
+def peak_memory(shapes: ModelShapes, layout: Layout, work: Workload, mode: str) -> PeakMemory:
+    """An estimate: state + unsharded parameters (the FSDP root modules, which stay gathered
+    through the step, and two blocks: the one computing and the one prefetched, with their
+    unsharded gradients) + activations + the larger of the loss's logits buffers (logits, their
+    fp32 copy and gradient) and a block's activation gradients plus its recomputation."""
+    a, t = layout.act_bytes, layout.tp
+
+    def full(p: Param) -> int:
+        n = math.prod(p.shape)
+        return n // t if p.tp_dim is not None else n
+
+    roots = sum(full(p) for p in shapes.params if ".layers." not in p.name)
+    block = max(
+        sum(full(p) for p in shapes.params if p.name.startswith(f"{prefix}.layers.0."))
+        for prefix in ("decoder", "vision")
+    )
+    g = work.geometry(layout.cp, t if layout.sequence_parallel else 1)
+    logits = work.rows * g.text_slots * shapes.decoder.vocab_size * (a + 4 + 4)
+    n_vis = vision_images_on_rank(layout, work.num_images)
+    one_block = max(
+        decoder_block_bytes(shapes, layout, g, work.rows), vision_block_bytes(shapes, layout, n_vis)
+    )
+    return PeakMemory(
+        state=state_bytes(shapes, layout).total,
+        unsharded_params=roots * a + 2 * block * (a + 4),
+        activations=sum(activation_bytes(shapes, layout, work, mode).values()),
+        transient=max(logits, one_block + recompute_bytes(shapes, layout, work, mode)),
+    )

@@ -1,0 +1,85 @@
+"""`--search`: every layout of a world size that the trainer accepts, priced, the ones that fit
+first and fastest (job tokens per second) first."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+from titan_vlm.config import ConfigError, JobConfig
+from titan_vlm.parallel.context_parallel import CP_VISION_MODES
+from titan_vlm.parallel.cp_attention import CP_COMM_TYPES
+from titan_vlm.parallel_dims import ParallelDims
+from titan_vlm.plan.cost import Plan, make_plan
+from titan_vlm.plan.hardware import Hardware
+from titan_vlm.plan.memory import AC_MODES
+from titan_vlm.plan.shapes import ModelShapes
+from titan_vlm.plan.spec import Layout, Workload
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidate_layouts(cfg: JobConfig, world: int, gpus_per_node: int) -> list[Layout]:
+    """(dp_replicate, dp_shard, cp, tp) with product `world` and tp within a node, each with every
+    cp_comm_type and cp_vision (cp > 1) and AC mode; sequence parallelism on whenever tp > 1.
+    Layouts the trainer would refuse (ParallelDims.validate_model: heads, a2a, ...) are left out."""
+    out = []
+    for tp in (t for t in divisors(world) if t <= gpus_per_node):
+        for cp in divisors(world // tp):
+            for rep in divisors(world // (tp * cp)):
+                shard = world // (tp * cp * rep)
+                comms = CP_COMM_TYPES if cp > 1 else ("p2p",)
+                visions = CP_VISION_MODES if cp > 1 else ("shard",)
+                for comm, vision, ac in itertools.product(comms, visions, AC_MODES):
+                    layout = Layout(
+                        rep,
+                        shard,
+                        cp,
+                        tp,
+                        comm,
+                        vision,
+                        ac,
+                        cfg.training.mixed_precision,
+                        sequence_parallel=tp > 1,
+                    )
+                    if accepted(cfg, layout):
+                        out.append(layout)
+    return out
+
+
+def accepted(cfg: JobConfig, layout: Layout) -> bool:
+    c = copy.deepcopy(cfg)
+    p = c.parallelism
+    p.data_parallel_replicate_degree = layout.dp_replicate
+    p.data_parallel_shard_degree = layout.dp_shard
+    p.context_parallel_degree = layout.cp
+    p.tensor_parallel_degree = layout.tp
+    p.cp_comm_type, p.cp_vision = layout.cp_comm_type, layout.cp_vision
+    p.enable_sequence_parallel = layout.sequence_parallel
+    p.image_embed_tp_shard = False
+    c.activation_checkpoint.mode = layout.ac_mode
+    try:
+        ParallelDims.from_config(c, layout.world).validate_model(c)
+    except ConfigError:
+        return False
+    return True
+
+
+def search(
+    cfg: JobConfig,
+    shapes: ModelShapes,
+    work: Workload,
+    hw: Hardware,
+    world: int,
+    gpus_per_node: int,
+    efficiency: float,
+) -> tuple[list[Plan], int]:
+    """(the plans that fit, fastest first; how many layouts were priced)."""
+    plans = [
+        make_plan(shapes, layout, work, hw, gpus_per_node, efficiency)
+        for layout in candidate_layouts(cfg, world, gpus_per_node)
+    ]
+    fitting = sorted((p for p in plans if p.fits), key=lambda p: (-p.tokens_per_s, p.peak.total))
+    return fitting, len(plans)
