@@ -16,7 +16,7 @@ import dataclasses
 import sys
 
 from titan_vlm.config import ConfigError, JobConfig, load_config, world_size_of
-from titan_vlm.models.flavors import model_args
+from titan_vlm.models.registry import get_model_spec
 from titan_vlm.parallel.cp_attention import CP_COMM_TYPES
 from titan_vlm.parallel_dims import ParallelDims
 from titan_vlm.plan.comm import cp_attention_bytes
@@ -145,12 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         hw = get_hardware(opts.gpu)
         gpn = opts.gpus_per_node or hw.gpus_per_node
         world = world_of(opts, cfg, gpn)
-        args = model_args(
-            cfg.model.flavor,
-            cfg.model.image_attention,
-            cfg.model.hf_vision_path,
-            cfg.model.hf_text_path,
-        )
+        args = get_model_spec(cfg.model.name).args(cfg)  # a flavor or a Hugging Face folder
         shapes = model_shapes(args)
         t = cfg.training
         work = Workload.uniform(

@@ -5,7 +5,8 @@ reduce-scatter or all-to-all (P-1)/P of its input, a point-to-point send its ten
 
   cp attention (per decoder layer; kv = this rank's text K and V, 2 x rows x K/V heads x text
   slots x head dim elements, per tp rank)
-    p2p         forward (P-1) kv sends, backward (P-1) kv sends + P fp32 dK/dV sends
+    p2p         forward (P-1) kv sends, backward (P-1) kv sends + (P-1) fp32 dK/dV sends (the
+                local plan's accumulators stay home)
     allgather   forward all-gather of kv, backward reduce-scatter of fp32 dK/dV of the whole text
     a2a         q, k, v out and back (forward) and their gradients (backward), (P-1)/P each, plus
                 the image queries' output heads all-gathered (and reduce-scattered back)
@@ -58,7 +59,7 @@ def cp_attention_bytes(shapes: ModelShapes, layout: Layout, work: Workload) -> i
     heads, kv_heads = d.n_heads // t, d.n_kv_heads // t
     kv = 2 * B * kv_heads * T * d.head_dim  # elements
     if layout.cp_comm_type == "p2p":
-        forward, backward = (p - 1) * kv * a, (p - 1) * kv * a + p * kv * 4
+        forward, backward = (p - 1) * kv * a, (p - 1) * kv * a + (p - 1) * kv * 4
     elif layout.cp_comm_type == "allgather":
         forward, backward = (p - 1) * kv * a, (p * kv * 4) * (p - 1) // p
     else:
