@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--kill-after", type=int, default=4)
+    ap.add_argument("--keep-logs", default=".", help="folder for the stderr of failed trials")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         rc, _, err = run(Path(tmp) / "whole", a.steps)
@@ -42,7 +43,8 @@ def main() -> None:
                 )
                 steps = logged_steps(dump)
                 if rc != 0:
-                    verdict = f"FAILED: exit {rc}: {err.strip().splitlines()[-1:]}"
+                    (Path(a.keep_logs) / f"trial{trial}.stderr").write_text(err)
+                    verdict = f"FAILED: exit {rc} (stderr: {a.keep_logs}/trial{trial}.stderr)"
                 elif "resumed from" not in out:
                     verdict = "FAILED: no resume"
                 elif steps != whole:

@@ -1,13 +1,18 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP): save, resume, reshard, export.
+"""Checkpoints with torch.distributed.checkpoint (DCP): save, verify, resume, reshard, export.
 
 <checkpoint.folder>/step-<N>/   one DCP checkpoint: the model's and the optimizer's sharded state
-                               (each rank writes its own shards), plus trainer.pt (step, lr
-                               scheduler, RNG, counters) and config.json (the JobConfig that
-                               wrote it)
+                               (each rank writes its own shards, .metadata indexes them), plus
+                               trainer.pt (step, lr scheduler, RNG, counters), config.json (the
+                               JobConfig that wrote it) and manifest.json (size and SHA-256 of
+                               every other file of the folder)
 <checkpoint.folder>/latest     the step of the newest complete checkpoint
 
-`latest` is replaced (write, then atomic rename) only after every rank has finished writing
-its step folder, so a crash during a save leaves the previous checkpoint as the latest one.
+A checkpoint is complete when its manifest.json exists: it is written (write, then atomic
+rename) after every rank has finished writing, and `latest` moves after it. Resume verifies the
+newest checkpoint's files against its manifest; a checkpoint that fails (a missing, truncated or
+overwritten file, no manifest, a garbage `latest`) is passed over with a one-line warning for the
+newest one that verifies, and when none does the run stops with one line (`CheckpointError`).
+After each save only the newest `checkpoint.keep` complete checkpoints are kept.
 The data is a pure function of the step (data/synthetic.py), so the step is the data position.
 DCP stores DTensor shards with their global shapes, so a checkpoint written at one CP / DP layout
 loads into another.
@@ -19,8 +24,11 @@ writes the full model weights into one safetensors file for inference.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import logging
 import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -36,7 +44,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from titan_vlm.config import ConfigError, JobConfig
+from titan_vlm.config import ConfigError, JobConfig, UserError
+
+logger = logging.getLogger("titan_vlm")
+
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(UserError):
+    """No usable checkpoint to resume from; the message is one line naming the folder."""
 
 
 def checkpoint_folder(cfg: JobConfig) -> Path:
@@ -58,9 +74,72 @@ def latest_step_dir(folder: Path) -> Path | None:
     return step_dir
 
 
+def step_dirs(folder: Path) -> list[tuple[int, Path]]:
+    """The step-<N> folders under `folder`, newest first."""
+    found = []
+    for d in folder.glob("step-*"):
+        suffix = d.name[len("step-") :]
+        if d.is_dir() and suffix.isdigit():
+            found.append((int(suffix), d))
+    return sorted(found, reverse=True)
+
+
+def file_digest(path: Path) -> dict[str, int | str]:
+    """{"size": bytes, "sha256": hex digest} of one file."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+def file_problem(step_dir: Path, name: str, want: dict) -> str | None:
+    """Why `step_dir/name` does not match its manifest entry `want` (None: it does)."""
+    path = step_dir / name
+    if not path.is_file():
+        return f"{name} is missing"
+    size = path.stat().st_size
+    if size != want["size"]:
+        return f"{name} has {size} bytes, the manifest says {want['size']}"
+    if file_digest(path)["sha256"] != want["sha256"]:
+        return f"{name} does not match its SHA-256 in the manifest (bytes overwritten)"
+    return None
+
+
+def read_manifest(step_dir: Path) -> dict[str, dict]:
+    """The manifest's {file name: {"size", "sha256"}}; raises ValueError saying why it cannot."""
+    path = step_dir / MANIFEST
+    if not path.is_file():
+        raise ValueError(f"no {MANIFEST} (a save that did not finish)")
+    try:
+        files = json.loads(path.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{MANIFEST} is unreadable ({type(e).__name__})") from None
+    if not isinstance(files, dict) or not {".metadata", "trainer.pt"} <= files.keys():
+        raise ValueError(f"{MANIFEST} does not list .metadata and trainer.pt")
+    return files
+
+
+def verify_step_dir(step_dir: Path) -> str | None:
+    """Why the checkpoint in `step_dir` cannot be used (None: every file matches its manifest).
+    One process; `Checkpointer` splits the same work over its ranks."""
+    try:
+        files = read_manifest(step_dir)
+    except ValueError as e:
+        return str(e)
+    for name in sorted(files):
+        problem = file_problem(step_dir, name, files[name])
+        if problem:
+            return problem
+    return None
+
+
 class Checkpointer:
     """Saves and restores model, optimizer, lr scheduler, step and RNG state on a process group
-    (the ranks of one training job)."""
+    (the ranks of one training job). Every rank calls save / resume; rank 0 writes the small
+    files, every rank digests (and on resume verifies) its share of the folder's files."""
 
     def __init__(
         self,
@@ -73,7 +152,8 @@ class Checkpointer:
         self.cfg = cfg
         self.folder = checkpoint_folder(cfg)
         self.model, self.optimizer, self.scheduler, self.group = model, optimizer, scheduler, group
-        self.rank0 = dist.get_rank(group) == 0
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.rank0 = self.rank == 0
         # Running totals the metrics report (the samples the data dropped so far), saved with the
         # step so a resumed run's metrics go on from them; not needed to reproduce the training.
         self.counters: dict[str, int] = {}
@@ -88,8 +168,16 @@ class Checkpointer:
             "optim": get_optimizer_state_dict(self.model, self.optimizer, options=self._OPTIM),
         }
 
+    def _gather(self, mine: object) -> list:
+        everyone: list = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self.group)
+        return everyone
+
     def save(self, step: int) -> Path:
         step_dir = self.folder / f"step-{step}"
+        if self.rank0 and step_dir.exists():  # a save that died, or a damaged step resumed past
+            shutil.rmtree(step_dir)
+        dist.barrier(group=self.group)
         dcp.save(self._state(), checkpoint_id=str(step_dir), process_group=self.group)
         if self.rank0:
             trainer = {
@@ -103,18 +191,78 @@ class Checkpointer:
                 json.dumps(dataclasses.asdict(self.cfg), indent=1)
             )
             os.replace(step_dir / "trainer.pt.tmp", step_dir / "trainer.pt")
-        dist.barrier(group=self.group)  # every rank's shards are on disk before `latest` moves
+        dist.barrier(group=self.group)  # every rank's shards are on disk before they are digested
+        names = sorted(p.name for p in step_dir.iterdir()) if self.rank0 else None
+        box = [names]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        names = box[0]
+        mine = {n: file_digest(step_dir / n) for n in names[self.rank :: self.world]}
+        digests = {n: d for part in self._gather(mine) for n, d in part.items()}
         if self.rank0:
+            tmp = step_dir / f"{MANIFEST}.tmp"
+            tmp.write_text(json.dumps({"step": step, "files": digests}, indent=1, sort_keys=True))
+            os.replace(tmp, step_dir / MANIFEST)
             tmp = self.folder / "latest.tmp"
             tmp.write_text(f"{step}\n")
             os.replace(tmp, self.folder / "latest")
+            self._prune(step)
         dist.barrier(group=self.group)
         return step_dir
 
+    def _prune(self, step: int) -> None:
+        """Keep the newest checkpoint.keep complete checkpoints at or below `step` (0: all);
+        delete the rest, and every step folder above `step` (a damaged one a resume passed
+        over, from before this run went back)."""
+        keep = self.cfg.checkpoint.keep
+        complete = 0
+        for n, d in step_dirs(self.folder):
+            if n > step:
+                shutil.rmtree(d)
+            elif (d / MANIFEST).is_file() and (keep == 0 or complete < keep):
+                complete += 1
+            elif keep:
+                shutil.rmtree(d)
+
+    def _problem(self, step_dir: Path) -> str | None:
+        """verify_step_dir, the files' digests split over the ranks; the same answer on all."""
+        try:
+            files = read_manifest(step_dir)
+        except ValueError as e:
+            return str(e)
+        names = sorted(files)[self.rank :: self.world]
+        mine = next((p for n in names if (p := file_problem(step_dir, n, files[n]))), None)
+        return next((p for p in self._gather(mine) if p), None)
+
+    def _usable(self) -> Path | None:
+        """The newest checkpoint that verifies, after a warning for each newer one that does not;
+        None when the folder holds none at all; CheckpointError when none is usable."""
+        latest = self.folder / "latest"
+        candidates = step_dirs(self.folder)
+        if not candidates and not latest.exists():
+            return None
+        rejected = []
+        if latest.exists():
+            text = latest.read_text(errors="replace").strip()
+            if not text.isdigit():
+                rejected.append(f"{latest} holds {text[:40]!r}, not a step")
+            elif not (self.folder / f"step-{int(text)}").is_dir():
+                rejected.append(f"{latest} names step-{int(text)}, which is missing")
+        for _, step_dir in candidates:
+            problem = self._problem(step_dir)
+            if problem is None:
+                for why in rejected:
+                    logger.warning("checkpoint: %s; resuming from %s instead", why, step_dir)
+                return step_dir
+            rejected.append(f"{step_dir.name} is unusable: {problem}")
+        raise CheckpointError(
+            f"no usable checkpoint in {self.folder} ({'; '.join(rejected)}); move the folder "
+            "away to start over"
+        )
+
     def resume(self) -> int:
-        """Load the latest checkpoint if there is one; returns the step it was taken after
-        (0: none)."""
-        step_dir = latest_step_dir(self.folder)
+        """Load the newest verified checkpoint if there is one; returns the step it was taken
+        after (0: none)."""
+        step_dir = self._usable()
         if step_dir is None:
             return 0
         saved = json.loads((step_dir / "config.json").read_text())["model"]["flavor"]

@@ -20,7 +20,13 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """A problem the user can fix (config, data, dump folder, checkpoints): the message is one
+    line naming the key, file or folder. The trainer prints it once (rank 0), without a
+    traceback, and exits with code 2."""
+
+
+class ConfigError(UserError, ValueError):
     """A configuration problem; the message is one line and names the key or file."""
 
 
@@ -59,6 +65,9 @@ class Training:
     weight_decay: float = 0.01
     max_norm: float = 1.0  # gradient clipping on the global norm; <= 0 disables
     mixed_precision: str = "fp32"  # "fp32" | "bf16" (bf16 params/compute, fp32 grads reduce)
+    # a non-finite loss or grad norm: "stop" the run (before the step updates anything) or
+    # "skip" the step (no update, counted); either way it never reaches a checkpoint
+    on_nonfinite: str = "stop"
 
 
 @dataclass
@@ -82,6 +91,8 @@ class Data:
     shuffle: bool = (
         True  # a dataset file's rows in a new order each epoch (seeded by training.seed)
     )
+    # stop the run when this many steps in a row carry no loss token (every sample bad)
+    max_empty_steps: int = 3
 
 
 @dataclass
@@ -125,6 +136,9 @@ class Checkpoint:
     enable: bool = False
     folder: str = "checkpoint"
     interval: int = 500
+    keep: int = 3  # complete checkpoints kept (the newest); 0 keeps all
+    # resume even if a key that must match the checkpoint's config (resume.MUST_MATCH) changed
+    allow_config_change: bool = False
 
 
 @dataclass
@@ -240,6 +254,25 @@ def world_size_of(cfg: JobConfig) -> int:
     )
 
 
+def validate_failure_keys(cfg: JobConfig) -> None:
+    """The keys of what the job does when things go wrong (README: When things go wrong)."""
+    if cfg.job.max_restarts < 0:
+        raise ConfigError(f"job.max_restarts must be >= 0, got {cfg.job.max_restarts}")
+    if cfg.job.max_restarts and not cfg.checkpoint.enable:
+        raise ConfigError(
+            "job.max_restarts needs checkpoint.enable = true: a restarted job resumes from "
+            "its latest checkpoint, else it would start over"
+        )
+    if cfg.training.on_nonfinite not in ("stop", "skip"):
+        raise ConfigError(
+            f"training.on_nonfinite must be 'stop' or 'skip', got {cfg.training.on_nonfinite!r}"
+        )
+    if cfg.checkpoint.keep < 0:
+        raise ConfigError(f"checkpoint.keep must be >= 0 (0: keep all), got {cfg.checkpoint.keep}")
+    if cfg.data.max_empty_steps < 1:
+        raise ConfigError(f"data.max_empty_steps must be >= 1, got {cfg.data.max_empty_steps}")
+
+
 def main() -> None:
     """`python -m titan_vlm.config --config F [overrides]`: validate, then print the process count
     (the environment's NPROC, when set, is checked against the degrees instead) and
@@ -248,7 +281,7 @@ def main() -> None:
 
     # Under `python -m` this file is __main__: use the package's own module, so that the
     # ConfigError raised by parallel_dims is the one caught here.
-    from titan_vlm.config import ConfigError, load_config
+    from titan_vlm.config import ConfigError, load_config, validate_failure_keys
     from titan_vlm.parallel_dims import ParallelDims
 
     try:
@@ -258,13 +291,7 @@ def main() -> None:
             raise ConfigError(f"NPROC must be a process count, got {nproc!r}")
         world = int(nproc) if nproc else world_size_of(cfg)
         ParallelDims.from_config(cfg, world).validate_model(cfg)
-        if cfg.job.max_restarts < 0:
-            raise ConfigError(f"job.max_restarts must be >= 0, got {cfg.job.max_restarts}")
-        if cfg.job.max_restarts and not cfg.checkpoint.enable:
-            raise ConfigError(
-                "job.max_restarts needs checkpoint.enable = true: a restarted job resumes from "
-                "its latest checkpoint, else it would start over"
-            )
+        validate_failure_keys(cfg)
         import torch
 
         if torch.cuda.is_available() and world > torch.cuda.device_count():

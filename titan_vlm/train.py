@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_vlm.attention import select_kernel, use_kernel
 from titan_vlm.checkpoint import Checkpointer
-from titan_vlm.config import ConfigError, JobConfig, load_config
+from titan_vlm.config import ConfigError, JobConfig, UserError, load_config, validate_failure_keys
 from titan_vlm.data import build_dataset
 from titan_vlm.data.batch import IGNORE_INDEX, Batch
 from titan_vlm.data.tokenizer import build_tokenizer
@@ -45,6 +45,16 @@ from titan_vlm.parallel.tensor_parallel import TPOptions, gather_image_embeds_ov
 from titan_vlm.parallel_dims import Mesh, ParallelDims
 
 logger = logging.getLogger("titan_vlm")
+
+
+class NonFiniteError(UserError):
+    """A non-finite loss or gradient norm with training.on_nonfinite = "stop"."""
+
+
+class EmptyBatchesError(UserError):
+    """data.max_empty_steps steps in a row without a loss token."""
+
+
 # FSDP2 warns when a wrapped module returns a view (nn.Linear on 3-D input does); it matters only
 # for in-place ops on that output, which titan_vlm never does.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -113,11 +123,18 @@ def train_step(
     sum_image_grad: bool = True,
     tp: TPOptions = TPOptions(),
 ) -> dict[str, float]:
+    """One optimizer step. A non-finite loss or gradient norm (the same on every rank: both are
+    reduced over the job) updates nothing: the optimizer does not step and "nonfinite" is 1; the
+    caller stops or goes on (training.on_nonfinite). The lr schedule advances either way."""
     optimizer.zero_grad(set_to_none=True)
     loss, ntokens, layout = forward_backward(model, batch, mesh, cp, sum_image_grad, tp)
     grad_norm = clip_grad_norm_(list(model.parameters()), max_norm)
     lr = scheduler.get_last_lr()[0]
-    optimizer.step()
+    finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
+    if finite:
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     return {
         "loss": loss.item(),
@@ -125,6 +142,7 @@ def train_step(
         "ntokens": int(ntokens),
         "lr": lr,
         "cp_balance": layout.balance(),
+        "nonfinite": int(not finite),
     }
 
 
@@ -202,6 +220,7 @@ def train(cfg: JobConfig) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dims = ParallelDims.from_config(cfg, world_size)  # config errors surface before any collective
     dims.validate_model(cfg)
+    validate_failure_keys(cfg)
     device, rank = _init_distributed()
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
@@ -370,9 +389,12 @@ def run_training(
     )
 
     history = []
-    # Samples dropped while building batches, summed over dp ranks, since step 1
-    # (kept in checkpoints).
-    dropped = checkpointer.counters.get("data_dropped", 0) if checkpointer else 0
+    counters = checkpointer.counters if checkpointer else {}
+    # Samples dropped while building batches, summed over dp ranks, since step 1, and the steps
+    # skipped for a non-finite loss or grad norm (both kept in checkpoints).
+    dropped = counters.get("data_dropped", 0)
+    skipped = counters.get("nonfinite_skipped", 0)
+    empty_since = None  # first step of the current run of steps without a loss token
     for step in range(start + 1, t.steps + 1):
         begin = time.perf_counter()
         dropped_before = data.dropped
@@ -393,6 +415,23 @@ def run_training(
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.world.get_group())  # worst rank
         dist.all_reduce(sums, group=mesh.dp.get_group())
         dropped += int(sums[1])
+        nonfinite = stats.pop("nonfinite")
+        if nonfinite and t.on_nonfinite == "stop":  # the same on every rank: loss and norm are
+            raise NonFiniteError(  # reduced over the job
+                f"step {step}: loss {stats['loss']}, grad_norm {stats['grad_norm']}: not finite; "
+                "stopped before the update (training.on_nonfinite='stop'; 'skip' skips such "
+                "steps); the checkpoints hold only finite steps"
+            )
+        if nonfinite:
+            skipped += 1
+            logger.warning(
+                "step %d: loss %s, grad_norm %s: not finite; step skipped, nothing updated "
+                "(training.on_nonfinite='skip'; %d skipped so far)",
+                step,
+                stats["loss"],
+                stats["grad_norm"],
+                skipped,
+            )
         record = {
             **stats,
             "tokens_per_sec": rows * t.seq_len / elapsed,
@@ -401,12 +440,23 @@ def run_training(
             "peak_memory_gib": float(peak),
             "data_bad_samples": data.bad_at_startup + dropped,
             "data_truncated": data.truncated,
+            "nonfinite_skipped": skipped,
         }
         # metrics.jsonl and TensorBoard get every step; stdout every log_freq steps and the last
         metrics.log(step, record, echo=step % cfg.metrics.log_freq == 0 or step == t.steps)
         history.append({"step": step, **record})
+        if stats["ntokens"] == 0:
+            empty_since = step if empty_since is None else empty_since
+            if step - empty_since + 1 >= cfg.data.max_empty_steps:
+                raise EmptyBatchesError(
+                    f"steps {empty_since}-{step} carried no loss token (every sample of their "
+                    f"batches was bad or empty: see the data: lines above; data.max_empty_steps="
+                    f"{cfg.data.max_empty_steps})"
+                )
+        else:
+            empty_since = None
         if checkpointer and (step % cfg.checkpoint.interval == 0 or step == t.steps):
-            checkpointer.counters["data_dropped"] = dropped
+            counters.update(data_dropped=dropped, nonfinite_skipped=skipped)
             logger.info("checkpoint saved: %s", checkpointer.save(step))
         if step == stop_after:
             break
