@@ -390,18 +390,19 @@ def run_training(
 
     history = []
     counters = checkpointer.counters if checkpointer else {}
-    # Samples dropped while building batches, summed over dp ranks, since step 1, and the steps
-    # skipped for a non-finite loss or grad norm (both kept in checkpoints).
-    dropped = counters.get("data_dropped", 0)
+    # The distinct samples any dp rank dropped while building batches since step 1 (every rank
+    # holds the same set), and the steps skipped for a non-finite loss or grad norm; both kept
+    # in checkpoints.
+    dropped = set(counters.get("data_dropped_samples", []))
     skipped = counters.get("nonfinite_skipped", 0)
     empty_since = None  # first step of the current run of steps without a loss token
     for step in range(start + 1, t.steps + 1):
         begin = time.perf_counter()
-        dropped_before = data.dropped
         batch = data.batch(step - 1, dp_rank, dp, t.local_batch_size)
-        # The global batch's model FLOPs and dropped samples: one all-reduce (exact as float64).
+        new_drops = sorted(data.dropped - dropped)  # samples this rank dropped, new to the job
+        # The global batch's model FLOPs and new drops: one all-reduce (exact as float64).
         sums = torch.tensor(
-            [batch_train_flops(args, batch), data.dropped - dropped_before],
+            [batch_train_flops(args, batch), len(new_drops)],
             dtype=torch.float64,
             device=device,
         )
@@ -414,7 +415,10 @@ def run_training(
         peak = torch.tensor(peak_memory_gib(device), device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.world.get_group())  # worst rank
         dist.all_reduce(sums, group=mesh.dp.get_group())
-        dropped += int(sums[1])
+        if sums[1]:  # some dp rank dropped a sample new to the job: everyone learns which
+            everyone: list = [None] * dp
+            dist.all_gather_object(everyone, new_drops, group=mesh.dp.get_group())
+            dropped.update(i for ids in everyone for i in ids)
         nonfinite = stats.pop("nonfinite")
         if nonfinite and t.on_nonfinite == "stop":  # the same on every rank: loss and norm are
             raise NonFiniteError(  # reduced over the job
@@ -438,7 +442,7 @@ def run_training(
             "tflops_per_sec": float(sums[0]) / elapsed / 1e12,
             "step_time_s": elapsed,
             "peak_memory_gib": float(peak),
-            "data_bad_samples": data.bad_at_startup + dropped,
+            "data_bad_samples": data.bad_at_startup + len(dropped),
             "data_truncated": data.truncated,
             "nonfinite_skipped": skipped,
         }
@@ -456,7 +460,7 @@ def run_training(
         else:
             empty_since = None
         if checkpointer and (step % cfg.checkpoint.interval == 0 or step == t.steps):
-            counters.update(data_dropped=dropped, nonfinite_skipped=skipped)
+            counters.update(data_dropped_samples=sorted(dropped), nonfinite_skipped=skipped)
             logger.info("checkpoint saved: %s", checkpointer.save(step))
         if step == stop_after:
             break
