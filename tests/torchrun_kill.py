@@ -2,7 +2,7 @@
 
 Used by tests/test_restart.py (one trial) and benchmarks/restart_trials.py (many trials, to show
 the restart is not flaky). torchrun starts each worker in its own session, so a worker is found
-as a child of the torchrun agent (the process run_train.sh execs), by its LOCAL_RANK.
+below the launcher (the process run_train.sh execs; torchrun is its child), by its LOCAL_RANK.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+
+from titan_vlm.launch import children
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,24 +49,17 @@ def start(dump: Path, steps: int, *extra: str) -> subprocess.Popen:
     )
 
 
-def children(pid: int) -> list[int]:
-    """Processes whose parent is `pid` (from /proc)."""
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (the launcher: torchrun, then its workers)."""
     out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            # the command name (field 2) may hold spaces: the fields after its ')' are plain
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
+    for child in children(pid):
+        out += [child, *descendants(child)]
     return out
 
 
-def worker_of(agent: int, local_rank: int) -> int | None:
-    """The pid of the agent's worker with that LOCAL_RANK, or None if there is none (yet)."""
-    for pid in children(agent):
+def worker_of(launcher: int, local_rank: int) -> int | None:
+    """The pid of the job's worker with that LOCAL_RANK, or None if there is none (yet)."""
+    for pid in descendants(launcher):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
@@ -122,9 +117,9 @@ def kill_worker_and_resume(
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """Kill what is left of a job: the agent's session, and its workers' own sessions."""
+    """Kill what is left of a job: the launcher's session, and torchrun's and its workers'."""
     if proc.poll() is None:
-        for pid in children(proc.pid):
+        for pid in descendants(proc.pid):
             try:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

@@ -273,32 +273,41 @@ def validate_failure_keys(cfg: JobConfig) -> None:
         raise ConfigError(f"data.max_empty_steps must be >= 1, got {cfg.data.max_empty_steps}")
 
 
-def main() -> None:
-    """`python -m titan_vlm.config --config F [overrides]`: validate, then print the process count
-    (the environment's NPROC, when set, is checked against the degrees instead) and
-    job.max_restarts, for run_train.sh."""
-    import os
-
-    # Under `python -m` this file is __main__: use the package's own module, so that the
-    # ConfigError raised by parallel_dims is the one caught here.
+def validate_launch(argv: list[str], nproc: str | None) -> tuple["JobConfig", int]:
+    """The config of `argv`, fully validated, and the process count (`nproc`, the environment's
+    NPROC, when set, is checked against the degrees instead); ConfigError otherwise. Used by
+    `python -m titan_vlm.config` and the launcher (titan_vlm/launch.py), before any worker."""
+    # Under `python -m titan_vlm.config` this file is __main__: use the package's own module, so
+    # that the ConfigError raised by parallel_dims is the one the callers catch.
     from titan_vlm.config import ConfigError, load_config, validate_failure_keys
     from titan_vlm.parallel_dims import ParallelDims
 
-    try:
-        cfg = load_config(sys.argv[1:])
-        nproc = os.environ.get("NPROC")
-        if nproc is not None and not nproc.isdigit():
-            raise ConfigError(f"NPROC must be a process count, got {nproc!r}")
-        world = int(nproc) if nproc else world_size_of(cfg)
-        ParallelDims.from_config(cfg, world).validate_model(cfg)
-        validate_failure_keys(cfg)
-        import torch
+    cfg = load_config(argv)
+    if nproc is not None and not nproc.isdigit():
+        raise ConfigError(f"NPROC must be a process count, got {nproc!r}")
+    world = int(nproc) if nproc else world_size_of(cfg)
+    ParallelDims.from_config(cfg, world).validate_model(cfg)
+    validate_failure_keys(cfg)
+    import torch
 
-        if torch.cuda.is_available() and world > torch.cuda.device_count():
-            raise ConfigError(
-                f"{world} processes but {torch.cuda.device_count()} GPUs on this machine "
-                "(one process per GPU; set NPROC or the degrees)"
-            )
+    if torch.cuda.is_available() and world > torch.cuda.device_count():
+        raise ConfigError(
+            f"{world} processes but {torch.cuda.device_count()} GPUs on this machine "
+            "(one process per GPU; set NPROC or the degrees)"
+        )
+    return cfg, world
+
+
+def main() -> None:
+    """`python -m titan_vlm.config --config F [overrides]`: validate, then print the process count
+    (the environment's NPROC, when set, is checked against the degrees instead) and
+    job.max_restarts."""
+    import os
+
+    from titan_vlm.config import ConfigError, validate_launch
+
+    try:
+        cfg, world = validate_launch(sys.argv[1:], os.environ.get("NPROC"))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -23,10 +23,11 @@ from torch.distributed.tensor import DTensor
 
 from titan_vlm.attention import select_kernel, use_kernel
 from titan_vlm.checkpoint import Checkpointer
-from titan_vlm.config import ConfigError, JobConfig, UserError, load_config, validate_failure_keys
+from titan_vlm.config import JobConfig, UserError, load_config, validate_failure_keys
 from titan_vlm.data import build_dataset
 from titan_vlm.data.batch import IGNORE_INDEX, Batch
 from titan_vlm.data.tokenizer import build_tokenizer
+from titan_vlm.launch import STOP, die_with_parent, report_user_error
 from titan_vlm.layout import SeqLayout
 from titan_vlm.metrics import MetricsLogger, peak_memory_gib
 from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM, batch_train_flops, param_counts
@@ -412,8 +413,10 @@ def run_training(
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - begin
-        peak = torch.tensor(peak_memory_gib(device), device=device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.world.get_group())  # worst rank
+        # The worst rank's peak memory, and whether any rank was asked to stop (SIGINT/SIGTERM)
+        peak_stop = torch.tensor([peak_memory_gib(device), STOP.requested], device=device)
+        dist.all_reduce(peak_stop, op=dist.ReduceOp.MAX, group=mesh.world.get_group())
+        peak, stop = peak_stop[0], bool(peak_stop[1])
         dist.all_reduce(sums, group=mesh.dp.get_group())
         if sums[1]:  # some dp rank dropped a sample new to the job: everyone learns which
             everyone: list = [None] * dp
@@ -459,9 +462,12 @@ def run_training(
                 )
         else:
             empty_since = None
-        if checkpointer and (step % cfg.checkpoint.interval == 0 or step == t.steps):
+        if checkpointer and (step % cfg.checkpoint.interval == 0 or step == t.steps or stop):
             counters.update(data_dropped_samples=sorted(dropped), nonfinite_skipped=skipped)
             logger.info("checkpoint saved: %s", checkpointer.save(step))
+        if stop:
+            logger.info("stopped after step %d on a signal (SIGINT / SIGTERM)", step)
+            break
         if step == stop_after:
             break
     metrics.close()
@@ -470,12 +476,16 @@ def run_training(
 
 
 def main(argv: list[str] | None = None) -> None:
+    """A worker under torchrun (README: When things go wrong): it exits when torchrun is gone,
+    stops at a step boundary on SIGINT / SIGTERM, and reports a UserError in one line."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()
+        STOP.install()
     try:
         cfg = load_config(sys.argv[1:] if argv is None else argv)
         train(cfg)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except UserError as e:
+        sys.exit(report_user_error(e))
 
 
 if __name__ == "__main__":
