@@ -32,6 +32,7 @@ import shutil
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titan_vlm.config import ConfigError, JobConfig, UserError
+from titan_vlm.resume_config import check_resume_config, run_facts
 
 logger = logging.getLogger("titan_vlm")
 
@@ -148,7 +150,9 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         group: dist.ProcessGroup,
+        global_rows: int,
     ):
+        """global_rows: rows per step over all dp ranks (a resume must keep it)."""
         self.cfg = cfg
         self.folder = checkpoint_folder(cfg)
         self.model, self.optimizer, self.scheduler, self.group = model, optimizer, scheduler, group
@@ -156,7 +160,12 @@ class Checkpointer:
         self.rank0 = self.rank == 0
         # Running totals the metrics report (the samples the data dropped so far), saved with the
         # step so a resumed run's metrics go on from them; not needed to reproduce the training.
-        self.counters: dict[str, int] = {}
+        self.counters: dict[str, Any] = {}
+        # What a resume must match beyond the config (resume_config.py); rank 0 hashes the
+        # dataset file once, every rank gets the same answer.
+        box = [run_facts(cfg, global_rows) if self.rank0 else None]
+        dist.broadcast_object_list(box, group=group, group_src=0)
+        self.facts: dict[str, Any] = box[0]
 
     # Optimizer state keyed by parameter name, not by param group: the groups follow the meshes,
     # which change with the layout (cp_vision) a run resumes into.
@@ -185,6 +194,7 @@ class Checkpointer:
                 "scheduler": self.scheduler.state_dict(),
                 "rng": torch.get_rng_state(),
                 "counters": dict(self.counters),
+                "facts": self.facts,
             }
             torch.save(trainer, step_dir / "trainer.pt.tmp")
             (step_dir / "config.json").write_text(
@@ -250,7 +260,7 @@ class Checkpointer:
         for _, step_dir in candidates:
             problem = self._problem(step_dir)
             if problem is None:
-                for why in rejected:
+                for why in rejected if self.rank0 else ():
                     logger.warning("checkpoint: %s; resuming from %s instead", why, step_dir)
                 return step_dir
             rejected.append(f"{step_dir.name} is unusable: {problem}")
@@ -271,11 +281,20 @@ class Checkpointer:
                 f"model.flavor={self.cfg.model.flavor!r}, but the checkpoint {step_dir} holds a "
                 f"{saved!r} model (use another checkpoint.folder)"
             )
+        trainer = torch.load(step_dir / "trainer.pt", weights_only=False)
+        saved_cfg = json.loads((step_dir / "config.json").read_text())
+        # "facts" is absent in checkpoints of older versions: then only the config is compared
+        warning, note = check_resume_config(
+            saved_cfg, trainer.get("facts", {}), self.cfg, self.facts, step_dir
+        )
+        if warning and self.rank0:
+            logger.warning("%s", warning)
+        if note:
+            logger.info("%s", note)  # rank 0's log shows INFO
         state = self._state()
         dcp.load(state, checkpoint_id=str(step_dir), process_group=self.group)
         set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=self._OPTIM)
-        trainer = torch.load(step_dir / "trainer.pt", weights_only=False)
         self.scheduler.load_state_dict(trainer["scheduler"])
         torch.set_rng_state(trainer["rng"])
         self.counters = dict(trainer.get("counters", {}))  # absent in checkpoints of older versions

@@ -325,7 +325,14 @@ def run_training(
     checkpointer = None
     start = 0
     if cfg.checkpoint.enable:
-        checkpointer = Checkpointer(cfg, model, optimizer, scheduler, mesh.world.get_group())
+        checkpointer = Checkpointer(
+            cfg,
+            model,
+            optimizer,
+            scheduler,
+            mesh.world.get_group(),
+            global_rows=mesh.dp.size() * t.local_batch_size,
+        )
         start = checkpointer.resume()
         if start:
             logger.info("resumed from %s at step %d", checkpointer.folder / f"step-{start}", start)
