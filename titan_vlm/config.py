@@ -183,7 +183,9 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
     return value
 
 
-def _set(cfg: JobConfig, dotted: str, value: Any, where: str) -> None:
+def _set(cfg: JobConfig, dotted: str, value: Any, where: str, typed: bool = False) -> None:
+    """`typed`: the value comes from TOML, which has its own types (`steps = "3"` is a string,
+    an error for an int key); command-line values are all strings, converted by _coerce."""
     section, _, name = dotted.partition(".")
     sections = _sections()
     if section not in sections or not name:
@@ -198,6 +200,11 @@ def _set(cfg: JobConfig, dotted: str, value: Any, where: str) -> None:
         if types[name] is not bool:
             raise ConfigError(f"{where}: '--{dotted}' needs a value")
         value = True
+    if typed and isinstance(value, str) and types[name] is not str:
+        raise ConfigError(
+            f"{where}: {dotted}: expected {types[name].__name__}, got the string {value!r} "
+            "(TOML: write it without quotes)"
+        )
     setattr(obj, name, _coerce(dotted, value, types[name]))
 
 
@@ -237,7 +244,7 @@ def load_config(argv: list[str]) -> JobConfig:
             if not isinstance(values, dict):
                 raise ConfigError(f"{config_file}: top-level key '{section}' must be a [section]")
             for name, value in values.items():
-                _set(cfg, f"{section}.{name}", value, config_file)
+                _set(cfg, f"{section}.{name}", value, config_file, typed=True)
     for key, value in overrides:
         _set(cfg, key, value, "command line")
     return cfg
