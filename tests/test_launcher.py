@@ -93,3 +93,13 @@ def test_a_user_error_inside_the_workers_is_one_line(tmp_path):
         "be one JSON array of records; a .jsonl file holds one record per line)"
     ], err
     assert out.count("mesh: ") == 1  # not restarted
+
+
+def test_a_dump_folder_that_cannot_be_written_is_one_line_before_torchrun(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    dump = tmp_path / "a_file" / "out"
+    rc, out, err = run(dump, 2)
+    assert rc == 2 and stderr_lines(err) == [
+        f"error: job.dump_folder {dump}: cannot write there (Not a directory)"
+    ], err
+    assert out == ""  # torchrun never started
