@@ -384,3 +384,21 @@ def train_run_with_nan_images(dp_shard: int, cp: int, steps: int, nan_step: int,
 
     with mock.patch.object(train_module, "build_dataset", build_dataset):
         return train_run_warnings(dp_shard, cp, steps, **kwargs)
+
+
+def train_run_with_file_size_limit(
+    dp_shard: int, cp: int, steps: int, limit_bytes: int, **kwargs
+) -> list[dict]:
+    """train_run where no file may grow past `limit_bytes` (RLIMIT_FSIZE, SIGXFSZ ignored: a
+    write past it fails with EFBIG, as a full disk fails with ENOSPC)."""
+    import resource
+    import signal
+
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, old_limit[1]))
+    try:
+        return train_run(dp_shard, cp, steps, **kwargs)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)

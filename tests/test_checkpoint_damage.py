@@ -179,3 +179,29 @@ def test_nan_step_is_skipped_and_counted(pool, tmp_path, whole):
     assert all(math.isfinite(history[s]["loss"]) for s in (4, 5, 6))
     assert any("step 3: loss nan" in w and "skipped" in w for w in out["warnings"])
     assert all_finite(tmp_path / "copy0" / "checkpoint" / "step-6")
+
+
+def test_a_checkpoint_the_disk_cannot_take_is_one_line_and_latest_stays(pool, tmp_path):
+    """Shards larger than a file may grow (as on a full disk): before, torch's "unexpected pos"
+    error on some ranks; now the same one line on every rank, naming the file."""
+    run = dict(RUN, checkpoint__interval=4)
+    pool.run("train_run", dp_shard=1, cp=2, stop_after=4, job__dump_folder=str(tmp_path), **run)
+    shard = tmp_path / "copy0" / "checkpoint" / "step-4" / "__0_0.distcp"
+    with pytest.raises(RuntimeError) as e:
+        pool.run(
+            "train_run_with_file_size_limit",
+            dp_shard=1,
+            cp=2,
+            limit_bytes=shard.stat().st_size // 2,
+            job__dump_folder=str(tmp_path),
+            **{**run, "steps": 8},
+        )
+    lines = [x for x in str(e.value).splitlines() if "UserError: " in x]
+    assert len(lines) == 2, str(e.value)[-4000:]  # two ranks reported: the same line on each
+    assert lines[0] == lines[1] and "UserError: checkpoint: cannot write " in lines[0]
+    assert "step-8 (rank 0): RuntimeError: [enforce fail at inline_container.cc" in lines[0]
+    assert (
+        "bytes free there: a full disk, a quota?); the latest checkpoint is still step-4"
+        in (lines[0])
+    )
+    assert (tmp_path / "copy0" / "checkpoint" / "latest").read_text().strip() == "4"

@@ -25,18 +25,21 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import os
 import shutil
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -74,6 +77,12 @@ def latest_step_dir(folder: Path) -> Path | None:
     if not (step_dir / "trainer.pt").is_file():
         raise FileNotFoundError(f"{latest} names {step_dir.name}, which is incomplete or missing")
     return step_dir
+
+
+def latest_text(folder: Path) -> str:
+    """What `latest` says, for messages."""
+    latest = folder / "latest"
+    return f"step-{latest.read_text().strip()}" if latest.is_file() else "none"
 
 
 def step_dirs(folder: Path) -> list[tuple[int, Path]]:
@@ -183,12 +192,21 @@ class Checkpointer:
         return everyone
 
     def save(self, step: int) -> Path:
+        """Write step-<step>/ and move `latest` onto it. A write that fails (a full disk, a
+        quota) is a UserError on every rank, naming the file; `latest` stays where it was."""
         step_dir = self.folder / f"step-{step}"
         if self.rank0 and step_dir.exists():  # a save that died, or a damaged step resumed past
             shutil.rmtree(step_dir)
         dist.barrier(group=self.group)
-        dcp.save(self._state(), checkpoint_id=str(step_dir), process_group=self.group)
-        if self.rank0:
+        try:
+            dcp.save(self._state(), checkpoint_id=str(step_dir), process_group=self.group)
+        except CheckpointException as e:  # raised on every rank, with every rank's failure
+            # A failed write in DCP is an OSError, or torch.save's RuntimeError ("unexpected
+            # pos 704 vs 598" on a full disk)
+            rank, (exc, _) = min(e.failures.items())
+            raise self._write_error(exc, f"{step_dir} (rank {rank})") from None
+
+        def write_trainer() -> list[str]:
             trainer = {
                 "step": step,
                 "scheduler": self.scheduler.state_dict(),
@@ -196,19 +214,21 @@ class Checkpointer:
                 "counters": dict(self.counters),
                 "facts": self.facts,
             }
-            torch.save(trainer, step_dir / "trainer.pt.tmp")
+            buffer = io.BytesIO()  # serialised here, so that a failed write is a plain OSError
+            torch.save(trainer, buffer)
+            (step_dir / "trainer.pt.tmp").write_bytes(buffer.getvalue())
             (step_dir / "config.json").write_text(
                 json.dumps(dataclasses.asdict(self.cfg), indent=1)
             )
             os.replace(step_dir / "trainer.pt.tmp", step_dir / "trainer.pt")
-        dist.barrier(group=self.group)  # every rank's shards are on disk before they are digested
-        names = sorted(p.name for p in step_dir.iterdir()) if self.rank0 else None
-        box = [names]
-        dist.broadcast_object_list(box, group=self.group, group_src=0)
-        names = box[0]
+            return sorted(p.name for p in step_dir.iterdir())
+
+        # after every rank's shards are on disk: the folder's files, to digest
+        names = self._on_rank0(write_trainer)
         mine = {n: file_digest(step_dir / n) for n in names[self.rank :: self.world]}
         digests = {n: d for part in self._gather(mine) for n, d in part.items()}
-        if self.rank0:
+
+        def commit() -> None:
             tmp = step_dir / f"{MANIFEST}.tmp"
             tmp.write_text(json.dumps({"step": step, "files": digests}, indent=1, sort_keys=True))
             os.replace(tmp, step_dir / MANIFEST)
@@ -216,8 +236,33 @@ class Checkpointer:
             tmp.write_text(f"{step}\n")
             os.replace(tmp, self.folder / "latest")
             self._prune(step)
-        dist.barrier(group=self.group)
+
+        self._on_rank0(commit)
         return step_dir
+
+    def _write_error(self, e: BaseException, where: str) -> UserError:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+        why = " ".join(why.split())  # one line
+        free = shutil.disk_usage(self.folder).free
+        return UserError(
+            f"checkpoint: cannot write {where}: {why} ({free:,} bytes free there: a full disk, a "
+            f"quota?); the latest checkpoint is still {latest_text(self.folder)}"
+        )
+
+    def _on_rank0(self, fn: Callable[[], Any]) -> Any:
+        """fn() on rank 0, its result on every rank; its OSError a UserError on every rank."""
+        result = error = None
+        if self.rank0:
+            try:
+                result = fn()
+            except OSError as e:
+                error = str(self._write_error(e, e.filename or str(self.folder)))
+        box = [(result, error)]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        result, error = box[0]
+        if error:
+            raise UserError(error)
+        return result
 
     def _prune(self, step: int) -> None:
         """Keep the newest checkpoint.keep complete checkpoints at or below `step` (0: all);
