@@ -11,6 +11,7 @@ from pathlib import Path
 from torchrun_kill import descendants, logged_steps, run, start, stop
 
 from titan_vlm.checkpoint import verify_step_dir
+from titan_vlm.launch import alive
 
 # torch's own deprecation notice, printed by every rank at its first all_gather_into_tensor
 TORCH_NOTICE = ("FutureWarning: `torch.distributed.all_gather_into_tensor`", "return func(")
@@ -27,14 +28,6 @@ def wait_for_step(proc, dump: Path, step: int, timeout: float = 240) -> None:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "the job did not reach step {step}"
         time.sleep(0.1)
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_one_job_per_dump_folder_and_nothing_outlives_a_killed_launcher(tmp_path):
@@ -103,3 +96,10 @@ def test_a_dump_folder_that_cannot_be_written_is_one_line_before_torchrun(tmp_pa
         f"error: job.dump_folder {dump}: cannot write there (Not a directory)"
     ], err
     assert out == ""  # torchrun never started
+
+
+def test_a_job_that_ended_leaves_no_stale_lock(tmp_path):
+    rc, out, err = run(tmp_path, 1)
+    assert rc == 0 and (tmp_path / "job.lock").read_text() == ""
+    rc, out, err = run(tmp_path, 2)
+    assert rc == 0 and "took over" not in out

@@ -5,8 +5,9 @@
 1. Validates the config before any process starts (one line: `config error: ...`).
 2. Locks the dump folder: `<job.dump_folder>/job.lock`, an flock held by this process and
    torchrun for the whole job, restarts included. A second job on the folder stops with one line
-   naming the holder (pid, host, start time, command, from the file); a lock file whose holder is
-   gone (the kernel dropped its flock) is taken over with a note. (flock: one machine, or a file
+   naming the holder (pid, host, start time, command, from the file); a lock file whose holder
+   died (the kernel dropped its flock, the file still names it) is taken over with a note. A job
+   that ends empties the file. (flock: one machine, or a file
    system that supports it.)
 3. Starts torchrun in its own session, so a Ctrl-C reaches only this process, and so that it
    dies with it (PR_SET_PDEATHSIG); each worker in turn exits when torchrun is gone
@@ -43,6 +44,7 @@ from titan_vlm.config import ConfigError, UserError, validate_launch
 
 LOCK_FILE = "job.lock"
 ERROR_FILE_ENV = "TITAN_VLM_ERROR_FILE"
+LAUNCHER_PID_ENV = "TITAN_VLM_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -104,16 +106,27 @@ def lock_dump_folder(folder: Path) -> tuple[int, str | None]:
     return fd, None
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (from /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def die_with_parent(poll_s: float = 0.5) -> None:
-    """Exit this process (a torchrun worker) soon after its parent (torchrun) is gone: a killed
-    launcher must not leave workers training (and writing the dump folder) as orphans."""
+    """Exit this process (a torchrun worker) soon after its parent (torchrun) or the launcher
+    (LAUNCHER_PID_ENV, set by the launcher) is gone: a killed launcher must not leave workers
+    training (and writing the dump folder) as orphans. The launcher's pid also covers a worker
+    whose torchrun died before this ran (its parent is then already someone else)."""
     parent = os.getppid()
+    launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
 
     def watch() -> None:
-        while os.getppid() == parent:
+        while os.getppid() == parent and (not launcher or alive(launcher)):
             time.sleep(poll_s)
         if os.environ.get("RANK") == "0":
-            print(f"[titan_vlm] the launcher (pid {parent}) is gone: exiting", file=sys.stderr)
+            print("[titan_vlm] the launcher or torchrun is gone: exiting", file=sys.stderr)
         os._exit(1)
 
     threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
@@ -196,6 +209,7 @@ def main() -> None:
             # dead rank's old gloo address ("connectFullMesh ... Connection refused", or a hang).
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             ERROR_FILE_ENV: str(error_file),
+            LAUNCHER_PID_ENV: str(os.getpid()),
         }
         agent = subprocess.Popen(
             [
@@ -231,6 +245,7 @@ def main() -> None:
         signal.signal(signal.SIGINT, forward)
         signal.signal(signal.SIGTERM, forward)
         rc = agent.wait()
+        os.ftruncate(lock, 0)  # a job that ended leaves no holder: what a later job finds is stale
         if error_file.exists():
             _fail(error_file.read_text().strip())
     if received:
