@@ -26,7 +26,7 @@ def wait_for_step(proc, dump: Path, step: int, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while max(logged_steps(dump), default=0) < step:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "the job did not reach step {step}"
+        assert time.monotonic() < deadline, f"the job did not reach step {step}"
         time.sleep(0.1)
 
 
