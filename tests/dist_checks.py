@@ -404,3 +404,72 @@ def model_state_bytes(
     )
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
     return STATE_BYTES_PER_PARAM * local
+
+
+@contextlib.contextmanager
+def _captured_warnings():
+    """The titan_vlm logger's warnings while the block runs (this rank's)."""
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    logger = logging.getLogger("titan_vlm")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+def train_run_warnings(dp_shard: int, cp: int, steps: int, **kwargs) -> dict:
+    """train_run, also returning the warnings it logged: {"history": ..., "warnings": [...]}."""
+    with _captured_warnings() as records:
+        history = train_run(dp_shard, cp, steps, **kwargs)
+    return {"history": history, "warnings": records}
+
+
+def train_run_with_nan_images(dp_shard: int, cp: int, steps: int, nan_step: int, **kwargs) -> dict:
+    """train_run whose batch of step `nan_step` has NaN pixels (as a corrupt image would give):
+    its loss and gradients are NaN. Returns {"history", "warnings"}."""
+    import titan_vlm.train as train_module
+
+    real = train_module.build_dataset
+
+    def build_dataset(*args, **kw):
+        data = real(*args, **kw)
+        batch = data.batch
+
+        def poisoned(index: int, *rest) -> Batch:
+            out = batch(index, *rest)
+            if index == nan_step - 1:
+                out.images[:] = float("nan")
+            return out
+
+        data.batch = poisoned
+        return data
+
+    with mock.patch.object(train_module, "build_dataset", build_dataset):
+        return train_run_warnings(dp_shard, cp, steps, **kwargs)
+
+
+def train_run_with_file_size_limit(
+    dp_shard: int, cp: int, steps: int, limit_bytes: int, **kwargs
+) -> list[dict]:
+    """train_run where no file may grow past `limit_bytes` (RLIMIT_FSIZE, SIGXFSZ ignored: a
+    write past it fails with EFBIG, as a full disk fails with ENOSPC)."""
+    import resource
+    import signal
+
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, old_limit[1]))
+    try:
+        return train_run(dp_shard, cp, steps, **kwargs)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)

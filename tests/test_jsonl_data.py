@@ -133,7 +133,7 @@ def test_bad_images_are_dropped_from_their_rows_when_read(files, caplog):
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="titan_vlm"):
         rows = data.batch(0, 0, 1, len(data.rows))
-    assert data.dropped == 3
+    assert len(data.dropped) == 3
     assert warnings_of(caplog) == [
         f"data: {path}:8: image cannot be decoded: {files / 'truncated.png'} "
         "(OSError: image file is truncated) (skipped)",
@@ -150,15 +150,15 @@ def test_bad_images_are_dropped_from_their_rows_when_read(files, caplog):
     with caplog.at_level(logging.WARNING, logger="titan_vlm"):
         data.batch(
             1, 0, 1, len(data.rows)
-        )  # the next epoch: dropped (and counted) again, warned once
-    assert data.dropped == 6 and warnings_of(caplog) == []
+        )  # the next epoch: dropped again, counted and warned once
+    assert len(data.dropped) == 3 and warnings_of(caplog) == []  # the same 3: not counted again
 
 
 def test_a_batch_whose_samples_are_all_dropped_keeps_one_untrained_slot(files):
     data = dataset(files / "train.jsonl")
     row = list(data.lines).index(8)
     batch = data.batch(row, 0, 1, 1)  # one row: the broken image's sample
-    assert data.dropped == 1
+    assert data.dropped == {row}
     assert batch.tokens[0, 0] == TOK.PAD and batch.doc[0].tolist() == [0] + [-1] * (SEQ - 1)
     assert (batch.labels == IGNORE_INDEX).all() and batch.images.shape[0] == 0
 
@@ -362,13 +362,14 @@ def test_training_on_a_jsonl_file_resumes_bit_exact(pool, files, tmp_path):
     assert [h["step"] for h in resumed] == [3, 4]
     for h in resumed:
         assert h["loss"] == whole[h["step"] - 1]["loss"], h["step"]
-    # the counters: the start-up ones plus every sample a dp rank dropped, from an independent read
+    # the counters: the start-up ones plus the distinct samples any dp rank dropped, from an
+    # independent read
     data = dataset(path, shuffle=True, seq_len=SEQ)
     expect = []
     for step in range(4):
         for rank in range(2):
             data.batch(step, rank, 2, 1)
-        expect.append(data.bad_at_startup + data.dropped)
+        expect.append(data.bad_at_startup + len(data.dropped))
     assert expect[-1] > expect[0] >= 4  # broken images were read
     metrics = [
         json.loads(line)

@@ -1,13 +1,18 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP): save, resume, reshard, export.
+"""Checkpoints with torch.distributed.checkpoint (DCP): save, verify, resume, reshard, export.
 
 <checkpoint.folder>/step-<N>/   one DCP checkpoint: the model's and the optimizer's sharded state
-                               (each rank writes its own shards), plus trainer.pt (step, lr
-                               scheduler, RNG, counters) and config.json (the JobConfig that
-                               wrote it)
+                               (each rank writes its own shards, .metadata indexes them), plus
+                               trainer.pt (step, lr scheduler, RNG, counters), config.json (the
+                               JobConfig that wrote it) and manifest.json (size and SHA-256 of
+                               every other file of the folder)
 <checkpoint.folder>/latest     the step of the newest complete checkpoint
 
-`latest` is replaced (write, then atomic rename) only after every rank has finished writing
-its step folder, so a crash during a save leaves the previous checkpoint as the latest one.
+A checkpoint is complete when its manifest.json exists: it is written (write, then atomic
+rename) after every rank has finished writing, and `latest` moves after it. Resume verifies the
+newest checkpoint's files against its manifest; a checkpoint that fails (a missing, truncated or
+overwritten file, no manifest, a garbage `latest`) is passed over with a one-line warning for the
+newest one that verifies, and when none does the run stops with one line (`CheckpointError`).
+After each save only the newest `checkpoint.keep` complete checkpoints are kept.
 The data is a pure function of the step (data/synthetic.py), so the step is the data position.
 DCP stores DTensor shards with their global shapes, so a checkpoint written at one CP / DP layout
 loads into another.
@@ -19,15 +24,22 @@ writes the full model weights into one safetensors file for inference.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import io
 import json
+import logging
 import os
+import shutil
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -36,7 +48,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from titan_vlm.config import ConfigError, JobConfig
+from titan_vlm.config import JobConfig
+from titan_vlm.errors import ConfigError, UserError
+from titan_vlm.resume_config import check_resume_config, run_facts
+
+logger = logging.getLogger("titan_vlm")
+
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(UserError):
+    """No usable checkpoint to resume from; the message is one line naming the folder."""
 
 
 def checkpoint_folder(cfg: JobConfig) -> Path:
@@ -58,9 +80,78 @@ def latest_step_dir(folder: Path) -> Path | None:
     return step_dir
 
 
+def latest_text(folder: Path) -> str:
+    """What `latest` says, for messages."""
+    latest = folder / "latest"
+    return f"step-{latest.read_text().strip()}" if latest.is_file() else "none"
+
+
+def step_dirs(folder: Path) -> list[tuple[int, Path]]:
+    """The step-<N> folders under `folder`, newest first."""
+    found = []
+    for d in folder.glob("step-*"):
+        suffix = d.name[len("step-") :]
+        if d.is_dir() and suffix.isdigit():
+            found.append((int(suffix), d))
+    return sorted(found, reverse=True)
+
+
+def file_digest(path: Path) -> dict[str, int | str]:
+    """{"size": bytes, "sha256": hex digest} of one file."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+def file_problem(step_dir: Path, name: str, want: dict) -> str | None:
+    """Why `step_dir/name` does not match its manifest entry `want` (None: it does)."""
+    path = step_dir / name
+    if not path.is_file():
+        return f"{name} is missing"
+    size = path.stat().st_size
+    if size != want["size"]:
+        return f"{name} has {size} bytes, the manifest says {want['size']}"
+    if file_digest(path)["sha256"] != want["sha256"]:
+        return f"{name} does not match its SHA-256 in the manifest (bytes overwritten)"
+    return None
+
+
+def read_manifest(step_dir: Path) -> dict[str, dict]:
+    """The manifest's {file name: {"size", "sha256"}}; raises ValueError saying why it cannot."""
+    path = step_dir / MANIFEST
+    if not path.is_file():
+        raise ValueError(f"no {MANIFEST} (a save that did not finish)")
+    try:
+        files = json.loads(path.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{MANIFEST} is unreadable ({type(e).__name__})") from None
+    if not isinstance(files, dict) or not {".metadata", "trainer.pt"} <= files.keys():
+        raise ValueError(f"{MANIFEST} does not list .metadata and trainer.pt")
+    return files
+
+
+def verify_step_dir(step_dir: Path) -> str | None:
+    """Why the checkpoint in `step_dir` cannot be used (None: every file matches its manifest).
+    One process; `Checkpointer` splits the same work over its ranks."""
+    try:
+        files = read_manifest(step_dir)
+    except ValueError as e:
+        return str(e)
+    for name in sorted(files):
+        problem = file_problem(step_dir, name, files[name])
+        if problem:
+            return problem
+    return None
+
+
 class Checkpointer:
     """Saves and restores model, optimizer, lr scheduler, step and RNG state on a process group
-    (the ranks of one training job)."""
+    (the ranks of one training job). Every rank calls save / resume; rank 0 writes the small
+    files, every rank digests (and on resume verifies) its share of the folder's files."""
 
     def __init__(
         self,
@@ -69,14 +160,22 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         group: dist.ProcessGroup,
+        global_rows: int,
     ):
+        """global_rows: rows per step over all dp ranks (a resume must keep it)."""
         self.cfg = cfg
         self.folder = checkpoint_folder(cfg)
         self.model, self.optimizer, self.scheduler, self.group = model, optimizer, scheduler, group
-        self.rank0 = dist.get_rank(group) == 0
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.rank0 = self.rank == 0
         # Running totals the metrics report (the samples the data dropped so far), saved with the
         # step so a resumed run's metrics go on from them; not needed to reproduce the training.
-        self.counters: dict[str, int] = {}
+        self.counters: dict[str, Any] = {}
+        # What a resume must match beyond the config (resume_config.py); rank 0 hashes the
+        # dataset file once, every rank gets the same answer.
+        box = [run_facts(cfg, global_rows) if self.rank0 else None]
+        dist.broadcast_object_list(box, group=group, group_src=0)
+        self.facts: dict[str, Any] = box[0]
 
     # Optimizer state keyed by parameter name, not by param group: the groups follow the meshes,
     # which change with the layout (cp_vision) a run resumes into.
@@ -88,33 +187,138 @@ class Checkpointer:
             "optim": get_optimizer_state_dict(self.model, self.optimizer, options=self._OPTIM),
         }
 
+    def _gather(self, mine: object) -> list:
+        everyone: list = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self.group)
+        return everyone
+
     def save(self, step: int) -> Path:
+        """Write step-<step>/ and move `latest` onto it. A write that fails (a full disk, a
+        quota) is a UserError on every rank, naming the file; `latest` stays where it was."""
         step_dir = self.folder / f"step-{step}"
-        dcp.save(self._state(), checkpoint_id=str(step_dir), process_group=self.group)
-        if self.rank0:
+        if self.rank0 and step_dir.exists():  # a save that died, or a damaged step resumed past
+            shutil.rmtree(step_dir)
+        dist.barrier(group=self.group)
+        try:
+            dcp.save(self._state(), checkpoint_id=str(step_dir), process_group=self.group)
+        except CheckpointException as e:  # raised on every rank, with every rank's failure
+            # A failed write in DCP is an OSError, or torch.save's RuntimeError ("unexpected
+            # pos 704 vs 598" on a full disk)
+            rank, (exc, _) = min(e.failures.items())
+            raise self._write_error(exc, f"{step_dir} (rank {rank})") from None
+
+        def write_trainer() -> list[str]:
             trainer = {
                 "step": step,
                 "scheduler": self.scheduler.state_dict(),
                 "rng": torch.get_rng_state(),
                 "counters": dict(self.counters),
+                "facts": self.facts,
             }
-            torch.save(trainer, step_dir / "trainer.pt.tmp")
+            buffer = io.BytesIO()  # serialised here, so that a failed write is a plain OSError
+            torch.save(trainer, buffer)
+            (step_dir / "trainer.pt.tmp").write_bytes(buffer.getvalue())
             (step_dir / "config.json").write_text(
                 json.dumps(dataclasses.asdict(self.cfg), indent=1)
             )
             os.replace(step_dir / "trainer.pt.tmp", step_dir / "trainer.pt")
-        dist.barrier(group=self.group)  # every rank's shards are on disk before `latest` moves
-        if self.rank0:
+            return sorted(p.name for p in step_dir.iterdir())
+
+        # after every rank's shards are on disk: the folder's files, to digest
+        names = self._on_rank0(write_trainer)
+        mine = {n: file_digest(step_dir / n) for n in names[self.rank :: self.world]}
+        digests = {n: d for part in self._gather(mine) for n, d in part.items()}
+
+        def commit() -> None:
+            tmp = step_dir / f"{MANIFEST}.tmp"
+            tmp.write_text(json.dumps({"step": step, "files": digests}, indent=1, sort_keys=True))
+            os.replace(tmp, step_dir / MANIFEST)
             tmp = self.folder / "latest.tmp"
             tmp.write_text(f"{step}\n")
             os.replace(tmp, self.folder / "latest")
-        dist.barrier(group=self.group)
+            self._prune(step)
+
+        self._on_rank0(commit)
         return step_dir
 
+    def _write_error(self, e: BaseException, where: str) -> UserError:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+        why = " ".join(why.split())  # one line
+        free = shutil.disk_usage(self.folder).free
+        return UserError(
+            f"checkpoint: cannot write {where}: {why} ({free:,} bytes free there: a full disk, a "
+            f"quota?); the latest checkpoint is still {latest_text(self.folder)}"
+        )
+
+    def _on_rank0(self, fn: Callable[[], Any]) -> Any:
+        """fn() on rank 0, its result on every rank; its OSError a UserError on every rank."""
+        result = error = None
+        if self.rank0:
+            try:
+                result = fn()
+            except OSError as e:
+                error = str(self._write_error(e, e.filename or str(self.folder)))
+        box = [(result, error)]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        result, error = box[0]
+        if error:
+            raise UserError(error)
+        return result
+
+    def _prune(self, step: int) -> None:
+        """Keep the newest checkpoint.keep complete checkpoints at or below `step` (0: all);
+        delete the rest, and every step folder above `step` (a damaged one a resume passed
+        over, from before this run went back)."""
+        keep = self.cfg.checkpoint.keep
+        complete = 0
+        for n, d in step_dirs(self.folder):
+            if n > step:
+                shutil.rmtree(d)
+            elif (d / MANIFEST).is_file() and (keep == 0 or complete < keep):
+                complete += 1
+            elif keep:
+                shutil.rmtree(d)
+
+    def _problem(self, step_dir: Path) -> str | None:
+        """verify_step_dir, the files' digests split over the ranks; the same answer on all."""
+        try:
+            files = read_manifest(step_dir)
+        except ValueError as e:
+            return str(e)
+        names = sorted(files)[self.rank :: self.world]
+        mine = next((p for n in names if (p := file_problem(step_dir, n, files[n]))), None)
+        return next((p for p in self._gather(mine) if p), None)
+
+    def _usable(self) -> Path | None:
+        """The newest checkpoint that verifies, after a warning for each newer one that does not;
+        None when the folder holds none at all; CheckpointError when none is usable."""
+        latest = self.folder / "latest"
+        candidates = step_dirs(self.folder)
+        if not candidates and not latest.exists():
+            return None
+        rejected = []
+        if latest.exists():
+            text = latest.read_text(errors="replace").strip()
+            if not text.isdigit():
+                rejected.append(f"{latest} holds {text[:40]!r}, not a step")
+            elif not (self.folder / f"step-{int(text)}").is_dir():
+                rejected.append(f"{latest} names step-{int(text)}, which is missing")
+        for _, step_dir in candidates:
+            problem = self._problem(step_dir)
+            if problem is None:
+                for why in rejected if self.rank0 else ():
+                    logger.warning("checkpoint: %s; resuming from %s instead", why, step_dir)
+                return step_dir
+            rejected.append(f"{step_dir.name} is unusable: {problem}")
+        raise CheckpointError(
+            f"no usable checkpoint in {self.folder} ({'; '.join(rejected)}); move the folder "
+            "away to start over"
+        )
+
     def resume(self) -> int:
-        """Load the latest checkpoint if there is one; returns the step it was taken after
-        (0: none)."""
-        step_dir = latest_step_dir(self.folder)
+        """Load the newest verified checkpoint if there is one; returns the step it was taken
+        after (0: none)."""
+        step_dir = self._usable()
         if step_dir is None:
             return 0
         saved = json.loads((step_dir / "config.json").read_text())["model"]["flavor"]
@@ -123,11 +327,20 @@ class Checkpointer:
                 f"model.flavor={self.cfg.model.flavor!r}, but the checkpoint {step_dir} holds a "
                 f"{saved!r} model (use another checkpoint.folder)"
             )
+        trainer = torch.load(step_dir / "trainer.pt", weights_only=False)
+        saved_cfg = json.loads((step_dir / "config.json").read_text())
+        # "facts" is absent in checkpoints of older versions: then only the config is compared
+        warning, note = check_resume_config(
+            saved_cfg, trainer.get("facts", {}), self.cfg, self.facts, step_dir
+        )
+        if warning and self.rank0:
+            logger.warning("%s", warning)
+        if note:
+            logger.info("%s", note)  # rank 0's log shows INFO
         state = self._state()
         dcp.load(state, checkpoint_id=str(step_dir), process_group=self.group)
         set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=self._OPTIM)
-        trainer = torch.load(step_dir / "trainer.pt", weights_only=False)
         self.scheduler.load_state_dict(trainer["scheduler"])
         torch.set_rng_state(trainer["rng"])
         self.counters = dict(trainer.get("counters", {}))  # absent in checkpoints of older versions

@@ -61,6 +61,9 @@ class Training:
     weight_decay: float = 0.01
     max_norm: float = 1.0  # gradient clipping on the global norm; <= 0 disables
     mixed_precision: str = "fp32"  # "fp32" | "bf16" (bf16 params/compute, fp32 grads reduce)
+    # a non-finite loss or grad norm: "stop" the run (before the step updates anything) or
+    # "skip" the step (no update, counted); either way it never reaches a checkpoint
+    on_nonfinite: str = "stop"
 
 
 @dataclass
@@ -84,6 +87,8 @@ class Data:
     shuffle: bool = (
         True  # a dataset file's rows in a new order each epoch (seeded by training.seed)
     )
+    # stop the run when this many steps in a row carry no loss token (every sample bad)
+    max_empty_steps: int = 3
 
 
 @dataclass
@@ -128,6 +133,9 @@ class Checkpoint:
     enable: bool = False
     folder: str = "checkpoint"
     interval: int = 500
+    keep: int = 3  # complete checkpoints kept (the newest); 0 keeps all
+    # resume even if a key that must match the checkpoint's config (resume.MUST_MATCH) changed
+    allow_config_change: bool = False
 
 
 @dataclass
@@ -172,7 +180,9 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
     return value
 
 
-def _set(cfg: JobConfig, dotted: str, value: Any, where: str) -> None:
+def _set(cfg: JobConfig, dotted: str, value: Any, where: str, typed: bool = False) -> None:
+    """`typed`: the value comes from TOML, which has its own types (`steps = "3"` is a string,
+    an error for an int key); command-line values are all strings, converted by _coerce."""
     section, _, name = dotted.partition(".")
     sections = _sections()
     if section not in sections or not name:
@@ -187,6 +197,11 @@ def _set(cfg: JobConfig, dotted: str, value: Any, where: str) -> None:
         if types[name] is not bool:
             raise ConfigError(f"{where}: '--{dotted}' needs a value")
         value = True
+    if typed and isinstance(value, str) and types[name] is not str:
+        raise ConfigError(
+            f"{where}: {dotted}: expected {types[name].__name__}, got the string {value!r} "
+            "(TOML: write it without quotes)"
+        )
     setattr(obj, name, _coerce(dotted, value, types[name]))
 
 
@@ -226,7 +241,7 @@ def load_config(argv: list[str]) -> JobConfig:
             if not isinstance(values, dict):
                 raise ConfigError(f"{config_file}: top-level key '{section}' must be a [section]")
             for name, value in values.items():
-                _set(cfg, f"{section}.{name}", value, config_file)
+                _set(cfg, f"{section}.{name}", value, config_file, typed=True)
     for key, value in overrides:
         _set(cfg, key, value, "command line")
     return cfg
@@ -295,40 +310,20 @@ def launch_shape(cfg: JobConfig, env: dict[str, str]) -> tuple[int, int]:
     return nproc, nnodes
 
 
-def main() -> None:
-    """`python -m titan_vlm.config --config F [overrides]`: validate the config and the launch
-    (launch_shape: NNODES, NPROC, ...) against the total world, then print the processes per
-    node and job.max_restarts, for run_train.sh."""
-    import os
-
-    # Under `python -m` this file is __main__: use the package's own module, so that the
-    # ConfigError raised by parallel_dims is the one caught here.
-    from titan_vlm.config import ConfigError, launch_shape, load_config
-    from titan_vlm.parallel_dims import ParallelDims
-
-    try:
-        cfg = load_config(sys.argv[1:])
-        nproc, nnodes = launch_shape(cfg, dict(os.environ))
-        ParallelDims.from_config(cfg, nproc * nnodes).validate_model(cfg)
-        if cfg.job.max_restarts < 0:
-            raise ConfigError(f"job.max_restarts must be >= 0, got {cfg.job.max_restarts}")
-        if cfg.job.max_restarts and not cfg.checkpoint.enable:
-            raise ConfigError(
-                "job.max_restarts needs checkpoint.enable = true: a restarted job resumes from "
-                "its latest checkpoint, else it would start over"
-            )
-        import torch
-
-        if torch.cuda.is_available() and nproc > torch.cuda.device_count():
-            raise ConfigError(
-                f"{nproc} processes but {torch.cuda.device_count()} GPUs on this machine "
-                "(one process per GPU; set NPROC or the degrees)"
-            )
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    print(nproc, cfg.job.max_restarts)
-
-
-if __name__ == "__main__":
-    main()
+def validate_failure_keys(cfg: JobConfig) -> None:
+    """The keys of what the job does when things go wrong (README: When things go wrong)."""
+    if cfg.job.max_restarts < 0:
+        raise ConfigError(f"job.max_restarts must be >= 0, got {cfg.job.max_restarts}")
+    if cfg.job.max_restarts and not cfg.checkpoint.enable:
+        raise ConfigError(
+            "job.max_restarts needs checkpoint.enable = true: a restarted job resumes from "
+            "its latest checkpoint, else it would start over"
+        )
+    if cfg.training.on_nonfinite not in ("stop", "skip"):
+        raise ConfigError(
+            f"training.on_nonfinite must be 'stop' or 'skip', got {cfg.training.on_nonfinite!r}"
+        )
+    if cfg.checkpoint.keep < 0:
+        raise ConfigError(f"checkpoint.keep must be >= 0 (0: keep all), got {cfg.checkpoint.keep}")
+    if cfg.data.max_empty_steps < 1:
+        raise ConfigError(f"data.max_empty_steps must be >= 1, got {cfg.data.max_empty_steps}")

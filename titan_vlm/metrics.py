@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+
+from titan_vlm.errors import UserError
 
 logger = logging.getLogger("titan_vlm")
 
@@ -18,6 +21,28 @@ def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+
+def read_metrics_lines(path: Path) -> list[tuple[int, str]]:
+    """(step, line) of each record of a metrics.jsonl. A torn last line (a crash in the middle of
+    a write) is dropped with a warning; any other line that is not a record stops with one line
+    naming the file and the line."""
+    if not path.exists():
+        return []
+    lines = path.read_text(errors="replace").splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            if i == len(lines) - 1:
+                logger.warning("%s:%d: dropped a torn last line %r", path, i + 1, line[:60])
+                continue
+            raise UserError(
+                f"{path}:{i + 1}: not a metrics record ({line[:60]!r}); move the file away"
+            ) from None
+        out.append((step, line))
+    return out
 
 
 class MetricsLogger:
@@ -36,18 +61,20 @@ class MetricsLogger:
         folder = Path(dump_folder)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / "metrics.jsonl"
-        kept = []
-        if path.exists() and path.stat().st_size:
-            lines = path.read_text().splitlines()
-            kept = [
-                line for line in lines if resume_after and json.loads(line)["step"] <= resume_after
-            ]
-            if len(kept) < len(lines):
-                logger.warning(
-                    "%s: replacing %d lines from an earlier run", path, len(lines) - len(kept)
-                )
-        self.jsonl = open(path, "w", buffering=1)
-        self.jsonl.writelines(line + "\n" for line in kept)
+        records = read_metrics_lines(path)
+        kept = [line for step, line in records if resume_after and step <= resume_after]
+        replaced = len(records) - len(kept)
+        if replaced:
+            logger.warning("%s: replacing %d lines from an earlier run", path, replaced)
+        # The kept lines go to a new file that replaces the old one whole (a crash here leaves
+        # the old file), then the run appends to it.
+        tmp = folder / "metrics.jsonl.tmp"
+        with open(tmp, "w") as f:
+            f.writelines(line + "\n" for line in kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self.jsonl = open(path, "a", buffering=1)
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -23,9 +23,11 @@ from torch.distributed.tensor import DTensor
 
 from titan_vlm.attention import select_kernel, use_kernel
 from titan_vlm.checkpoint import Checkpointer
-from titan_vlm.config import ConfigError, JobConfig, load_config
+from titan_vlm.config import JobConfig, load_config, validate_failure_keys
 from titan_vlm.data import build_dataset, model_inputs
 from titan_vlm.data.batch import IGNORE_INDEX, Batch
+from titan_vlm.errors import UserError
+from titan_vlm.launch import STOP, die_with_parent, report_user_error
 from titan_vlm.layout import SeqLayout
 from titan_vlm.metrics import MetricsLogger, peak_memory_gib
 from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM, param_counts
@@ -43,6 +45,16 @@ from titan_vlm.parallel.tensor_parallel import TPOptions, gather_image_embeds_ov
 from titan_vlm.parallel_dims import Mesh, ParallelDims
 
 logger = logging.getLogger("titan_vlm")
+
+
+class NonFiniteError(UserError):
+    """A non-finite loss or gradient norm with training.on_nonfinite = "stop"."""
+
+
+class EmptyBatchesError(UserError):
+    """data.max_empty_steps steps in a row without a loss token."""
+
+
 # FSDP2 warns when a wrapped module returns a view (nn.Linear on 3-D input does); it matters only
 # for in-place ops on that output, which titan_vlm never does.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -111,11 +123,18 @@ def train_step(
     sum_image_grad: bool = True,
     tp: TPOptions = TPOptions(),
 ) -> dict[str, float]:
+    """One optimizer step. A non-finite loss or gradient norm (the same on every rank: both are
+    reduced over the job) updates nothing: the optimizer does not step and "nonfinite" is 1; the
+    caller stops or goes on (training.on_nonfinite). The lr schedule advances either way."""
     optimizer.zero_grad(set_to_none=True)
     loss, ntokens, layout = forward_backward(model, batch, mesh, cp, sum_image_grad, tp)
     grad_norm = clip_grad_norm_(list(model.parameters()), max_norm)
     lr = scheduler.get_last_lr()[0]
-    optimizer.step()
+    finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
+    if finite:
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     return {
         "loss": loss.item(),
@@ -123,6 +142,7 @@ def train_step(
         "ntokens": int(ntokens),
         "lr": lr,
         "cp_balance": layout.balance(),
+        "nonfinite": int(not finite),
     }
 
 
@@ -200,6 +220,7 @@ def train(cfg: JobConfig) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dims = ParallelDims.from_config(cfg, world_size)  # config errors surface before any collective
     dims.validate_model(cfg)
+    validate_failure_keys(cfg)
     device, rank = _init_distributed()
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
@@ -281,7 +302,14 @@ def run_training(
     checkpointer = None
     start = 0
     if cfg.checkpoint.enable:
-        checkpointer = Checkpointer(cfg, model, optimizer, scheduler, mesh.world.get_group())
+        checkpointer = Checkpointer(
+            cfg,
+            model,
+            optimizer,
+            scheduler,
+            mesh.world.get_group(),
+            global_rows=mesh.dp.size() * t.local_batch_size,
+        )
         start = checkpointer.resume()
         if start:
             logger.info("resumed from %s at step %d", checkpointer.folder / f"step-{start}", start)
@@ -346,16 +374,20 @@ def run_training(
     )
 
     history = []
-    # Samples dropped while building batches, summed over dp ranks, since step 1
-    # (kept in checkpoints).
-    dropped = checkpointer.counters.get("data_dropped", 0) if checkpointer else 0
+    counters = checkpointer.counters if checkpointer else {}
+    # The distinct samples any dp rank dropped while building batches since step 1 (every rank
+    # holds the same set), and the steps skipped for a non-finite loss or grad norm; both kept
+    # in checkpoints.
+    dropped = set(counters.get("data_dropped_samples", []))
+    skipped = counters.get("nonfinite_skipped", 0)
+    empty_since = None  # first step of the current run of steps without a loss token
     for step in range(start + 1, t.steps + 1):
         begin = time.perf_counter()
-        dropped_before = data.dropped
         batch = data.batch(step - 1, dp_rank, dp, t.local_batch_size)
-        # The global batch's model FLOPs and dropped samples: one all-reduce (exact as float64).
+        new_drops = sorted(data.dropped - dropped)  # samples this rank dropped, new to the job
+        # The global batch's model FLOPs and new drops: one all-reduce (exact as float64).
         sums = torch.tensor(
-            [spec.flops(args, batch), data.dropped - dropped_before],
+            [spec.flops(args, batch), len(new_drops)],
             dtype=torch.float64,
             device=device,
         )
@@ -365,25 +397,61 @@ def run_training(
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - begin
-        peak = torch.tensor(peak_memory_gib(device), device=device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.world.get_group())  # worst rank
+        # The worst rank's peak memory, and whether any rank was asked to stop (SIGINT/SIGTERM)
+        peak_stop = torch.tensor([peak_memory_gib(device), STOP.requested], device=device)
+        dist.all_reduce(peak_stop, op=dist.ReduceOp.MAX, group=mesh.world.get_group())
+        peak, stop = peak_stop[0], bool(peak_stop[1])
         dist.all_reduce(sums, group=mesh.dp.get_group())
-        dropped += int(sums[1])
+        if sums[1]:  # some dp rank dropped a sample new to the job: everyone learns which
+            everyone: list = [None] * dp
+            dist.all_gather_object(everyone, new_drops, group=mesh.dp.get_group())
+            dropped.update(i for ids in everyone for i in ids)
+        nonfinite = stats.pop("nonfinite")
+        if nonfinite and t.on_nonfinite == "stop":  # the same on every rank: loss and norm are
+            raise NonFiniteError(  # reduced over the job
+                f"step {step}: loss {stats['loss']}, grad_norm {stats['grad_norm']}: not finite; "
+                "stopped before the update (training.on_nonfinite='stop'; 'skip' skips such "
+                "steps); the checkpoints hold only finite steps"
+            )
+        if nonfinite:
+            skipped += 1
+            logger.warning(
+                "step %d: loss %s, grad_norm %s: not finite; step skipped, nothing updated "
+                "(training.on_nonfinite='skip'; %d skipped so far)",
+                step,
+                stats["loss"],
+                stats["grad_norm"],
+                skipped,
+            )
         record = {
             **stats,
             "tokens_per_sec": rows * t.seq_len / elapsed,
             "tflops_per_sec": float(sums[0]) / elapsed / 1e12,
             "step_time_s": elapsed,
             "peak_memory_gib": float(peak),
-            "data_bad_samples": data.bad_at_startup + dropped,
+            "data_bad_samples": data.bad_at_startup + len(dropped),
             "data_truncated": data.truncated,
+            "nonfinite_skipped": skipped,
         }
         # metrics.jsonl and TensorBoard get every step; stdout every log_freq steps and the last
         metrics.log(step, record, echo=step % cfg.metrics.log_freq == 0 or step == t.steps)
         history.append({"step": step, **record})
-        if checkpointer and (step % cfg.checkpoint.interval == 0 or step == t.steps):
-            checkpointer.counters["data_dropped"] = dropped
+        if stats["ntokens"] == 0:
+            empty_since = step if empty_since is None else empty_since
+            if step - empty_since + 1 >= cfg.data.max_empty_steps:
+                raise EmptyBatchesError(
+                    f"steps {empty_since}-{step} carried no loss token (every sample of their "
+                    f"batches was bad or empty: see the data: lines above; data.max_empty_steps="
+                    f"{cfg.data.max_empty_steps})"
+                )
+        else:
+            empty_since = None
+        if checkpointer and (step % cfg.checkpoint.interval == 0 or step == t.steps or stop):
+            counters.update(data_dropped_samples=sorted(dropped), nonfinite_skipped=skipped)
             logger.info("checkpoint saved: %s", checkpointer.save(step))
+        if stop:
+            logger.info("stopped after step %d on a signal (SIGINT / SIGTERM)", step)
+            break
         if step == stop_after:
             break
     metrics.close()
@@ -392,12 +460,16 @@ def run_training(
 
 
 def main(argv: list[str] | None = None) -> None:
+    """A worker under torchrun (README: When things go wrong): it exits when torchrun is gone,
+    stops at a step boundary on SIGINT / SIGTERM, and reports a UserError in one line."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()
+        STOP.install()
     try:
         cfg = load_config(sys.argv[1:] if argv is None else argv)
         train(cfg)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except UserError as e:
+        sys.exit(report_user_error(e))
 
 
 if __name__ == "__main__":

@@ -48,10 +48,13 @@ Bad input, each counted and reported once per process as `data: <file>:<line>: <
 DataError naming the file and line: a malformed JSON line, a record without the keys above, an
 empty text, a placeholder / image count mismatch and a missing image file are found at start-up
 and leave the sample out of the index; a sample longer than training.seq_len is cut to it
-(Sample.truncated, "(truncated)"); an image that cannot be decoded or has more than
-`data.max_image_pixels` pixels (read from its header) is found when its batch is built, and its
-sample is left out of that row (the same way on every read, so runs stay deterministic; a rank
-whose whole batch is left out gets one untrained padding token, so it still runs the step).
+(Sample.truncated, "(truncated)"); JSON nested too deeply, text that is not valid Unicode
+(a lone surrogate escape such as "\\ud800") and bytes that are not UTF-8 are bad samples too, and
+a UTF-8 byte order mark at the start of the file is skipped; an image that cannot be decoded
+or has more than `data.max_image_pixels` pixels (read from its header) is found when its batch
+is built, and its sample is left out of that row (the same way on every read, so runs stay
+deterministic; a rank whose whole batch is left out gets one untrained padding token, so it still
+runs the step).
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 logger = logging.getLogger("titan_vlm")
 
 PLACEHOLDER = "<image>"
+BOM = b"\xef\xbb\xbf"  # UTF-8 byte order mark, skipped at the start of a file
 USER, ASSISTANT = "USER: ", " ASSISTANT:"
 USER_NAMES, ASSISTANT_NAMES = ("human", "user"), ("gpt", "assistant")
 BAD_SAMPLE_MODES = ("skip", "error")
@@ -220,6 +224,18 @@ def _blank(text: str) -> bool:
     return not text.replace(PLACEHOLDER, "").strip()
 
 
+def _check_unicode(strings: list[str]) -> None:
+    """JSON's \\uXXXX escapes can spell a lone surrogate, which is no character: such text
+    cannot be encoded (tokenized, or used as a path) and makes the sample bad."""
+    for text in strings:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BadSample(
+                "undecodable text", f"text is not valid Unicode ({e.reason} at character {e.start})"
+            ) from None
+
+
 def parse_record(
     record: Any,
     tok: ByteTokenizer | HFTokenizer,
@@ -270,6 +286,7 @@ def parse_record(
         texts = [record["text"]]
     else:
         raise BadSample("bad record", "no 'conversations' or 'text' key")
+    _check_unicode([*texts, *paths])
     placeholders = sum(text.count(PLACEHOLDER) for text in texts)
     if placeholders != len(paths) and not (placeholders == 0 and len(paths) == 1):
         raise BadSample(
@@ -297,8 +314,9 @@ def _jsonl_spans(raw: bytes) -> list[tuple[int, int, int]]:
     """(line, start byte, end byte) of every non-blank line, without its line break."""
     spans, at = [], 0
     for line, text in enumerate(raw.splitlines(keepends=True), 1):
-        if text.strip():
-            spans.append((line, at, at + len(text.rstrip(b"\r\n"))))
+        skip = len(BOM) if line == 1 and text.startswith(BOM) else 0
+        if text[skip:].strip():
+            spans.append((line, at + skip, at + len(text.rstrip(b"\r\n"))))
         at += len(text)
     return spans
 
@@ -333,7 +351,9 @@ def _json_array_spans(raw: bytes, where: str) -> list[tuple[int, int, int]]:
             "records; a .jsonl file holds one record per line)"
         )
 
-    i = skip_space(0)
+    if text.startswith("\ufeff"):  # a UTF-8 byte order mark
+        advance(1)
+    i = skip_space(char)
     if i >= len(text) or text[i] != "[":
         raise fail(i, "expected '['")
     i = skip_space(i + 1)
@@ -344,6 +364,8 @@ def _json_array_spans(raw: bytes, where: str) -> list[tuple[int, int, int]]:
             _, end = decoder.raw_decode(text, i)
         except json.JSONDecodeError as e:
             raise fail(e.pos, f"invalid JSON: {e.msg}") from None
+        except RecursionError:
+            raise fail(i, "invalid JSON: nested too deeply") from None
         advance(i)
         start_line, start_byte = line, byte
         advance(end)
@@ -364,10 +386,11 @@ class JsonlDataset:
     the built-in data's interface: `batch(step, dp_rank, dp_size, batch_size) -> Batch`.
 
     Counters: `bad_at_startup` (samples left out of the index), `truncated` (samples cut to
-    seq_len), `dropped` (samples this process left out of its batches: an image that cannot be
-    decoded or is too large; each read counts). `log_startup` / `log_batches`: whether this
-    process logs the start-up / batch-time warnings (the trainer lets one rank log each kind
-    once: start-up on rank 0, batch-time on each dp rank's first cp and tp rank).
+    seq_len), `dropped` (the sample numbers this process left out of its batches: an image
+    that cannot be decoded or is too large; a sample read again is not counted again).
+    `log_startup` / `log_batches`: whether this process logs the start-up / batch-time warnings
+    (the trainer lets one rank log each kind once: start-up on rank 0, batch-time on each dp
+    rank's first cp and tp rank).
 
     `processor`: a Hugging Face model folder's (data/hf_processor.py): conversations in its chat
     template, images preprocessed by its image processor (its image size must be
@@ -414,7 +437,7 @@ class JsonlDataset:
         self._warned: set[int] = set()
         self._warnings = 0
         self.skipped: Counter[str] = Counter()  # start-up reasons, by kind
-        self.dropped = 0
+        self.dropped: set[int] = set()
         self._orders: dict[int, list[int]] = {}
 
         try:
@@ -478,6 +501,8 @@ class JsonlDataset:
             raise BadSample(
                 "malformed JSON", f"malformed JSON ({e.msg} at column {e.colno})"
             ) from None
+        except RecursionError:
+            raise BadSample("malformed JSON", "malformed JSON (nested too deeply)") from None
 
     def _pack(self, sizes: list[int]) -> list[list[int]]:
         """The packing index: rows of sample numbers in file order, none dropped."""
@@ -585,7 +610,7 @@ class JsonlDataset:
 
     def _drop(self, i: int, reason: str) -> None:  # None: the sample is left out of its row
         self._bad(self.lines[i], reason, self.log_batches)
-        self.dropped += 1
+        self.dropped.add(i)
         return None
 
     def batch(self, step: int, dp_rank: int, dp_size: int, batch_size: int) -> Batch:

@@ -102,7 +102,8 @@ class SyntheticCaptions:
 
     # The data counters of the trainer's metrics (data/jsonl.py): drawn data has no bad samples,
     # and a long caption is cut to its row by design (data.sentences_per_image).
-    bad_at_startup = truncated = dropped = 0
+    bad_at_startup = truncated = 0
+    dropped: frozenset[int] = frozenset()
 
     def __init__(
         self,

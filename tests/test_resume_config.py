@@ -1,0 +1,118 @@
+"""Resume checks the config it resumes into: what must match the checkpoint (the model's shape,
+seq_len, the global batch, the data and its file, the seed) stops the run with one line naming
+the keys, unless --checkpoint.allow_config_change; what may change (the parallel layout, steps,
+the lr schedule) is accepted and logged."""
+
+import dataclasses
+import json
+
+import pytest
+
+from titan_vlm.config import ConfigError, load_config
+from titan_vlm.resume_config import DATA_FILE, GLOBAL_ROWS, check_resume_config, run_facts
+
+RUN = dict(
+    steps=6,
+    training__seq_len=61,
+    training__local_batch_size=2,
+    training__warmup_steps=2,
+    metrics__enable_tensorboard=False,
+    checkpoint__enable=True,
+    checkpoint__interval=2,
+)
+
+
+def check(saved_args, args, saved_rows=8, rows=8):
+    saved = load_config(saved_args)
+    cfg = load_config(args)
+    return check_resume_config(
+        dataclasses.asdict(saved),
+        {GLOBAL_ROWS: saved_rows, DATA_FILE: None},
+        cfg,
+        {GLOBAL_ROWS: rows, DATA_FILE: None},
+        "ckpt/step-6",
+    )
+
+
+def test_what_may_change_is_accepted_and_logged():
+    warning, note = check(
+        ["--training.steps=10"],
+        ["--training.steps=20", "--parallelism.context_parallel_degree=4"],
+    )
+    assert warning is None
+    assert note == (
+        "resume from ckpt/step-6: training.steps 10 -> 20, "
+        "parallelism.context_parallel_degree 1 -> 4"
+    )
+    assert check([], []) == (None, None)
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--training.seed=1"], "training.seed 0 -> 1"),
+        (["--training.seq_len=128"], "training.seq_len 256 -> 128"),
+        (["--data.dataset=other.jsonl"], "data.dataset 'synthetic' -> 'other.jsonl'"),
+        (["--data.packing"], "data.packing False -> True"),
+        (["--model.flavor=small"], "model.flavor 'debug' -> 'small'"),
+    ],
+)
+def test_what_must_match_is_one_line_naming_the_key(args, named):
+    with pytest.raises(ConfigError) as e:
+        check([], args)
+    assert str(e.value) == (
+        f"resume from ckpt/step-6: {named} changed, and must match the checkpoint (the model, the "
+        "data and the data position follow them); restore them, use another checkpoint.folder, "
+        "or pass --checkpoint.allow_config_change"
+    )
+
+
+def test_the_global_batch_and_the_dataset_file_must_match(tmp_path):
+    with pytest.raises(ConfigError, match=r"global batch rows \(dp x .*\) 8 -> 4 changed"):
+        check([], [], saved_rows=8, rows=4)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "a"}\n')
+    cfg = load_config([f"--data.dataset={data}"])
+    before = run_facts(cfg, 8)
+    data.write_text('{"text": "b"}\n')  # same size, other bytes
+    after = run_facts(cfg, 8)
+    assert before[DATA_FILE] != after[DATA_FILE]
+    asdict = dataclasses.asdict(cfg)
+    with pytest.raises(ConfigError, match=r"data.dataset's contents \(size, SHA-256\) '14 bytes"):
+        check_resume_config(asdict, before, cfg, after, "ckpt/step-6")
+
+
+def test_allow_config_change_turns_the_error_into_a_warning():
+    warning, note = check([], ["--training.seed=1", "--checkpoint.allow_config_change"])
+    assert warning == (
+        "resume from ckpt/step-6: training.seed 0 -> 1 changed (checkpoint.allow_config_change)"
+    )
+    assert note == "resume from ckpt/step-6: checkpoint.allow_config_change False -> True"
+
+
+def test_a_real_resume_with_another_seed_stops_and_allow_config_change_goes_on(pool, tmp_path):
+    pool.run("train_run", dp_shard=1, cp=2, stop_after=2, job__dump_folder=str(tmp_path), **RUN)
+    with pytest.raises(RuntimeError, match=r"ConfigError: resume from .*step-2: training.seed"):
+        pool.run(
+            "train_run", dp_shard=1, cp=2, job__dump_folder=str(tmp_path), training__seed=3, **RUN
+        )
+    with pytest.raises(RuntimeError, match=r"global batch rows .* 2 -> 4 changed"):
+        pool.run(
+            "train_run", dp_shard=2, cp=2, job__dump_folder=str(tmp_path), **RUN
+        )  # dp 1 -> 2 with the same local batch: twice the rows per step
+    out = pool.run(
+        "train_run_warnings",
+        dp_shard=1,
+        cp=2,
+        job__dump_folder=str(tmp_path),
+        training__seed=3,
+        checkpoint__allow_config_change=True,
+        **RUN,
+    )[0]
+    assert [h["step"] for h in out["history"]] == [3, 4, 5, 6]
+    assert any(
+        "training.seed 0 -> 3 changed (checkpoint.allow_config_change)" in w
+        for w in out["warnings"]
+    )
+    saved = json.loads((tmp_path / "copy0" / "checkpoint" / "step-6" / "config.json").read_text())
+    assert saved["training"]["seed"] == 3

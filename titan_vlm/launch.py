@@ -1,0 +1,306 @@
+"""The launcher that run_train.sh execs, and what ties the workers to it.
+
+    python -m titan_vlm.launch --config FILE [--section.key=value ...]
+
+1. Validates the config before any process starts (one line: `config error: ...`).
+2. Locks the dump folder: `<job.dump_folder>/job.lock`, an flock held by this process and
+   torchrun for the whole job, restarts included. A second job on the folder stops with one line
+   naming the holder (pid, host, start time, command, from the file); a lock file whose holder
+   died (the kernel dropped its flock, the file still names it) is taken over with a note. A job
+   that ends empties the file. (flock: one machine, or a file
+   system that supports it.)
+3. Starts torchrun in its own session, so a Ctrl-C reaches only this process, and so that it
+   dies with it (PR_SET_PDEATHSIG); each worker in turn exits when torchrun is gone
+   (`die_with_parent`). Nothing of the job outlives the launcher.
+4. SIGINT / SIGTERM: forwarded to the workers, which stop at the next step boundary (saving a
+   checkpoint when checkpoint.enable), and exit 0 so that torchrun neither restarts them nor
+   prints a traceback; the launcher then exits 128 + the signal. A second signal stops the workers
+   at once.
+5. A problem the user can fix found inside the workers (`UserError`: a dataset file that does not
+   parse, no usable checkpoint, a non-finite loss, ...): the workers write its one line to the
+   file named by TITAN_VLM_ERROR_FILE and exit 0 (no restart, no torchrun traceback); the
+   launcher prints that line and exits 2.
+
+Workers started without the launcher (plain torchrun) print the line from rank 0 and exit 2.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from titan_vlm.config import JobConfig, launch_shape, load_config, validate_failure_keys
+from titan_vlm.errors import ConfigError, UserError
+from titan_vlm.parallel_dims import ParallelDims
+
+LOCK_FILE = "job.lock"
+ERROR_FILE_ENV = "TITAN_VLM_ERROR_FILE"
+LAUNCHER_PID_ENV = "TITAN_VLM_LAUNCHER_PID"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            # the command name (field 2) may hold spaces: the fields after its ')' are plain
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _holder(text: str) -> str:
+    try:
+        h = json.loads(text)
+        return f"pid {h['pid']} on {h['host']} since {h['started']}: {h['command']}"
+    except (ValueError, KeyError, TypeError):
+        return "holder unknown"
+
+
+def lock_dump_folder(folder: Path) -> tuple[int, str | None]:
+    """Create `folder` and take its job lock. Returns the lock's file descriptor (the lock lasts
+    as long as it, or a copy of it, is open) and a note when a dead job's lock was taken over.
+    UserError (one line) when the folder is not writable or another job holds the lock."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise UserError(f"job.dump_folder {folder}: cannot write there ({e.strerror})") from None
+    previous = os.pread(fd, 4096, 0).decode(errors="replace")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UserError(
+            f"job.dump_folder {folder} is in use by another job ({_holder(previous)}); wait for "
+            "it to end, or use another job.dump_folder"
+        ) from None
+    me = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": "python -m titan_vlm.launch " + shlex.join(sys.argv[1:]),
+    }
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+    except OSError as e:
+        os.close(fd)
+        raise UserError(f"job.dump_folder {folder}: cannot write there ({e.strerror})") from None
+    if previous.strip():
+        return fd, f"took over {folder / LOCK_FILE} from a job that is gone ({_holder(previous)})"
+    return fd, None
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (from /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def die_with_parent(poll_s: float = 0.5) -> None:
+    """Exit this process (a torchrun worker) soon after its parent (torchrun) or the launcher
+    (LAUNCHER_PID_ENV, set by the launcher) is gone: a killed launcher must not leave workers
+    training (and writing the dump folder) as orphans. The launcher's pid also covers a worker
+    whose torchrun died before this ran (its parent is then already someone else)."""
+    parent = os.getppid()
+    launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
+
+    def watch() -> None:
+        while os.getppid() == parent and (not launcher or alive(launcher)):
+            time.sleep(poll_s)
+        if os.environ.get("RANK") == "0":
+            print("[titan_vlm] the launcher or torchrun is gone: exiting", file=sys.stderr)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+
+
+class StopRequest:
+    """SIGINT / SIGTERM in a worker: the first asks the training loop to stop at the next step
+    boundary (`requested`), a second exits at once."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signal is not None:
+            os._exit(128 + signum)
+        self.signal = signum
+
+
+STOP = StopRequest()
+
+
+def report_user_error(e: UserError) -> int:
+    """What a worker does with a UserError; returns its exit code. Under the launcher: write the
+    line to its error file and exit 0 (torchrun must neither restart the job nor print its
+    traceback); else rank 0 prints the line and the worker exits 2."""
+    line = f"{'config error' if isinstance(e, ConfigError) else 'error'}: {e}"
+    error_file = os.environ.get(ERROR_FILE_ENV)
+    if error_file:
+        tmp = f"{error_file}.{os.getpid()}"
+        Path(tmp).write_text(line + "\n")
+        os.replace(tmp, error_file)  # every rank that raised writes the same line; one wins
+        return 0
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr)
+    return 2
+
+
+def _die_with_launcher(launcher: int):
+    """preexec_fn of torchrun: SIGKILL when the launcher dies (or has died already)."""
+
+    def preexec() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != launcher:
+            os._exit(1)
+
+    return preexec
+
+
+def validate_launch(argv: list[str], env: dict[str, str]) -> tuple[JobConfig, int, int]:
+    """The config of `argv`, fully validated, with the launch's (processes per node, nodes):
+    NNODES, NPROC, RDZV_ENDPOINT / NODE_RANK (config.launch_shape) against the degrees;
+    ConfigError otherwise. Before any worker starts."""
+    cfg = load_config(argv)
+    nproc, nnodes = launch_shape(cfg, env)
+    ParallelDims.from_config(cfg, nproc * nnodes).validate_model(cfg)
+    validate_failure_keys(cfg)
+    import torch
+
+    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+        raise ConfigError(
+            f"{nproc} processes but {torch.cuda.device_count()} GPUs on this machine "
+            "(one process per GPU; set NPROC or the degrees)"
+        )
+    return cfg, nproc, nnodes
+
+
+def rendezvous_args(nnodes: int, env: dict[str, str]) -> list[str]:
+    """torchrun's rendezvous: c10d at RDZV_ENDPOINT, static at NODE_RANK / MASTER_ADDR, or one
+    node standalone (validate_launch checked the variables)."""
+    if env.get("RDZV_ENDPOINT"):
+        return [
+            f"--nnodes={nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={env['RDZV_ENDPOINT']}",
+            f"--rdzv-id={env.get('RDZV_ID', 'titan_vlm')}",
+        ]
+    if nnodes > 1:
+        return [
+            f"--nnodes={nnodes}",
+            f"--node-rank={env['NODE_RANK']}",
+            f"--master-addr={env['MASTER_ADDR']}",
+            f"--master-port={env.get('MASTER_PORT', '29500')}",
+        ]
+    return ["--standalone", "--nnodes=1"]
+
+
+def _fail(line: str) -> None:
+    print(line, file=sys.stderr)
+    sys.exit(2)
+
+
+def main() -> None:
+    """`python -m titan_vlm.launch [--check] --config F [overrides]`; `--check`: validate only,
+    then print the processes per node and job.max_restarts."""
+    argv = sys.argv[1:]
+    check = bool(argv) and argv[0] == "--check"
+    argv = argv[1:] if check else argv
+    try:
+        cfg, nproc, nnodes = validate_launch(argv, dict(os.environ))
+    except ConfigError as e:
+        _fail(f"config error: {e}")
+    if check:
+        print(nproc, cfg.job.max_restarts)
+        return
+    lock = None
+    if nnodes == 1:  # the launchers of one job on several nodes share its folder: no lock
+        try:
+            lock, note = lock_dump_folder(Path(cfg.job.dump_folder))
+        except UserError as e:
+            _fail(f"error: {e}")
+        if note:
+            print(f"[titan_vlm] {note}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="titan_vlm_") as tmp:
+        error_file = Path(tmp) / "error"
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # ranks share the cores
+            # Restarted workers must not share the agent's rendezvous store: it can hand them a
+            # dead rank's old gloo address ("connectFullMesh ... Connection refused", or a hang).
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            ERROR_FILE_ENV: str(error_file),
+            LAUNCHER_PID_ENV: str(os.getpid()),
+        }
+        agent = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                *rendezvous_args(nnodes, os.environ),
+                f"--nproc_per_node={nproc}",
+                f"--max-restarts={cfg.job.max_restarts}",
+                "-m",
+                "titan_vlm.train",
+                *argv,
+            ],
+            env=env,
+            pass_fds=() if lock is None else (lock,),  # torchrun holds the lock too
+            start_new_session=True,
+            preexec_fn=_die_with_launcher(os.getpid()),
+        )
+        received: list[int] = []
+
+        def forward(signum: int, frame: object) -> None:
+            received.append(signum)
+            workers = children(agent.pid)
+            for pid in workers:
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+            if not workers:  # torchrun has not started them yet: stop torchrun itself
+                agent.send_signal(signal.SIGTERM)
+
+        signal.signal(signal.SIGINT, forward)
+        signal.signal(signal.SIGTERM, forward)
+        rc = agent.wait()
+        if lock is not None:  # a job that ended leaves no holder: what a later job finds is stale
+            os.ftruncate(lock, 0)
+        if error_file.exists():
+            _fail(error_file.read_text().strip())
+    if received:
+        sys.exit(128 + received[0])
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()

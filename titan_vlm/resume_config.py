@@ -1,0 +1,91 @@
+"""What a resumed run may change, and what it must keep, of the config its checkpoint was written
+with (checkpoint/step-N/config.json).
+
+Must match (else one line naming the keys, unless --checkpoint.allow_config_change):
+the model's shape and tokenizer, training.seq_len, training.seed, the global batch (dp x
+training.local_batch_size rows: the step is the data position only for the same rows per step)
+and the data (data.* keys that pick the samples, and a dataset file's size and SHA-256).
+May change (logged): everything else: the parallel layout (the shards are resharded),
+training.steps and the lr schedule, checkpoint.*, metrics.*, ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from titan_vlm.config import ConfigError, JobConfig
+
+MUST_MATCH = (
+    "model.flavor",
+    "model.image_attention",
+    "model.tokenizer_path",
+    "model.hf_vision_path",
+    "model.hf_text_path",
+    "training.seq_len",
+    "training.seed",
+    "data.dataset",
+    "data.packing",
+    "data.shuffle",
+    "data.image_root",
+    "data.sentences_per_image",
+    "data.images_per_sample",
+    "data.blank_images",
+)
+GLOBAL_ROWS = "global batch rows (dp x training.local_batch_size)"
+DATA_FILE = "data.dataset's contents (size, SHA-256)"
+
+
+def run_facts(cfg: JobConfig, global_rows: int) -> dict[str, Any]:
+    """What the config alone does not say and a resume must match: the rows per step and the
+    dataset file's size and digest (None for the built-in data). Hashes the file: once a run."""
+    facts: dict[str, Any] = {GLOBAL_ROWS: global_rows, DATA_FILE: None}
+    if cfg.data.dataset != "synthetic":
+        h = hashlib.sha256()
+        with open(cfg.data.dataset, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        facts[DATA_FILE] = f"{Path(cfg.data.dataset).stat().st_size} bytes, {h.hexdigest()[:16]}"
+    return facts
+
+
+def flat(config: dict) -> dict[str, Any]:
+    """{"section.key": value} of a JobConfig as dataclasses.asdict writes it."""
+    return {f"{s}.{k}": v for s, keys in config.items() for k, v in keys.items()}
+
+
+def check_resume_config(
+    saved: dict,
+    saved_facts: dict[str, Any],
+    cfg: JobConfig,
+    facts: dict[str, Any],
+    where: Path,
+) -> tuple[str | None, str | None]:
+    """Compare the checkpoint's config (`saved`, asdict form) and facts with this run's. Raises
+    ConfigError naming every must-match key that changed (unless checkpoint.allow_config_change);
+    returns the lines to log: (a warning about changed must-match keys that were allowed, a note
+    of the keys that may change and did), None where there is nothing to say. Facts a checkpoint
+    of an older version lacks are not compared."""
+    old, new = flat(saved), flat(dataclasses.asdict(cfg))
+    old.update(saved_facts)
+    new.update({k: v for k, v in facts.items() if k in saved_facts})
+    changed = {k: (old.get(k), v) for k, v in new.items() if k in old and old[k] != v}
+    must = [k for k in (*MUST_MATCH, GLOBAL_ROWS, DATA_FILE) if k in changed]
+    listed = ", ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in must)
+    if must and not cfg.checkpoint.allow_config_change:
+        raise ConfigError(
+            f"resume from {where}: {listed} changed, and must match the checkpoint (the model, "
+            "the data and the data position follow them); restore them, use another "
+            "checkpoint.folder, or pass --checkpoint.allow_config_change"
+        )
+    warning = note = None
+    if must:
+        warning = f"resume from {where}: {listed} changed (checkpoint.allow_config_change)"
+    may = [k for k in changed if k not in must]
+    if may:
+        note = f"resume from {where}: " + ", ".join(
+            f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in may
+        )
+    return warning, note
