@@ -151,7 +151,8 @@ def test_restarts_need_checkpoints():
         [
             sys.executable,
             "-m",
-            "titan_vlm.config",
+            "titan_vlm.launch",
+            "--check",
             "--config",
             DEFAULT,
             "--job.max_restarts=2",
@@ -162,7 +163,15 @@ def test_restarts_need_checkpoints():
     )
     assert bad.returncode == 2 and "job.max_restarts needs checkpoint.enable" in bad.stderr
     ok = subprocess.run(
-        [sys.executable, "-m", "titan_vlm.config", "--config", DEFAULT, "--job.max_restarts=2"],
+        [
+            sys.executable,
+            "-m",
+            "titan_vlm.launch",
+            "--check",
+            "--config",
+            DEFAULT,
+            "--job.max_restarts=2",
+        ],
         capture_output=True,
         text=True,
     )  # the default run checkpoints
@@ -174,7 +183,8 @@ def test_config_cli_prints_process_count_or_one_line_error():
         [
             sys.executable,
             "-m",
-            "titan_vlm.config",
+            "titan_vlm.launch",
+            "--check",
             "--config",
             DEFAULT,
             "--parallelism.context_parallel_degree=4",
@@ -184,7 +194,15 @@ def test_config_cli_prints_process_count_or_one_line_error():
     )
     assert ok.returncode == 0 and ok.stdout.split() == ["4", "0"]  # processes, job.max_restarts
     bad = subprocess.run(
-        [sys.executable, "-m", "titan_vlm.config", "--config", DEFAULT, "--training.stepz=1"],
+        [
+            sys.executable,
+            "-m",
+            "titan_vlm.launch",
+            "--check",
+            "--config",
+            DEFAULT,
+            "--training.stepz=1",
+        ],
         capture_output=True,
         text=True,
     )

@@ -29,7 +29,7 @@ def test_a_toml_string_stops_run_train_before_torchrun(tmp_path):
     toml = tmp_path / "c.toml"
     toml.write_text('[training]\nsteps = "3"\n')
     out = subprocess.run(
-        [sys.executable, "-m", "titan_vlm.config", "--config", str(toml)],
+        [sys.executable, "-m", "titan_vlm.launch", "--check", "--config", str(toml)],
         capture_output=True,
         text=True,
     )

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from titan_vlm.config import ConfigError
-from titan_vlm.data import tokenizer_classes
+from titan_vlm.data.tokenizer_classes import load as load_tokenizer_class
 
 
 class ByteTokenizer:
@@ -90,7 +90,7 @@ class HFTokenizer:
                 raise ConfigError(f"{key}: {path} is not a tokenizer.json ({e})") from None
             self._guess(path, key)
         else:
-            self.tok = tokenizer_classes.load(Path(path), config, model_type)
+            self.tok = load_tokenizer_class(Path(path), config, model_type)
             self._configure(path, config)
         self.tok.no_truncation()  # as transformers' tokenizer(text) (a file may set them)
         self.tok.no_padding()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -23,7 +23,9 @@ from titan_vlm.models.hf_folder import SafetensorsFiles, weight_files
 from titan_vlm.models.llava import hf_sources
 from titan_vlm.models.loading import init_from_seed, load_hf_shards
 from titan_vlm.models.spec import ModelSpec
-from titan_vlm.parallel_dims import Mesh
+
+if TYPE_CHECKING:
+    from titan_vlm.parallel_dims import Mesh
 
 logger = logging.getLogger("titan_vlm")
 SAME_ROWS = 64  # rows compared of a tensor the model holds once (ModelSpec.hf_same)
