@@ -5,6 +5,7 @@ a checkpoint. Only the newest checkpoint.keep checkpoints are kept."""
 
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -199,7 +200,12 @@ def test_a_checkpoint_the_disk_cannot_take_is_one_line_and_latest_stays(pool, tm
     lines = [x for x in str(e.value).splitlines() if "UserError: " in x]
     assert len(lines) == 2, str(e.value)[-4000:]  # two ranks reported: the same line on each
     assert lines[0] == lines[1] and "UserError: checkpoint: cannot write " in lines[0]
-    assert "step-8 (rank 0): RuntimeError: [enforce fail at inline_container.cc" in lines[0]
+    # the file that hits the limit first is a DCP shard (torch's writer) or a plain write (the
+    # OS's EFBIG), depending on how the model's tensors fall into the files
+    assert re.search(
+        r"step-8 \(rank 0\): (RuntimeError: \[enforce fail at inline_container\.cc|File too large)",
+        lines[0],
+    ), lines[0]
     assert (
         "bytes free there: a full disk, a quota?); the latest checkpoint is still step-4"
         in (lines[0])

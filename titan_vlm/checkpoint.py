@@ -205,7 +205,11 @@ class Checkpointer:
             # A failed write in DCP is an OSError, or torch.save's RuntimeError ("unexpected
             # pos 704 vs 598" on a full disk)
             rank, (exc, _) = min(e.failures.items())
-            raise self._write_error(exc, f"{step_dir} (rank {rank})") from None
+            # rank 0's line on every rank: the free space each rank would measure differs while
+            # anything else writes to the disk
+            box = [str(self._write_error(exc, f"{step_dir} (rank {rank})"))]
+            dist.broadcast_object_list(box, group=self.group, group_src=0)
+            raise UserError(box[0]) from None
 
         def write_trainer() -> list[str]:
             trainer = {
