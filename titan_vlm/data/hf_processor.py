@@ -41,7 +41,8 @@ import torch
 from titan_vlm.config import ConfigError
 from titan_vlm.data.batch import Part, Prompt, is_image
 from titan_vlm.data.images import ImageProcessing, open_image
-from titan_vlm.data.tokenizer import HFTokenizer, read_json
+from titan_vlm.data.tokenizer import HFTokenizer
+from titan_vlm.files import read_json
 
 PLACEHOLDER = "<image>"  # a LLaVA conversation's image placeholder (data/jsonl.py)
 KEY = "model.hf_path"

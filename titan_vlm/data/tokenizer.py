@@ -12,12 +12,12 @@ IMAGE is the id image slots hold (data/batch.py collate); the decoder never read
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from titan_vlm.config import ConfigError
 from titan_vlm.data.tokenizer_classes import load as load_tokenizer_class
+from titan_vlm.files import read_json
 
 
 class ByteTokenizer:
@@ -49,19 +49,6 @@ def _content(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value if isinstance(value, str) else None
-
-
-def read_json(path: Path, what: str) -> dict:
-    """A JSON object file; a one-line ConfigError naming it if it is missing or not one."""
-    if not path.is_file():
-        raise ConfigError(f"{what}: {path.parent}: no {path.name}")
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{what}: {path} is not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{what}: {path} must hold a JSON object")
-    return value
 
 
 class HFTokenizer:

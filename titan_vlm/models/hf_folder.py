@@ -11,7 +11,6 @@ of each tensor it owns (models/loading.py). Nothing here imports transformers.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -19,23 +18,11 @@ from typing import Any
 import torch
 
 from titan_vlm.errors import ConfigError
+from titan_vlm.files import read_json
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-
-
-def read_json(path: Path, key: str) -> dict[str, Any]:
-    """A JSON object from `path`; a missing or malformed file is one line naming it and `key`."""
-    if not path.is_file():
-        raise ConfigError(f"{key}: {path} not found")
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{key}: {path} is not JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{key}: {path} must hold a JSON object")
-    return value
 
 
 def weight_files(folder: Path, key: str) -> list[Path]:

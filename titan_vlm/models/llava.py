@@ -24,11 +24,12 @@ import torch.nn as nn
 
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError
+from titan_vlm.files import read_json
 from titan_vlm.models.accounting import batch_train_flops
 from titan_vlm.models.flavors import IMAGE_ATTENTION, VLMArgs, get_flavor
 from titan_vlm.models.hf_adapter import export_names, hf_names, key_style, unused_hf_tensors
 from titan_vlm.models.hf_config import args_from_hf_config, text_args_from_hf, vision_args_from_hf
-from titan_vlm.models.hf_folder import config_path, read_json
+from titan_vlm.models.hf_folder import config_path
 from titan_vlm.models.loading import Init
 from titan_vlm.models.spec import ModelSpec
 from titan_vlm.models.vlm import VLM
