@@ -107,15 +107,30 @@ def llava_args(cfg: JobConfig) -> VLMArgs:
     return dataclasses.replace(from_hf, image_attention=m.image_attention)
 
 
+def _bias_fan_in(args: VLMArgs, name: str) -> int:
+    """The fan-in of the linear layer or convolution a vision / projector bias belongs to (0
+    for a norm's bias or the decoder's)."""
+    v, layer = args.vision, name.rsplit(".", 2)[-2]
+    if "norm" in name or name.startswith("decoder."):
+        return 0
+    if name == "vision.patch_embed.bias":
+        return v.channels * v.patch_size**2
+    if name.startswith("projector."):
+        return v.dim if layer == "fc1" else args.decoder.dim
+    return v.mlp_dim if layer == "fc2" else v.dim  # attn.q/k/v/proj and fc1 take the width
+
+
 def init_rule(args: VLMArgs, name: str, param: torch.Tensor) -> Init:
     """How each parameter starts from scratch: weights of linear layers and the patch
     convolution uniform in +-1/sqrt(fan_in) (PyTorch's default), the decoder's matrices
     normal(0.02) with its residual outputs (wo, w2) at 0.02/sqrt(2 * layers) and its head at
-    dim^-0.5, position embeddings and the class token normal(0.02), norm weights ones, every
-    bias zeros."""
+    dim^-0.5, position embeddings and the class token normal(0.02), norm weights ones; the
+    biases of the vision tower's and the projector's linear layers and convolution uniform in
+    +-1/sqrt(fan_in) (PyTorch's default, as construction draws them), every other bias zeros."""
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "bias":
-        return Init("zeros")
+        fan_in = _bias_fan_in(args, name)
+        return Init("uniform", 1 / math.sqrt(fan_in)) if fan_in else Init("zeros")
     if "norm" in name:
         return Init("ones")
     if name.startswith("decoder."):
