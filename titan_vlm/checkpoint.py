@@ -355,6 +355,7 @@ def load_model_for_inference(path: str | Path) -> tuple[torch.nn.Module, JobConf
     """A whole (unsharded) model from a checkpoint folder or step dir, in one process, no
     process group: DCP assembles every shard into plain tensors."""
     from titan_vlm.config import load_config
+    from titan_vlm.models.build import unfilled_model
     from titan_vlm.models.registry import get_model_spec
 
     step_dir = latest_step_dir(Path(path))
@@ -369,10 +370,7 @@ def load_model_for_inference(path: str | Path) -> tuple[torch.nn.Module, JobConf
         + [f"--data.dataset={saved['data']['dataset']}"]
     )
     spec = get_model_spec(cfg.model.name)
-    with torch.device("meta"):
-        model = spec.build(spec.args(cfg))
-    model.to_empty(device="cpu")
-    spec.after_to_empty(model)
+    model = unfilled_model(spec, spec.args(cfg))
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # one process without a process group is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

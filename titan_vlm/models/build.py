@@ -102,3 +102,13 @@ def build_model(
     else:
         init_from_seed(model, cfg.training.seed, lambda n, p: spec.init_rule(args, n, p))
     return model, args
+
+
+def unfilled_model(spec: ModelSpec, args: Any) -> nn.Module:
+    """The whole model, unsharded, allocated on the CPU but not filled (one process: inference,
+    export); its buffers and ties are set, its parameters hold whatever memory held."""
+    with torch.device("meta"):
+        model = spec.build(args)
+    model.to_empty(device="cpu")
+    spec.after_to_empty(model)
+    return model

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError
-from titan_vlm.models.build import load_hf
+from titan_vlm.models.build import load_hf, unfilled_model
 from titan_vlm.models.hf_folder import INDEX, SINGLE, SafetensorsFiles, weight_files
 from titan_vlm.models.registry import get_model_spec
 
@@ -45,10 +45,7 @@ def load_hf_model(cfg: JobConfig) -> tuple[nn.Module, Any]:
     built on meta, allocated on the CPU, filled from the files."""
     spec = get_model_spec(cfg.model.name)
     args = spec.args(cfg)
-    with torch.device("meta"):
-        model = spec.build(args)
-    model.to_empty(device="cpu")
-    spec.after_to_empty(model)
+    model = unfilled_model(spec, args)
     load_hf(model, spec, args, cfg)
     return model.eval(), args
 
