@@ -120,6 +120,10 @@ class ActivationCheckpoint:
 class Compile:
     enable: bool = False  # torch.compile each ViT and decoder block
     fullgraph: bool = True  # one graph per block: a graph break is an error, not a silent split
+    # torch.compile backend: "inductor" (generated kernels, the fast one) | "aot_eager" (traces
+    # forward and backward like inductor but runs them eagerly: finds graph breaks and tracing
+    # bugs in seconds, for debugging) | "eager" (dynamo only)
+    backend: str = "inductor"
 
 
 @dataclass

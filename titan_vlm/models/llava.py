@@ -178,6 +178,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: JobConfig) -> None:
         cfg.compile.enable,
         tp,
         fullgraph=cfg.compile.fullgraph,
+        compile_backend=cfg.compile.backend,
     )
 
 

@@ -84,14 +84,14 @@ def apply_ac(model: VLM, mode: str) -> None:
             layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
 
 
-def apply_compile(model: VLM, fullgraph: bool = True) -> None:
+def apply_compile(model: VLM, fullgraph: bool = True, backend: str = "inductor") -> None:
     """torch.compile each ViT and decoder block in place (the blocks share one compiled graph).
     The decoder's attention, local or context-parallel, is one opaque custom op
     (titan_vlm::attention, attention.py), so with `fullgraph` each block is a single graph and a
     graph break is an error."""
     for layers in (model.vision.layers, model.decoder.layers):
         for block in layers:
-            block.compile(fullgraph=fullgraph)
+            block.compile(fullgraph=fullgraph, backend=backend)
 
 
 def parallelize_vlm(
@@ -103,6 +103,7 @@ def parallelize_vlm(
     compile_blocks: bool = False,
     tp: TPOptions = TPOptions(),
     fullgraph: bool = True,
+    compile_backend: str = "inductor",
 ) -> VLM:
     """Everything the trainer applies to the model, torchtitan's order: tensor parallelism,
     activation checkpointing, torch.compile, then FSDP. CP itself needs no module changes: it
@@ -110,6 +111,6 @@ def parallelize_vlm(
     apply_tp(model, mesh.tp, tp)
     apply_ac(model, ac_mode)
     if compile_blocks:
-        apply_compile(model, fullgraph)
+        apply_compile(model, fullgraph, compile_backend)
     apply_fsdp(model, mesh, mixed_precision, cp_vision)
     return model
