@@ -17,7 +17,7 @@ def param_counts(model: nn.Module) -> dict[str, int]:
     return {name: count_params(getattr(model, name)) for name in ("vision", "projector", "decoder")}
 
 
-def train_flops(args: VLMArgs, num_images: int, text_tokens: int, attention_pairs: int) -> float:
+def train_flops(args: VLMArgs, num_images: int, text_tokens: int, attention_pairs: float) -> float:
     """Model FLOPs of forward + backward (3x forward) for `num_images` images and
     `text_tokens` text tokens whose decoder attention computes `attention_pairs` query-key pairs.
 

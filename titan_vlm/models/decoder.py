@@ -138,6 +138,9 @@ class Decoder(nn.Module):
     IS the embedding table (one Parameter: named_parameters lists it once, as
     tok_embeddings.weight, and training keeps the two equal)."""
 
+    rope_cos: torch.Tensor  # [max_seq_len, head_dim // 2] buffers, not saved: rebuilt from args
+    rope_sin: torch.Tensor
+
     def __init__(self, a: DecoderArgs):
         super().__init__()
         self.args = a

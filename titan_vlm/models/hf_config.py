@@ -174,7 +174,9 @@ class _Section:
         return _Section(value, self.where, f"{self.key(name)}.", defaults)
 
 
-def _model_type(cfg: dict, where: str, prefix: str, supported: tuple[str, ...], default=None):
+def _model_type(
+    cfg: dict, where: str, prefix: str, supported: tuple[str, ...], default: str | None = None
+) -> str:
     value = cfg.get("model_type", default)
     if value not in supported:
         raise ConfigError(

@@ -96,14 +96,14 @@ def export_hf(
     tensors: dict[str, torch.Tensor] = {}
     with SafetensorsFiles(weight_files(source, "model.hf_path"), "model.hf_path") as st:
         keys = st.keys()
-        names = spec.hf_names(model.args, keys, str(source))  # type: ignore[arg-type]
+        names = spec.hf_names(model.args, keys, str(source))
         for ours, theirs in names.items():
             if ours in params:
                 tensors[theirs] = params[ours].to(st.dtype(theirs)).contiguous()
-        for theirs in spec.hf_unused(model.args, keys):  # type: ignore[arg-type]
+        for theirs in spec.hf_unused(model.args, keys):
             if theirs not in tensors:
                 tensors[theirs] = st.read(theirs)
-        for copy, original in spec.hf_same(model.args, keys):  # type: ignore[arg-type]
+        for copy, original in spec.hf_same(model.args, keys):
             tensors[copy] = tensors[original].clone()  # the trained tensor, not the source's
     out.mkdir(parents=True, exist_ok=True)
     for old in (*out.glob("*.safetensors"), out / INDEX):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +50,7 @@ def local_box(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
 
 @torch.no_grad()
 def load_hf_shards(
-    params: dict[str, torch.Tensor], files: SafetensorsFiles, names: dict[str, str], where: str
+    params: Mapping[str, torch.Tensor], files: SafetensorsFiles, names: dict[str, str], where: str
 ) -> int:
     """Copy each parameter's local box from the file tensor `names[param name]`, whose full
     shape must be the parameter's (the error names both). Returns the bytes this rank read."""
@@ -131,4 +131,5 @@ def init_from_seed(
             gen = torch.Generator().manual_seed(_seed(seed, name, b))
             blocks.append(_draw(init, (n, *full[1:]), gen))
         drawn = torch.cat(blocks)[rows.start - first * ROW_BLOCK : rows.stop - first * ROW_BLOCK]
-        local.copy_(drawn[(slice(None), *box[1:])].to(local.dtype))
+        cols = (slice(None), *box[1:])  # this rank's box in the other dims
+        local.copy_(drawn[cols].to(local.dtype))
