@@ -20,23 +20,40 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from typing_extensions import TypeIs
 
 IGNORE_INDEX = -100
 
 
-class Prompt(list):
+class Prompt(list[int]):
     """Token ids that are context only: no position is trained to predict them (a user turn)."""
 
 
+@dataclass(frozen=True)
+class ImageRef:
+    """An image part before decoding: its file (a dataset file's record, data/records.py)."""
+
+    path: Path
+
+
 # Token ids (a plain list is trained text, a Prompt is context), or one image: a [3, H, W] tensor
-# in [-1, 1], or before decoding (data/jsonl.py) any other object standing for the image file.
-Part = list[int] | torch.Tensor | object
+# in [-1, 1], or before decoding its file (ImageRef).
+Part = list[int] | torch.Tensor | ImageRef
 
 
-def is_image(part: Part) -> bool:
+def is_image(part: Part) -> TypeIs[torch.Tensor | ImageRef]:
     return not isinstance(part, list)
+
+
+def batch_rows(step: int, dp_rank: int, dp_size: int, batch_size: int) -> range:
+    """The global row numbers of dp rank `dp_rank`'s batch at `step`: every dataset numbers
+    rows so, `(step * dp_size + dp_rank) * batch_size + j`, so the step is the data position
+    and the rows of a global batch do not depend on how it is split over dp."""
+    first = (step * dp_size + dp_rank) * batch_size
+    return range(first, first + batch_size)
 
 
 @dataclass

@@ -38,13 +38,13 @@ from typing import Any
 
 import torch
 
-from titan_vlm.config import ConfigError
 from titan_vlm.data.batch import Part, Prompt, is_image
+from titan_vlm.data.chat import PLACEHOLDER
 from titan_vlm.data.images import ImageProcessing, open_image
 from titan_vlm.data.tokenizer import HFTokenizer
+from titan_vlm.errors import ConfigError
 from titan_vlm.files import read_json
 
-PLACEHOLDER = "<image>"  # a LLaVA conversation's image placeholder (data/jsonl.py)
 KEY = "model.hf_path"
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)

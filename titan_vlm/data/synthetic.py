@@ -20,7 +20,7 @@ import random
 
 import torch
 
-from titan_vlm.data.batch import Batch, Sample, collate, pack
+from titan_vlm.data.batch import Batch, Part, Sample, batch_rows, collate, pack
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 
 COLORS = {
@@ -143,7 +143,7 @@ class SyntheticCaptions:
             image.zero_()
         return image * 2 - 1, describe(count, color, shape, cells, sentences)
 
-    def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+    def sample(self, index: int) -> tuple[torch.Tensor, str]:
         """Unpacked sample `index`: its images [k, 3, H, W] and caption text (the row is
         `[k images, BOS text EOS]`)."""
         rng = random.Random(f"{self.seed}/{index}")
@@ -185,7 +185,7 @@ class SyntheticCaptions:
             return Sample([enc(rng.choice(TEXT_ONLY))])
         if kind == "interleaved":
             count = rng.randint(2, k)
-            parts: list = [enc("image 1:", eos=False)]
+            parts: list[Part] = [enc("image 1:", eos=False)]
             for i in range(count):
                 image, caption = self.random_image(rng, sentences)
                 after = (
@@ -212,8 +212,7 @@ class SyntheticCaptions:
         return [Sample([*images, ids]).truncated(self.seq_len, self.tokens_per_image)]
 
     def batch(self, step: int, dp_rank: int, dp_size: int, batch_size: int) -> Batch:
-        first = (step * dp_size + dp_rank) * batch_size
-        rows = [self.row(first + j) for j in range(batch_size)]
+        rows = [self.row(r) for r in batch_rows(step, dp_rank, dp_size, batch_size)]
         return collate(
             rows,
             self.seq_len,

@@ -15,8 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from titan_vlm.config import ConfigError
 from titan_vlm.data.tokenizer_classes import load as load_tokenizer_class
+from titan_vlm.errors import ConfigError
 from titan_vlm.files import read_json
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from titan_vlm.config import ConfigError
+from titan_vlm.errors import ConfigError
 
 # transformers.models.qwen2.tokenization_qwen2.PRETOKENIZE_REGEX
 QWEN2_REGEX = (
