@@ -7,9 +7,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from titan_vlm.config import JobConfig
+    from titan_vlm.data.dataset import Dataset
     from titan_vlm.data.hf_processor import HFProcessor
-    from titan_vlm.data.jsonl import JsonlDataset
-    from titan_vlm.data.synthetic import SyntheticCaptions
     from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
     from titan_vlm.models.flavors import VLMArgs
 
@@ -34,10 +33,11 @@ def build_dataset(
     processor: HFProcessor | None = None,
     log_startup: bool = True,
     log_batches: bool = True,
-) -> SyntheticCaptions | JsonlDataset:
+) -> Dataset:
     """The dataset data.dataset names: "synthetic" or a .json / .jsonl file. Both read a batch as
     `batch(step, dp_rank, dp_size, local_batch_size)` (rows numbered globally, so the step is the
-    data position) and carry the counters the metrics report (bad_at_startup, truncated, dropped).
+    data position: data/dataset.py) and carry the counters the metrics report (bad_at_startup,
+    truncated, dropped).
     `processor`: a Hugging Face folder's (`model_inputs`): a dataset file's conversations in its
     chat template and images preprocessed as it says.
     log_startup / log_batches: which warnings this rank logs (JsonlDataset)."""

@@ -48,14 +48,6 @@ def is_image(part: Part) -> TypeIs[torch.Tensor | ImageRef]:
     return not isinstance(part, list)
 
 
-def batch_rows(step: int, dp_rank: int, dp_size: int, batch_size: int) -> range:
-    """The global row numbers of dp rank `dp_rank`'s batch at `step`: every dataset numbers
-    rows so, `(step * dp_size + dp_rank) * batch_size + j`, so the step is the data position
-    and the rows of a global batch do not depend on how it is split over dp."""
-    first = (step * dp_size + dp_rank) * batch_size
-    return range(first, first + batch_size)
-
-
 @dataclass
 class Sample:
     """One sample in reading order."""

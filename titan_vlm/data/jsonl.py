@@ -12,7 +12,7 @@ exist, not decoded) and builds a fixed packing index, a list of rows of sample n
 dropped; else one sample per row). Global row r of the training run is index row
 `order_e[r mod R]` of epoch e = r div R (R rows; `order_e` a permutation seeded by
 training.seed and e with `data.shuffle`, else the file order), and the rows of a global batch are
-numbered exactly as the built-in data's (data/batch.py batch_rows). So the checkpointed step IS
+numbered exactly as the built-in data's (data/dataset.py batch_rows). So the checkpointed step IS
 the data position, and a run resumed at another dp / cp layout with the same global batch reads
 the same rows. Only the byte span of each record is kept; a batch reads its records back from
 the file (which must not change while a run and its resumes use it) and decodes only its own
@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
-from titan_vlm.data.batch import Batch, ImageRef, Part, Prompt, Sample, batch_rows, collate
+from titan_vlm.data.batch import ImageRef, Part, Prompt, Sample
+from titan_vlm.data.dataset import Dataset, batch_rows
 from titan_vlm.data.hf_processor import HFProcessor
 from titan_vlm.data.images import ImageTooLarge, load_image
 from titan_vlm.data.json_spans import FORMATS, record_spans
@@ -90,9 +91,9 @@ class DataError(ConfigError):
     """A bad sample with data.on_bad_sample = "error"; one line naming the file and line."""
 
 
-class JsonlDataset:
-    """A JSON / JSONL file of LLaVA conversations or captions (see the module docstring), with
-    the built-in data's interface: `batch(step, dp_rank, dp_size, batch_size) -> Batch`.
+class JsonlDataset(Dataset):
+    """A JSON / JSONL file of LLaVA conversations or captions (see the module docstring), read
+    as every Dataset is (data/dataset.py): `batch(step, dp_rank, dp_size, batch_size) -> Batch`.
 
     Counters: `bad_at_startup` (samples left out of the index), `truncated` (samples cut to
     seq_len), `dropped` (the sample numbers this process left out of its batches: an image
@@ -241,10 +242,11 @@ class JsonlDataset:
 
     def row_ids(self, step: int, dp_rank: int, dp_size: int, batch_size: int) -> list[int]:
         """Which rows of the packing index this rank reads at `step` (global row numbering)."""
-        return [
-            self._order(r // len(self.rows))[r % len(self.rows)]
-            for r in batch_rows(step, dp_rank, dp_size, batch_size)
-        ]
+        return [self._index_row(r) for r in batch_rows(step, dp_rank, dp_size, batch_size)]
+
+    def _index_row(self, r: int) -> int:
+        """The packing index row that global row `r` reads."""
+        return self._order(r // len(self.rows))[r % len(self.rows)]
 
     def sample(self, i: int) -> Sample:
         """Kept sample i with its images as ImageRef (read back from the file)."""
@@ -295,21 +297,19 @@ class JsonlDataset:
         self.dropped.add(i)
         return None
 
-    def batch(self, step: int, dp_rank: int, dp_size: int, batch_size: int) -> Batch:
-        rows: list[list[Sample]] = []
+    def read(self, rows: range) -> list[list[Sample]]:
+        """Global rows `rows` (index rows `_index_row(r)`), their images decoded; a sample whose
+        image cannot be used is left out of its row."""
+        out: list[list[Sample]] = []
         with open(self.path, "rb") as f:
-            for r in self.row_ids(step, dp_rank, dp_size, batch_size):
-                decoded = (self._decoded(i, self._read(f, i)) for i in self.rows[r])
-                rows.append([s for s in decoded if s is not None])
-        if not any(rows):
-            # Every sample of this rank's batch was dropped. A rank with no slots at all cannot
-            # run the step its peers run, so it gets one padding token that trains nothing.
-            rows[0] = [Sample([Prompt([self.tokenizer.PAD])])]
-        return collate(
-            rows,
-            self.seq_len,
-            self.tokens_per_image,
-            self.image_size,
-            self.tokenizer.PAD,
-            self.tokenizer.IMAGE,
-        )
+            for r in rows:
+                decoded = (
+                    self._decoded(i, self._read(f, i)) for i in self.rows[self._index_row(r)]
+                )
+                out.append([s for s in decoded if s is not None])
+        if not any(out):
+            # Every sample of these rows (this rank's batch) was dropped. A rank with no slots at
+            # all cannot run the step its peers run, so it gets one padding token that trains
+            # nothing.
+            out[0] = [Sample([Prompt([self.tokenizer.PAD])])]
+        return out

@@ -20,7 +20,8 @@ import random
 
 import torch
 
-from titan_vlm.data.batch import Batch, Part, Sample, batch_rows, collate, pack
+from titan_vlm.data.batch import Part, Sample, pack
+from titan_vlm.data.dataset import Dataset
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 
 COLORS = {
@@ -93,7 +94,7 @@ TEXT_ONLY = (
 )
 
 
-class SyntheticCaptions:
+class SyntheticCaptions(Dataset):
     """The built-in dataset. `packing=False`: each row is one sample, `[k images, BOS caption
     EOS]` (k = images_per_sample, the images first). `packing=True`: rows packed with samples of
     several kinds and lengths (`packed_sample`), each with 0..images_per_sample images placed at
@@ -211,16 +212,8 @@ class SyntheticCaptions:
         ids = self.tokenizer.encode(text)
         return [Sample([*images, ids]).truncated(self.seq_len, self.tokens_per_image)]
 
-    def batch(self, step: int, dp_rank: int, dp_size: int, batch_size: int) -> Batch:
-        rows = [self.row(r) for r in batch_rows(step, dp_rank, dp_size, batch_size)]
-        return collate(
-            rows,
-            self.seq_len,
-            self.tokens_per_image,
-            self.image_size,
-            self.tokenizer.PAD,
-            self.tokenizer.IMAGE,
-        )
+    def read(self, rows: range) -> list[list[Sample]]:
+        return [self.row(r) for r in rows]
 
     def describe(self) -> str:
         k = self.images_per_sample
