@@ -19,22 +19,22 @@ the file (which must not change while a run and its resumes use it) and decodes 
 rows' images.
 
 Bad input, each counted and reported once per process as `data: <file>:<line>: <reason> (skipped)`
-(the first MAX_WARNINGS; the counts cover all), or with `data.on_bad_sample = "error"` a
-DataError naming the file and line: a malformed JSON line, a record without the keys of
-data/records.py, an empty text, a placeholder / image count mismatch, a conversation the chat
-template cannot render and a missing image file are found at start-up and leave the sample out
-of the index; a sample longer than training.seq_len is cut to it (Sample.truncated,
-"(truncated)"); JSON nested too deeply, text that is not valid Unicode (a lone surrogate escape
-such as "\\ud800") and bytes that are not UTF-8 are bad samples too, and a UTF-8 byte order mark
-at the start of the file is skipped; an image that cannot be decoded or has more than
-`data.max_image_pixels` pixels (read from its header) is found when its batch is built, and its
-sample is left out of that row (the same way on every read, so runs stay deterministic; a rank
-whose whole batch is left out gets one untrained padding token, so it still runs the step).
+(data/bad_samples.py: the first MAX_WARNINGS; the counts cover all), or with
+`data.on_bad_sample = "error"` a DataError naming the file and line: a malformed JSON line, a
+record without the keys of data/records.py, an empty text, a placeholder / image count mismatch,
+a conversation the chat template cannot render and a missing image file are found at start-up
+and leave the sample out of the index; a sample longer than training.seq_len is cut to it
+(Sample.truncated, "(truncated)"); JSON nested too deeply, text that is not valid Unicode (a
+lone surrogate escape such as "\\ud800") and bytes that are not UTF-8 are bad samples too, and
+a UTF-8 byte order mark at the start of the file is skipped; an image that cannot be decoded or
+has more than `data.max_image_pixels` pixels (read from its header) is found when its batch is
+built, and its sample is left out of that row (the same way on every read, so runs stay
+deterministic; a rank whose whole batch is left out gets one untrained padding token, so it
+still runs the step).
 """
 
 from __future__ import annotations
 
-import logging
 import random
 from array import array
 from collections import Counter
@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
+from titan_vlm.data.bad_samples import BadSampleLog, check_on_bad_sample
 from titan_vlm.data.batch import ImageRef, Part, Prompt, Sample
 from titan_vlm.data.dataset import Dataset, batch_rows
 from titan_vlm.data.hf_processor import HFProcessor
@@ -55,16 +56,11 @@ from titan_vlm.errors import ConfigError
 if TYPE_CHECKING:
     from titan_vlm.config import Data
 
-logger = logging.getLogger("titan_vlm")
-
-BAD_SAMPLE_MODES = ("skip", "error")
-MAX_WARNINGS = 100  # per process; a broken dataset should not bury the training log
-
 
 def validate_data_config(data: Data) -> None:
     """The data.* keys of a dataset file, before any process group exists (the file itself is
     parsed when the dataset is built)."""
-    _check_on_bad_sample(data.on_bad_sample)
+    check_on_bad_sample(data.on_bad_sample)
     if data.max_image_pixels < 1:
         raise ConfigError(f"data.max_image_pixels must be >= 1, got {data.max_image_pixels}")
     if data.dataset == "synthetic":
@@ -78,17 +74,6 @@ def validate_data_config(data: Data) -> None:
         raise ConfigError(f"data.dataset: file not found: {data.dataset}")
     if data.image_root and not Path(data.image_root).is_dir():
         raise ConfigError(f"data.image_root: folder not found: {data.image_root}")
-
-
-def _check_on_bad_sample(mode: str) -> None:
-    if mode not in BAD_SAMPLE_MODES:
-        raise ConfigError(
-            f"data.on_bad_sample must be one of {', '.join(BAD_SAMPLE_MODES)}, got {mode!r}"
-        )
-
-
-class DataError(ConfigError):
-    """A bad sample with data.on_bad_sample = "error"; one line naming the file and line."""
 
 
 class JsonlDataset(Dataset):
@@ -131,17 +116,15 @@ class JsonlDataset(Dataset):
                 f"the model takes {image_size}"
             )
         self.processor = processor
-        _check_on_bad_sample(on_bad_sample)
         self.path = Path(path)
         self.name = str(path)  # as the user wrote it, for the warnings
+        self.bad = BadSampleLog(self.name, on_bad_sample)
         self.tokenizer = tokenizer
         self.image_size, self.tokens_per_image, self.seq_len = image_size, tokens_per_image, seq_len
         self.seed, self.packing, self.shuffle = seed, packing, shuffle
         self.image_root = Path(image_root) if image_root else self.path.parent
-        self.on_bad_sample, self.max_image_pixels = on_bad_sample, max_image_pixels
+        self.max_image_pixels = max_image_pixels
         self.log_batches = log_batches
-        self._warned: set[int] = set()
-        self._warnings = 0
         self.skipped: Counter[str] = Counter()  # start-up reasons, by kind
         self.dropped: set[int] = set()
         self._orders: dict[int, list[int]] = {}
@@ -162,13 +145,13 @@ class JsonlDataset(Dataset):
                     record, tokenizer, self.image_root, check_files=True, processor=processor
                 )
             except BadSample as bad:
-                self._bad(line, str(bad), log_startup)
+                self.bad.report(line, str(bad), log_startup)
                 self.skipped[bad.kind] += 1
                 continue
             sample = Sample(parts)
             size = sample.num_slots(tokens_per_image)
             if size > seq_len:
-                self._bad(
+                self.bad.report(
                     line,
                     f"sample of {size} slots is longer than training.seq_len={seq_len}",
                     log_startup,
@@ -201,22 +184,6 @@ class JsonlDataset(Dataset):
             rows[-1].append(i)
             used += size
         return rows
-
-    def _bad(self, line: int, reason: str, log: bool, action: str = "skipped") -> None:
-        """Report one bad sample: raise with on_bad_sample = "error", else warn once."""
-        where = f"{self.name}:{line}"
-        if self.on_bad_sample == "error":
-            raise DataError(f"data.on_bad_sample='error': {where}: {reason}")
-        if not log or line in self._warned:
-            return
-        self._warned.add(line)
-        self._warnings += 1
-        if self._warnings <= MAX_WARNINGS:
-            logger.warning("data: %s: %s (%s)", where, reason, action)
-        if self._warnings == MAX_WARNINGS:
-            logger.warning(
-                "data: %s: further bad samples are counted in the metrics, not logged", self.name
-            )
 
     def describe(self) -> str:
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(self.skipped.items()))
@@ -293,7 +260,7 @@ class JsonlDataset(Dataset):
             reason = f"image too large: {ref.path} ({e})"
         except (OSError, SyntaxError, ValueError, EOFError) as e:  # what Pillow raises
             reason = f"image cannot be decoded: {ref.path} ({type(e).__name__}: {e})"
-        self._bad(self.lines[i], reason, self.log_batches)
+        self.bad.report(self.lines[i], reason, self.log_batches)
         self.dropped.add(i)
         return None
 
