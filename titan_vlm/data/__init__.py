@@ -1,5 +1,18 @@
 """Samples, batches, tokenizers and datasets: the built-in shapes (synthetic.py) or a JSON / JSONL
-file of your own (jsonl.py), chosen by data.dataset."""
+file of your own (jsonl.py), chosen by data.dataset; both are a Dataset (dataset.py).
+
+    batch.py        Sample, Batch, collate: what a row holds and the trainer consumes
+    dataset.py      Dataset: rows numbered globally, so the step is the data position
+    synthetic.py    the built-in shapes dataset
+    jsonl.py        JsonlDataset: a .json / .jsonl file's records, indexed and packed
+      json_spans.py   where each record lies in the file
+      records.py      the record schema: one record into Sample parts
+      chat.py         the built-in chat template and captions
+      bad_samples.py  how bad samples are reported
+    tokenizer.py    the byte tokenizer or a tokenizer.json (tokenizer_classes.py: as transformers)
+    hf_processor.py a Hugging Face folder's tokenizer, chat template and image preprocessing
+    images.py       image decoding and transformers' image preprocessing
+"""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ layout.py for what the metadata means to attention):
 Labels are shifted here, before any CP sharding: a text slot's label is the next slot's token
 when that slot is text of the same sample, else IGNORE_INDEX (image slots, the last token of a
 sample, padding). So the loss is on text predicting text, and nothing predicts an image. Text
-given as a `Prompt` (a chat's user turns, data/jsonl.py) is context only: no slot is trained to
+given as a `Prompt` (a chat's user turns, data/chat.py) is context only: no slot is trained to
 predict a prompt token, so the loss is on the answers alone.
 """
 

@@ -9,8 +9,9 @@ With `data.packing = true` rows hold several samples of mixed kinds and lengths:
 captions, an image in the middle or at the end of the text, and up to k interleaved images.
 
 Row `i` is a pure function of (seed, i); the rows of a global batch are numbered
-`step * global_batch + dp_rank * local_batch + j`, so the data is deterministic per seed and per
-data-parallel rank and does not depend on the CP degree (CP ranks of one group share rows).
+`step * global_batch + dp_rank * local_batch + j` (data/dataset.py), so the data is
+deterministic per seed and per data-parallel rank and does not depend on the CP degree (CP ranks
+of one group share rows).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class SyntheticCaptions(Dataset):
     the start, in the middle or at the end of its text. `tokens_per_image` is the model's
     image-token count for one image."""
 
-    # The data counters of the trainer's metrics (data/jsonl.py): drawn data has no bad samples,
+    # The data counters of the trainer's metrics (data/dataset.py): drawn data has no bad samples,
     # and a long caption is cut to its row by design (data.sentences_per_image).
     bad_at_startup = truncated = 0
     dropped: frozenset[int] = frozenset()
