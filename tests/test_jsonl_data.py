@@ -13,9 +13,11 @@ from PIL import Image
 
 from titan_vlm.checkpoint import load_model_for_inference
 from titan_vlm.config import ConfigError, load_config
+from titan_vlm.data.bad_samples import DataError
 from titan_vlm.data.batch import IGNORE_INDEX
+from titan_vlm.data.chat import chat_question
 from titan_vlm.data.images import load_image
-from titan_vlm.data.jsonl import DataError, JsonlDataset, chat_question
+from titan_vlm.data.jsonl import JsonlDataset
 from titan_vlm.data.synthetic import COLORS, draw_image
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 from titan_vlm.generate import generate

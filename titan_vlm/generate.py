@@ -18,7 +18,7 @@ them (`--template`, default auto):
   caption  the answer continues the prompt after the image, `[image] BOS prompt ...` (the built-in
            data's and a caption record's layout); auto picks it without --prompt or for a model
            trained on the built-in data
-  chat     `BOS USER: [image]\\n<prompt> ASSISTANT:` and the answer (data/jsonl.py's chat template,
+  chat     `BOS USER: [image]\\n<prompt> ASSISTANT:` and the answer (data/chat.py's chat template,
            LLaVA's layout); auto picks it for a --prompt to a model trained on a .json / .jsonl file
 until EOS or --max-new-tokens.
 
@@ -37,9 +37,9 @@ import torch
 import torch.nn as nn
 
 from titan_vlm.data.batch import Part, Sample, collate
+from titan_vlm.data.chat import chat_question
 from titan_vlm.data.hf_processor import ChatError, HFProcessor, chat_prompt
 from titan_vlm.data.images import load_image
-from titan_vlm.data.jsonl import chat_question
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 from titan_vlm.errors import ConfigError
 from titan_vlm.parallel.context_parallel import shard_batch

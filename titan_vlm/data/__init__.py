@@ -1,5 +1,18 @@
 """Samples, batches, tokenizers and datasets: the built-in shapes (synthetic.py) or a JSON / JSONL
-file of your own (jsonl.py), chosen by data.dataset."""
+file of your own (jsonl.py), chosen by data.dataset; both are a Dataset (dataset.py).
+
+    batch.py        Sample, Batch, collate: what a row holds and the trainer consumes
+    dataset.py      Dataset: rows numbered globally, so the step is the data position
+    synthetic.py    the built-in shapes dataset
+    jsonl.py        JsonlDataset: a .json / .jsonl file's records, indexed and packed
+      json_spans.py   where each record lies in the file
+      records.py      the record schema: one record into Sample parts
+      chat.py         the built-in chat template and captions
+      bad_samples.py  how bad samples are reported
+    tokenizer.py    the byte tokenizer or a tokenizer.json (tokenizer_classes.py: as transformers)
+    hf_processor.py a Hugging Face folder's tokenizer, chat template and image preprocessing
+    images.py       image decoding and transformers' image preprocessing
+"""
 
 from __future__ import annotations
 
@@ -7,9 +20,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from titan_vlm.config import JobConfig
+    from titan_vlm.data.dataset import Dataset
     from titan_vlm.data.hf_processor import HFProcessor
-    from titan_vlm.data.jsonl import JsonlDataset
-    from titan_vlm.data.synthetic import SyntheticCaptions
     from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
     from titan_vlm.models.flavors import VLMArgs
 
@@ -34,10 +46,11 @@ def build_dataset(
     processor: HFProcessor | None = None,
     log_startup: bool = True,
     log_batches: bool = True,
-) -> SyntheticCaptions | JsonlDataset:
+) -> Dataset:
     """The dataset data.dataset names: "synthetic" or a .json / .jsonl file. Both read a batch as
     `batch(step, dp_rank, dp_size, local_batch_size)` (rows numbered globally, so the step is the
-    data position) and carry the counters the metrics report (bad_at_startup, truncated, dropped).
+    data position: data/dataset.py) and carry the counters the metrics report (bad_at_startup,
+    truncated, dropped).
     `processor`: a Hugging Face folder's (`model_inputs`): a dataset file's conversations in its
     chat template and images preprocessed as it says.
     log_startup / log_batches: which warnings this rank logs (JsonlDataset)."""

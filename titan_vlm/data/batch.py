@@ -12,7 +12,7 @@ layout.py for what the metadata means to attention):
 Labels are shifted here, before any CP sharding: a text slot's label is the next slot's token
 when that slot is text of the same sample, else IGNORE_INDEX (image slots, the last token of a
 sample, padding). So the loss is on text predicting text, and nothing predicts an image. Text
-given as a `Prompt` (a chat's user turns, data/jsonl.py) is context only: no slot is trained to
+given as a `Prompt` (a chat's user turns, data/chat.py) is context only: no slot is trained to
 predict a prompt token, so the loss is on the answers alone.
 """
 
@@ -20,22 +20,31 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from typing_extensions import TypeIs
 
 IGNORE_INDEX = -100
 
 
-class Prompt(list):
+class Prompt(list[int]):
     """Token ids that are context only: no position is trained to predict them (a user turn)."""
 
 
+@dataclass(frozen=True)
+class ImageRef:
+    """An image part before decoding: its file (a dataset file's record, data/records.py)."""
+
+    path: Path
+
+
 # Token ids (a plain list is trained text, a Prompt is context), or one image: a [3, H, W] tensor
-# in [-1, 1], or before decoding (data/jsonl.py) any other object standing for the image file.
-Part = list[int] | torch.Tensor | object
+# in [-1, 1], or before decoding its file (ImageRef).
+Part = list[int] | torch.Tensor | ImageRef
 
 
-def is_image(part: Part) -> bool:
+def is_image(part: Part) -> TypeIs[torch.Tensor | ImageRef]:
     return not isinstance(part, list)
 
 

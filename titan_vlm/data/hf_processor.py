@@ -32,19 +32,27 @@ instead, whose numbers differ from Pillow's by up to a few 1e-2.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from titan_vlm.config import ConfigError
 from titan_vlm.data.batch import Part, Prompt, is_image
+from titan_vlm.data.chat import PLACEHOLDER
 from titan_vlm.data.images import ImageProcessing, open_image
 from titan_vlm.data.tokenizer import HFTokenizer
+from titan_vlm.errors import ConfigError
 from titan_vlm.files import read_json
 
-PLACEHOLDER = "<image>"  # a LLaVA conversation's image placeholder (data/jsonl.py)
+if TYPE_CHECKING:
+    import jinja2
+    import jinja2.nodes
+    import jinja2.parser
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from PIL import Image as PILImage
+
 KEY = "model.hf_path"
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -281,7 +289,9 @@ class HFProcessor:
 
     # -- images ----------------------------------------------------------------------------
 
-    def preprocess_image(self, image: Any, max_pixels: int | None = None) -> torch.Tensor:
+    def preprocess_image(
+        self, image: str | Path | PILImage.Image, max_pixels: int | None = None
+    ) -> torch.Tensor:
         """An image file (path) or PIL image as the folder's image processor's pixel_values:
         float32 [3, image_size, image_size]. `max_pixels`: as data/images.py open_image."""
         if isinstance(image, (str, Path)):
@@ -414,10 +424,10 @@ def _chat_template(folder: Path, processor: dict) -> tuple[str | None, str]:
     return None, str(folder)
 
 
-_TEMPLATES: dict[str, Any] = {}
+_TEMPLATES: dict[str, jinja2.Template] = {}
 
 
-def _compiled(template: str, where: str) -> Any:
+def _compiled(template: str, where: str) -> jinja2.Template:
     """The template compiled in transformers' chat-template environment: a sandbox with
     trim_blocks and lstrip_blocks, loop controls, the {% generation %} block (rendered as its
     body), a tojson that does not escape HTML, raise_exception and strftime_now. A syntax error
@@ -432,7 +442,7 @@ def _compiled(template: str, where: str) -> Any:
     return _TEMPLATES[template]
 
 
-def _environment() -> Any:
+def _environment() -> ImmutableSandboxedEnvironment:
     from datetime import datetime
 
     import jinja2
@@ -442,20 +452,26 @@ def _environment() -> Any:
     class Generation(Extension):
         tags = {"generation"}
 
-        def parse(self, parser: Any) -> Any:
+        def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(
                 lineno
             )
 
-        def _body(self, caller: Any) -> str:
+        def _body(self, caller: Callable[[], str]) -> str:
             return caller()
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
         return json.dumps(
             x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
         )

@@ -57,7 +57,7 @@ def load_image(path: str | Path, size: int, max_pixels: int | None = None) -> to
     with open_image(path, max_pixels) as img:
         rgb = img.convert("RGB")
         if rgb.size != (size, size):
-            rgb = rgb.resize((size, size), Image.BICUBIC)
+            rgb = rgb.resize((size, size), Image.Resampling.BICUBIC)
         pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(size, size, 3)
     return pixels.permute(2, 0, 1).float() / 255 * 2 - 1
 

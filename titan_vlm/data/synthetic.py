@@ -9,8 +9,9 @@ With `data.packing = true` rows hold several samples of mixed kinds and lengths:
 captions, an image in the middle or at the end of the text, and up to k interleaved images.
 
 Row `i` is a pure function of (seed, i); the rows of a global batch are numbered
-`step * global_batch + dp_rank * local_batch + j`, so the data is deterministic per seed and per
-data-parallel rank and does not depend on the CP degree (CP ranks of one group share rows).
+`step * global_batch + dp_rank * local_batch + j` (data/dataset.py), so the data is
+deterministic per seed and per data-parallel rank and does not depend on the CP degree (CP ranks
+of one group share rows).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import random
 
 import torch
 
-from titan_vlm.data.batch import Batch, Sample, collate, pack
+from titan_vlm.data.batch import Part, Sample, pack
+from titan_vlm.data.dataset import Dataset
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 
 COLORS = {
@@ -93,14 +95,14 @@ TEXT_ONLY = (
 )
 
 
-class SyntheticCaptions:
+class SyntheticCaptions(Dataset):
     """The built-in dataset. `packing=False`: each row is one sample, `[k images, BOS caption
     EOS]` (k = images_per_sample, the images first). `packing=True`: rows packed with samples of
     several kinds and lengths (`packed_sample`), each with 0..images_per_sample images placed at
     the start, in the middle or at the end of its text. `tokens_per_image` is the model's
     image-token count for one image."""
 
-    # The data counters of the trainer's metrics (data/jsonl.py): drawn data has no bad samples,
+    # The data counters of the trainer's metrics (data/dataset.py): drawn data has no bad samples,
     # and a long caption is cut to its row by design (data.sentences_per_image).
     bad_at_startup = truncated = 0
     dropped: frozenset[int] = frozenset()
@@ -143,7 +145,7 @@ class SyntheticCaptions:
             image.zero_()
         return image * 2 - 1, describe(count, color, shape, cells, sentences)
 
-    def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+    def sample(self, index: int) -> tuple[torch.Tensor, str]:
         """Unpacked sample `index`: its images [k, 3, H, W] and caption text (the row is
         `[k images, BOS text EOS]`)."""
         rng = random.Random(f"{self.seed}/{index}")
@@ -185,7 +187,7 @@ class SyntheticCaptions:
             return Sample([enc(rng.choice(TEXT_ONLY))])
         if kind == "interleaved":
             count = rng.randint(2, k)
-            parts: list = [enc("image 1:", eos=False)]
+            parts: list[Part] = [enc("image 1:", eos=False)]
             for i in range(count):
                 image, caption = self.random_image(rng, sentences)
                 after = (
@@ -211,17 +213,8 @@ class SyntheticCaptions:
         ids = self.tokenizer.encode(text)
         return [Sample([*images, ids]).truncated(self.seq_len, self.tokens_per_image)]
 
-    def batch(self, step: int, dp_rank: int, dp_size: int, batch_size: int) -> Batch:
-        first = (step * dp_size + dp_rank) * batch_size
-        rows = [self.row(first + j) for j in range(batch_size)]
-        return collate(
-            rows,
-            self.seq_len,
-            self.tokens_per_image,
-            self.image_size,
-            self.tokenizer.PAD,
-            self.tokenizer.IMAGE,
-        )
+    def read(self, rows: range) -> list[list[Sample]]:
+        return [self.row(r) for r in rows]
 
     def describe(self) -> str:
         k = self.images_per_sample

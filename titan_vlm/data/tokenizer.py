@@ -15,8 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from titan_vlm.config import ConfigError
 from titan_vlm.data.tokenizer_classes import load as load_tokenizer_class
+from titan_vlm.errors import ConfigError
 from titan_vlm.files import read_json
 
 
@@ -141,8 +141,13 @@ class HFTokenizer:
             if token and token not in added:
                 self.tok.add_special_tokens([AddedToken(token, special=True, normalized=False)])
                 added.add(token)
-        ids = {k: self.tok.token_to_id(t) for k, t in self.special_tokens.items()}
-        if ids.get("eos_token") is None:
+        # every named token is a token now, so each has its id
+        ids = {
+            k: i
+            for k, t in self.special_tokens.items()
+            if (i := self.tok.token_to_id(t)) is not None
+        }
+        if "eos_token" not in ids:
             raise ConfigError(
                 f"model.hf_path: {Path(path).parent}: tokenizer_config.json names no eos_token"
             )

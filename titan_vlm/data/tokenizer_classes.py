@@ -20,9 +20,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from titan_vlm.config import ConfigError
+from titan_vlm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 # transformers.models.qwen2.tokenization_qwen2.PRETOKENIZE_REGEX
 QWEN2_REGEX = (
@@ -41,7 +44,7 @@ def _bpe(file: dict, path: Path) -> tuple[dict, list[tuple[str, str]]]:
     return model["vocab"], merges  # type: ignore[return-value]
 
 
-def llama(file: dict, config: dict, path: Path) -> Any:
+def llama(file: dict, config: dict, path: Path) -> Tokenizer:
     """transformers 5 LlamaTokenizer: byte-fallback BPE, no normalizer, a Metaspace
     pre-tokenizer that prepends ▁ to the first piece of text only (legacy=false, the default),
     to every piece (legacy=true) or never (add_prefix_space=false)."""
@@ -63,7 +66,7 @@ def llama(file: dict, config: dict, path: Path) -> Any:
     return tok
 
 
-def qwen2(file: dict, config: dict, path: Path) -> Any:
+def qwen2(file: dict, config: dict, path: Path) -> Tokenizer:
     """transformers 5 Qwen2Tokenizer: byte-level BPE after NFC and Qwen2's split regex."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
@@ -93,7 +96,7 @@ def qwen2(file: dict, config: dict, path: Path) -> Any:
     return tok
 
 
-REBUILDS: dict[str, Callable[[dict, dict, Path], Any] | None] = {
+REBUILDS: dict[str, Callable[[dict, dict, Path], Tokenizer] | None] = {
     "TokenizersBackend": None,
     "PreTrainedTokenizerFast": None,
     "LlamaTokenizer": llama,
@@ -103,13 +106,17 @@ REBUILDS: dict[str, Callable[[dict, dict, Path], Any] | None] = {
 }
 
 
-def load(path: Path, config: dict, model_type: str | None) -> Any:
+def load(path: Path, config: dict, model_type: str | None) -> Tokenizer:
     """tokenizer.json as transformers 5 runs it for this folder (see the module docstring);
     `config`: tokenizer_config.json, `model_type`: config.json's, None without one."""
     from tokenizers import Tokenizer
 
     name = config.get("tokenizer_class")
-    if model_type != "llava" and name not in REBUILDS:
+    if model_type == "llava":
+        rebuild = None
+    elif isinstance(name, str) and name in REBUILDS:
+        rebuild = REBUILDS[name]
+    else:
         raise ConfigError(
             f"model.hf_path: {path.parent}/tokenizer_config.json: tokenizer_class {name!r} is not "
             f"supported (supported: {', '.join(REBUILDS)})"
@@ -119,7 +126,6 @@ def load(path: Path, config: dict, model_type: str | None) -> Any:
     except Exception as e:  # the library's own parse errors
         raise ConfigError(f"model.hf_path: {path} is not a tokenizer.json ({e})") from None
     text = path.read_text(encoding="utf-8")
-    rebuild = None if model_type == "llava" else REBUILDS[name]
     if rebuild is llama and '"ByteLevel"' in text:  # transformers: "tokenizer.json is ByteLevel"
         rebuild = None
     if rebuild is None:

@@ -1,0 +1,58 @@
+"""How a dataset file's bad samples are reported (data/jsonl.py): with
+`data.on_bad_sample = "skip"` each one is a warning `data: <file>:<line>: <reason> (<action>)`
+and the sample is skipped (or truncated, or dropped from its row); with "error" the first one is
+a DataError naming the file and line.
+
+Invariants: a line is warned about at most once per process, whatever its reasons and however
+often its batch is read again, and only the first MAX_WARNINGS are logged (the trainer's metrics
+count them all), so a broken dataset does not bury the training log; a process logs only the
+kinds of warning its caller lets it (`log`), so that the ranks of a job do not repeat each
+other.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from titan_vlm.errors import ConfigError
+
+logger = logging.getLogger("titan_vlm")
+
+BAD_SAMPLE_MODES = ("skip", "error")
+MAX_WARNINGS = 100  # per process
+
+
+class DataError(ConfigError):
+    """A bad sample with data.on_bad_sample = "error"; one line naming the file and line."""
+
+
+def check_on_bad_sample(mode: str) -> None:
+    if mode not in BAD_SAMPLE_MODES:
+        raise ConfigError(
+            f"data.on_bad_sample must be one of {', '.join(BAD_SAMPLE_MODES)}, got {mode!r}"
+        )
+
+
+class BadSampleLog:
+    """The bad samples of file `name` (as the user wrote it), reported as `on_bad_sample` says."""
+
+    def __init__(self, name: str, on_bad_sample: str):
+        check_on_bad_sample(on_bad_sample)
+        self.name, self.on_bad_sample = name, on_bad_sample
+        self._warned: set[int] = set()
+
+    def report(self, line: int, reason: str, log: bool, action: str = "skipped") -> None:
+        """One bad sample at `line`: raise with on_bad_sample = "error", else warn (if `log`)
+        once."""
+        where = f"{self.name}:{line}"
+        if self.on_bad_sample == "error":
+            raise DataError(f"data.on_bad_sample='error': {where}: {reason}")
+        if not log or line in self._warned:
+            return
+        self._warned.add(line)
+        if len(self._warned) <= MAX_WARNINGS:
+            logger.warning("data: %s: %s (%s)", where, reason, action)
+        if len(self._warned) == MAX_WARNINGS:
+            logger.warning(
+                "data: %s: further bad samples are counted in the metrics, not logged", self.name
+            )
