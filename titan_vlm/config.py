@@ -69,10 +69,6 @@ class Model:
     hf_path: str = ""
     """A Hugging Face LLaVA folder (config.json, safetensors, tokenizer, processor settings) to
     start from: its weights, tokenizer, chat template and image preprocessing. "": none."""
-    attention_kernel: AttentionKernel = "auto"
-    """The attention kernel: "auto" picks per device and dtype (CPU: cpu_flash; CUDA:
-    cuda_flash for 16-bit, cuda_efficient for fp32); a name forces that kernel (it must run on
-    this machine's device; cuda_flash and cuda_cudnn need training.mixed_precision = "bf16")."""
     hf_vision_path: str = ""
     """Separate towers instead of model.hf_path: a CLIP / SigLIP vision model (a folder, or a
     .safetensors file beside its config.json); the projector starts from training.seed. "":
@@ -83,6 +79,10 @@ class Model:
     tokenizer_path: str = ""
     """A Hugging Face tokenizer.json (BOS / EOS / PAD found by their usual names). "": the
     built-in byte tokenizer (or model.hf_path's tokenizer)."""
+    attention_kernel: AttentionKernel = "auto"
+    """The attention kernel: "auto" picks per device and dtype (CPU: cpu_flash; CUDA:
+    cuda_flash for 16-bit, cuda_efficient for fp32); a name forces that kernel (it must run on
+    this machine's device; cuda_flash and cuda_cudnn need training.mixed_precision = "bf16")."""
     image_attention: ImageAttention = "causal"
     """How the tokens of one image see each other in the decoder: "causal" (in slot order, like
     text) or "bidirectional" (all of them). Text is causal either way."""
