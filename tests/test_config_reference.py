@@ -68,3 +68,10 @@ def test_the_configuration_reference_is_up_to_date():
     assert config.REFERENCE.read_text() == config.reference_markdown(), (
         "docs/configuration.md is stale: run python -m titan_vlm.config --markdown"
     )
+
+
+def test_python_m_config_markdown_writes_the_reference(tmp_path):
+    out = tmp_path / "configuration.md"
+    run = [sys.executable, "-m", "titan_vlm.config", "--markdown", str(out)]
+    done = subprocess.run(run, capture_output=True, text=True)
+    assert done.returncode == 0 and out.read_text() == config.reference_markdown(), done.stderr
