@@ -2,10 +2,14 @@
 
 import subprocess
 import sys
+from pathlib import Path
+from typing import get_args
 
 import pytest
 
+from titan_vlm import config
 from titan_vlm.config import ConfigError, load_config, world_size_of
+from titan_vlm.config_schema import choices, key_types
 from titan_vlm.parallel_dims import ParallelDims
 
 DEFAULT = "train_configs/vlm_cp.toml"
@@ -105,28 +109,51 @@ def test_auto_dp_shard_takes_the_rest():
     "overrides, words",
     [
         (["--training.seq_len=16"], "training.seq_len"),
-        (["--model.flavor=huge"], "model.flavor"),
-        (["--training.mixed_precision=fp8"], "training.mixed_precision"),
         (["--checkpoint.interval=0"], "checkpoint.interval"),
         (["--data.dataset=/data/x.jsonl"], "data.dataset"),
         (["--metrics.log_freq=0"], "metrics.log_freq"),
         (["--training.lr=nan"], "training.lr"),
         (["--training.min_lr_ratio=7"], "training.min_lr_ratio"),
         (["--training.warmup_steps=-1"], "training.warmup_steps"),
-        (["--parallelism.cp_vision=gpu0"], "parallelism.cp_vision"),
-        (["--parallelism.cp_comm_type=nccl"], "parallelism.cp_comm_type"),
         (["--model.attention_kernel=cuda_flash"], "model.attention_kernel=cuda_flash runs on cuda"),
         (["--data.images_per_sample=9", "--training.seq_len=128"], "training.seq_len"),
-        (
-            ["--model.image_attention=full"],
-            "model.image_attention must be one of causal, bidirectional",
-        ),
     ],
 )
 def test_model_and_data_checks(overrides, words):
     cfg = load_config(overrides)
     with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
         ParallelDims.from_config(cfg, 1).validate_model(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["--model.flavor=huge"],
+            "model.flavor must be one of debug, small, llava7b, hf, got 'huge'",
+        ),
+        (
+            ["--training.mixed_precision=fp8"],
+            "training.mixed_precision must be one of fp32, bf16, got 'fp8'",
+        ),
+        (
+            ["--parallelism.cp_vision=gpu0"],
+            "parallelism.cp_vision must be one of replicate, broadcast, shard, got 'gpu0'",
+        ),
+        (
+            ["--parallelism.cp_comm_type=nccl"],
+            "parallelism.cp_comm_type must be one of p2p, allgather, a2a, got 'nccl'",
+        ),
+        (
+            ["--model.image_attention=full"],
+            "model.image_attention must be one of causal, bidirectional, got 'full'",
+        ),
+    ],
+)
+def test_a_choice_key_takes_one_of_its_names(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides)
+    assert str(e.value) == message
 
 
 def test_rows_must_fit_the_rope_table():
@@ -283,3 +310,70 @@ def test_tensor_parallel_checks_name_the_key(overrides, world, words):
         cfg = load_config(overrides)
         ParallelDims.from_config(cfg, world).validate_model(cfg)
     assert "\n" not in str(e.value)
+
+
+def test_choice_literals_name_what_the_registries_hold():
+    """One registry per choice: a choice-valued key's Literal (config.py, which imports none of
+    these modules) lists exactly the names its runtime registry knows."""
+    from torch._dynamo import list_backends
+
+    from titan_vlm.data.jsonl import BAD_SAMPLE_MODES
+    from titan_vlm.kernels import KERNELS
+    from titan_vlm.models.flavors import FLAVORS, IMAGE_ATTENTION
+    from titan_vlm.models.registry import MODEL_SPECS
+    from titan_vlm.parallel import parallelize
+    from titan_vlm.parallel.context_parallel import CP_VISION_MODES
+    from titan_vlm.parallel.cp_attention import CP_ATTENTION
+    from titan_vlm.plan import memory
+
+    def names(literal):
+        return set(get_args(literal))
+
+    assert names(config.CPCommType) == set(CP_ATTENTION)
+    assert names(config.AttentionKernel) == {"auto", *KERNELS}
+    assert names(config.CPVision) == set(CP_VISION_MODES)
+    assert names(config.ACMode) == set(parallelize.AC_MODES) == set(memory.AC_MODES)
+    assert names(config.ModelName) == set(MODEL_SPECS)
+    assert names(config.Flavor) == {*FLAVORS, "hf"}
+    assert names(config.ImageAttention) == set(IMAGE_ATTENTION)
+    assert names(config.OnBadSample) == set(BAD_SAMPLE_MODES)
+    assert names(config.CompileBackend) <= set(list_backends(exclude_tags=()))
+
+
+def test_every_choice_key_accepts_each_name_and_refuses_others(tmp_path):
+    """Generated from the Literal types: every name loads, from the command line and TOML; any
+    other value (a TOML number too) is one line naming the key, its names and, from a file, the
+    file."""
+    for section, section_type in config.sections().items():
+        for key, typ in key_types(section_type).items():
+            names = choices(typ)
+            if names is None:
+                continue
+            for name in names:
+                cfg = load_config([f"--{section}.{key}={name}"])
+                assert getattr(getattr(cfg, section), key) == name
+            with pytest.raises(ConfigError) as e:
+                load_config([f"--{section}.{key}=nope"])
+            assert str(e.value) == (
+                f"{section}.{key} must be one of {', '.join(names)}, got 'nope'"
+            )
+            toml = tmp_path / "c.toml"
+            toml.write_text(f"[{section}]\n{key} = 1\n")
+            with pytest.raises(ConfigError) as e:
+                load_config(["--config", str(toml)])
+            assert (
+                str(e.value) == f"{toml}: {section}.{key} must be one of {', '.join(names)}, got 1"
+            )
+
+
+def test_a_choice_changed_in_code_is_checked_before_the_run():
+    cfg = load_config([])
+    cfg.parallelism.cp_comm_type = "ring"  # type: ignore[assignment]
+    with pytest.raises(ConfigError, match="parallelism.cp_comm_type must be one of p2p, allgather"):
+        ParallelDims.from_config(cfg, 1).validate_model(cfg)
+
+
+def test_the_train_configs_load():
+    for path in sorted(Path("train_configs").glob("*.toml")):
+        cfg = load_config(["--config", str(path)])
+        ParallelDims.from_config(cfg, world_size_of(cfg)).validate_model(cfg)

@@ -40,7 +40,6 @@ def test_a_toml_string_stops_run_train_before_torchrun(tmp_path):
 @pytest.mark.parametrize(
     "args, words",
     [
-        (["--training.on_nonfinite=ignore"], "training.on_nonfinite must be 'stop' or 'skip'"),
         (["--checkpoint.keep=-1"], "checkpoint.keep must be >= 0"),
         (["--data.max_empty_steps=0"], "data.max_empty_steps must be >= 1"),
         (["--job.max_restarts=1", "--checkpoint.enable=false"], "needs checkpoint.enable"),
@@ -49,6 +48,11 @@ def test_a_toml_string_stops_run_train_before_torchrun(tmp_path):
 def test_failure_keys_are_checked(args, words):
     with pytest.raises(ConfigError, match=words):
         validate_failure_keys(load_config(args))
+
+
+def test_on_nonfinite_is_stop_or_skip():
+    with pytest.raises(ConfigError, match="training.on_nonfinite must be one of stop, skip"):
+        load_config(["--training.on_nonfinite=ignore"])
 
 
 def test_failure_key_defaults():

@@ -3,17 +3,25 @@
     ./run_train.sh --config train_configs/vlm_cp.toml --training.steps=50 \\
         --parallelism.context_parallel_degree=4
 
-Every key lives in one dataclass below; an unknown section or key, a value of the wrong type
-or an impossible combination raises `ConfigError` with a one-line message naming the key,
-before any process group or collective exists.
+Every key is a field of one section dataclass below, with its type and a docstring (the string
+on the line after the field), from which `python -m titan_vlm.config --help` and the reference
+docs/configuration.md are generated (config_reference.py). A key that takes one of a few names
+has a `Literal` type: its names are checked where the value is read (`_coerce`), from the
+`Literal` itself, so there is one list of them. Where a runtime registry holds the same names
+(kernels, CP algorithms, ...), tests/test_config.py checks that the two agree; this module
+imports none of those registries (it sits below them).
+
+An unknown section or key, a value of the wrong type or name, or an impossible combination raises
+`ConfigError` with a one-line message naming the key, before any process group or collective
+exists.
 """
 
-import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
+from titan_vlm.config_schema import choices, help_text, key_types, markdown, type_name
 from titan_vlm.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -21,129 +29,209 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+# The names a choice-valued key takes; the first is not necessarily the default.
+ModelName = Literal["llava"]  # models/registry.py MODEL_SPECS
+Flavor = Literal["debug", "small", "llava7b", "hf"]  # models/flavors.py FLAVORS, plus "hf"
+AttentionKernel = Literal["auto", "cpu_flash", "cuda_flash", "cuda_efficient", "cuda_cudnn"]
+ImageAttention = Literal["causal", "bidirectional"]
+MixedPrecision = Literal["fp32", "bf16"]
+OnNonfinite = Literal["stop", "skip"]
+OnBadSample = Literal["skip", "error"]
+CPCommType = Literal["p2p", "allgather", "a2a"]  # parallel/cp_attention.py CP_ATTENTION
+CPVision = Literal["replicate", "broadcast", "shard"]  # parallel/context_parallel.py
+ACMode = Literal["none", "selective", "full"]  # parallel/parallelize.py, plan/memory.py
+CompileBackend = Literal["inductor", "aot_eager", "eager"]
+
 
 @dataclass
 class Job:
-    dump_folder: str = "outputs"  # TensorBoard logs (tb/) and metrics.jsonl go here
+    """The run as a whole: where it writes, and how often torchrun restarts it."""
+
+    dump_folder: str = "outputs"
+    """Folder of the run's outputs: metrics.jsonl, TensorBoard logs (tb/), the job lock and (a
+    relative checkpoint.folder) the checkpoints. Created if missing."""
     description: str = ""
-    # torchrun restarts a failed job this often; it resumes from the latest checkpoint
+    """Free text describing the run; saved with every checkpoint's config.json, used nowhere."""
     max_restarts: int = 0
+    """Times torchrun restarts the job after a failure (0: never); a restarted job resumes from
+    its latest checkpoint, so a value > 0 needs checkpoint.enable."""
 
 
 @dataclass
 class Model:
-    # the model family (titan_vlm/models/registry.py): "llava" (a ViT + projector + decoder)
-    name: str = "llava"
-    # a built-in flavor (titan_vlm/models/flavors.py), or "hf": the architecture of model.hf_path
-    flavor: str = "debug"
-    # a Hugging Face model folder (config.json, safetensors, tokenizer, processor settings) to
-    # start from: its weights, tokenizer, chat template and image preprocessing
+    """What model is trained, where its weights and tokenizer come from, how it attends."""
+
+    name: ModelName = "llava"
+    """The model family (models/registry.py): "llava" is a ViT + MLP projector + decoder."""
+    flavor: Flavor = "debug"
+    """A built-in size (models/flavors.py): "debug" (CPU, under a second a step), "small",
+    "llava7b" (LLaVA-1.5-7B shapes); or "hf": the architecture of model.hf_path's config.json."""
     hf_path: str = ""
-    attention_kernel: str = "auto"  # auto | cpu_flash | cuda_flash | cuda_efficient | cuda_cudnn
-    # separate towers instead of model.hf_path: a CLIP/SigLIP vision model (+ LLaVA projector)
-    # and a Llama/Mistral/Qwen decoder, each a folder or a .safetensors file beside its config.json
+    """A Hugging Face LLaVA folder (config.json, safetensors, tokenizer, processor settings) to
+    start from: its weights, tokenizer, chat template and image preprocessing. "": none."""
     hf_vision_path: str = ""
+    """Separate towers instead of model.hf_path: a CLIP / SigLIP vision model (a folder, or a
+    .safetensors file beside its config.json); the projector starts from training.seed. "":
+    none. Set together with model.hf_text_path."""
     hf_text_path: str = ""
-    tokenizer_path: str = ""  # a Hugging Face tokenizer.json; "" is the built-in byte tokenizer
-    # tokens of one image see each other: "causal" | "bidirectional"
-    image_attention: str = "causal"
+    """The decoder of separate towers: a Llama / Mistral / Qwen2 / Qwen3 folder, or a
+    .safetensors file beside its config.json. "": none."""
+    tokenizer_path: str = ""
+    """A Hugging Face tokenizer.json (BOS / EOS / PAD found by their usual names). "": the
+    built-in byte tokenizer (or model.hf_path's tokenizer)."""
+    attention_kernel: AttentionKernel = "auto"
+    """The attention kernel: "auto" picks per device and dtype (CPU: cpu_flash; CUDA:
+    cuda_flash for 16-bit, cuda_efficient for fp32); a name forces that kernel (it must run on
+    this machine's device; cuda_flash and cuda_cudnn need training.mixed_precision = "bf16")."""
+    image_attention: ImageAttention = "causal"
+    """How the tokens of one image see each other in the decoder: "causal" (in slot order, like
+    text) or "bidirectional" (all of them). Text is causal either way."""
 
 
 @dataclass
 class Training:
+    """The optimisation: steps, rows, learning-rate schedule, precision."""
+
     steps: int = 200
+    """Optimizer steps of the whole run (a resumed run counts the steps already done)."""
     seed: int = 0
-    seq_len: int = 256  # tokens per row: image tokens + text tokens
-    local_batch_size: int = 4  # rows per data-parallel rank (CP ranks of one group share rows)
+    """Seed of the initial weights, the synthetic data and a dataset file's shuffle."""
+    seq_len: int = 256
+    """Slots per row (tokens): image tokens + text tokens; at most the flavor's RoPE table."""
+    local_batch_size: int = 4
+    """Rows per data-parallel rank and step; the CP and TP ranks of one group share them."""
     lr: float = 1e-3
-    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    """Peak learning rate of AdamW, reached after training.warmup_steps."""
+    min_lr_ratio: float = 0.1
+    """The cosine decay ends at training.lr * min_lr_ratio (in [0, 1])."""
     warmup_steps: int = 20
+    """Steps of linear warmup before the cosine decay (0: none)."""
     weight_decay: float = 0.01
-    max_norm: float = 1.0  # gradient clipping on the global norm; <= 0 disables
-    mixed_precision: str = "fp32"  # "fp32" | "bf16" (bf16 params/compute, fp32 grads reduce)
-    # a non-finite loss or grad norm: "stop" the run (before the step updates anything) or
-    # "skip" the step (no update, counted); either way it never reaches a checkpoint
-    on_nonfinite: str = "stop"
+    """AdamW's decoupled weight decay."""
+    max_norm: float = 1.0
+    """Clip the gradient to this global L2 norm (over every rank's shards); <= 0 disables."""
+    mixed_precision: MixedPrecision = "fp32"
+    """"fp32" everywhere, or "bf16": bf16 parameters and compute, fp32 gradient reduction."""
+    on_nonfinite: OnNonfinite = "stop"
+    """A non-finite loss or gradient norm: "stop" the run (one line, exit 2, before the step
+    updates anything) or "skip" the step (no update, counted). Either way it never reaches a
+    checkpoint."""
 
 
 @dataclass
 class Data:
-    dataset: str = (
-        "synthetic"  # or a .json / .jsonl file of LLaVA conversations or captions (data/jsonl.py)
-    )
-    sentences_per_image: int = 1  # long-text knob: more sentences about the image per sample
-    blank_images: bool = False  # ablation: every image black; captions are then unpredictable
-    images_per_sample: int = 1  # images per sample (0: text only); with packing, at most this many
-    packing: bool = (
-        False  # several samples per row, each attending only to itself (README: packed rows)
-    )
-    image_root: str = (
-        ""  # image paths of a dataset file are relative to this ("": the file's folder)
-    )
-    on_bad_sample: str = (
-        "skip"  # a bad sample of a dataset file: "skip" (warn, count) | "error" (stop)
-    )
-    max_image_pixels: int = 4096 * 4096  # larger images (by their header) are bad samples
-    shuffle: bool = (
-        True  # a dataset file's rows in a new order each epoch (seeded by training.seed)
-    )
-    # stop the run when this many steps in a row carry no loss token (every sample bad)
+    """Where the samples come from and how they fill the rows."""
+
+    dataset: str = "synthetic"
+    """"synthetic" (built-in shapes and their captions), or a .json / .jsonl file of LLaVA
+    conversations or captions (data/jsonl.py)."""
+    sentences_per_image: int = 1
+    """Synthetic data: sentences about the image per caption (with packing: up to this many); the
+    long-text knob."""
+    blank_images: bool = False
+    """Ablation: every image black, so the captions are unpredictable."""
+    images_per_sample: int = 1
+    """Images per sample, 0..64 (0: text only); with data.packing, up to this many."""
+    packing: bool = False
+    """Several samples per row, each attending only to itself (cu_seqlens)."""
+    image_root: str = ""
+    """Folder a dataset file's image paths are relative to. "": the file's folder."""
+    on_bad_sample: OnBadSample = "skip"
+    """A bad sample of a dataset file: "skip" it (warn, count, go on) or "error" (stop at the
+    first, naming file:line)."""
+    max_image_pixels: int = 4096 * 4096
+    """Images larger than this (pixels, read from their header) are bad samples."""
+    shuffle: bool = True
+    """A dataset file's rows in a new order every epoch (seeded by training.seed)."""
     max_empty_steps: int = 3
+    """Stop the run when this many steps in a row carry no loss token (every sample bad)."""
 
 
 @dataclass
 class Parallelism:
+    """The device mesh dp_replicate x dp_shard x cp x tp (parallel_dims.py) and how CP and TP
+    split the work."""
+
     data_parallel_replicate_degree: int = 1
-    data_parallel_shard_degree: int = 1  # -1: whatever the world size leaves over
+    """HSDP replicas: parameters replicated across them, gradients all-reduced."""
+    data_parallel_shard_degree: int = 1
+    """FSDP degree: parameters, gradients and optimizer state sharded; -1: whatever the world
+    size leaves over."""
     context_parallel_degree: int = 1
+    """CP group size: each rank holds 1/cp of the text (and all image tokens)."""
     tensor_parallel_degree: int = 1
-    cp_comm_type: str = "p2p"  # exact CP attention: "p2p" (ring) | "allgather" | "a2a" (Ulysses)
-    cp_vision: str = (
-        "shard"  # where the ViT runs in a CP group: "shard" | "replicate" | "broadcast"
-    )
-    # sequence parallelism inside the TP group: norms and residual adds on a 1/tp slice of the
-    # (CP-local) sequence; needs tensor_parallel_degree > 1
+    """TP group size: must divide the decoder's heads, K/V heads, ffn dim, dim and vocabulary and
+    the ViT's heads and MLP dim; a tp group runs inside one node."""
+    cp_comm_type: CPCommType = "p2p"
+    """Exact attention across the CP group: "p2p" (ring), "allgather" (K/V gathered), "a2a"
+    (Ulysses: the heads per tp rank must divide by cp)."""
+    cp_vision: CPVision = "shard"
+    """Where the ViT runs in a CP group: "shard" (each rank encodes its share of the images,
+    all-gathered), "replicate" (every rank encodes all), "broadcast" (cp rank 0 encodes and
+    broadcasts)."""
     enable_sequence_parallel: bool = False
-    # hold the image embeddings sharded along the hidden dim over tp (seed 5.1), all-gathered
-    # where they join the text; needs tensor_parallel_degree > 1
+    """Sequence parallelism inside the TP group: norms and residual adds on a 1/tp slice of the
+    (CP-local) sequence; needs tensor_parallel_degree > 1."""
     image_embed_tp_shard: bool = False
+    """Hold the image embeddings sharded along the hidden dim over tp, all-gathered where they
+    join the text (the CP exchange moves dim/tp columns); needs tensor_parallel_degree > 1."""
 
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = (
-        "none"  # "none" | "full" (every transformer block) | "selective" (every other block)
-    )
+    """Recomputing activations in the backward instead of keeping them."""
+
+    mode: ACMode = "none"
+    """"none", "full" (recompute every ViT and decoder block in the backward) or "selective"
+    (every other block)."""
 
 
 @dataclass
 class Compile:
-    enable: bool = False  # torch.compile each ViT and decoder block
-    fullgraph: bool = True  # one graph per block: a graph break is an error, not a silent split
-    # torch.compile backend: "inductor" (generated kernels, the fast one) | "aot_eager" (traces
-    # forward and backward like inductor but runs them eagerly: finds graph breaks and tracing
-    # bugs in seconds, for debugging) | "eager" (dynamo only)
-    backend: str = "inductor"
+    """torch.compile of the transformer blocks."""
+
+    enable: bool = False
+    """torch.compile each ViT and decoder block."""
+    fullgraph: bool = True
+    """One graph per block: a graph break is an error, not a silent split."""
+    backend: CompileBackend = "inductor"
+    """torch.compile backend: "inductor" (generated kernels, the fast one), "aot_eager" (traces
+    forward and backward like inductor but runs them eagerly: finds graph breaks and tracing
+    bugs in seconds) or "eager" (dynamo only)."""
 
 
 @dataclass
 class Metrics:
+    """What the run reports."""
+
     log_freq: int = 1
+    """Print a step's line every this many steps (and the last); metrics.jsonl and TensorBoard
+    get every step."""
     enable_tensorboard: bool = True
+    """Write TensorBoard event files under job.dump_folder/tb."""
 
 
 @dataclass
 class Checkpoint:
+    """DCP checkpoints: when they are written, where, how many are kept."""
+
     enable: bool = False
+    """Write checkpoints, and resume from the latest complete one at start."""
     folder: str = "checkpoint"
+    """Folder of the step-N checkpoints, relative to job.dump_folder unless absolute."""
     interval: int = 500
-    keep: int = 3  # complete checkpoints kept (the newest); 0 keeps all
-    # resume even if a key that must match the checkpoint's config (resume.MUST_MATCH) changed
+    """Steps between checkpoints (the last step and a stop request also write one)."""
+    keep: int = 3
+    """Complete checkpoints kept, the newest; 0 keeps all."""
     allow_config_change: bool = False
+    """Resume even if a key that must match the checkpoint's config (resume_config.MUST_MATCH)
+    changed: a warning instead of an error."""
 
 
 @dataclass
 class JobConfig:
+    """The whole configuration: one field per [section]."""
+
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
@@ -155,12 +243,23 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
 
 
-def _sections() -> dict[str, type]:
-    return {f.name: f.type for f in dataclasses.fields(JobConfig)}
+def sections() -> dict[str, type]:
+    """{section name: its dataclass}, in the order of JobConfig's fields."""
+    return key_types(JobConfig)
 
 
-def _coerce(key: str, value: Any, typ: type) -> Any:
-    """Convert a TOML or command-line value to the field's type, or fail naming the key."""
+def _check_choice(key: str, value: object, names: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in names:
+        raise ConfigError(f"{key} must be one of {', '.join(names)}, got {value!r}")
+    return value
+
+
+def _coerce(key: str, value: object, typ: object) -> object:
+    """Convert a TOML or command-line value to the key's type, or fail naming the key. A Literal
+    type admits its names only (a string either way)."""
+    names = choices(typ)
+    if names is not None:
+        return _check_choice(key, value, names)
     if isinstance(value, str) and typ is not str:
         text = value.strip()
         try:
@@ -170,56 +269,75 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
                 if text.lower() in ("false", "0", "no"):
                     return False
                 raise ValueError
-            return typ(text)
+            if typ is int:
+                return int(text)
+            if typ is float:
+                return float(text)
         except ValueError:
-            raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}") from None
+            raise ConfigError(f"{key}: expected {type_name(typ)}, got {value!r}") from None
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if typ is bool and not isinstance(value, bool):
         raise ConfigError(f"{key}: expected bool, got {value!r}")
-    if typ in (int, float) and (isinstance(value, bool) or not isinstance(value, typ)):
-        raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}")
+    if (typ is int or typ is float) and (isinstance(value, bool) or not isinstance(value, typ)):
+        raise ConfigError(f"{key}: expected {type_name(typ)}, got {value!r}")
     if typ is str and not isinstance(value, str):
         raise ConfigError(f"{key}: expected str, got {value!r}")
     return value
 
 
-def _set(cfg: JobConfig, dotted: str, value: Any, where: str, typed: bool = False) -> None:
-    """`typed`: the value comes from TOML, which has its own types (`steps = "3"` is a string,
-    an error for an int key); command-line values are all strings, converted by _coerce."""
+def _set(cfg: JobConfig, dotted: str, value: object, where: str, typed: bool = False) -> None:
+    """Set key `dotted` ("section.key") from `where` (a file or "command line"). `typed`: the
+    value comes from TOML, which has its own types (`steps = "3"` is a string, an error for an
+    int key), and errors name the file; command-line values are all strings, converted by
+    _coerce."""
     section, _, name = dotted.partition(".")
-    sections = _sections()
-    if section not in sections or not name:
-        raise ConfigError(f"{where}: unknown key '{dotted}' (sections: {', '.join(sections)})")
-    obj = getattr(cfg, section)
-    types = {f.name: f.type for f in dataclasses.fields(obj)}
+    known = sections()
+    if section not in known or not name:
+        raise ConfigError(f"{where}: unknown key '{dotted}' (sections: {', '.join(known)})")
+    types = key_types(known[section])
     if name not in types:
         raise ConfigError(
             f"{where}: unknown key '{dotted}' (known in [{section}]: {', '.join(types)})"
         )
+    typ = types[name]
     if value is None:
-        if types[name] is not bool:
+        if typ is not bool:
             raise ConfigError(f"{where}: '--{dotted}' needs a value")
         value = True
-    if typed and isinstance(value, str) and types[name] is not str:
+    if typed and isinstance(value, str) and typ in (int, float, bool):
         raise ConfigError(
-            f"{where}: {dotted}: expected {types[name].__name__}, got the string {value!r} "
+            f"{where}: {dotted}: expected {type_name(typ)}, got the string {value!r} "
             "(TOML: write it without quotes)"
         )
-    setattr(obj, name, _coerce(dotted, value, types[name]))
+    setattr(
+        getattr(cfg, section), name, _coerce(f"{where}: {dotted}" if typed else dotted, value, typ)
+    )
+
+
+def check_choices(cfg: JobConfig) -> None:
+    """The choice-valued keys of a config built or changed in code (load_config checks each
+    value as it reads it): ConfigError naming the first key whose value is not one of the names
+    of its Literal type."""
+    for section, section_type in sections().items():
+        for name, typ in key_types(section_type).items():
+            names = choices(typ)
+            if names is not None:
+                _check_choice(f"{section}.{name}", getattr(getattr(cfg, section), name), names)
 
 
 def load_config(argv: list[str]) -> JobConfig:
     """Build the JobConfig from `--config FILE` (optional) and `--section.key=value` overrides."""
     cfg = JobConfig()
-    overrides: list[tuple[str, str]] = []
+    overrides: list[tuple[str, str | None]] = []
     config_file: str | None = None
     i = 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
             raise ConfigError(f"command line: expected --section.key=value, got '{arg}'")
-        key, eq, value = arg[2:].partition("=")
+        key, eq, text = arg[2:].partition("=")
+        value: str | None = text
         if not eq:
             if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
                 value = None  # a bare flag: true for a bool key, an error for any other
@@ -262,9 +380,9 @@ def world_size_of(cfg: JobConfig) -> int:
     )
 
 
-def _count(env: dict[str, str], name: str, default: str | None = None) -> int | None:
-    """A positive integer from the environment (None when unset and no default)."""
-    value = env.get(name, default)
+def _count(env: dict[str, str], name: str) -> int | None:
+    """A positive integer from the environment, None when unset."""
+    value = env.get(name)
     if value is None:
         return None
     if not value.isdigit() or int(value) < 1:
@@ -278,7 +396,7 @@ def launch_shape(cfg: JobConfig, env: dict[str, str]) -> tuple[int, int]:
     than one node either RDZV_ENDPOINT (host:port of torchrun's c10d rendezvous) or NODE_RANK
     with MASTER_ADDR (a static rendezvous). Checks what can be checked before any worker
     starts; the degrees against the total world are ParallelDims' check."""
-    nnodes = _count(env, "NNODES", "1")
+    nnodes = _count(env, "NNODES") or 1
     nproc = _count(env, "NPROC")
     if nproc is None:
         world = world_size_of(cfg)
@@ -323,11 +441,61 @@ def validate_failure_keys(cfg: JobConfig) -> None:
             "job.max_restarts needs checkpoint.enable = true: a restarted job resumes from "
             "its latest checkpoint, else it would start over"
         )
-    if cfg.training.on_nonfinite not in ("stop", "skip"):
-        raise ConfigError(
-            f"training.on_nonfinite must be 'stop' or 'skip', got {cfg.training.on_nonfinite!r}"
-        )
     if cfg.checkpoint.keep < 0:
         raise ConfigError(f"checkpoint.keep must be >= 0 (0: keep all), got {cfg.checkpoint.keep}")
     if cfg.data.max_empty_steps < 1:
         raise ConfigError(f"data.max_empty_steps must be >= 1, got {cfg.data.max_empty_steps}")
+
+
+USAGE = """\
+./run_train.sh --config FILE [--section.key=value ...]   (or --section.key value; a bare
+--section.key sets a bool key to true). The TOML file holds [section] tables of the same keys;
+the command line overrides it. Every key, its type (a | b: one of these names), its default:
+"""
+REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+REFERENCE_INTRO = """\
+Generated from the dataclasses of `titan_vlm/config.py` (their field docstrings) by
+`python -m titan_vlm.config --markdown`; do not edit by hand (tests/test_config_reference.py
+checks that it is up to date). `python -m titan_vlm.config --help` and `./run_train.sh --help`
+print the same.
+
+```bash
+./run_train.sh --config train_configs/vlm_cp.toml --training.steps=50 \\
+    --parallelism.context_parallel_degree=4
+```
+
+A TOML file holds `[section]` tables of the keys below (a value of TOML's own type: `steps = 3`,
+not `steps = "3"`); `--section.key=value` (or `--section.key value`) on the command line
+overrides it, and a bare `--section.key` sets a bool key to true. A key that takes one of a few
+names lists them as `a` \\| `b`. An unknown key, a value of the wrong type or name, or an
+impossible combination stops the run before any process starts, with one line naming the key.
+"""
+
+
+def main(argv: list[str]) -> int:
+    """`python -m titan_vlm.config [--help]` prints every key; `--markdown [FILE]` writes the
+    configuration reference (default: docs/configuration.md)."""
+    if argv[:1] == ["--markdown"] and len(argv) <= 2:
+        out = Path(argv[1]) if len(argv) == 2 else REFERENCE
+        out.write_text(reference_markdown())
+        print(f"wrote {out}")
+        return 0
+    if argv and argv[0] not in ("--help", "-h"):
+        print("usage: python -m titan_vlm.config [--help | --markdown [FILE]]", file=sys.stderr)
+        return 2
+    print(config_help(), end="")
+    return 0
+
+
+def config_help() -> str:
+    """What `--help` prints: every section and key, with type, default and docstring."""
+    return help_text(JobConfig, USAGE)
+
+
+def reference_markdown() -> str:
+    """docs/configuration.md: the same as config_help, as Markdown tables."""
+    return markdown(JobConfig, "Configuration reference", REFERENCE_INTRO)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -38,9 +38,16 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from titan_vlm.config import JobConfig, launch_shape, load_config, validate_failure_keys
+from titan_vlm.config import (
+    JobConfig,
+    config_help,
+    launch_shape,
+    load_config,
+    validate_failure_keys,
+)
 from titan_vlm.errors import ConfigError, UserError
 from titan_vlm.parallel_dims import ParallelDims
 
@@ -174,7 +181,7 @@ def report_user_error(e: UserError) -> int:
     return 2
 
 
-def _die_with_launcher(launcher: int):
+def _die_with_launcher(launcher: int) -> Callable[[], None]:
     """preexec_fn of torchrun: SIGKILL when the launcher dies (or has died already)."""
 
     def preexec() -> None:
@@ -203,7 +210,7 @@ def validate_launch(argv: list[str], env: dict[str, str]) -> tuple[JobConfig, in
     return cfg, nproc, nnodes
 
 
-def rendezvous_args(nnodes: int, env: dict[str, str]) -> list[str]:
+def rendezvous_args(nnodes: int, env: Mapping[str, str]) -> list[str]:
     """torchrun's rendezvous: c10d at RDZV_ENDPOINT, static at NODE_RANK / MASTER_ADDR, or one
     node standalone (validate_launch checked the variables)."""
     if env.get("RDZV_ENDPOINT"):
@@ -230,8 +237,12 @@ def _fail(line: str) -> None:
 
 def main() -> None:
     """`python -m titan_vlm.launch [--check] --config F [overrides]`; `--check`: validate only,
-    then print the processes per node and job.max_restarts."""
+    then print the processes per node and job.max_restarts; `--help` (or -h): every config key
+    (config.config_help)."""
     argv = sys.argv[1:]
+    if "--help" in argv or "-h" in argv:
+        print(config_help(), end="")
+        return
     check = bool(argv) and argv[0] == "--check"
     argv = argv[1:] if check else argv
     try:

@@ -18,11 +18,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from titan_vlm.attention import KERNELS
-from titan_vlm.config import ConfigError, JobConfig
-from titan_vlm.parallel.context_parallel import CP_VISION_MODES
-from titan_vlm.parallel.cp_attention import CP_COMM_TYPES
-from titan_vlm.parallel.parallelize import AC_MODES
+from titan_vlm.config import JobConfig, check_choices
+from titan_vlm.errors import ConfigError
+from titan_vlm.kernels import KERNELS
 
 if TYPE_CHECKING:
     from titan_vlm.models.flavors import VLMArgs
@@ -85,11 +83,13 @@ class ParallelDims:
             )
 
     def validate_model(self, cfg: JobConfig) -> None:
-        """Checks that need both the degrees and the model/data shapes."""
+        """Checks that need both the degrees and the model/data shapes (and, for a config built
+        or changed in code, the names of the choice-valued keys: config.check_choices)."""
         from titan_vlm.data import model_inputs
         from titan_vlm.models.build import hf_files
         from titan_vlm.models.registry import get_model_spec
 
+        check_choices(cfg)
         vlm = get_model_spec(cfg.model.name).args(cfg)  # reads and checks any HF config.json
         hf_files(cfg)  # each HF source's safetensors are there
         t = cfg.training
@@ -133,10 +133,6 @@ class ParallelDims:
             raise ConfigError(f"training.local_batch_size must be >= 1, got {t.local_batch_size}")
         if t.steps < 1:
             raise ConfigError(f"training.steps must be >= 1, got {t.steps}")
-        if t.mixed_precision not in ("fp32", "bf16"):
-            raise ConfigError(
-                f"training.mixed_precision must be 'fp32' or 'bf16', got {t.mixed_precision!r}"
-            )
         from titan_vlm.data.jsonl import validate_data_config
 
         validate_data_config(cfg.data)  # data.dataset and the keys of a dataset file
@@ -160,11 +156,6 @@ class ParallelDims:
             )
         kernel = cfg.model.attention_kernel
         if kernel != "auto":
-            if kernel not in KERNELS:
-                raise ConfigError(
-                    f"model.attention_kernel must be auto or one of {', '.join(KERNELS)}, "
-                    f"got {kernel!r}"
-                )
             if KERNELS[kernel].device_type != device_type():
                 raise ConfigError(
                     f"model.attention_kernel={kernel} runs on {KERNELS[kernel].device_type}, "
@@ -174,21 +165,7 @@ class ParallelDims:
                 raise ConfigError(
                     f"model.attention_kernel={kernel} needs training.mixed_precision = 'bf16'"
                 )
-        if cfg.activation_checkpoint.mode not in AC_MODES:
-            raise ConfigError(
-                f"activation_checkpoint.mode must be one of {', '.join(AC_MODES)}, "
-                f"got {cfg.activation_checkpoint.mode!r}"
-            )
-        if cfg.parallelism.cp_vision not in CP_VISION_MODES:
-            raise ConfigError(
-                f"parallelism.cp_vision must be one of {', '.join(CP_VISION_MODES)}, "
-                f"got {cfg.parallelism.cp_vision!r}"
-            )
         comm = cfg.parallelism.cp_comm_type
-        if comm not in CP_COMM_TYPES:
-            raise ConfigError(
-                f"parallelism.cp_comm_type must be one of {', '.join(CP_COMM_TYPES)}, got {comm!r}"
-            )
         self._validate_tp(cfg, vlm)
         local_heads = dec.n_heads // self.tp  # after TP: the heads the a2a splits over cp
         if comm == "a2a" and local_heads % self.cp:

@@ -51,13 +51,13 @@ def run_facts(cfg: JobConfig, global_rows: int) -> dict[str, Any]:
     return facts
 
 
-def flat(config: dict) -> dict[str, Any]:
+def flat(config: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """{"section.key": value} of a JobConfig as dataclasses.asdict writes it."""
     return {f"{s}.{k}": v for s, keys in config.items() for k, v in keys.items()}
 
 
 def check_resume_config(
-    saved: dict,
+    saved: dict[str, dict[str, Any]],
     saved_facts: dict[str, Any],
     cfg: JobConfig,
     facts: dict[str, Any],

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from titan_vlm.config import JobConfig
+from titan_vlm.config import ImageAttention, JobConfig
 from titan_vlm.errors import ConfigError
 from titan_vlm.models.build import load_hf, unfilled_model
 from titan_vlm.models.hf_folder import INDEX, SINGLE, SafetensorsFiles, weight_files
@@ -31,7 +31,7 @@ from titan_vlm.models.registry import get_model_spec
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 
 
-def hf_config(hf_path: str, image_attention: str = "causal") -> JobConfig:
+def hf_config(hf_path: str, image_attention: ImageAttention = "causal") -> JobConfig:
     """The JobConfig of a model taken whole from a Hugging Face folder."""
     cfg = JobConfig()
     cfg.model.flavor = "hf"

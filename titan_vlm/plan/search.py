@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import copy
 import itertools
+from typing import get_args
 
-from titan_vlm.config import ConfigError, JobConfig
-from titan_vlm.parallel.context_parallel import CP_VISION_MODES
-from titan_vlm.parallel.cp_attention import CP_COMM_TYPES
+from titan_vlm.config import ACMode, ConfigError, CPCommType, CPVision, JobConfig
 from titan_vlm.parallel_dims import ParallelDims
 from titan_vlm.plan.cost import Plan, make_plan
 from titan_vlm.plan.hardware import Hardware
-from titan_vlm.plan.memory import AC_MODES
 from titan_vlm.plan.shapes import ModelShapes
 from titan_vlm.plan.spec import Layout, Workload
 
@@ -30,9 +28,9 @@ def candidate_layouts(cfg: JobConfig, world: int, gpus_per_node: int) -> list[La
         for cp in divisors(world // tp):
             for rep in divisors(world // (tp * cp)):
                 shard = world // (tp * cp * rep)
-                comms = CP_COMM_TYPES if cp > 1 else ("p2p",)
-                visions = CP_VISION_MODES if cp > 1 else ("shard",)
-                for comm, vision, ac in itertools.product(comms, visions, AC_MODES):
+                comms: tuple[CPCommType, ...] = get_args(CPCommType) if cp > 1 else ("p2p",)
+                visions: tuple[CPVision, ...] = get_args(CPVision) if cp > 1 else ("shard",)
+                for comm, vision, ac in itertools.product(comms, visions, get_args(ACMode)):
                     layout = Layout(
                         rep,
                         shard,

@@ -9,7 +9,7 @@ from functools import cached_property
 
 import torch
 
-from titan_vlm.config import JobConfig, world_size_of
+from titan_vlm.config import ACMode, CPCommType, CPVision, JobConfig, MixedPrecision, world_size_of
 from titan_vlm.layout import build_layout
 
 
@@ -19,10 +19,10 @@ class Layout:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
-    cp_comm_type: str = "p2p"
-    cp_vision: str = "shard"
-    ac_mode: str = "none"
-    mixed_precision: str = "bf16"
+    cp_comm_type: CPCommType = "p2p"
+    cp_vision: CPVision = "shard"
+    ac_mode: ACMode = "none"
+    mixed_precision: MixedPrecision = "bf16"
     sequence_parallel: bool = False
     image_embed_tp_shard: bool = False
 
