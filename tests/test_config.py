@@ -317,7 +317,7 @@ def test_choice_literals_name_what_the_registries_hold():
     these modules) lists exactly the names its runtime registry knows."""
     from torch._dynamo import list_backends
 
-    from titan_vlm.data.jsonl import BAD_SAMPLE_MODES
+    from titan_vlm.data.bad_samples import BAD_SAMPLE_MODES
     from titan_vlm.kernels import KERNELS
     from titan_vlm.models.flavors import FLAVORS, IMAGE_ATTENTION
     from titan_vlm.models.registry import MODEL_SPECS

@@ -307,8 +307,8 @@ def test_image_root_and_the_config_keys(files, tmp_path_factory):
             "data.image_root: folder not found",
         ),
     ]:
-        cfg = load_config(overrides)
-        with pytest.raises(ConfigError, match=words):
+        with pytest.raises(ConfigError, match=words):  # a choice fails as it is read
+            cfg = load_config(overrides)
             ParallelDims.from_config(cfg, 1).validate_model(cfg)
 
 
