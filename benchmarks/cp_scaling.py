@@ -28,7 +28,7 @@ from titan_vlm.metrics import SavedForBackward
 from titan_vlm.models.flavors import get_flavor
 from titan_vlm.models.vlm import VLM
 from titan_vlm.parallel.context_parallel import CPOptions
-from titan_vlm.parallel.cp_attention import CP_COMM_TYPES
+from titan_vlm.parallel.cp_attention import CP_ATTENTION
 from titan_vlm.parallel_dims import MESH_DIMS, Mesh
 from titan_vlm.train import forward_backward
 
@@ -149,7 +149,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-lens", default="4096,8192,16384,32768")
     parser.add_argument("--cps", default="1,2,4")
-    parser.add_argument("--comms", default=",".join(CP_COMM_TYPES))
+    parser.add_argument("--comms", default=",".join(CP_ATTENTION))
     parser.add_argument("--flavor", default="debug")
     opts = parser.parse_args()
     seq_lens = [int(x) for x in opts.seq_lens.split(",")]

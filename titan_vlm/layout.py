@@ -45,7 +45,7 @@ from torch._opaque_base import OpaqueBase
 from titan_vlm.varlen import Block, PackedPlan, pack
 
 if TYPE_CHECKING:
-    from titan_vlm.attention import CPAttention
+    from titan_vlm.parallel.cp_attention import Algorithm
 
 ALL_ROWS = slice(None)
 
@@ -248,7 +248,7 @@ class SeqLayout:
     image_counts: list[int]
     row_positions: torch.Tensor  # [B, S] every row slot's position within its sample
     bidirectional_images: bool = False
-    cp: CPAttention | None = None
+    cp: Algorithm | None = None
     _plans: PlanCache = field(default_factory=PlanCache, repr=False)
 
     def __post_init__(self) -> None:

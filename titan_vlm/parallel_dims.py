@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from titan_vlm.attention import KERNELS
 from titan_vlm.config import ConfigError, JobConfig
+from titan_vlm.kernels import KERNELS
 from titan_vlm.parallel.context_parallel import CP_VISION_MODES
-from titan_vlm.parallel.cp_attention import CP_COMM_TYPES
+from titan_vlm.parallel.cp_attention import CP_ATTENTION
 from titan_vlm.parallel.parallelize import AC_MODES
 
 if TYPE_CHECKING:
@@ -185,9 +185,9 @@ class ParallelDims:
                 f"got {cfg.parallelism.cp_vision!r}"
             )
         comm = cfg.parallelism.cp_comm_type
-        if comm not in CP_COMM_TYPES:
+        if comm not in CP_ATTENTION:
             raise ConfigError(
-                f"parallelism.cp_comm_type must be one of {', '.join(CP_COMM_TYPES)}, got {comm!r}"
+                f"parallelism.cp_comm_type must be one of {', '.join(CP_ATTENTION)}, got {comm!r}"
             )
         self._validate_tp(cfg, vlm)
         local_heads = dec.n_heads // self.tp  # after TP: the heads the a2a splits over cp

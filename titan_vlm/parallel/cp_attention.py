@@ -27,11 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_vlm.kernels import expand_kv_heads, reduce_kv_heads, select_varlen
+from titan_vlm.kernels import expand_kv_heads, reduce_kv_heads
 from titan_vlm.layout import SeqLayout
 from titan_vlm.varlen import VarlenKernel, float_grads, merge, run_plan, run_plan_backward
-
-CP_COMM_TYPES = ("p2p", "allgather", "a2a")
 
 
 def attention_plans(comm: str | None, cp: int, rank: int) -> list[tuple[str, str | int]]:
@@ -46,7 +44,7 @@ def attention_plans(comm: str | None, cp: int, rank: int) -> list[tuple[str, str
         return [("local", "all")]
     if comm == "a2a":
         return [("all", "all")]
-    raise ValueError(f"parallelism.cp_comm_type must be one of {CP_COMM_TYPES}, got {comm!r}")
+    raise ValueError(f"parallelism.cp_comm_type must be one of {tuple(CP_ATTENTION)}, got {comm!r}")
 
 
 def kernel_launches(layout: SeqLayout, comm: str | None, kernel: VarlenKernel) -> int:
@@ -118,7 +116,12 @@ class Algorithm:
     comm = "abstract"
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: SeqLayout,
+        kernel: VarlenKernel,
     ) -> tuple[torch.Tensor, list[torch.Tensor], Any]:
         raise NotImplementedError
 
@@ -131,6 +134,7 @@ class Algorithm:
         out: torch.Tensor,
         saved: list[torch.Tensor],
         layout: SeqLayout,
+        kernel: VarlenKernel,
         aux: Any,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -152,13 +156,12 @@ class LocalAttention(Algorithm):
 
     comm = "local"
 
-    def forward(self, q, k, v, layout):
-        kernel = select_varlen(q.device, q.dtype)
+    def forward(self, q, k, v, layout, kernel):
         out, lse, aux = run_plan(kernel, q, k, v, layout.packed("local", "local"))
-        return out, [lse], (kernel, aux)
+        return out, [lse], aux
 
-    def backward(self, dout, q, k, v, out, saved, layout, aux):
-        kernel, auxes = aux
+    def backward(self, dout, q, k, v, out, saved, layout, kernel, aux):
+        auxes = aux
         dq, dk, dv = float_grads(q, k, v)
         plan = layout.packed("local", "local")
         run_plan_backward(kernel, dout, q, k, v, out, saved[0], plan, auxes, dq, dk, dv)
@@ -180,9 +183,8 @@ class RingAttention(_CPAttention):
 
     comm = "p2p"
 
-    def forward(self, q, k, v, layout):
+    def forward(self, q, k, v, layout, kernel):
         g = self.g
-        kernel = select_varlen(q.device, q.dtype)
         n = layout.num_image_tokens
         kv = torch.stack([k[:, :, n:], v[:, :, n:]]).contiguous()  # travels the ring as one buffer
         if g.size > 1:
@@ -199,11 +201,11 @@ class RingAttention(_CPAttention):
             part_out, part_lse, aux = run_plan(kernel, q, kv[0], kv[1], plan)
             out, lse = merge(out, lse, part_out, part_lse)
             aux_ring.append(aux)
-        return out.to(q.dtype), [lse], (kernel, aux_local, aux_ring)
+        return out.to(q.dtype), [lse], (aux_local, aux_ring)
 
-    def backward(self, dout, q, k, v, out, saved, layout, aux):
+    def backward(self, dout, q, k, v, out, saved, layout, kernel, aux):
         g = self.g
-        kernel, aux_local, aux_ring = aux
+        aux_local, aux_ring = aux
         lse = saved[0]
         n = layout.num_image_tokens
         dq, dk, dv = float_grads(q, k, v)
@@ -241,8 +243,7 @@ class AllGatherAttention(_CPAttention):
 
     comm = "allgather"
 
-    def forward(self, q, k, v, layout):
-        kernel = select_varlen(q.device, q.dtype)
+    def forward(self, q, k, v, layout, kernel):
         n = layout.num_image_tokens
         kv_text = torch.stack([k[:, :, n:], v[:, :, n:]])  # [2, B, Hkv, T, D]
         # [2, B, Hkv, P*T, D], rank-major
@@ -250,10 +251,10 @@ class AllGatherAttention(_CPAttention):
         k_all = torch.cat([k[:, :, :n], gathered[0]], dim=2)
         v_all = torch.cat([v[:, :, :n], gathered[1]], dim=2)
         out, lse, aux = run_plan(kernel, q, k_all, v_all, layout.packed("local", "all"))
-        return out, [lse, k_all, v_all], (kernel, aux)
+        return out, [lse, k_all, v_all], aux
 
-    def backward(self, dout, q, k, v, out, saved, layout, aux):
-        kernel, auxes = aux
+    def backward(self, dout, q, k, v, out, saved, layout, kernel, aux):
+        auxes = aux
         lse, k_all, v_all = saved
         n = layout.num_image_tokens
         dq, dk_all, dv_all = float_grads(q, k_all, v_all)
@@ -309,8 +310,7 @@ class UlyssesAttention(_CPAttention):
         heads)."""
         return k.shape[1] % self.g.size != 0
 
-    def forward(self, q, k, v, layout):
-        kernel = select_varlen(q.device, q.dtype)
+    def forward(self, q, k, v, layout, kernel):
         n, h = layout.num_image_tokens, q.shape[1]
         if self._expanded(k):
             k, v = expand_kv_heads(k, h), expand_kv_heads(v, h)
@@ -318,10 +318,10 @@ class UlyssesAttention(_CPAttention):
         out_all, lse_all, aux = run_plan(kernel, q_all, k_all, v_all, layout.packed("all", "all"))
         text = self._heads_to_seq(out_all[:, :, n:])
         out = torch.cat([self._gather_heads(out_all[:, :, :n].contiguous()), text], dim=2)
-        return out, [lse_all, q_all, k_all, v_all, out_all], (kernel, aux)
+        return out, [lse_all, q_all, k_all, v_all, out_all], aux
 
-    def backward(self, dout, q, k, v, out, saved, layout, aux):
-        kernel, auxes = aux
+    def backward(self, dout, q, k, v, out, saved, layout, kernel, aux):
+        auxes = aux
         lse_all, q_all, k_all, v_all, out_all = saved
         n, p, r = layout.num_image_tokens, self.g.size, self.g.rank
         # the image outputs were all-gathered by head: sum every rank's gradient of my heads
@@ -364,5 +364,12 @@ class UlyssesAttention(_CPAttention):
         ]
 
 
-CP_ATTENTION = {"p2p": RingAttention, "allgather": AllGatherAttention, "a2a": UlyssesAttention}
+# parallelism.cp_comm_type -> the algorithm: the one registry of CP algorithms (the config,
+# the planner and the benchmarks take the names from here)
+CP_ATTENTION: dict[str, type[_CPAttention]] = {
+    "p2p": RingAttention,
+    "allgather": AllGatherAttention,
+    "a2a": UlyssesAttention,
+}
+# the op's `comm` argument -> the algorithm ("local": no CP)
 ALGORITHMS: dict[str, type[Algorithm]] = {"local": LocalAttention, **CP_ATTENTION}

@@ -17,7 +17,7 @@ import sys
 
 from titan_vlm.config import ConfigError, JobConfig, load_config, world_size_of
 from titan_vlm.models.registry import get_model_spec
-from titan_vlm.parallel.cp_attention import CP_COMM_TYPES
+from titan_vlm.parallel.cp_attention import CP_ATTENTION
 from titan_vlm.parallel_dims import ParallelDims
 from titan_vlm.plan.comm import cp_attention_bytes
 from titan_vlm.plan.cost import EFFICIENCY, Plan, make_plan, span
@@ -123,7 +123,7 @@ def report(plan: Plan, shapes: ModelShapes, work: Workload, args_line: str) -> l
         )
     if lay.cp > 1:
         by_type = []
-        for comm in CP_COMM_TYPES:
+        for comm in CP_ATTENTION:
             other = dataclasses.replace(lay, cp_comm_type=comm)
             heads = shapes.decoder.n_heads // lay.tp
             if comm == "a2a" and heads % lay.cp:

@@ -8,7 +8,7 @@ import itertools
 
 from titan_vlm.config import ConfigError, JobConfig
 from titan_vlm.parallel.context_parallel import CP_VISION_MODES
-from titan_vlm.parallel.cp_attention import CP_COMM_TYPES
+from titan_vlm.parallel.cp_attention import CP_ATTENTION
 from titan_vlm.parallel_dims import ParallelDims
 from titan_vlm.plan.cost import Plan, make_plan
 from titan_vlm.plan.hardware import Hardware
@@ -30,7 +30,7 @@ def candidate_layouts(cfg: JobConfig, world: int, gpus_per_node: int) -> list[La
         for cp in divisors(world // tp):
             for rep in divisors(world // (tp * cp)):
                 shard = world // (tp * cp * rep)
-                comms = CP_COMM_TYPES if cp > 1 else ("p2p",)
+                comms = tuple(CP_ATTENTION) if cp > 1 else ("p2p",)
                 visions = CP_VISION_MODES if cp > 1 else ("shard",)
                 for comm, vision, ac in itertools.product(comms, visions, AC_MODES):
                     layout = Layout(
