@@ -21,13 +21,13 @@ summed over ranks, its image gradients are the true ones.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_vlm.kernels import expand_kv_heads, reduce_kv_heads
 from titan_vlm.layout import SeqLayout
 from titan_vlm.varlen import VarlenKernel, float_grads, merge, run_plan, run_plan_backward
 
@@ -272,21 +272,43 @@ class AllGatherAttention(_CPAttention):
         return [_lse_like(q, q.shape[1], q.shape[2]), kv, torch.empty_like(kv)]
 
 
+def a2a_kv_heads(heads: int, kv_heads: int, cp: int) -> list[list[int]]:
+    """The K/V heads each CP rank receives in the all-to-all (`UlyssesAttention`), in order.
+
+    Rank r computes query heads [r H/P, (r+1) H/P); query head j uses K/V head j // (H/Hkv).
+    With G = gcd(H/P, H/Hkv), every run of G consecutive query heads of a rank uses one K/V
+    head, so rank r receives the K/V heads of its runs, (r H/P + i G) // (H/Hkv) for
+    i < H/P / G, and its local query head j uses its local K/V head j // G: the kernels' own
+    grouped-query mapping, no copies per query head. A K/V head that several ranks use is sent
+    to each of them (replicated to the ranks sharing it, never to all H query heads).
+
+        H=4, Hkv=2, P=2:  rank 0 [0], rank 1 [1]        (the K/V heads split over cp)
+        H=4, Hkv=1, P=2:  rank 0 [0], rank 1 [0]        (1 head each, not H/P = 2)
+        H=4, Hkv=2, P=4:  [0], [0], [1], [1]
+    """
+    local = heads // cp
+    group = heads // kv_heads
+    run = math.gcd(local, group)
+    return [[(r * local + i * run) // group for i in range(local // run)] for r in range(cp)]
+
+
 class UlyssesAttention(_CPAttention):
     """cp_comm_type = "a2a": all-to-all from sequence-sharded to head-sharded, whole-sequence
-    attention on H/P heads (one plan), all-to-all back. The replicated image tokens are not
-    sent: each rank takes its own heads of them locally (so the image K/V are not counted
-    CP-fold), and the image queries' output heads are all-gathered at the end. K/V heads that do
-    not split over cp are expanded to the query heads first."""
+    attention on H/P query heads (one plan), all-to-all back. The replicated image tokens are
+    not sent: each rank takes its own heads of them locally (so the image K/V are not counted
+    CP-fold), and the image queries' output heads are all-gathered at the end. Each rank gets
+    only the K/V heads its query heads use (`a2a_kv_heads`); the kernel maps its query heads to
+    them (grouped-query, fewer K/V heads than query heads). Backward sends every K/V head's
+    gradient back to the rank that holds its text and sums the copies there."""
 
     comm = "a2a"
 
     def _seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's text [B, H, T, D] -> every rank's text (rank-major), this rank's heads
-        [B, H/P, P*T, D]."""
+        """This rank's text for every rank's heads, rank-major [B, P*h, T, D] -> every rank's
+        text (rank-major), this rank's h heads [B, h, P*T, D]."""
         p = self.g.size
         b, h, t, d = x.shape
-        y = self.g.all_to_all(x.reshape(b, p, h // p, t, d).movedim(1, 0))  # [P(src), B, H/P..]
+        y = self.g.all_to_all(x.reshape(b, p, h // p, t, d).movedim(1, 0))  # [P(src), B, h..]
         return y.movedim(0, 2).reshape(b, h // p, p * t, d)
 
     def _heads_to_seq(self, y: torch.Tensor) -> torch.Tensor:
@@ -300,51 +322,78 @@ class UlyssesAttention(_CPAttention):
         """[B, H/P, L, ...] -> [B, H, L, ...] (every rank's heads)."""
         return self.g.all_gather(x.movedim(1, 0)).movedim(0, 1)
 
-    def _split(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        """This rank's heads of the image slots, every rank's text for them: [B, H/P, n + P*T]."""
-        hp, r = x.shape[1] // self.g.size, self.g.rank
-        return torch.cat([x[:, r * hp : (r + 1) * hp, :n], self._seq_to_heads(x[:, :, n:])], 2)
+    def _owned(self, x: torch.Tensor, q: torch.Tensor) -> list[list[int]] | None:
+        """The heads of x (q, k or v) each rank receives; None: rank r gets the r-th 1/P of
+        them (query heads, and K/V heads that split over cp)."""
+        owned = a2a_kv_heads(q.shape[1], x.shape[1], self.g.size)
+        split = [h for heads in owned for h in heads] == list(range(x.shape[1]))
+        return None if split else owned
 
-    def _expanded(self, k: torch.Tensor) -> bool:
-        """Whether the K/V heads do not split over cp (then they are expanded to the query
-        heads)."""
-        return k.shape[1] % self.g.size != 0
+    def _split(self, x: torch.Tensor, n: int, owned: list[list[int]] | None) -> torch.Tensor:
+        """This rank's heads of the image slots, every rank's text for them: [B, h, n + P*T]."""
+        if owned is None:
+            hp, r = x.shape[1] // self.g.size, self.g.rank
+            return torch.cat([x[:, r * hp : (r + 1) * hp, :n], self._seq_to_heads(x[:, :, n:])], 2)
+        mine = x[:, :, :n].index_select(1, torch.tensor(owned[self.g.rank], device=x.device))
+        every = torch.tensor([h for heads in owned for h in heads], device=x.device)
+        return torch.cat([mine, self._seq_to_heads(x[:, :, n:].index_select(1, every))], 2)
+
+    def _split_backward(
+        self, dx_all: torch.Tensor, heads: int, n: int, owned: list[list[int]] | None
+    ) -> torch.Tensor:
+        """The gradient of `_split` (x with `heads` heads): my heads of the image slots, the
+        text sent back; copies of a head (`owned`) summed."""
+        b, hx, length, d = dx_all.shape
+        length = n + (length - n) // self.g.size
+        text = self._heads_to_seq(dx_all[:, :, n:].contiguous())
+        dx = dx_all.new_zeros(b, heads, length, d)
+        if owned is None:
+            r = self.g.rank
+            dx[:, r * hx : (r + 1) * hx, :n] = dx_all[:, :, :n]
+            dx[:, :, n:] = text
+            return dx
+        mine = torch.tensor(owned[self.g.rank], device=dx.device)
+        every = torch.tensor([h for heads in owned for h in heads], device=dx.device)
+        dx[:, :, :n].index_add_(1, mine, dx_all[:, :, :n])
+        dx[:, :, n:].index_add_(1, every, text)
+        return dx
 
     def forward(self, q, k, v, layout, kernel):
-        n, h = layout.num_image_tokens, q.shape[1]
-        if self._expanded(k):
-            k, v = expand_kv_heads(k, h), expand_kv_heads(v, h)
-        q_all, k_all, v_all = (self._split(x, n) for x in (q, k, v))
+        n = layout.num_image_tokens
+        owned = self._owned(k, q)
+        q_all = self._split(q, n, None)
+        k_all, v_all = self._split(k, n, owned), self._split(v, n, owned)
         out_all, lse_all, aux = run_plan(kernel, q_all, k_all, v_all, layout.packed("all", "all"))
         text = self._heads_to_seq(out_all[:, :, n:])
         out = torch.cat([self._gather_heads(out_all[:, :, :n].contiguous()), text], dim=2)
         return out, [lse_all, q_all, k_all, v_all, out_all], aux
 
     def backward(self, dout, q, k, v, out, saved, layout, kernel, aux):
-        auxes = aux
         lse_all, q_all, k_all, v_all, out_all = saved
-        n, p, r = layout.num_image_tokens, self.g.size, self.g.rank
+        n = layout.num_image_tokens
         # the image outputs were all-gathered by head: sum every rank's gradient of my heads
         d_img = self.g.reduce_scatter(dout[:, :, :n].movedim(1, 0)).movedim(0, 1)
         dout_all = torch.cat([d_img, self._seq_to_heads(dout[:, :, n:])], dim=2)
         plan = layout.packed("all", "all")
-        grads = float_grads(q_all, k_all, v_all)
+        dq_all, dk_all, dv_all = float_grads(q_all, k_all, v_all)
         run_plan_backward(
-            kernel, dout_all, q_all, k_all, v_all, out_all, lse_all, plan, auxes, *grads
+            kernel,
+            dout_all,
+            q_all,
+            k_all,
+            v_all,
+            out_all,
+            lse_all,
+            plan,
+            aux,
+            dq_all,
+            dk_all,
+            dv_all,
         )
-
-        def back(dx_all: torch.Tensor) -> torch.Tensor:
-            """The gradient of `_split`: my heads of the image slots, the text sent back."""
-            hx = dx_all.shape[1]
-            b, length = dx_all.shape[0], q.shape[2]
-            dx = dx_all.new_zeros(b, hx * p, length, dx_all.shape[3])
-            dx[:, r * hx : (r + 1) * hx, :n] = dx_all[:, :, :n]
-            dx[:, :, n:] = self._heads_to_seq(dx_all[:, :, n:].contiguous())
-            return dx
-
-        dq, dk, dv = (back(g) for g in grads)
-        if self._expanded(k):
-            dk, dv = reduce_kv_heads(dk, k.shape[1]), reduce_kv_heads(dv, k.shape[1])
+        owned = self._owned(k, q)
+        dq = self._split_backward(dq_all, q.shape[1], n, None)
+        dk = self._split_backward(dk_all, k.shape[1], n, owned)
+        dv = self._split_backward(dv_all, v.shape[1], n, owned)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     @staticmethod
@@ -352,7 +401,7 @@ class UlyssesAttention(_CPAttention):
         p = len(texts)
         b, h, _, d = q.shape
         length = n + p * texts[0].shape[1]
-        hk = (k.shape[1] if k.shape[1] % p == 0 else h) // p
+        hk = len(a2a_kv_heads(h, k.shape[1], p)[0])
         q_all = q.new_empty(b, h // p, length, d)
         k_all = k.new_empty(b, hk, length, d)
         return [
