@@ -85,7 +85,7 @@ class CPGroup:
         dist.all_to_all_single(out, x.contiguous(), group=self.group)
         return out
 
-    def shift(self, x: torch.Tensor) -> tuple[torch.Tensor, list]:
+    def shift(self, x: torch.Tensor) -> tuple[torch.Tensor, list[dist.Work]]:
         """Start sending x to the next rank and receiving the previous rank's into a new buffer."""
         buf = torch.empty_like(x)
         ops = [
@@ -101,7 +101,7 @@ def cp_group(mesh: DeviceMesh) -> CPGroup:
     return CPGroup(mesh)
 
 
-def _wait(reqs: list) -> None:
+def _wait(reqs: list[dist.Work]) -> None:
     for req in reqs:
         req.wait()
 
@@ -156,11 +156,29 @@ class LocalAttention(Algorithm):
 
     comm = "local"
 
-    def forward(self, q, k, v, layout, kernel):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: SeqLayout,
+        kernel: VarlenKernel,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], Any]:
         out, lse, aux = run_plan(kernel, q, k, v, layout.packed("local", "local"))
         return out, [lse], aux
 
-    def backward(self, dout, q, k, v, out, saved, layout, kernel, aux):
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        saved: list[torch.Tensor],
+        layout: SeqLayout,
+        kernel: VarlenKernel,
+        aux: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         auxes = aux
         dq, dk, dv = float_grads(q, k, v)
         plan = layout.packed("local", "local")
@@ -183,7 +201,14 @@ class RingAttention(_CPAttention):
 
     comm = "p2p"
 
-    def forward(self, q, k, v, layout, kernel):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: SeqLayout,
+        kernel: VarlenKernel,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], Any]:
         g = self.g
         n = layout.num_image_tokens
         kv = torch.stack([k[:, :, n:], v[:, :, n:]]).contiguous()  # travels the ring as one buffer
@@ -191,7 +216,7 @@ class RingAttention(_CPAttention):
             incoming, reqs = g.shift(kv)  # overlapped with the local plan
         out, lse, aux_local = run_plan(kernel, q, k, v, layout.packed("local", "local"))
         out = out.float()
-        aux_ring = []
+        aux_ring: list[list[Any]] = []
         for step in range(1, g.size):
             _wait(reqs)
             kv = incoming
@@ -203,7 +228,18 @@ class RingAttention(_CPAttention):
             aux_ring.append(aux)
         return out.to(q.dtype), [lse], (aux_local, aux_ring)
 
-    def backward(self, dout, q, k, v, out, saved, layout, kernel, aux):
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        saved: list[torch.Tensor],
+        layout: SeqLayout,
+        kernel: VarlenKernel,
+        aux: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         g = self.g
         aux_local, aux_ring = aux
         lse = saved[0]
@@ -214,7 +250,9 @@ class RingAttention(_CPAttention):
             incoming, reqs = g.shift(kv)
         plan = layout.packed("local", "local")
         run_plan_backward(kernel, dout, q, k, v, out, lse, plan, aux_local, dq, dk, dv)
-        dkv_incoming, dreqs = None, []  # the travelling dK/dV accumulator of the block in hand
+        # the travelling dK/dV accumulator of the block in hand (from step 1 on)
+        dkv_incoming: torch.Tensor | None = None
+        dreqs: list[dist.Work] = []
         for step in range(1, g.size):
             _wait(reqs)
             kv = incoming
@@ -225,11 +263,11 @@ class RingAttention(_CPAttention):
             run_plan_backward(
                 kernel, dout, q, kv[0], kv[1], out, lse, plan, aux_ring[step - 1], dq, *dkv
             )
-            if step > 1:
+            if dkv_incoming is not None:
                 _wait(dreqs)  # the block's accumulator, from the previous rank
                 dkv += dkv_incoming
             dkv_incoming, dreqs = g.shift(dkv)  # overlapped with the next step's plan
-        if g.size > 1:
+        if dkv_incoming is not None:
             _wait(dreqs)  # after P - 1 hops our own block's accumulator is back, complete
             dk[:, :, n:] += dkv_incoming[0]
             dv[:, :, n:] += dkv_incoming[1]
@@ -243,7 +281,14 @@ class AllGatherAttention(_CPAttention):
 
     comm = "allgather"
 
-    def forward(self, q, k, v, layout, kernel):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: SeqLayout,
+        kernel: VarlenKernel,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], Any]:
         n = layout.num_image_tokens
         kv_text = torch.stack([k[:, :, n:], v[:, :, n:]])  # [2, B, Hkv, T, D]
         # [2, B, Hkv, P*T, D], rank-major
@@ -253,7 +298,18 @@ class AllGatherAttention(_CPAttention):
         out, lse, aux = run_plan(kernel, q, k_all, v_all, layout.packed("local", "all"))
         return out, [lse, k_all, v_all], aux
 
-    def backward(self, dout, q, k, v, out, saved, layout, kernel, aux):
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        saved: list[torch.Tensor],
+        layout: SeqLayout,
+        kernel: VarlenKernel,
+        aux: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         auxes = aux
         lse, k_all, v_all = saved
         n = layout.num_image_tokens
@@ -267,7 +323,9 @@ class AllGatherAttention(_CPAttention):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     @staticmethod
-    def saved_like(q, k, n, texts):
+    def saved_like(
+        q: torch.Tensor, k: torch.Tensor, n: int, texts: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
         kv = k.new_empty(k.shape[0], k.shape[1], n + len(texts) * texts[0].shape[1], k.shape[3])
         return [_lse_like(q, q.shape[1], q.shape[2]), kv, torch.empty_like(kv)]
 
@@ -358,7 +416,14 @@ class UlyssesAttention(_CPAttention):
         dx[:, :, n:].index_add_(1, every, text)
         return dx
 
-    def forward(self, q, k, v, layout, kernel):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: SeqLayout,
+        kernel: VarlenKernel,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], Any]:
         n = layout.num_image_tokens
         owned = self._owned(k, q)
         q_all = self._split(q, n, None)
@@ -368,7 +433,18 @@ class UlyssesAttention(_CPAttention):
         out = torch.cat([self._gather_heads(out_all[:, :, :n].contiguous()), text], dim=2)
         return out, [lse_all, q_all, k_all, v_all, out_all], aux
 
-    def backward(self, dout, q, k, v, out, saved, layout, kernel, aux):
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        saved: list[torch.Tensor],
+        layout: SeqLayout,
+        kernel: VarlenKernel,
+        aux: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         lse_all, q_all, k_all, v_all, out_all = saved
         n = layout.num_image_tokens
         # the image outputs were all-gathered by head: sum every rank's gradient of my heads
@@ -397,7 +473,9 @@ class UlyssesAttention(_CPAttention):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     @staticmethod
-    def saved_like(q, k, n, texts):
+    def saved_like(
+        q: torch.Tensor, k: torch.Tensor, n: int, texts: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
         p = len(texts)
         b, h, _, d = q.shape
         length = n + p * texts[0].shape[1]
