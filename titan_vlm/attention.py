@@ -1,6 +1,6 @@
 """The one attention entry point of titan_vlm.
 
-Model code calls `attention(q, k, v, layout)` and knows nothing about parallelism. The
+Model code calls `attention(q, k, v, layout, kernel)` and knows nothing about parallelism. The
 `SeqLayout` it passes along was built outside the model (by the data pipeline or by
 `parallel/context_parallel.py`) and says where each local token sits in its row; when the row's
 text is sharded over a context-parallel group, `layout.cp` carries the algorithm that makes the

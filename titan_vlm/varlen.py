@@ -216,7 +216,8 @@ class VarlenKernel:
     h // (H / Hkv)); out [Tq, H, D] in q's dtype, lse [H, Tq] float32 (natural log). In a causal
     call query i of a sequence sees its keys up to i + Lk - Lq (bottom-right). backward takes the
     final (merged over plans) out and lse; dk/dv come back with Hkv heads. `launches(call)`: the
-    kernel launches one call costs."""
+    kernel launches one call costs. The kernels of the registry (kernels.KERNELS) implement it
+    on their batched block op (kernels.Kernel)."""
 
     name = "abstract"
 
