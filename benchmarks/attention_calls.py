@@ -29,10 +29,10 @@ import torch
 from titan_vlm.config import load_config
 from titan_vlm.data.batch import Batch, Sample, collate
 from titan_vlm.data.synthetic import SyntheticCaptions
-from titan_vlm.kernels import VARLEN
+from titan_vlm.kernels import KERNELS
 from titan_vlm.layout import SeqLayout, build_layout
 from titan_vlm.models.flavors import get_flavor
-from titan_vlm.parallel.cp_attention import CP_COMM_TYPES, attention_plans, kernel_launches
+from titan_vlm.parallel.cp_attention import CP_ATTENTION, attention_plans, kernel_launches
 
 DEFAULT_CONFIG = Path(__file__).parent.parent / "train_configs" / "vlm_cp.toml"
 ROW = 8192
@@ -85,8 +85,8 @@ def counts(batch: Batch, cp: int, comm: str | None) -> dict:
     for rank in range(cp):
         _, layout = build_layout(batch.doc, batch.image, cp, rank)
         out["blocks"] = max(out["blocks"], blocks_before(layout, comm))
-        out["cpu"] = max(out["cpu"], kernel_launches(layout, comm, VARLEN["cpu_flash"]))
-        out["cuda"] = max(out["cuda"], kernel_launches(layout, comm, VARLEN["cuda_flash"]))
+        out["cpu"] = max(out["cpu"], kernel_launches(layout, comm, KERNELS["cpu_flash"]))
+        out["cuda"] = max(out["cuda"], kernel_launches(layout, comm, KERNELS["cuda_flash"]))
     out["merges"] = len(attention_plans(comm, cp, 0)) - 1
     return out
 
@@ -98,7 +98,7 @@ def main() -> None:
     print("| rows | cp | comm | blocks (before) | cpu (after) | cuda (after) | merges (after) |")
     print("|---|---|---|---|---|---|---|")
     for name, batch in workloads.items():
-        for cp, comm in [(1, None)] + [(2, c) for c in CP_COMM_TYPES] + [(4, "p2p")]:
+        for cp, comm in [(1, None)] + [(2, c) for c in CP_ATTENTION] + [(4, "p2p")]:
             c = counts(batch, cp, comm)
             print(
                 f"| {name} | {cp} | {comm or '-'} | {c['blocks']} | {c['cpu']} | {c['cuda']} "

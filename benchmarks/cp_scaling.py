@@ -28,7 +28,7 @@ from titan_vlm.metrics import SavedForBackward
 from titan_vlm.models.flavors import get_flavor
 from titan_vlm.models.vlm import VLM
 from titan_vlm.parallel.context_parallel import CPOptions
-from titan_vlm.parallel.cp_attention import CP_COMM_TYPES
+from titan_vlm.parallel.cp_attention import CP_ATTENTION, a2a_kv_heads
 from titan_vlm.parallel_dims import MESH_DIMS, Mesh
 from titan_vlm.train import forward_backward
 
@@ -94,7 +94,7 @@ def analytic_bytes(
     elif comm == "allgather":  # all-gather K/V; reduce-scatter fp32 dK/dV of the whole text
         per_layer = (cp - 1) * kv * elem + (cp - 1) * kv * 4
     else:  # a2a: q, k, v and out (and their grads) move (P-1)/P; image outputs all-gathered by head
-        kv_heads = d.n_kv_heads if d.n_kv_heads % cp == 0 else d.n_heads
+        kv_heads = cp * len(a2a_kv_heads(d.n_heads, d.n_kv_heads, cp)[0])  # replicas counted
         text = batch * t_local * d.head_dim * (2 * d.n_heads + 2 * kv_heads) * elem
         image = batch * n_img * d.head_dim * d.n_heads * elem
         per_layer = 2 * (text + image) * (cp - 1) // cp
@@ -149,7 +149,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-lens", default="4096,8192,16384,32768")
     parser.add_argument("--cps", default="1,2,4")
-    parser.add_argument("--comms", default=",".join(CP_COMM_TYPES))
+    parser.add_argument("--comms", default=",".join(CP_ATTENTION))
     parser.add_argument("--flavor", default="debug")
     opts = parser.parse_args()
     seq_lens = [int(x) for x in opts.seq_lens.split(",")]

@@ -20,7 +20,7 @@ import time
 import torch
 
 from titan_vlm.data.batch import Sample, collate
-from titan_vlm.kernels import KERNELS, VARLEN
+from titan_vlm.kernels import KERNELS
 from titan_vlm.layout import Slots, build_layout, visible
 from titan_vlm.varlen import merge, run_plan, run_plan_backward
 
@@ -133,7 +133,7 @@ def check_kernel(name: str, dtype: torch.dtype, device: str = "cuda") -> None:
         q = torch.randn(shape, device=device, dtype=dtype)
         k = torch.randn(shape[0], 2, *shape[2:], device=device, dtype=dtype)
         v = torch.randn(shape[0], 2, *shape[2:], device=device, dtype=dtype)
-        out, dq, dk, dv = simulate_ring(q, k, v, batch, p, VARLEN[name])
+        out, dq, dk, dv = simulate_ring(q, k, v, batch, p, KERNELS[name])
         ref, (rq, rk, rv) = reference(q, k, v, batch)
         ref.sum().backward()
         print(
@@ -164,8 +164,8 @@ def kernel_speed() -> None:
                 if i == 1:
                     torch.cuda.synchronize()
                     start = time.perf_counter()
-                out, lse, aux = kernel.forward(q, k, v, True, scale)
-                kernel.backward(torch.ones_like(out), q, k, v, out, lse, True, scale, aux)
+                out, lse, aux = kernel.block(q, k, v, True, scale)
+                kernel.block_backward(torch.ones_like(out), q, k, v, out, lse, True, scale, aux)
             torch.cuda.synchronize()
             ms = (time.perf_counter() - start) / 3 * 1e3
             flops = (

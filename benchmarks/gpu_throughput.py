@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from titan_vlm.attention import attention
 from titan_vlm.data.batch import Batch, Sample, collate
-from titan_vlm.kernels import VARLEN
+from titan_vlm.kernels import KERNELS
 from titan_vlm.layout import build_layout
 from titan_vlm.models.decoder import Decoder
 from titan_vlm.models.flavors import get_flavor
@@ -84,7 +84,7 @@ def attention_table(seq_len: int, seed: int) -> str:
     grad = torch.randn_like(q)
 
     def planned() -> None:
-        out = attention(q, k, v, layout)
+        out = attention(q, k, v, layout, "auto")
         torch.autograd.grad(out, (q, k, v), grad)
 
     # the reference: every sample one sequence, its slots in row order, causal
@@ -124,7 +124,7 @@ def attention_table(seq_len: int, seed: int) -> str:
 
     flops = 3.5 * 4 * HEADS * HEAD_DIM * pairs  # fwd: 2 matmuls, bwd: 5 (2 FLOPs per MAC)
     ms_planned, ms_ref = timed(planned), timed(one_call)
-    launches = kernel_launches(layout, None, VARLEN["cuda_flash"])
+    launches = kernel_launches(layout, None, KERNELS["cuda_flash"])
     return (
         f"| {seq_len} | {len(lengths)} | {layout.image_counts[0]} | {launches} | "
         f"{ms_planned:.2f} | {flops / ms_planned / 1e9:.0f} | {ms_ref:.2f} | "
@@ -186,8 +186,8 @@ def main() -> None:
             print(
                 f"{seq_len} slots: {len(torch.unique(batch.doc[batch.doc >= 0]))} samples, "
                 f"{layout.image_counts[0]} images, "
-                f"CUDA launches {kernel_launches(layout, None, VARLEN['cuda_flash'])}, "
-                f"CPU launches {kernel_launches(layout, None, VARLEN['cpu_flash'])}"
+                f"CUDA launches {kernel_launches(layout, None, KERNELS['cuda_flash'])}, "
+                f"CPU launches {kernel_launches(layout, None, KERNELS['cpu_flash'])}"
             )
         return
     name = torch.cuda.get_device_name()

@@ -108,7 +108,9 @@ def test_planned_attention_equals_the_dense_masked_softmax(bidirectional):
     )
     real = (local.doc >= 0)[:, None, :, None]  # padding slots: no output, no gradient
     grad = torch.randn(q.shape, dtype=torch.float64)
-    out = planned_attention(q.float(), k.float(), v.float(), layout.blocks("local", "local"))
+    out = planned_attention(
+        q.float(), k.float(), v.float(), layout.blocks("local", "local"), "auto"
+    )
     (out.double() * grad * real).sum().backward()
     got = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
@@ -130,5 +132,7 @@ def test_planned_attention_equals_the_dense_masked_softmax(bidirectional):
         merged.doc[:, : layout.num_image_tokens], layout.images.order, layout.images.image
     )
     layout._plans.clear()
-    leaky = planned_attention(q.float(), k.float(), v.float(), layout.blocks("local", "local"))
+    leaky = planned_attention(
+        q.float(), k.float(), v.float(), layout.blocks("local", "local"), "auto"
+    )
     assert ((leaky.double() - ref) * real).abs().max() > 1e-2

@@ -15,9 +15,9 @@ from test_layout import packed_batch
 from torch.distributed.utils import _apply_to_tensors
 
 from titan_vlm.data.batch import Sample, collate
-from titan_vlm.kernels import VARLEN
+from titan_vlm.kernels import KERNELS
 from titan_vlm.layout import build_layout, visible
-from titan_vlm.parallel.cp_attention import CP_COMM_TYPES, kernel_launches
+from titan_vlm.parallel.cp_attention import CP_ATTENTION, kernel_launches
 from titan_vlm.varlen import PackedPlan, VarlenCall, VarlenKernel, run_plan, run_plan_backward
 
 TPI = 16
@@ -155,7 +155,7 @@ def test_executor_equals_the_dense_masked_softmax(kernel, bidirectional):
     plan (causal and, with bidirectional images, dense), grouped-query heads (4 over 2)."""
     batch = packed_batch(rows=2)
     _, layout = build_layout(batch.doc, batch.image, 2, 1, bidirectional)
-    run = Float64Varlen() if kernel == "float64_reference" else VARLEN["cpu_flash"]
+    run = Float64Varlen() if kernel == "float64_reference" else KERNELS["cpu_flash"]
     dtype = torch.float64 if kernel == "float64_reference" else torch.float32
     torch.manual_seed(0)
     for queries, keys in [("local", "local"), ("local", 0), ("local", "all")]:
@@ -182,7 +182,7 @@ def test_executor_equals_the_dense_masked_softmax(kernel, bidirectional):
             assert (mine - theirs).abs().max() < 20 * tol
 
 
-LAYOUTS = [(1, None)] + [(cp, comm) for cp in (2, 4) for comm in CP_COMM_TYPES]
+LAYOUTS = [(1, None)] + [(cp, comm) for cp in (2, 4) for comm in CP_ATTENTION]
 
 
 @pytest.mark.parametrize("cp, comm", LAYOUTS, ids=[f"cp{cp}_{comm}" for cp, comm in LAYOUTS])
@@ -195,8 +195,8 @@ def test_cuda_launches_do_not_depend_on_the_samples_per_row(cp, comm):
         batch = row_of_samples(n, 4096)
         for rank in range(cp):
             _, layout = build_layout(batch.doc, batch.image, cp, rank)
-            cuda[n, rank] = kernel_launches(layout, comm, VARLEN["cuda_flash"])
-            cpu[n, rank] = kernel_launches(layout, comm, VARLEN["cpu_flash"])
+            cuda[n, rank] = kernel_launches(layout, comm, KERNELS["cuda_flash"])
+            cpu[n, rank] = kernel_launches(layout, comm, KERNELS["cpu_flash"])
     assert len(set(cuda.values())) == 1, cuda
     assert max(cuda.values()) <= 2 * max(cp, 1)
     assert cpu[128, 0] > cpu[2, 0]

@@ -45,7 +45,7 @@ from torch._opaque_base import OpaqueBase
 from titan_vlm.varlen import Block, PackedPlan, pack
 
 if TYPE_CHECKING:
-    from titan_vlm.attention import CPAttention
+    from titan_vlm.parallel.cp_attention import Algorithm
 
 ALL_ROWS = slice(None)
 
@@ -168,9 +168,9 @@ def _plan_row(
     for q_range, k_ranges in dense.items():
         by_keys.setdefault(tuple(_merge_runs(k_ranges)), []).append(q_range)
     blocks = causal
-    for k_ranges, q_ranges in by_keys.items():
+    for k_runs, q_ranges in by_keys.items():
         for qa, qb in _merge_runs(q_ranges):
-            blocks.extend((rows, slice(qa, qb), slice(ka, kb), False) for ka, kb in k_ranges)
+            blocks.extend((rows, slice(qa, qb), slice(ka, kb), False) for ka, kb in k_runs)
     return blocks
 
 
@@ -248,7 +248,7 @@ class SeqLayout:
     image_counts: list[int]
     row_positions: torch.Tensor  # [B, S] every row slot's position within its sample
     bidirectional_images: bool = False
-    cp: CPAttention | None = None
+    cp: Algorithm | None = None
     _plans: PlanCache = field(default_factory=PlanCache, repr=False)
 
     def __post_init__(self) -> None:
@@ -275,6 +275,8 @@ class SeqLayout:
             return self.images
         if name == "all":
             return Slots.cat([self.images, *self.texts])
+        if isinstance(name, str):
+            raise ValueError(f"slots: unknown name {name!r} (local, images, all or a CP rank)")
         return self.texts[name]
 
     def blocks(self, queries: str, keys: str | int, rank: int | None = None) -> list[Block]:
@@ -404,13 +406,15 @@ def build_layout(
             samples.append((b, pairs, costs))
         rope.append(positions - start)
     deal = _deal_pairs([c for _, _, c in samples], cp_size)
-    text_index: list[list[list[torch.Tensor]]] = [[[] for _ in range(rows)] for _ in range(cp_size)]
+    dealt_pairs: list[list[list[torch.Tensor]]] = [
+        [[] for _ in range(rows)] for _ in range(cp_size)
+    ]
     for (b, pairs, _), dealt in zip(samples, deal):
         for r in range(cp_size):
-            text_index[r][b].append(pairs[dealt[r]])
+            dealt_pairs[r][b].append(pairs[dealt[r]])
     text_index = [
         [torch.cat(x) if x else torch.zeros(0, dtype=torch.long) for x in per_rank]
-        for per_rank in text_index
+        for per_rank in dealt_pairs
     ]
     n = max((len(x) for x in image_index), default=0)
     t = max((len(x) for per_rank in text_index for x in per_rank), default=0)

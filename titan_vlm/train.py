@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from titan_vlm.attention import select_kernel, use_kernel
 from titan_vlm.checkpoint import Checkpointer
 from titan_vlm.config import JobConfig, load_config, validate_failure_keys
 from titan_vlm.data import build_dataset, model_inputs
 from titan_vlm.data.batch import IGNORE_INDEX, Batch
 from titan_vlm.errors import UserError
+from titan_vlm.kernels import select_kernel
 from titan_vlm.launch import STOP, die_with_parent, report_user_error
 from titan_vlm.layout import SeqLayout
 from titan_vlm.metrics import MetricsLogger, peak_memory_gib
@@ -250,13 +250,12 @@ def run_training(
     `stop_after` ends the run after that step as a crash would (tests of resuming)."""
     t = cfg.training
     spec = get_model_spec(cfg.model.name)
-    use_kernel(cfg.model.attention_kernel)
     p = cfg.parallelism
     cp = CPOptions(comm_type=p.cp_comm_type, vision=p.cp_vision)
     dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
     logger.info(
         "attention kernel: %s (model.attention_kernel=%s)",
-        select_kernel(device, dtype).name,
+        select_kernel(cfg.model.attention_kernel, device, dtype).name,
         cfg.model.attention_kernel,
     )
     tp = TPOptions(

@@ -187,11 +187,15 @@ def pack(blocks: list[Block], q_order: torch.Tensor, k_order: torch.Tensor) -> P
     absent). Blocks for all rows (`rows` = slice(None)) are packed once and repeated per row."""
     rows, lq = q_order.shape
     lk = k_order.shape[1]
-    by_row: dict[int | None, list[Block]] = {}
+    by_row: dict[int, list[Block]] = {}
+    shared: list[Block] = []  # blocks of every row
     for blk in blocks:
-        by_row.setdefault(blk[0].start, []).append(blk)
+        row = blk[0].start
+        if row is None:
+            shared.append(blk)
+        else:
+            by_row.setdefault(row, []).append(blk)
     per_row: list[tuple[int, list[Sequence]]] = []
-    shared = by_row.pop(None, [])
     if shared:
         seqs = _row_sequences(shared, q_order[0].tolist(), k_order[0].tolist())
         per_row.extend((b, seqs) for b in range(rows))
@@ -212,7 +216,8 @@ class VarlenKernel:
     h // (H / Hkv)); out [Tq, H, D] in q's dtype, lse [H, Tq] float32 (natural log). In a causal
     call query i of a sequence sees its keys up to i + Lk - Lq (bottom-right). backward takes the
     final (merged over plans) out and lse; dk/dv come back with Hkv heads. `launches(call)`: the
-    kernel launches one call costs."""
+    kernel launches one call costs. The kernels of the registry (kernels.KERNELS) implement it
+    on their batched block op (kernels.Kernel)."""
 
     name = "abstract"
 

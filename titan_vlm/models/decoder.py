@@ -80,8 +80,9 @@ class Attention(nn.Module):
     RMSNorm over head_dim (one weight shared by the heads, q_norm / k_norm) on every query and key
     head before RoPE (Qwen3)."""
 
-    def __init__(self, a: DecoderArgs):
+    def __init__(self, a: DecoderArgs, attention_kernel: str):
         super().__init__()
+        self.attention_kernel = attention_kernel  # model.attention_kernel
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         self.wq = nn.Linear(a.dim, a.n_heads * a.head_dim, bias=a.qkv_bias)
         self.wk = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
@@ -103,7 +104,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention(q, k, v, layout)
+        out = attention(q, k, v, layout, self.attention_kernel)
         return self.wo(out.transpose(1, 2).reshape(b, n, -1))
 
 
@@ -119,10 +120,10 @@ class FeedForward(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    def __init__(self, a: DecoderArgs):
+    def __init__(self, a: DecoderArgs, attention_kernel: str):
         super().__init__()
         self.attention_norm = RMSNorm(a.dim, a.norm_eps)
-        self.attention = Attention(a)
+        self.attention = Attention(a, attention_kernel)
         self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
         self.feed_forward = FeedForward(a)
 
@@ -141,11 +142,11 @@ class Decoder(nn.Module):
     rope_cos: torch.Tensor  # [max_seq_len, head_dim // 2] buffers, not saved: rebuilt from args
     rope_sin: torch.Tensor
 
-    def __init__(self, a: DecoderArgs):
+    def __init__(self, a: DecoderArgs, attention_kernel: str):
         super().__init__()
         self.args = a
         self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
-        self.layers = nn.ModuleList(DecoderBlock(a) for _ in range(a.n_layers))
+        self.layers = nn.ModuleList(DecoderBlock(a, attention_kernel) for _ in range(a.n_layers))
         self.norm = RMSNorm(a.dim, a.norm_eps)
         if a.tie_embeddings:
             self.output = nn.Linear(a.dim, a.vocab_size, bias=False, device="meta")

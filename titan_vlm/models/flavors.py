@@ -131,6 +131,9 @@ class VLMArgs:
     # How the tokens of one image see each other in the decoder: "causal" (in slot order, like
     # any token) or "bidirectional" (all of them). Text is causal either way (layout.py).
     image_attention: str = "causal"
+    # model.attention_kernel: "auto" or a name of kernels.KERNELS; every attention call of the
+    # ViT and the decoder passes it (the kernel choice is the model's, not a module global)
+    attention_kernel: str = "auto"
     projector_act: str = "gelu"  # between the projector's two linears, one of ACTIVATIONS
     projector_bias: bool = True
     # The token id that stands for one image slot in a Hugging Face model's prompts (LLaVA's

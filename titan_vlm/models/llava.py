@@ -61,7 +61,8 @@ def hf_sources(cfg: JobConfig) -> list[tuple[str, Path]]:
 
 
 def llava_args(cfg: JobConfig) -> VLMArgs:
-    """The architecture the config asks for (module docstring), with model.image_attention."""
+    """The architecture the config asks for (module docstring), with model.image_attention and
+    model.attention_kernel."""
     m = cfg.model
     if m.image_attention not in IMAGE_ATTENTION:
         raise ConfigError(
@@ -95,7 +96,11 @@ def llava_args(cfg: JobConfig) -> VLMArgs:
     elif m.flavor == "hf":
         raise ConfigError("model.flavor='hf' reads the architecture from model.hf_path: set it")
     else:
-        return dataclasses.replace(get_flavor(m.flavor), image_attention=m.image_attention)
+        return dataclasses.replace(
+            get_flavor(m.flavor),
+            image_attention=m.image_attention,
+            attention_kernel=m.attention_kernel,
+        )
     if m.flavor != "hf":
         diff = _first_difference(get_flavor(m.flavor), from_hf)
         if diff:
@@ -104,7 +109,9 @@ def llava_args(cfg: JobConfig) -> VLMArgs:
                 f"model.flavor={m.flavor!r} does not match the config.json of {where} ({diff}); "
                 "set model.flavor = 'hf' to take the architecture from the folder"
             )
-    return dataclasses.replace(from_hf, image_attention=m.image_attention)
+    return dataclasses.replace(
+        from_hf, image_attention=m.image_attention, attention_kernel=m.attention_kernel
+    )
 
 
 def _bias_fan_in(args: VLMArgs, name: str) -> int:

@@ -18,8 +18,9 @@ class ViTAttention(nn.Module):
     separate ones split cleanly into whole heads per rank. Head counts are inferred (-1): the
     local count."""
 
-    def __init__(self, a: ViTArgs):
+    def __init__(self, a: ViTArgs, attention_kernel: str):
         super().__init__()
+        self.attention_kernel = attention_kernel  # model.attention_kernel
         self.head_dim = a.dim // a.n_heads
         self.q = nn.Linear(a.dim, a.dim)
         self.k = nn.Linear(a.dim, a.dim)
@@ -33,16 +34,16 @@ class ViTAttention(nn.Module):
             w(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
             for w in (self.q, self.k, self.v)
         )
-        out = attention(q, k, v, layout=None)
+        out = attention(q, k, v, None, self.attention_kernel)
         return self.proj(out.transpose(1, 2).flatten(2))
 
 
 class ViTBlock(nn.Module):
-    def __init__(self, a: ViTArgs):
+    def __init__(self, a: ViTArgs, attention_kernel: str):
         super().__init__()
         self.act = ACT_FNS[a.act]
         self.norm1 = nn.LayerNorm(a.dim, eps=a.norm_eps)
-        self.attn = ViTAttention(a)
+        self.attn = ViTAttention(a, attention_kernel)
         self.norm2 = nn.LayerNorm(a.dim, eps=a.norm_eps)
         self.fc1 = nn.Linear(a.dim, a.mlp_dim)
         self.fc2 = nn.Linear(a.mlp_dim, a.dim)
@@ -60,7 +61,7 @@ class ViT(nn.Module):
     (class_embedding [dim], pos_embed [positions, dim]) have the Hugging Face tensors' shapes;
     `pre_norm` and `norm` exist only when the args ask for them."""
 
-    def __init__(self, a: ViTArgs):
+    def __init__(self, a: ViTArgs, attention_kernel: str):
         super().__init__()
         self.args = a
         self.patch_embed = nn.Conv2d(
@@ -71,7 +72,7 @@ class ViT(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(a.num_positions, a.dim))
         if a.pre_norm:
             self.pre_norm = nn.LayerNorm(a.dim, eps=a.norm_eps)
-        self.layers = nn.ModuleList(ViTBlock(a) for _ in range(a.n_layers))
+        self.layers = nn.ModuleList(ViTBlock(a, attention_kernel) for _ in range(a.n_layers))
         if a.post_norm:
             self.norm = nn.LayerNorm(a.dim, eps=a.norm_eps)
         self._init_embeddings()

@@ -36,11 +36,11 @@ class VLM(nn.Module):
     def __init__(self, args: VLMArgs):
         super().__init__()
         self.args = args
-        self.vision = ViT(args.vision)
+        self.vision = ViT(args.vision, args.attention_kernel)
         self.projector = Projector(
             args.vision.dim, args.decoder.dim, args.projector_act, args.projector_bias
         )
-        self.decoder = Decoder(args.decoder)
+        self.decoder = Decoder(args.decoder, args.attention_kernel)
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -21,17 +21,15 @@ summed over ranks, its image gradients are the true ones.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_vlm.kernels import expand_kv_heads, reduce_kv_heads, select_varlen
 from titan_vlm.layout import SeqLayout
 from titan_vlm.varlen import VarlenKernel, float_grads, merge, run_plan, run_plan_backward
-
-CP_COMM_TYPES = ("p2p", "allgather", "a2a")
 
 
 def attention_plans(comm: str | None, cp: int, rank: int) -> list[tuple[str, str | int]]:
@@ -46,7 +44,7 @@ def attention_plans(comm: str | None, cp: int, rank: int) -> list[tuple[str, str
         return [("local", "all")]
     if comm == "a2a":
         return [("all", "all")]
-    raise ValueError(f"parallelism.cp_comm_type must be one of {CP_COMM_TYPES}, got {comm!r}")
+    raise ValueError(f"parallelism.cp_comm_type must be one of {tuple(CP_ATTENTION)}, got {comm!r}")
 
 
 def kernel_launches(layout: SeqLayout, comm: str | None, kernel: VarlenKernel) -> int:
@@ -87,7 +85,7 @@ class CPGroup:
         dist.all_to_all_single(out, x.contiguous(), group=self.group)
         return out
 
-    def shift(self, x: torch.Tensor) -> tuple[torch.Tensor, list]:
+    def shift(self, x: torch.Tensor) -> tuple[torch.Tensor, list[dist.Work]]:
         """Start sending x to the next rank and receiving the previous rank's into a new buffer."""
         buf = torch.empty_like(x)
         ops = [
@@ -103,7 +101,7 @@ def cp_group(mesh: DeviceMesh) -> CPGroup:
     return CPGroup(mesh)
 
 
-def _wait(reqs: list) -> None:
+def _wait(reqs: list[dist.Work]) -> None:
     for req in reqs:
         req.wait()
 
@@ -118,7 +116,12 @@ class Algorithm:
     comm = "abstract"
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: SeqLayout,
+        kernel: VarlenKernel,
     ) -> tuple[torch.Tensor, list[torch.Tensor], Any]:
         raise NotImplementedError
 
@@ -131,6 +134,7 @@ class Algorithm:
         out: torch.Tensor,
         saved: list[torch.Tensor],
         layout: SeqLayout,
+        kernel: VarlenKernel,
         aux: Any,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -152,13 +156,30 @@ class LocalAttention(Algorithm):
 
     comm = "local"
 
-    def forward(self, q, k, v, layout):
-        kernel = select_varlen(q.device, q.dtype)
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: SeqLayout,
+        kernel: VarlenKernel,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], Any]:
         out, lse, aux = run_plan(kernel, q, k, v, layout.packed("local", "local"))
-        return out, [lse], (kernel, aux)
+        return out, [lse], aux
 
-    def backward(self, dout, q, k, v, out, saved, layout, aux):
-        kernel, auxes = aux
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        saved: list[torch.Tensor],
+        layout: SeqLayout,
+        kernel: VarlenKernel,
+        aux: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        auxes = aux
         dq, dk, dv = float_grads(q, k, v)
         plan = layout.packed("local", "local")
         run_plan_backward(kernel, dout, q, k, v, out, saved[0], plan, auxes, dq, dk, dv)
@@ -180,16 +201,22 @@ class RingAttention(_CPAttention):
 
     comm = "p2p"
 
-    def forward(self, q, k, v, layout):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: SeqLayout,
+        kernel: VarlenKernel,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], Any]:
         g = self.g
-        kernel = select_varlen(q.device, q.dtype)
         n = layout.num_image_tokens
         kv = torch.stack([k[:, :, n:], v[:, :, n:]]).contiguous()  # travels the ring as one buffer
         if g.size > 1:
             incoming, reqs = g.shift(kv)  # overlapped with the local plan
         out, lse, aux_local = run_plan(kernel, q, k, v, layout.packed("local", "local"))
         out = out.float()
-        aux_ring = []
+        aux_ring: list[list[Any]] = []
         for step in range(1, g.size):
             _wait(reqs)
             kv = incoming
@@ -199,11 +226,22 @@ class RingAttention(_CPAttention):
             part_out, part_lse, aux = run_plan(kernel, q, kv[0], kv[1], plan)
             out, lse = merge(out, lse, part_out, part_lse)
             aux_ring.append(aux)
-        return out.to(q.dtype), [lse], (kernel, aux_local, aux_ring)
+        return out.to(q.dtype), [lse], (aux_local, aux_ring)
 
-    def backward(self, dout, q, k, v, out, saved, layout, aux):
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        saved: list[torch.Tensor],
+        layout: SeqLayout,
+        kernel: VarlenKernel,
+        aux: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         g = self.g
-        kernel, aux_local, aux_ring = aux
+        aux_local, aux_ring = aux
         lse = saved[0]
         n = layout.num_image_tokens
         dq, dk, dv = float_grads(q, k, v)
@@ -212,7 +250,9 @@ class RingAttention(_CPAttention):
             incoming, reqs = g.shift(kv)
         plan = layout.packed("local", "local")
         run_plan_backward(kernel, dout, q, k, v, out, lse, plan, aux_local, dq, dk, dv)
-        dkv_incoming, dreqs = None, []  # the travelling dK/dV accumulator of the block in hand
+        # the travelling dK/dV accumulator of the block in hand (from step 1 on)
+        dkv_incoming: torch.Tensor | None = None
+        dreqs: list[dist.Work] = []
         for step in range(1, g.size):
             _wait(reqs)
             kv = incoming
@@ -223,11 +263,11 @@ class RingAttention(_CPAttention):
             run_plan_backward(
                 kernel, dout, q, kv[0], kv[1], out, lse, plan, aux_ring[step - 1], dq, *dkv
             )
-            if step > 1:
+            if dkv_incoming is not None:
                 _wait(dreqs)  # the block's accumulator, from the previous rank
                 dkv += dkv_incoming
             dkv_incoming, dreqs = g.shift(dkv)  # overlapped with the next step's plan
-        if g.size > 1:
+        if dkv_incoming is not None:
             _wait(dreqs)  # after P - 1 hops our own block's accumulator is back, complete
             dk[:, :, n:] += dkv_incoming[0]
             dv[:, :, n:] += dkv_incoming[1]
@@ -241,8 +281,14 @@ class AllGatherAttention(_CPAttention):
 
     comm = "allgather"
 
-    def forward(self, q, k, v, layout):
-        kernel = select_varlen(q.device, q.dtype)
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: SeqLayout,
+        kernel: VarlenKernel,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], Any]:
         n = layout.num_image_tokens
         kv_text = torch.stack([k[:, :, n:], v[:, :, n:]])  # [2, B, Hkv, T, D]
         # [2, B, Hkv, P*T, D], rank-major
@@ -250,10 +296,21 @@ class AllGatherAttention(_CPAttention):
         k_all = torch.cat([k[:, :, :n], gathered[0]], dim=2)
         v_all = torch.cat([v[:, :, :n], gathered[1]], dim=2)
         out, lse, aux = run_plan(kernel, q, k_all, v_all, layout.packed("local", "all"))
-        return out, [lse, k_all, v_all], (kernel, aux)
+        return out, [lse, k_all, v_all], aux
 
-    def backward(self, dout, q, k, v, out, saved, layout, aux):
-        kernel, auxes = aux
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        saved: list[torch.Tensor],
+        layout: SeqLayout,
+        kernel: VarlenKernel,
+        aux: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        auxes = aux
         lse, k_all, v_all = saved
         n = layout.num_image_tokens
         dq, dk_all, dv_all = float_grads(q, k_all, v_all)
@@ -266,26 +323,50 @@ class AllGatherAttention(_CPAttention):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     @staticmethod
-    def saved_like(q, k, n, texts):
+    def saved_like(
+        q: torch.Tensor, k: torch.Tensor, n: int, texts: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
         kv = k.new_empty(k.shape[0], k.shape[1], n + len(texts) * texts[0].shape[1], k.shape[3])
         return [_lse_like(q, q.shape[1], q.shape[2]), kv, torch.empty_like(kv)]
 
 
+def a2a_kv_heads(heads: int, kv_heads: int, cp: int) -> list[list[int]]:
+    """The K/V heads each CP rank receives in the all-to-all (`UlyssesAttention`), in order.
+
+    Rank r computes query heads [r H/P, (r+1) H/P); query head j uses K/V head j // (H/Hkv).
+    With G = gcd(H/P, H/Hkv), every run of G consecutive query heads of a rank uses one K/V
+    head, so rank r receives the K/V heads of its runs, (r H/P + i G) // (H/Hkv) for
+    i < H/P / G, and its local query head j uses its local K/V head j // G: the kernels' own
+    grouped-query mapping, no copies per query head. A K/V head that several ranks use is sent
+    to each of them (replicated to the ranks sharing it, never to all H query heads).
+
+        H=4, Hkv=2, P=2:  rank 0 [0], rank 1 [1]        (the K/V heads split over cp)
+        H=4, Hkv=1, P=2:  rank 0 [0], rank 1 [0]        (1 head each, not H/P = 2)
+        H=4, Hkv=2, P=4:  [0], [0], [1], [1]
+    """
+    local = heads // cp
+    group = heads // kv_heads
+    run = math.gcd(local, group)
+    return [[(r * local + i * run) // group for i in range(local // run)] for r in range(cp)]
+
+
 class UlyssesAttention(_CPAttention):
     """cp_comm_type = "a2a": all-to-all from sequence-sharded to head-sharded, whole-sequence
-    attention on H/P heads (one plan), all-to-all back. The replicated image tokens are not
-    sent: each rank takes its own heads of them locally (so the image K/V are not counted
-    CP-fold), and the image queries' output heads are all-gathered at the end. K/V heads that do
-    not split over cp are expanded to the query heads first."""
+    attention on H/P query heads (one plan), all-to-all back. The replicated image tokens are
+    not sent: each rank takes its own heads of them locally (so the image K/V are not counted
+    CP-fold), and the image queries' output heads are all-gathered at the end. Each rank gets
+    only the K/V heads its query heads use (`a2a_kv_heads`); the kernel maps its query heads to
+    them (grouped-query, fewer K/V heads than query heads). Backward sends every K/V head's
+    gradient back to the rank that holds its text and sums the copies there."""
 
     comm = "a2a"
 
     def _seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's text [B, H, T, D] -> every rank's text (rank-major), this rank's heads
-        [B, H/P, P*T, D]."""
+        """This rank's text for every rank's heads, rank-major [B, P*h, T, D] -> every rank's
+        text (rank-major), this rank's h heads [B, h, P*T, D]."""
         p = self.g.size
         b, h, t, d = x.shape
-        y = self.g.all_to_all(x.reshape(b, p, h // p, t, d).movedim(1, 0))  # [P(src), B, H/P..]
+        y = self.g.all_to_all(x.reshape(b, p, h // p, t, d).movedim(1, 0))  # [P(src), B, h..]
         return y.movedim(0, 2).reshape(b, h // p, p * t, d)
 
     def _heads_to_seq(self, y: torch.Tensor) -> torch.Tensor:
@@ -299,60 +380,106 @@ class UlyssesAttention(_CPAttention):
         """[B, H/P, L, ...] -> [B, H, L, ...] (every rank's heads)."""
         return self.g.all_gather(x.movedim(1, 0)).movedim(0, 1)
 
-    def _split(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        """This rank's heads of the image slots, every rank's text for them: [B, H/P, n + P*T]."""
-        hp, r = x.shape[1] // self.g.size, self.g.rank
-        return torch.cat([x[:, r * hp : (r + 1) * hp, :n], self._seq_to_heads(x[:, :, n:])], 2)
+    def _owned(self, x: torch.Tensor, q: torch.Tensor) -> list[list[int]] | None:
+        """The heads of x (q, k or v) each rank receives; None: rank r gets the r-th 1/P of
+        them (query heads, and K/V heads that split over cp)."""
+        owned = a2a_kv_heads(q.shape[1], x.shape[1], self.g.size)
+        split = [h for heads in owned for h in heads] == list(range(x.shape[1]))
+        return None if split else owned
 
-    def _expanded(self, k: torch.Tensor) -> bool:
-        """Whether the K/V heads do not split over cp (then they are expanded to the query
-        heads)."""
-        return k.shape[1] % self.g.size != 0
+    def _split(self, x: torch.Tensor, n: int, owned: list[list[int]] | None) -> torch.Tensor:
+        """This rank's heads of the image slots, every rank's text for them: [B, h, n + P*T]."""
+        if owned is None:
+            hp, r = x.shape[1] // self.g.size, self.g.rank
+            return torch.cat([x[:, r * hp : (r + 1) * hp, :n], self._seq_to_heads(x[:, :, n:])], 2)
+        mine = x[:, :, :n].index_select(1, torch.tensor(owned[self.g.rank], device=x.device))
+        every = torch.tensor([h for heads in owned for h in heads], device=x.device)
+        return torch.cat([mine, self._seq_to_heads(x[:, :, n:].index_select(1, every))], 2)
 
-    def forward(self, q, k, v, layout):
-        kernel = select_varlen(q.device, q.dtype)
-        n, h = layout.num_image_tokens, q.shape[1]
-        if self._expanded(k):
-            k, v = expand_kv_heads(k, h), expand_kv_heads(v, h)
-        q_all, k_all, v_all = (self._split(x, n) for x in (q, k, v))
+    def _split_backward(
+        self, dx_all: torch.Tensor, heads: int, n: int, owned: list[list[int]] | None
+    ) -> torch.Tensor:
+        """The gradient of `_split` (x with `heads` heads): my heads of the image slots, the
+        text sent back; copies of a head (`owned`) summed."""
+        b, hx, length, d = dx_all.shape
+        length = n + (length - n) // self.g.size
+        text = self._heads_to_seq(dx_all[:, :, n:].contiguous())
+        dx = dx_all.new_zeros(b, heads, length, d)
+        if owned is None:
+            r = self.g.rank
+            dx[:, r * hx : (r + 1) * hx, :n] = dx_all[:, :, :n]
+            dx[:, :, n:] = text
+            return dx
+        mine = torch.tensor(owned[self.g.rank], device=dx.device)
+        every = torch.tensor([h for heads in owned for h in heads], device=dx.device)
+        dx[:, :, :n].index_add_(1, mine, dx_all[:, :, :n])
+        dx[:, :, n:].index_add_(1, every, text)
+        return dx
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: SeqLayout,
+        kernel: VarlenKernel,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], Any]:
+        n = layout.num_image_tokens
+        owned = self._owned(k, q)
+        q_all = self._split(q, n, None)
+        k_all, v_all = self._split(k, n, owned), self._split(v, n, owned)
         out_all, lse_all, aux = run_plan(kernel, q_all, k_all, v_all, layout.packed("all", "all"))
         text = self._heads_to_seq(out_all[:, :, n:])
         out = torch.cat([self._gather_heads(out_all[:, :, :n].contiguous()), text], dim=2)
-        return out, [lse_all, q_all, k_all, v_all, out_all], (kernel, aux)
+        return out, [lse_all, q_all, k_all, v_all, out_all], aux
 
-    def backward(self, dout, q, k, v, out, saved, layout, aux):
-        kernel, auxes = aux
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        saved: list[torch.Tensor],
+        layout: SeqLayout,
+        kernel: VarlenKernel,
+        aux: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         lse_all, q_all, k_all, v_all, out_all = saved
-        n, p, r = layout.num_image_tokens, self.g.size, self.g.rank
+        n = layout.num_image_tokens
         # the image outputs were all-gathered by head: sum every rank's gradient of my heads
         d_img = self.g.reduce_scatter(dout[:, :, :n].movedim(1, 0)).movedim(0, 1)
         dout_all = torch.cat([d_img, self._seq_to_heads(dout[:, :, n:])], dim=2)
         plan = layout.packed("all", "all")
-        grads = float_grads(q_all, k_all, v_all)
+        dq_all, dk_all, dv_all = float_grads(q_all, k_all, v_all)
         run_plan_backward(
-            kernel, dout_all, q_all, k_all, v_all, out_all, lse_all, plan, auxes, *grads
+            kernel,
+            dout_all,
+            q_all,
+            k_all,
+            v_all,
+            out_all,
+            lse_all,
+            plan,
+            aux,
+            dq_all,
+            dk_all,
+            dv_all,
         )
-
-        def back(dx_all: torch.Tensor) -> torch.Tensor:
-            """The gradient of `_split`: my heads of the image slots, the text sent back."""
-            hx = dx_all.shape[1]
-            b, length = dx_all.shape[0], q.shape[2]
-            dx = dx_all.new_zeros(b, hx * p, length, dx_all.shape[3])
-            dx[:, r * hx : (r + 1) * hx, :n] = dx_all[:, :, :n]
-            dx[:, :, n:] = self._heads_to_seq(dx_all[:, :, n:].contiguous())
-            return dx
-
-        dq, dk, dv = (back(g) for g in grads)
-        if self._expanded(k):
-            dk, dv = reduce_kv_heads(dk, k.shape[1]), reduce_kv_heads(dv, k.shape[1])
+        owned = self._owned(k, q)
+        dq = self._split_backward(dq_all, q.shape[1], n, None)
+        dk = self._split_backward(dk_all, k.shape[1], n, owned)
+        dv = self._split_backward(dv_all, v.shape[1], n, owned)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     @staticmethod
-    def saved_like(q, k, n, texts):
+    def saved_like(
+        q: torch.Tensor, k: torch.Tensor, n: int, texts: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
         p = len(texts)
         b, h, _, d = q.shape
         length = n + p * texts[0].shape[1]
-        hk = (k.shape[1] if k.shape[1] % p == 0 else h) // p
+        hk = len(a2a_kv_heads(h, k.shape[1], p)[0])
         q_all = q.new_empty(b, h // p, length, d)
         k_all = k.new_empty(b, hk, length, d)
         return [
@@ -364,5 +491,12 @@ class UlyssesAttention(_CPAttention):
         ]
 
 
-CP_ATTENTION = {"p2p": RingAttention, "allgather": AllGatherAttention, "a2a": UlyssesAttention}
+# parallelism.cp_comm_type -> the algorithm: the one registry of CP algorithms (the config,
+# the planner and the benchmarks take the names from here)
+CP_ATTENTION: dict[str, type[_CPAttention]] = {
+    "p2p": RingAttention,
+    "allgather": AllGatherAttention,
+    "a2a": UlyssesAttention,
+}
+# the op's `comm` argument -> the algorithm ("local": no CP)
 ALGORITHMS: dict[str, type[Algorithm]] = {"local": LocalAttention, **CP_ATTENTION}

@@ -8,7 +8,8 @@ reduce-scatter or all-to-all (P-1)/P of its input, a point-to-point send its ten
     p2p         forward (P-1) kv sends, backward (P-1) kv sends + (P-1) fp32 dK/dV sends (the
                 local plan's accumulators stay home)
     allgather   forward all-gather of kv, backward reduce-scatter of fp32 dK/dV of the whole text
-    a2a         q, k, v out and back (forward) and their gradients (backward), (P-1)/P each, plus
+    a2a         q, k, v out and back (forward) and their gradients (backward), (P-1)/P each (K/V:
+                the heads each rank uses, cp_attention.a2a_kv_heads, replicas counted), plus
                 the image queries' output heads all-gathered (and reduce-scattered back)
     with activation checkpointing the recomputed forward of a checkpointed block sends again.
   image embeddings over cp (fp32, context_parallel.encode_images_over_cp)
@@ -28,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from titan_vlm.parallel.cp_attention import a2a_kv_heads
 from titan_vlm.plan.memory import (
     checkpointed,
     padded_shard_numel,
@@ -63,7 +65,7 @@ def cp_attention_bytes(shapes: ModelShapes, layout: Layout, work: Workload) -> i
     elif layout.cp_comm_type == "allgather":
         forward, backward = (p - 1) * kv * a, (p * kv * 4) * (p - 1) // p
     else:
-        k_heads = kv_heads if kv_heads % p == 0 else heads
+        k_heads = p * len(a2a_kv_heads(heads, kv_heads, p)[0])  # each rank's, replicas counted
         text = B * T * d.head_dim * a  # one head's text on this rank
 
         def moved(nbytes: int) -> int:

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM
+from titan_vlm.parallel.cp_attention import a2a_kv_heads
 from titan_vlm.plan.shapes import ModelShapes, Param
 from titan_vlm.plan.spec import Geometry, Layout, Workload
 
@@ -116,10 +117,10 @@ def decoder_block_bytes(shapes: ModelShapes, layout: Layout, g: Geometry, rows: 
     norms = 2 * norm_tokens * (4 * d.dim + 4 + a * d.dim) + 2 * L * a * d.dim
     if layout.cp_comm_type == "a2a" and p > 1:
         whole = g.image_slots + p * g.text_slots
-        kv_heads = d.n_kv_heads // t if (d.n_kv_heads // t) % p == 0 else heads
-        attn = whole * (
-            2 * a * h // p + 2 * a * kv_heads * d.head_dim // p + 4 * heads // p
-        ) + L * a * (heads * d.head_dim)
+        kv_heads = len(a2a_kv_heads(heads, d.n_kv_heads // t, p)[0])  # per rank
+        attn = whole * (2 * a * h // p + 2 * a * kv_heads * d.head_dim + 4 * heads // p) + L * a * (
+            heads * d.head_dim
+        )
     else:
         keys = g.image_slots + p * g.text_slots if layout.cp_comm_type == "allgather" else L
         attn = L * (2 * a * h + 4 * heads) + keys * 2 * a * kv
