@@ -3,8 +3,11 @@
 Starting processes and process groups costs seconds on 2 cores, so the distributed tests send
 their checks (module-level functions of tests/dist_checks.py) to one long-lived group:
 `pool.run("parity", cp=2)` runs `dist_checks.parity(cp=2)` on every rank and returns the
-per-rank results. A check that fails on any rank raises here with that rank's traceback, and
-the pool is restarted so a half-finished collective cannot poison the next check.
+per-rank results. `defaults` gives a check keyword arguments that every call of it gets unless
+the call passes them itself (conftest.py's --compile-backend sets the parity check's
+`compile_backend` this way). A check that fails on any rank raises here with that rank's
+traceback, and the pool is restarted so a half-finished collective cannot poison the next
+check.
 """
 
 from __future__ import annotations
@@ -50,9 +53,15 @@ def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue
 
 
 class DistPool:
-    def __init__(self, world_size: int, timeout_s: float = 300):
+    def __init__(
+        self,
+        world_size: int,
+        timeout_s: float = 300,
+        defaults: dict[str, dict[str, Any]] | None = None,
+    ):
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.defaults = defaults or {}
         self.procs: list[mp.Process] = []
         self._start()
 
@@ -74,6 +83,7 @@ class DistPool:
 
     def run(self, check: str, **kwargs: Any) -> list[Any]:
         """Run `dist_checks.<check>(**kwargs)` on every rank; results in rank order."""
+        kwargs = {**self.defaults.get(check, {}), **kwargs}
         for q in self.tasks:
             q.put((check, kwargs))
         out: dict[int, Any] = {}
