@@ -1,5 +1,15 @@
-"""CP and FSDP reproduce one process: loss, every parameter's gradient, the parameters after one
-optimizer step. The negative control shows the harness can fail."""
+"""CP and FSDP reproduce one process: loss, the gradient norm before clipping, every parameter's
+gradient, the parameters after one optimizer step. The negative control shows the harness can
+fail.
+
+Every parity case here and in test_packing.py, test_vision_placement.py, test_tensor_parallel.py
+runs with eager blocks; `--compile-backend aot_eager` (or `inductor`) reruns them all with each
+ViT and decoder block compiled by that backend (fullgraph), e.g.
+
+    python -m pytest tests/test_parity.py tests/test_packing.py tests/test_vision_placement.py \
+        tests/test_tensor_parallel.py --compile-backend aot_eager
+
+CI runs them eager, plus test_compile.py's compiled layouts."""
 
 import pytest
 
