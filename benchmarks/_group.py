@@ -1,40 +1,38 @@
 """Run a benchmark worker on a fresh gloo group of `size` local processes and collect what rank 0
-reports (shared by the benchmarks in this folder)."""
+reports (shared by the benchmarks in this folder). The group is started the way the test pool
+starts its own (tests/dist_pool.py: spawn_group, init_gloo), the repository's one process-group
+spawner."""
 
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from collections.abc import Callable, Iterator
+from multiprocessing.queues import Queue
+from pathlib import Path
+from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from dist_pool import init_gloo, spawn_group  # noqa: E402 - tests/ is on the path only now
 
-def _entry(rank: int, size: int, port: int, worker: Callable, args: tuple, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    dist.init_process_group("gloo", rank=rank, world_size=size)
+
+def _entry(
+    rank: int, size: int, port: int, worker: Callable[..., None], args: tuple, results: Queue
+) -> None:
+    init_gloo(rank, size, port, threads=max(1, (os.cpu_count() or 1) // size), timeout_s=None)
     worker(rank, size, results, *args)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def run_group(worker: Callable, size: int, n_results: int, *args) -> Iterator[dict]:
+def run_group(worker: Callable[..., None], size: int, n_results: int, *args: Any) -> Iterator[dict]:
     """Start `worker(rank, size, results_queue, *args)` on `size` processes; yield `n_results`
     items from the queue as they come; exit if a worker failed."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [
-        ctx.Process(target=_entry, args=(r, size, port, worker, args, results)) for r in range(size)
-    ]
-    for p in procs:
-        p.start()
+    results = mp.get_context("spawn").Queue()
+    procs = spawn_group(_entry, size, worker, args, results)
     for _ in range(n_results):
         yield results.get()
     for p in procs:

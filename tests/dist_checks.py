@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
@@ -128,7 +129,7 @@ def parity(
     seed: int = 3,
     mixed_precision: str = "fp32",
     ac: str = "none",
-    compile_blocks: bool = False,
+    compile_backend: str = "none",
     packing: bool = False,
     rows: str | None = None,
     image_attention: str = "causal",
@@ -146,7 +147,10 @@ def parity(
     `merge_samples` (negative control only) lets the parallel run's samples attend to each other.
     `tp`, `sp`, `image_embed_tp_shard`: tensor parallelism (TPOptions); `tp_unreduced_norms` is
     the TP negative control (_sp_norms_with_local_weights). `hf_features`: the debug shapes with
-    every module feature of the Hugging Face families (hf_features_args)."""
+        every module feature of the Hugging Face families (hf_features_args). `compile_backend`:
+    "none" (eager blocks) or the torch.compile backend of every ViT and decoder block
+    ("aot_eager", "inductor"), fullgraph, so a graph break fails the check; dynamo's caches are
+    reset first and a recompile-limit hit is an error, so no block silently runs eager."""
     args = dataclasses.replace(get_flavor("debug"), image_attention=image_attention)
     if hf_features:
         args = hf_features_args(args)
@@ -193,6 +197,9 @@ def parity(
     build_optimizer(ref, t).step()
 
     # The parallel run: same seed, so the same weights before sharding.
+    if compile_backend != "none":
+        torch._dynamo.reset()  # earlier checks' graphs would count towards the recompile limit
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
     torch.manual_seed(seed)
     with _sp_norms_with_local_weights() if tp_unreduced_norms else contextlib.nullcontext():
         model = parallelize_vlm(
@@ -201,8 +208,9 @@ def parity(
             mixed_precision,
             cp_vision=vision,
             ac_mode=ac,
-            compile_blocks=compile_blocks,
+            compile_blocks=compile_backend != "none",
             tp=tp_options,
+            compile_backend=compile_backend,
         )
     widths = []  # the local width of the image embeddings the projector hands to the CP exchange
     model.projector.register_forward_hook(lambda module, args, out: widths.append(out.shape[-1]))
@@ -256,7 +264,29 @@ def parity(
         "ref_ntokens": int((full.labels != IGNORE_INDEX).sum()),
         "cp_balance": stats["cp_balance"],
         "tied": model.decoder.output.weight is model.decoder.tok_embeddings.weight,
+        "divide_factors": divide_factors(model),
     }
+
+
+def divide_factors(model: VLM) -> dict[str, list[float]]:
+    """Per group, the distinct FSDP gradient divide factors of its sharded modules (the reduce
+    sums over the group's mesh, then divides by this): 1 everywhere except the vision tower and
+    projector under cp_vision="replicate", which divide by cp."""
+    modules = {
+        "vision": [*model.vision.layers, model.vision],
+        "projector": [model.projector],
+        "decoder": [*model.decoder.layers, model.decoder],
+    }
+    out = {}
+    for group, mods in modules.items():
+        factors = set()
+        for m in mods:
+            assert isinstance(m, FSDPModule), f"{group}: {type(m).__name__} is not FSDP-sharded"
+            param_group = m._get_fsdp_state()._fsdp_param_group
+            assert param_group is not None
+            factors.add(param_group.gradient_divide_factor)
+        out[group] = sorted(factors)
+    return out
 
 
 def hf_features_args(args: VLMArgs) -> VLMArgs:

@@ -3,8 +3,14 @@
 Starting processes and process groups costs seconds on 2 cores, so the distributed tests send
 their checks (module-level functions of tests/dist_checks.py) to one long-lived group:
 `pool.run("parity", cp=2)` runs `dist_checks.parity(cp=2)` on every rank and returns the
-per-rank results. A check that fails on any rank raises here with that rank's traceback, and
-the pool is restarted so a half-finished collective cannot poison the next check.
+per-rank results. `defaults` gives a check keyword arguments that every call of it gets unless
+the call passes them itself (conftest.py's --compile-backend sets the parity check's
+`compile_backend` this way). A check that fails on any rank raises here with that rank's
+traceback, and the pool is restarted so a half-finished collective cannot poison the next
+check.
+
+`spawn_group` and `init_gloo` are the one way this repository starts a local gloo group: the
+pool uses them, and so does benchmarks/_group.py (its one-shot groups).
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ import os
 import queue
 import socket
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
 from typing import Any
 
 CHECKS_MODULE = "dist_checks"
@@ -27,18 +36,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
+def init_gloo(rank: int, world: int, port: int, threads: int, timeout_s: float | None) -> None:
+    """In a process of a spawned group: the rendezvous on 127.0.0.1:`port`, `threads` intra-op
+    threads, and the gloo process group (`timeout_s` None: torch's default timeout)."""
     import torch
     import torch.distributed as dist
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
     )
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    torch.set_num_threads(threads)
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+
+
+def spawn_group(target: Callable[..., None], world: int, *args: Any) -> list[BaseProcess]:
+    """Start `world` spawned processes running `target(rank, world, port, *args)` (the port is a
+    free one for init_gloo's rendezvous); returns them started."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [
+        ctx.Process(target=target, args=(r, world, port, *args), daemon=True) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _worker(rank: int, world: int, port: int, tasks: list[Queue], results: Queue) -> None:
+    import torch.distributed as dist
+
+    init_gloo(rank, world, port, threads=1, timeout_s=120)
     checks = importlib.import_module(CHECKS_MODULE)
     while True:
-        task = tasks.get()
+        task = tasks[rank].get()
         if task is None:
             break
         name, kwargs = task
@@ -50,30 +81,27 @@ def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue
 
 
 class DistPool:
-    def __init__(self, world_size: int, timeout_s: float = 300):
+    def __init__(
+        self,
+        world_size: int,
+        timeout_s: float = 300,
+        defaults: dict[str, dict[str, Any]] | None = None,
+    ):
         self.world_size = world_size
         self.timeout_s = timeout_s
-        self.procs: list[mp.Process] = []
+        self.defaults = defaults or {}
+        self.procs: list[BaseProcess] = []
         self._start()
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        port = _free_port()
         self.tasks = [ctx.Queue() for _ in range(self.world_size)]
         self.results = ctx.Queue()
-        self.procs = [
-            ctx.Process(
-                target=_worker,
-                args=(r, self.world_size, port, self.tasks[r], self.results),
-                daemon=True,
-            )
-            for r in range(self.world_size)
-        ]
-        for p in self.procs:
-            p.start()
+        self.procs = spawn_group(_worker, self.world_size, self.tasks, self.results)
 
     def run(self, check: str, **kwargs: Any) -> list[Any]:
         """Run `dist_checks.<check>(**kwargs)` on every rank; results in rank order."""
+        kwargs = {**self.defaults.get(check, {}), **kwargs}
         for q in self.tasks:
             q.put((check, kwargs))
         out: dict[int, Any] = {}

@@ -1,11 +1,10 @@
 """Configuration: TOML + overrides into typed dataclasses; bad input fails early in one line."""
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import get_args
 
 import pytest
+from cli import python_m
 
 from titan_vlm import config
 from titan_vlm.config import ConfigError, load_config, world_size_of
@@ -174,65 +173,30 @@ def test_a2a_needs_heads_divisible_by_cp():
 
 
 def test_restarts_need_checkpoints():
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "titan_vlm.launch",
-            "--check",
-            "--config",
-            DEFAULT,
-            "--job.max_restarts=2",
-            "--checkpoint.enable=false",
-        ],
-        capture_output=True,
-        text=True,
+    bad = python_m(
+        "titan_vlm.launch",
+        "--check",
+        "--config",
+        DEFAULT,
+        "--job.max_restarts=2",
+        "--checkpoint.enable=false",
     )
     assert bad.returncode == 2 and "job.max_restarts needs checkpoint.enable" in bad.stderr
-    ok = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "titan_vlm.launch",
-            "--check",
-            "--config",
-            DEFAULT,
-            "--job.max_restarts=2",
-        ],
-        capture_output=True,
-        text=True,
-    )  # the default run checkpoints
+    # the default run checkpoints
+    ok = python_m("titan_vlm.launch", "--check", "--config", DEFAULT, "--job.max_restarts=2")
     assert ok.returncode == 0 and ok.stdout.split() == ["2", "2"]
 
 
 def test_config_cli_prints_process_count_or_one_line_error():
-    ok = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "titan_vlm.launch",
-            "--check",
-            "--config",
-            DEFAULT,
-            "--parallelism.context_parallel_degree=4",
-        ],
-        capture_output=True,
-        text=True,
+    ok = python_m(
+        "titan_vlm.launch",
+        "--check",
+        "--config",
+        DEFAULT,
+        "--parallelism.context_parallel_degree=4",
     )
     assert ok.returncode == 0 and ok.stdout.split() == ["4", "0"]  # processes, job.max_restarts
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "titan_vlm.launch",
-            "--check",
-            "--config",
-            DEFAULT,
-            "--training.stepz=1",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    bad = python_m("titan_vlm.launch", "--check", "--config", DEFAULT, "--training.stepz=1")
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "training.stepz" in bad.stderr
 

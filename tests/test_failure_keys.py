@@ -1,10 +1,8 @@
 """The config of what the job does when things go wrong: TOML values of the wrong type are
 errors (before, `steps = "3"` was silently taken as an int), and the new keys are checked."""
 
-import subprocess
-import sys
-
 import pytest
+from cli import python_m
 
 from titan_vlm.config import ConfigError, load_config, validate_failure_keys
 
@@ -28,11 +26,7 @@ def test_a_toml_string_for_a_number_is_an_error(tmp_path, line, named):
 def test_a_toml_string_stops_run_train_before_torchrun(tmp_path):
     toml = tmp_path / "c.toml"
     toml.write_text('[training]\nsteps = "3"\n')
-    out = subprocess.run(
-        [sys.executable, "-m", "titan_vlm.launch", "--check", "--config", str(toml)],
-        capture_output=True,
-        text=True,
-    )
+    out = python_m("titan_vlm.launch", "--check", "--config", str(toml))
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0
     assert "training.steps: expected int" in out.stderr
 

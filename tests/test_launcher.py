@@ -30,7 +30,9 @@ def wait_for_step(proc, dump: Path, step: int, timeout: float = 240) -> None:
         time.sleep(0.1)
 
 
-def test_one_job_per_dump_folder_and_nothing_outlives_a_killed_launcher(tmp_path):
+def test_one_job_per_dump_folder_and_nothing_outlives_a_killed_launcher_nor_its_lock(tmp_path):
+    """A second job on a busy dump folder is refused; a killed launcher takes torchrun and its
+    workers with it, and its stale lock is taken over; a job that ended leaves no lock."""
     first = start(tmp_path, 200)
     try:
         wait_for_step(first, tmp_path, 1)
@@ -55,6 +57,9 @@ def test_one_job_per_dump_folder_and_nothing_outlives_a_killed_launcher(tmp_path
     rc, out, err = run(tmp_path, 2)  # the dead job's lock is stale: taken over
     assert rc == 0, err[-3000:]
     assert f"took over {tmp_path / 'job.lock'} from a job that is gone (pid {first.pid}" in out
+    assert (tmp_path / "job.lock").read_text() == ""  # the job ended: its lock is released
+    rc, out, err = run(tmp_path, 3)  # so the next job (one more step) takes no lock over
+    assert rc == 0 and "took over" not in out, err[-3000:]
 
 
 def test_sigint_stops_at_a_step_boundary_with_a_checkpoint(tmp_path):
@@ -96,10 +101,3 @@ def test_a_dump_folder_that_cannot_be_written_is_one_line_before_torchrun(tmp_pa
         f"error: job.dump_folder {dump}: cannot write there (Not a directory)"
     ], err
     assert out == ""  # torchrun never started
-
-
-def test_a_job_that_ended_leaves_no_stale_lock(tmp_path):
-    rc, out, err = run(tmp_path, 1)
-    assert rc == 0 and (tmp_path / "job.lock").read_text() == ""
-    rc, out, err = run(tmp_path, 2)
-    assert rc == 0 and "took over" not in out

@@ -65,9 +65,9 @@ def test_plans_compute_every_visible_pair_exactly_once(cp, bidirectional):
     assert torch.equal(a2a, want)
 
 
-def test_the_split_holds_every_text_slot_once_and_every_image_slot_everywhere():
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_split_holds_every_text_slot_once_and_every_image_slot_everywhere(cp):
     batch = packed_batch()
-    cp = 4
     held = []
     for rank in range(cp):
         index, layout = build_layout(batch.doc, batch.image, cp, rank)

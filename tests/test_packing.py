@@ -20,19 +20,8 @@ def test_packed_rows_with_0_1_and_3_images_match_single_process(pool, comm, cp):
         assert mismatches(result) == [], f"rank {rank}: {mismatches(result)}"
 
 
-def test_bidirectional_image_attention_matches_single_process(pool):
-    results = pool.run(
-        "parity",
-        comm="p2p",
-        cp=2,
-        rows="mixed",
-        seq_len=SEQ_LEN,
-        batch_size=2,
-        image_attention="bidirectional",
-    )
-    report("packed mixed, bidirectional images, p2p cp=2", results[0])
-    for result in results:
-        assert mismatches(result) == []
+# bidirectional images, packed "mixed" rows, every cp_comm_type at cp 2 and 4:
+# test_parity.py::test_bidirectional_image_attention_matches_single_process
 
 
 @pytest.mark.parametrize("cp", [2, 4])

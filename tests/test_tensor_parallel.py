@@ -5,6 +5,7 @@ tp sum of the sequence-parallel norm weights' gradients and must be reported."""
 
 import pytest
 from test_parity import GRAD_TOL, mismatches, report
+from test_vision_placement import assert_divide_factors
 
 # The debug decoder: 4 query heads, 2 K/V heads: tp=2 leaves 2 and 1 per rank. seq_len 61 is 16
 # image + 45 text slots; CP pads each sample's text to a multiple of 2*cp (48), so each CP rank
@@ -36,15 +37,15 @@ LAYOUTS_4 = {
 }
 
 
-def check(name: str, results: list[dict], image_embed_tp_shard: bool = False) -> None:
+def check(name: str, results: list[dict], layout: dict) -> None:
     report(name, results[0])
     for rank, result in enumerate(results):
         assert mismatches(result) == [], f"rank {rank}: {mismatches(result)}"
-        assert result["grad_norm"] == pytest.approx(result["ref_grad_norm"], rel=GRAD_TOL)
+        assert_divide_factors(result, layout.get("vision", "shard"), layout.get("cp", 2))
     # the projector really hands dim/tp columns to the CP exchange (debug: 128 / 2); ranks that ran
     # no projector (cp_vision=broadcast, cp rank > 0; text-only rows) report None
     widths = {result["image_embed_width"] for result in results} - {None}
-    if image_embed_tp_shard:
+    if layout.get("image_embed_tp_shard", False):
         assert widths == {64}
     else:
         assert widths <= {128}
@@ -52,12 +53,12 @@ def check(name: str, results: list[dict], image_embed_tp_shard: bool = False) ->
 
 @pytest.mark.parametrize("layout", LAYOUTS_8.values(), ids=LAYOUTS_8.keys())
 def test_8_ranks_dp_cp_tp_match_single_process(pool8, layout):
-    check(str(layout), pool8.run("parity", **layout), layout.get("image_embed_tp_shard", False))
+    check(str(layout), pool8.run("parity", **layout), layout)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS_4.values(), ids=LAYOUTS_4.keys())
 def test_4_ranks_cp_tp_match_single_process(pool, layout):
-    check(str(layout), pool.run("parity", **layout), layout.get("image_embed_tp_shard", False))
+    check(str(layout), pool.run("parity", **layout), layout)
 
 
 def test_negative_control_without_tp_sum_of_sp_norm_grads_fails(pool):

@@ -9,6 +9,19 @@ from titan_vlm.parallel.context_parallel import image_shard_sizes
 MODES = ("replicate", "broadcast", "shard")
 
 
+def vision_divide_factor(vision: str, cp: int) -> float:
+    """What FSDP divides the vision tower's and projector's summed gradient by: cp under
+    "replicate" (every CP rank holds the whole gradient already), else 1 (a plain sum)."""
+    return float(cp) if vision == "replicate" else 1.0
+
+
+def assert_divide_factors(result: dict, vision: str, cp: int) -> None:
+    want = vision_divide_factor(vision, cp)
+    factors = result["divide_factors"]
+    assert factors["vision"] == factors["projector"] == [want], factors
+    assert factors["decoder"] == [1.0], factors
+
+
 @pytest.mark.parametrize("images", [0, 1, 5])
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("vision", MODES)
@@ -18,6 +31,7 @@ def test_every_vision_placement_matches_single_process(pool, vision, cp, images)
     report(f"cp_vision={vision} cp={cp} images/row={images}", results[0])
     for rank, result in enumerate(results):
         assert mismatches(result) == [], f"rank {rank}: {mismatches(result)}"
+        assert_divide_factors(result, vision, cp)
 
 
 def test_shard_mode_leaves_ranks_without_images():
@@ -30,7 +44,11 @@ def test_shard_mode_leaves_ranks_without_images():
 
 @pytest.mark.parametrize("vision", MODES)
 def test_negative_control_each_mode_needs_its_gradient_sum(pool, vision):
+    """Without the cp sum of the image-embedding gradient the vision tower's gradient is wrong in
+    every mode, with the divide factors unchanged (so the error cannot come from a second bug
+    cancelling or standing in for the first)."""
     results = pool.run("parity", cp=2, vision=vision, images=1, seq_len=61, sum_image_grad=False)
     report(f"cp_vision={vision} without the image-gradient sum", results[0])
     for result in results:
         assert result["grad_err"]["vision"] > 100 * GRAD_TOL, mismatches(result)
+        assert_divide_factors(result, vision, cp=2)
