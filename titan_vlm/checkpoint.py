@@ -35,7 +35,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError, UserError
 from titan_vlm.resume_config import check_resume_config, run_facts
+
+if TYPE_CHECKING:
+    from titan_vlm.models.spec import VisionLanguageModel
 
 logger = logging.getLogger("titan_vlm")
 
@@ -338,7 +341,7 @@ class Checkpointer:
         return step_dir  # dcp.load has called the trainer's load_state_dict
 
 
-def load_model_for_inference(path: str | Path) -> tuple[torch.nn.Module, JobConfig]:
+def load_model_for_inference(path: str | Path) -> tuple[VisionLanguageModel, JobConfig]:
     """A whole (unsharded) model from a checkpoint folder or step dir, in one process, no
     process group: DCP assembles every shard into plain tensors."""
     from titan_vlm.config import load_config

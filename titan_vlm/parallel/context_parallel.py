@@ -184,8 +184,9 @@ def shard_batch(
     or a group of one: the whole rows, unsharded. Padding slots get token 0 and no label; they
     attend to nothing and nothing attends to them, so their id is moot. `pad_to_multiple`: the
     local slot count is padded to a multiple of it (sequence parallelism splits it over tp)."""
-    cp_size = cp_mesh.size() if cp_mesh is not None else 1
-    rank = cp_mesh.get_local_rank() if cp_size > 1 else 0
+    group = cp_mesh if cp_mesh is not None and cp_mesh.size() > 1 else None
+    cp_size = group.size() if group is not None else 1
+    rank = group.get_local_rank() if group is not None else 0
     index, layout = build_layout(
         batch.doc, batch.image, cp_size, rank, bidirectional_images, pad_to_multiple
     )
@@ -195,6 +196,6 @@ def shard_batch(
     tokens = batch.tokens.gather(1, index.clamp(min=0)).masked_fill(pad, 0)
     labels = batch.labels.gather(1, index.clamp(min=0)).masked_fill(pad, IGNORE_INDEX)
     layout.positions = layout.positions.to(device)
-    if cp_size > 1:
-        layout.cp = CP_ATTENTION[comm_type](cp_mesh)
+    if group is not None:
+        layout.cp = CP_ATTENTION[comm_type](group)
     return tokens, labels, layout
