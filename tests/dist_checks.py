@@ -215,7 +215,7 @@ def parity(
     if merge_samples:
         batch.doc = torch.where(batch.doc >= 0, 0, batch.doc)
     with contextlib.nullcontext() if sum_image_grad else _image_grads_not_summed_over_cp():
-        stats = train_step(model, opt, sched, batch, mesh, t.max_norm, options, tp_options)
+        stats, _ = train_step(model, opt, sched, batch, mesh, t.max_norm, options, tp_options)
 
     grad_err = dict.fromkeys(GROUPS, 0.0)
     param_err = dict.fromkeys(GROUPS, 0.0)

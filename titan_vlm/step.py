@@ -89,10 +89,11 @@ def train_step(
     max_norm: float,
     cp: CPOptions = CPOptions(),
     tp: TPOptions = TPOptions(),
-) -> dict[str, float]:
-    """One optimizer step. A non-finite loss or gradient norm (the same on every rank: both are
-    reduced over the job) updates nothing: the optimizer does not step and "nonfinite" is 1; the
-    caller stops or goes on (training.on_nonfinite). The lr schedule advances either way."""
+) -> tuple[dict[str, float], SeqLayout]:
+    """One optimizer step; returns its stats and this rank's layout of the batch. A non-finite
+    loss or gradient norm (the same on every rank: both are reduced over the job) updates
+    nothing: the optimizer does not step and "nonfinite" is 1; the caller stops or goes on
+    (training.on_nonfinite). The lr schedule advances either way."""
     optimizer.zero_grad(set_to_none=True)
     loss, ntokens, layout = forward_backward(model, batch, mesh, cp, tp)
     grad_norm = clip_grad_norm_(list(model.parameters()), max_norm)
@@ -103,7 +104,7 @@ def train_step(
     else:
         optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    return {
+    stats = {
         "loss": loss.item(),
         "grad_norm": grad_norm.item(),
         "ntokens": int(ntokens),
@@ -111,6 +112,7 @@ def train_step(
         "cp_balance": layout.balance(),
         "nonfinite": int(not finite),
     }
+    return stats, layout
 
 
 def check_same_batch(batch: Batch, rows_mesh: DeviceMesh, step: int) -> None:

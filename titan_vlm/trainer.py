@@ -149,17 +149,11 @@ class Trainer(Stateful):
         (world)."""
         t = self.cfg.training
         begin = time.perf_counter()
-        batch = self.data.batch(step - 1, self.dp_rank, self.dp, t.local_batch_size)
+        host = self.data.batch(step - 1, self.dp_rank, self.dp, t.local_batch_size)
         new_drops = sorted(self.data.dropped - self.dropped)  # this rank's, new to the job
-        # The global batch's model FLOPs and new drops: one all-reduce (exact as float64).
-        sums = torch.tensor(
-            [self.spec.flops(self.args, batch), len(new_drops)],
-            dtype=torch.float64,
-            device=self.device,
-        )
-        batch = batch.to(self.device)
+        batch = host.to(self.device)
         check_same_batch(batch, self.mesh.rows, step)
-        stats = train_step(
+        stats, layout = train_step(
             self.model,
             self.optimizer,
             self.scheduler,
@@ -168,6 +162,12 @@ class Trainer(Stateful):
             t.max_norm,
             self.cp,
             self.tp,
+        )
+        # The global batch's model FLOPs and new drops: one all-reduce (exact as float64).
+        sums = torch.tensor(
+            [self.spec.flops(self.args, host, layout), len(new_drops)],
+            dtype=torch.float64,
+            device=self.device,
         )
         if self.device.type == "cuda":
             torch.cuda.synchronize()

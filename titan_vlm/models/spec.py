@@ -13,7 +13,7 @@ this interface and never reach into module names:
                 the Hugging Face state-dict adapter, both directions (hf_same: file tensors the
                 model holds once, e.g. a tied head, which must equal the one it loads)
     parallelize TP, activation checkpointing, compile and FSDP, applied from outside
-    flops       model FLOPs of a batch
+    flops       model FLOPs of a batch, given a CP rank's layout of it (no second layout)
 
 The module `build` returns is a `VisionLanguageModel`: the few verbs the trainer, context
 parallelism (parallel/context_parallel.py) and generate.py use on it (encode the images, decode
@@ -108,4 +108,4 @@ class ModelSpec:
     hf_same: Callable[[Any, set[str]], list[tuple[str, str]]]
     hf_export_names: Callable[[Any], dict[str, str]]
     parallelize: Callable[[nn.Module, Mesh, JobConfig], None]
-    flops: Callable[[Any, Batch], float]
+    flops: Callable[[Any, Batch, SeqLayout], float]
