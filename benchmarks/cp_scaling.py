@@ -30,7 +30,7 @@ from titan_vlm.models.vlm import VLM
 from titan_vlm.parallel.context_parallel import CPOptions
 from titan_vlm.parallel.cp_attention import CP_ATTENTION, a2a_kv_heads
 from titan_vlm.parallel_dims import MESH_DIMS, Mesh
-from titan_vlm.train import forward_backward
+from titan_vlm.step import forward_backward
 
 
 @contextmanager

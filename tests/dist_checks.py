@@ -16,22 +16,24 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 from titan_vlm.config import JobConfig, Training
 from titan_vlm.data.batch import IGNORE_INDEX, Batch, Sample, collate
 from titan_vlm.data.synthetic import SyntheticCaptions
+from titan_vlm.distributed import local_tensor
 from titan_vlm.metrics import SavedForBackward
 from titan_vlm.models.flavors import Rope, VLMArgs, get_flavor
 from titan_vlm.models.vlm import VLM
 from titan_vlm.optim import build_optimizer, build_scheduler
-from titan_vlm.parallel import tensor_parallel
+from titan_vlm.parallel import context_parallel, tensor_parallel
 from titan_vlm.parallel.context_parallel import CPOptions, shard_batch
 from titan_vlm.parallel.parallelize import apply_ac, parallelize_vlm
 from titan_vlm.parallel.tensor_parallel import TPOptions
 from titan_vlm.parallel_dims import MESH_DIMS, Mesh
-from titan_vlm.train import forward_backward, run_training, train_step
+from titan_vlm.step import forward_backward, train_step
+from titan_vlm.trainer import Trainer
 
 GROUPS = ("vision", "projector", "decoder")
 # Parameters whose exact gradient is zero: a key bias adds q.b_k to every score of a query, which
@@ -220,17 +222,8 @@ def parity(
     batch = full.rows(dp_rank * batch_size, (dp_rank + 1) * batch_size)
     if merge_samples:
         batch.doc = torch.where(batch.doc >= 0, 0, batch.doc)
-    stats = train_step(
-        model,
-        opt,
-        sched,
-        batch,
-        mesh,
-        t.max_norm,
-        options,
-        sum_image_grad=sum_image_grad,
-        tp=tp_options,
-    )
+    with contextlib.nullcontext() if sum_image_grad else _image_grads_not_summed_over_cp():
+        stats, _ = train_step(model, opt, sched, batch, mesh, t.max_norm, options, tp_options)
 
     grad_err = dict.fromkeys(GROUPS, 0.0)
     param_err = dict.fromkeys(GROUPS, 0.0)
@@ -344,6 +337,18 @@ def _sp_norms_with_local_weights():
         yield
 
 
+@contextlib.contextmanager
+def _image_grads_not_summed_over_cp():
+    """The negative control of the image-embedding gradient sum: each CP rank's gradient is
+    declared complete (Replicate) instead of Partial, so nothing sums it over cp."""
+    with mock.patch.object(context_parallel, "image_grad_placement", Replicate):
+        yield
+
+
+class _Crash(Exception):
+    """A run dying right after a step (and its checkpoint, if one was due)."""
+
+
 def train_run(
     dp_shard: int,
     cp: int,
@@ -353,8 +358,9 @@ def train_run(
     tp: int = 1,
     **overrides,
 ) -> list[dict]:
-    """The real training loop (run_training) on a test mesh; overrides are section__key=value.
-    Each copy of the mesh in the world writes under <job.dump_folder>/copy<i>."""
+    """The real training loop (Trainer) on a test mesh; overrides are section__key=value.
+    Each copy of the mesh in the world writes under <job.dump_folder>/copy<i>. `stop_after`:
+    the run dies after that step, as a crash would (no checkpoint beyond the cadence's)."""
     cfg = JobConfig()
     cfg.training = dataclasses.replace(cfg.training, steps=steps)
     for dotted, value in overrides.items():
@@ -363,9 +369,22 @@ def train_run(
     cfg.job.dump_folder = (
         f"{cfg.job.dump_folder}/copy{dist.get_rank() // (dp_replicate * dp_shard * cp * tp)}"
     )
-    return run_training(
-        cfg, make_mesh(dp_shard, cp, dp_replicate, tp), torch.device("cpu"), stop_after=stop_after
-    )
+    trainer = Trainer(cfg, make_mesh(dp_shard, cp, dp_replicate, tp), torch.device("cpu"))
+    if stop_after is None:
+        return trainer.train()
+    checkpoint_if_due = trainer.checkpoint_if_due
+
+    def then_crash(step: int, stop: bool) -> None:
+        checkpoint_if_due(step, stop)
+        if step == stop_after:
+            raise _Crash
+
+    try:
+        with mock.patch.object(trainer, "checkpoint_if_due", then_crash):
+            trainer.train()
+    except _Crash:
+        trainer.metrics.close()
+    return trainer.history
 
 
 def saved_for_backward(
@@ -390,7 +409,7 @@ def saved_for_backward(
 def mismatched_batches(cp: int = 2) -> str:
     """CP rank 1 builds a batch that differs from rank 0's (as a data error on one rank would):
     the per-step check must raise on every rank of the group, not hang. Returns the message."""
-    from titan_vlm.train import check_same_batch
+    from titan_vlm.step import check_same_batch
 
     mesh = make_mesh(1, cp)
     batch = SyntheticCaptions(32, 16, 64, seed=0).batch(0, 0, 1, 2)
@@ -432,7 +451,7 @@ def model_state_bytes(
     model = parallelize_vlm(
         VLM(get_flavor("debug")), mesh, cp_vision=vision, tp=TPOptions(sequence_parallel=tp > 1)
     )
-    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    local = sum(local_tensor(p).numel() for p in model.parameters())
     return STATE_BYTES_PER_PARAM * local
 
 
@@ -466,7 +485,7 @@ def train_run_warnings(dp_shard: int, cp: int, steps: int, **kwargs) -> dict:
 def train_run_with_nan_images(dp_shard: int, cp: int, steps: int, nan_step: int, **kwargs) -> dict:
     """train_run whose batch of step `nan_step` has NaN pixels (as a corrupt image would give):
     its loss and gradients are NaN. Returns {"history", "warnings"}."""
-    import titan_vlm.train as train_module
+    import titan_vlm.trainer as train_module
 
     real = train_module.build_dataset
 

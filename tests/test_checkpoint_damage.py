@@ -66,7 +66,7 @@ DAMAGE = {
         "__1_0.distcp is missing",
     ),
     "truncated shard": (lambda c: truncate(c / "step-4" / "__0_0.distcp"), "__0_0.distcp has"),
-    "truncated trainer.pt": (lambda c: truncate(c / "step-4" / "trainer.pt"), "trainer.pt has"),
+    "truncated facts.json": (lambda c: truncate(c / "step-4" / "facts.json"), "facts.json has"),
     "truncated .metadata": (lambda c: truncate(c / "step-4" / ".metadata"), ".metadata has"),
     "bytes overwritten in a shard": (
         lambda c: overwrite_inside(c / "step-4" / "__0_0.distcp"),
@@ -87,9 +87,10 @@ def test_each_kind_of_damage_fails_verification(stopped, tmp_path, kind):
     assert why in verify_step_dir(dump / "copy0" / "checkpoint" / "step-4")
 
 
-# A resume per kind costs a run; these three cover a shard, the trainer state and silent bytes.
+# A resume per kind costs a run; these three cover a shard, a file rank 0 writes beside the DCP
+# shards, and silent bytes.
 @pytest.mark.parametrize(
-    "kind", ["missing shard", "truncated trainer.pt", "bytes overwritten in a shard"]
+    "kind", ["missing shard", "truncated facts.json", "bytes overwritten in a shard"]
 )
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     pool, stopped, tmp_path, whole, kind
@@ -117,14 +118,14 @@ def test_a_garbage_latest_is_passed_over_with_a_warning(pool, stopped, tmp_path,
 def test_no_usable_checkpoint_is_one_line(pool, stopped, tmp_path):
     def damage(folder):
         truncate(folder / "step-4" / "__0_0.distcp")
-        (folder / "step-2" / "trainer.pt").unlink()
+        (folder / "step-2" / "facts.json").unlink()
 
     dump = damaged_copy(stopped, tmp_path, damage)
     with pytest.raises(RuntimeError) as e:
         pool.run("train_run", dp_shard=1, cp=2, job__dump_folder=str(dump), **RUN)
     line = next(x for x in str(e.value).splitlines() if "CheckpointError: " in x)
     assert "no usable checkpoint in" in line and "step-4 is unusable: __0_0.distcp has" in line
-    assert "step-2 is unusable: trainer.pt is missing" in line and "move the folder away" in line
+    assert "step-2 is unusable: facts.json is missing" in line and "move the folder away" in line
 
 
 def test_each_checkpoint_records_sizes_and_digests_and_only_keep_are_kept(pool, tmp_path):
@@ -134,7 +135,7 @@ def test_each_checkpoint_records_sizes_and_digests_and_only_keep_are_kept(pool, 
     assert [n for n, _ in step_dirs(folder)] == [10, 8]
     manifest = json.loads((folder / "step-10" / MANIFEST).read_text())["files"]
     on_disk = {p.name for p in (folder / "step-10").iterdir()} - {MANIFEST}
-    assert manifest.keys() == on_disk >= {".metadata", "trainer.pt", "config.json", "__1_0.distcp"}
+    assert manifest.keys() == on_disk >= {".metadata", "facts.json", "config.json", "__1_0.distcp"}
     assert all(manifest[n]["size"] == (folder / "step-10" / n).stat().st_size for n in on_disk)
     assert verify_step_dir(folder / "step-10") is None
 

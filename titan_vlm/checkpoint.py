@@ -1,10 +1,12 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): save, verify, resume, reshard, export.
 
 <checkpoint.folder>/step-<N>/   one DCP checkpoint: the model's and the optimizer's sharded state
-                               (each rank writes its own shards, .metadata indexes them), plus
-                               trainer.pt (step, lr scheduler, RNG, counters), config.json (the
-                               JobConfig that wrote it) and manifest.json (size and SHA-256 of
-                               every other file of the folder)
+                               and the trainer's (trainer.py: step, lr scheduler, RNG, counters;
+                               DCP `Stateful`), each rank writing its own shards and .metadata
+                               indexing them; plus config.json (the JobConfig that wrote it),
+                               facts.json (what a resume must match beyond the config:
+                               resume_config.py) and manifest.json (size and SHA-256 of every
+                               other file of the folder)
 <checkpoint.folder>/latest     the step of the newest complete checkpoint
 
 A checkpoint is complete when its manifest.json exists: it is written (write, then atomic
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -47,14 +48,20 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError, UserError
 from titan_vlm.resume_config import check_resume_config, run_facts
 
+if TYPE_CHECKING:
+    from titan_vlm.models.spec import VisionLanguageModel
+
 logger = logging.getLogger("titan_vlm")
 
 MANIFEST = "manifest.json"
+CONFIG = "config.json"
+FACTS = "facts.json"
 
 
 class CheckpointError(UserError):
@@ -69,13 +76,13 @@ def checkpoint_folder(cfg: JobConfig) -> Path:
 
 def latest_step_dir(folder: Path) -> Path | None:
     """The newest complete checkpoint under `folder` (or `folder` itself if it is a step dir)."""
-    if (folder / "trainer.pt").is_file():
+    if (folder / MANIFEST).is_file():
         return folder
     latest = folder / "latest"
     if not latest.is_file():
         return None
     step_dir = folder / f"step-{int(latest.read_text().strip())}"
-    if not (step_dir / "trainer.pt").is_file():
+    if not (step_dir / MANIFEST).is_file():
         raise FileNotFoundError(f"{latest} names {step_dir.name}, which is incomplete or missing")
     return step_dir
 
@@ -107,7 +114,7 @@ def file_digest(path: Path) -> dict[str, int | str]:
     return {"size": size, "sha256": h.hexdigest()}
 
 
-def file_problem(step_dir: Path, name: str, want: dict) -> str | None:
+def file_problem(step_dir: Path, name: str, want: dict[str, Any]) -> str | None:
     """Why `step_dir/name` does not match its manifest entry `want` (None: it does)."""
     path = step_dir / name
     if not path.is_file():
@@ -120,7 +127,7 @@ def file_problem(step_dir: Path, name: str, want: dict) -> str | None:
     return None
 
 
-def read_manifest(step_dir: Path) -> dict[str, dict]:
+def read_manifest(step_dir: Path) -> dict[str, dict[str, Any]]:
     """The manifest's {file name: {"size", "sha256"}}; raises ValueError saying why it cannot."""
     path = step_dir / MANIFEST
     if not path.is_file():
@@ -129,8 +136,8 @@ def read_manifest(step_dir: Path) -> dict[str, dict]:
         files = json.loads(path.read_text())["files"]
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{MANIFEST} is unreadable ({type(e).__name__})") from None
-    if not isinstance(files, dict) or not {".metadata", "trainer.pt"} <= files.keys():
-        raise ValueError(f"{MANIFEST} does not list .metadata and trainer.pt")
+    if not isinstance(files, dict) or not {".metadata", CONFIG, FACTS} <= files.keys():
+        raise ValueError(f"{MANIFEST} does not list .metadata, {CONFIG} and {FACTS}")
     return files
 
 
@@ -149,46 +156,47 @@ def verify_step_dir(step_dir: Path) -> str | None:
 
 
 class Checkpointer:
-    """Saves and restores model, optimizer, lr scheduler, step and RNG state on a process group
-    (the ranks of one training job). Every rank calls save / resume; rank 0 writes the small
-    files, every rank digests (and on resume verifies) its share of the folder's files."""
+    """Saves and restores the model, the optimizer and the trainer's own state (a DCP
+    `Stateful`: step, lr scheduler, RNG, counters) on a process group (the ranks of one training
+    job). Every rank calls save / resume; DCP writes every rank's shards, rank 0 writes the small
+    JSON files, every rank digests (and on resume verifies) its share of the folder's files."""
 
     def __init__(
         self,
         cfg: JobConfig,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        trainer: Stateful,
         group: dist.ProcessGroup,
         global_rows: int,
     ):
         """global_rows: rows per step over all dp ranks (a resume must keep it)."""
         self.cfg = cfg
         self.folder = checkpoint_folder(cfg)
-        self.model, self.optimizer, self.scheduler, self.group = model, optimizer, scheduler, group
+        self.model, self.optimizer, self.trainer, self.group = model, optimizer, trainer, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.rank0 = self.rank == 0
-        # Running totals the metrics report (the samples the data dropped so far), saved with the
-        # step so a resumed run's metrics go on from them; not needed to reproduce the training.
-        self.counters: dict[str, Any] = {}
         # What a resume must match beyond the config (resume_config.py); rank 0 hashes the
         # dataset file once, every rank gets the same answer.
-        box = [run_facts(cfg, global_rows) if self.rank0 else None]
+        box: list[dict[str, Any] | None] = [run_facts(cfg, global_rows) if self.rank0 else None]
         dist.broadcast_object_list(box, group=group, group_src=0)
-        self.facts: dict[str, Any] = box[0]
+        self.facts = cast(dict[str, Any], box[0])  # rank 0's, on every rank
 
     # Optimizer state keyed by parameter name, not by param group: the groups follow the meshes,
     # which change with the layout (cp_vision) a run resumes into.
     _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
-    def _state(self) -> dict:
+    def _state(self) -> dict[str, Any]:
+        """What DCP saves and loads: the model's and the optimizer's state dicts and the
+        trainer (DCP calls its state_dict / load_state_dict)."""
         return {
             "model": get_model_state_dict(self.model),
             "optim": get_optimizer_state_dict(self.model, self.optimizer, options=self._OPTIM),
+            "trainer": self.trainer,
         }
 
-    def _gather(self, mine: object) -> list:
-        everyone: list = [None] * self.world
+    def _gather(self, mine: object) -> list[Any]:
+        everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, mine, group=self.group)
         return everyone
 
@@ -211,25 +219,13 @@ class Checkpointer:
             dist.broadcast_object_list(box, group=self.group, group_src=0)
             raise UserError(box[0]) from None
 
-        def write_trainer() -> list[str]:
-            trainer = {
-                "step": step,
-                "scheduler": self.scheduler.state_dict(),
-                "rng": torch.get_rng_state(),
-                "counters": dict(self.counters),
-                "facts": self.facts,
-            }
-            buffer = io.BytesIO()  # serialised here, so that a failed write is a plain OSError
-            torch.save(trainer, buffer)
-            (step_dir / "trainer.pt.tmp").write_bytes(buffer.getvalue())
-            (step_dir / "config.json").write_text(
-                json.dumps(dataclasses.asdict(self.cfg), indent=1)
-            )
-            os.replace(step_dir / "trainer.pt.tmp", step_dir / "trainer.pt")
+        def write_json() -> list[str]:
+            (step_dir / CONFIG).write_text(json.dumps(dataclasses.asdict(self.cfg), indent=1))
+            (step_dir / FACTS).write_text(json.dumps(self.facts, indent=1))
             return sorted(p.name for p in step_dir.iterdir())
 
         # after every rank's shards are on disk: the folder's files, to digest
-        names = self._on_rank0(write_trainer)
+        names = self._on_rank0(write_json)
         mine = {n: file_digest(step_dir / n) for n in names[self.rank :: self.world]}
         digests = {n: d for part in self._gather(mine) for n, d in part.items()}
 
@@ -319,24 +315,21 @@ class Checkpointer:
             "away to start over"
         )
 
-    def resume(self) -> int:
-        """Load the newest verified checkpoint if there is one; returns the step it was taken
-        after (0: none)."""
+    def resume(self) -> Path | None:
+        """Load the newest verified checkpoint, if there is one, into the model, the optimizer
+        and the trainer; returns its folder (None: none)."""
         step_dir = self._usable()
         if step_dir is None:
-            return 0
-        saved = json.loads((step_dir / "config.json").read_text())["model"]["flavor"]
+            return None
+        saved_cfg = json.loads((step_dir / CONFIG).read_text())
+        saved = saved_cfg["model"]["flavor"]
         if saved != self.cfg.model.flavor:
             raise ConfigError(
                 f"model.flavor={self.cfg.model.flavor!r}, but the checkpoint {step_dir} holds a "
                 f"{saved!r} model (use another checkpoint.folder)"
             )
-        trainer = torch.load(step_dir / "trainer.pt", weights_only=False)
-        saved_cfg = json.loads((step_dir / "config.json").read_text())
-        # "facts" is absent in checkpoints of older versions: then only the config is compared
-        warning, note = check_resume_config(
-            saved_cfg, trainer.get("facts", {}), self.cfg, self.facts, step_dir
-        )
+        saved_facts = json.loads((step_dir / FACTS).read_text())
+        warning, note = check_resume_config(saved_cfg, saved_facts, self.cfg, self.facts, step_dir)
         if warning and self.rank0:
             logger.warning("%s", warning)
         if note:
@@ -345,13 +338,10 @@ class Checkpointer:
         dcp.load(state, checkpoint_id=str(step_dir), process_group=self.group)
         set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=self._OPTIM)
-        self.scheduler.load_state_dict(trainer["scheduler"])
-        torch.set_rng_state(trainer["rng"])
-        self.counters = dict(trainer.get("counters", {}))  # absent in checkpoints of older versions
-        return int(trainer["step"])
+        return step_dir  # dcp.load has called the trainer's load_state_dict
 
 
-def load_model_for_inference(path: str | Path) -> tuple[torch.nn.Module, JobConfig]:
+def load_model_for_inference(path: str | Path) -> tuple[VisionLanguageModel, JobConfig]:
     """A whole (unsharded) model from a checkpoint folder or step dir, in one process, no
     process group: DCP assembles every shard into plain tensors."""
     from titan_vlm.config import load_config

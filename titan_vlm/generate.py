@@ -34,7 +34,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 
 from titan_vlm.data.batch import Part, Sample, collate
 from titan_vlm.data.chat import chat_question
@@ -42,6 +41,7 @@ from titan_vlm.data.hf_processor import ChatError, HFProcessor, chat_prompt
 from titan_vlm.data.images import load_image
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 from titan_vlm.errors import ConfigError
+from titan_vlm.models.spec import VisionLanguageModel
 from titan_vlm.parallel.context_parallel import shard_batch
 
 TEMPLATES = ("auto", "caption", "chat")
@@ -49,7 +49,7 @@ TEMPLATES = ("auto", "caption", "chat")
 
 @torch.no_grad()
 def greedy(
-    model: nn.Module,
+    model: VisionLanguageModel,
     prefix: list[Part],
     eos: set[int],
     max_new_tokens: int,
@@ -58,18 +58,17 @@ def greedy(
 ) -> list[int]:
     """The greedy continuation of `prefix` (text ids and at most one image, data/batch.py parts):
     its token ids up to and including the first id in `eos`, or `max_new_tokens` of them."""
-    args = model.args  # type: ignore[union-attr]
     images = [p for p in prefix if isinstance(p, torch.Tensor) and p.ndim == 3]
-    embeds = model.encode_images(torch.stack(images))  # type: ignore[operator]  # computed once
-    tpi, size = args.tokens_per_image, args.vision.image_size
+    embeds = model.encode_images(torch.stack(images))  # computed once
+    tpi = model.tokens_per_image
     out: list[int] = []
     while len(out) < max_new_tokens:
         row = Sample(prefix + [list(out)] if out else prefix)
-        batch = collate([[row]], row.num_slots(tpi), tpi, size, pad_id, image_id)
+        batch = collate([[row]], row.num_slots(tpi), tpi, model.image_size, pad_id, image_id)
         tokens, _, layout = shard_batch(
-            batch, None, bidirectional_images=args.image_attention == "bidirectional"
+            batch, None, bidirectional_images=model.bidirectional_images
         )
-        logits = model.decoder(tokens, layout.place_images(embeds), layout)  # type: ignore[operator]
+        logits = model.decode(tokens, embeds, layout)
         out.append(int(logits[0, -1].argmax()))
         if out[-1] in eos:
             break
@@ -77,7 +76,7 @@ def greedy(
 
 
 def ask_builtin(
-    model: nn.Module,
+    model: VisionLanguageModel,
     image: torch.Tensor,
     prompt: str,
     max_new_tokens: int,
@@ -95,7 +94,7 @@ def ask_builtin(
 
 
 def generate(
-    model: nn.Module,
+    model: VisionLanguageModel,
     image: torch.Tensor,
     prompt: str = "",
     max_new_tokens: int = 64,
@@ -124,7 +123,7 @@ def eos_ids(folder: Path) -> set[int]:
 
 
 def ask_hf(
-    model: nn.Module,
+    model: VisionLanguageModel,
     folder: Path,
     image_path: str,
     prompt: str,
@@ -189,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             if opts.raw_prompt:
                 raise ConfigError("--raw-prompt is for models from a Hugging Face folder")
-            image = load_image(opts.image, model.args.vision.image_size)
+            image = load_image(opts.image, model.image_size)
             tok = build_tokenizer(cfg.model.tokenizer_path)
             chat = opts.template == "chat" or (
                 opts.template == "auto" and bool(opts.prompt) and cfg.data.dataset != "synthetic"

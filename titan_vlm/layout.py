@@ -309,21 +309,27 @@ class SeqLayout:
         rank (tests/test_layout.py checks it against the block plans). A query sees the earlier
         slots of its sample and itself, `position in sample + 1` keys, and with bidirectional
         images also the rest of its image: no plan is needed, so every step can afford it."""
+        images = self._keys_seen(self.images)
+        return [images + self._keys_seen(t) for t in self.texts]
 
-        def keys_seen(s: Slots) -> int:
-            real = s.doc >= 0
-            pos = self.row_positions.gather(1, s.order.clamp(min=0))
-            seen = (pos + 1).masked_fill(~real, 0)
-            if self.bidirectional_images and s.image.numel():
-                ids = s.image.clamp(min=0)
-                last = torch.zeros(s.image.shape[0], int(ids.max()) + 1, dtype=torch.long)
-                last.scatter_reduce_(1, ids, s.order.masked_fill(s.image < 0, -1), "amax")
-                later = (last.gather(1, ids) - s.order).masked_fill(s.image < 0, 0)
-                seen = seen + later.masked_fill(~real, 0)
-            return int(seen.sum())
+    def whole_work(self) -> int:
+        """Query-key pairs of the whole rows, as one device computes them: the image slots once
+        and every CP rank's text (the model FLOPs count this; the same as `rank_work()[0]` of
+        the rows' layout at cp=1)."""
+        return self._keys_seen(self.images) + sum(self._keys_seen(t) for t in self.texts)
 
-        images = keys_seen(self.images)
-        return [images + keys_seen(t) for t in self.texts]
+    def _keys_seen(self, s: Slots) -> int:
+        """The keys the queries of `s` see under the mask rule, summed (`rank_work`)."""
+        real = s.doc >= 0
+        pos = self.row_positions.gather(1, s.order.clamp(min=0))
+        seen = (pos + 1).masked_fill(~real, 0)
+        if self.bidirectional_images and s.image.numel():
+            ids = s.image.clamp(min=0)
+            last = torch.zeros(s.image.shape[0], int(ids.max()) + 1, dtype=torch.long)
+            last.scatter_reduce_(1, ids, s.order.masked_fill(s.image < 0, -1), "amax")
+            later = (last.gather(1, ids) - s.order).masked_fill(s.image < 0, 0)
+            seen = seen + later.masked_fill(~real, 0)
+        return int(seen.sum())
 
     def balance(self) -> float:
         """max/mean of `rank_work` over the CP ranks (1.0 is perfect)."""

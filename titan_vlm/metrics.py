@@ -81,7 +81,7 @@ class MetricsLogger:
             self.tb = SummaryWriter(log_dir=str(folder / "tb"))
 
     def log(self, step: int, metrics: dict[str, float], echo: bool = True) -> None:
-        if not self.enabled:
+        if self.jsonl is None:  # not the rank that writes
             return
         if echo:
             logger.info(
@@ -133,5 +133,5 @@ class SavedForBackward:
         self._hooks.__enter__()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)

@@ -6,11 +6,11 @@ import math
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from titan_vlm.config import Training
+from titan_vlm.distributed import dist_sum, local_tensor
 
 
 def build_optimizer(model: nn.Module, t: Training) -> torch.optim.Optimizer:
@@ -59,7 +59,7 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor
         groups.setdefault(key, []).append(g)
     total_sq = None
     for (mesh, placements), grads in groups.items():
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        local = [local_tensor(g) for g in grads]
         sq = torch.stack([x.float().pow(2).sum() for x in local]).sum()
         for dim, placement in enumerate(placements):
             if placement.is_partial():
@@ -69,7 +69,7 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor
             # Shard, or FSDP's _StridedShard over a TP-sharded dim (not a Shard subclass, so not
             # is_shard()): disjoint pieces, summed. Replicate: identical copies, counted once.
             if not placement.is_replicate() and mesh.size(dim) > 1:
-                dist.all_reduce(sq, group=mesh.get_group(dim))
+                dist_sum(sq, mesh.get_group(dim))
         total_sq = sq if total_sq is None else total_sq + sq
     if total_sq is None:
         return torch.tensor(0.0)
@@ -78,5 +78,5 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for grads in groups.values():
             for g in grads:
-                (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device))
+                local_tensor(g).mul_(coef.to(g.device))
     return norm

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from titan_vlm.data.batch import Batch
-from titan_vlm.layout import build_layout
+from titan_vlm.layout import SeqLayout
 from titan_vlm.models.flavors import VLMArgs
 
 
@@ -39,15 +39,11 @@ def train_flops(args: VLMArgs, num_images: int, text_tokens: int, attention_pair
     return 3.0 * (vision + projector + decoder + head)
 
 
-def batch_train_flops(args: VLMArgs, batch: Batch) -> float:
-    """`train_flops` of a batch, its attention pairs counted under the mask rule (layout.py)."""
-    _, layout = build_layout(
-        batch.doc, batch.image, bidirectional_images=args.image_attention == "bidirectional"
-    )
+def batch_train_flops(args: VLMArgs, batch: Batch, layout: SeqLayout) -> float:
+    """`train_flops` of a batch, its attention pairs counted under the mask rule (layout.py):
+    `layout` is any CP rank's layout of the batch (it knows every rank's text)."""
     text = int(((batch.doc >= 0) & (batch.image < 0)).sum())
-    return train_flops(
-        args, batch.images.shape[0], text, layout.rank_work()[0]
-    )  # one rank: the whole rows
+    return train_flops(args, batch.images.shape[0], text, layout.whole_work())
 
 
 # fp32 parameter + fp32 gradient + AdamW's two fp32 moments

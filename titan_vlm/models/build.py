@@ -22,7 +22,7 @@ from titan_vlm.errors import ConfigError
 from titan_vlm.models.hf_folder import SafetensorsFiles, weight_files
 from titan_vlm.models.llava import hf_sources
 from titan_vlm.models.loading import init_from_seed, load_hf_shards
-from titan_vlm.models.spec import ModelSpec
+from titan_vlm.models.spec import ModelSpec, VisionLanguageModel
 
 if TYPE_CHECKING:
     from titan_vlm.parallel_dims import Mesh
@@ -89,7 +89,7 @@ def _summary(unused: dict[str, str]) -> str:
 
 def build_model(
     spec: ModelSpec, cfg: JobConfig, mesh: Mesh, device: torch.device
-) -> tuple[nn.Module, Any]:
+) -> tuple[VisionLanguageModel, Any]:
     """The parallelized model on `device`, filled from Hugging Face weights or from the seed."""
     args = spec.args(cfg)
     with torch.device("meta"):
@@ -104,7 +104,7 @@ def build_model(
     return model, args
 
 
-def unfilled_model(spec: ModelSpec, args: Any) -> nn.Module:
+def unfilled_model(spec: ModelSpec, args: Any) -> VisionLanguageModel:
     """The whole model, unsharded, allocated on the CPU but not filled (one process: inference,
     export); its buffers and ties are set, its parameters hold whatever memory held."""
     with torch.device("meta"):

@@ -27,6 +27,7 @@ from titan_vlm.errors import ConfigError
 from titan_vlm.models.build import load_hf, unfilled_model
 from titan_vlm.models.hf_folder import INDEX, SINGLE, SafetensorsFiles, weight_files
 from titan_vlm.models.registry import get_model_spec
+from titan_vlm.models.spec import VisionLanguageModel
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 
@@ -40,7 +41,7 @@ def hf_config(hf_path: str, image_attention: ImageAttention = "causal") -> JobCo
     return cfg
 
 
-def load_hf_model(cfg: JobConfig) -> tuple[nn.Module, Any]:
+def load_hf_model(cfg: JobConfig) -> tuple[VisionLanguageModel, Any]:
     """The whole model of `cfg`'s Hugging Face sources in this process (no process group):
     built on meta, allocated on the CPU, filled from the files."""
     spec = get_model_spec(cfg.model.name)

@@ -13,14 +13,27 @@ this interface and never reach into module names:
                 the Hugging Face state-dict adapter, both directions (hf_same: file tensors the
                 model holds once, e.g. a tied head, which must equal the one it loads)
     parallelize TP, activation checkpointing, compile and FSDP, applied from outside
-    flops       model FLOPs of a batch
+    flops       model FLOPs of a batch, given a CP rank's layout of it (no second layout)
 
-The next family (say Qwen2-VL) is a new module with its own `ModelSpec`, added to the one
-registry, `models/registry.py`, which `model.name` chooses from.
+The module `build` returns is a `VisionLanguageModel`: the few verbs the trainer, context
+parallelism (parallel/context_parallel.py) and generate.py use on it (encode the images, decode
+text with image embeddings placed, which modules make the embeddings, and the shapes involved).
+They never reach into a family's submodules or its args.
+
+The next family (say Qwen2-VL) is a new module with its own `ModelSpec` and a model class that
+subclasses `VisionLanguageModel`, added to the one registry, `models/registry.py`, which
+`model.name` chooses from; train.py, trainer.py and context_parallel.py do not change.
+
+Why an abstract base class and not a `Protocol` or more hooks on `ModelSpec`: the trainer needs
+the model both as an `nn.Module` (FSDP, the optimizer, DCP state dicts) and as a family's verbs,
+and a Protocol cannot say "is an nn.Module" without restating Module's API; hooks on the spec
+would take the module as `Any` and split a family's forward between two places. A subclass that
+misses a verb fails at construction, and mypy sees one type.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,15 +44,63 @@ import torch.nn as nn
 if TYPE_CHECKING:
     from titan_vlm.config import JobConfig
     from titan_vlm.data.batch import Batch
+    from titan_vlm.layout import SeqLayout
     from titan_vlm.models.loading import Init
     from titan_vlm.parallel_dims import Mesh
+
+
+class VisionLanguageModel(nn.Module, ABC):
+    """A family's model as the trainer, context parallelism and generate use it. Images enter
+    only through `encode_images`; their embeddings reach the decoder only through `decode`,
+    which places them into the rows' image slots (SeqLayout.place_images):
+
+        images [n, C, H, W] --encode_images--> embeds [n, tokens_per_image, embed_dim]
+        tokens [B, T] + embeds + layout --decode--> logits [B, T, vocab] of the text slots
+
+    Between the two, context parallelism replicates the embeddings over the cp ranks (and
+    sums their gradient there); single-device `forward` is `decode(encode_images(...))`."""
+
+    @abstractmethod
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """images [n, C, H, W] (n may be 0) -> image embeddings [n, tokens_per_image,
+        embed_dim]."""
+
+    @abstractmethod
+    def decode(self, tokens: torch.Tensor, embeds: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
+        """The logits [B, T, vocab] of the layout's text slots: `tokens` [B, T] with the image
+        embeddings of every image of the rows (`encode_images`' output, rows in order)."""
+
+    @abstractmethod
+    def vision_modules(self) -> list[nn.Module]:
+        """The modules `encode_images` runs: their gradients come only from the image
+        embeddings (cp_vision="broadcast" hands cp rank 0's to the other cp ranks)."""
+
+    @property
+    @abstractmethod
+    def tokens_per_image(self) -> int:
+        """Embeddings (image slots) per image."""
+
+    @property
+    @abstractmethod
+    def embed_dim(self) -> int:
+        """The width of an image embedding: the decoder's hidden size."""
+
+    @property
+    @abstractmethod
+    def image_size(self) -> int:
+        """The side, in pixels, of the square images `encode_images` takes."""
+
+    @property
+    @abstractmethod
+    def bidirectional_images(self) -> bool:
+        """Whether an image's slots attend to each other both ways (model.image_attention)."""
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
     args: Callable[[JobConfig], Any]
-    build: Callable[[Any], nn.Module]
+    build: Callable[[Any], VisionLanguageModel]
     init_rule: Callable[[Any, str, torch.Tensor], Init]
     after_to_empty: Callable[[nn.Module], None]
     hf_names: Callable[[Any, set[str], str], dict[str, str]]
@@ -47,4 +108,4 @@ class ModelSpec:
     hf_same: Callable[[Any, set[str]], list[tuple[str, str]]]
     hf_export_names: Callable[[Any], dict[str, str]]
     parallelize: Callable[[nn.Module, Mesh, JobConfig], None]
-    flops: Callable[[Any, Batch], float]
+    flops: Callable[[Any, Batch, SeqLayout], float]

@@ -9,6 +9,7 @@ from titan_vlm.layout import SeqLayout
 from titan_vlm.models.activations import ACT_FNS
 from titan_vlm.models.decoder import Decoder
 from titan_vlm.models.flavors import VLMArgs
+from titan_vlm.models.spec import VisionLanguageModel
 from titan_vlm.models.vit import ViT
 
 
@@ -32,7 +33,9 @@ class Projector(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
-class VLM(nn.Module):
+class VLM(VisionLanguageModel):
+    """The "llava" family's model (models/spec.py: VisionLanguageModel)."""
+
     def __init__(self, args: VLMArgs):
         super().__init__()
         self.args = args
@@ -59,11 +62,33 @@ class VLM(nn.Module):
         """images [n, C, H, W] -> image embeddings [n, tokens_per_image, decoder dim]."""
         return self.projector(self.vision(images))
 
+    def decode(self, tokens: torch.Tensor, embeds: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
+        return self.decoder(tokens, layout.place_images(embeds), layout)
+
+    def vision_modules(self) -> list[nn.Module]:
+        return [self.vision, self.projector]
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.args.tokens_per_image
+
+    @property
+    def embed_dim(self) -> int:
+        return self.args.decoder.dim
+
+    @property
+    def image_size(self) -> int:
+        return self.args.vision.image_size
+
+    @property
+    def bidirectional_images(self) -> bool:
+        return self.args.image_attention == "bidirectional"
+
     def forward(
         self, images: torch.Tensor, tokens: torch.Tensor, layout: SeqLayout
     ) -> torch.Tensor:
         """Single-device forward: images [n, C, H, W] (every image of the batch, n may be 0),
         tokens [B, T] the layout's text slots; returns the logits of the text slots. The trainer
-        runs the same steps itself so that context parallelism can step in between encoder and
-        decoder."""
-        return self.decoder(tokens, layout.place_images(self.encode_images(images)), layout)
+        calls `encode_images` and `decode` itself so that context parallelism can step in
+        between them."""
+        return self.decode(tokens, self.encode_images(images), layout)

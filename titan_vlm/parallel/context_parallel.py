@@ -32,11 +32,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import FunctionCtx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from titan_vlm.data.batch import IGNORE_INDEX, Batch
+from titan_vlm.distributed import local_tensor
 from titan_vlm.layout import SeqLayout, build_layout
+from titan_vlm.models.spec import VisionLanguageModel
 from titan_vlm.parallel.cp_attention import CP_ATTENTION
 
 CP_VISION_MODES = ("replicate", "broadcast", "shard")
@@ -48,9 +51,16 @@ class CPOptions:
     vision: str = "shard"  # where the ViT runs: "replicate" | "broadcast" | "shard"
 
 
-def replicate_image_embeddings(
-    embeds: torch.Tensor, cp_mesh: DeviceMesh, sum_grad: bool = True
-) -> torch.Tensor:
+def image_grad_placement() -> Placement:
+    """What each CP rank's gradient of the image embeddings is: `Partial()` over cp, since it
+    comes only from that rank's text; so the backward sums it over cp (all-reduce, reduce to the
+    source, or reduce-scatter, by cp_vision) before the projector and ViT backward. The one
+    place the three modes take it from: the negative-control parity tests patch it to
+    `Replicate()` (no sum) and must see parity break."""
+    return Partial()
+
+
+def replicate_image_embeddings(embeds: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
     """Mark the image embeddings as whole on every CP rank and sum their gradient over cp.
 
     Forward: identity. Every CP rank encoded the same images, so `embeds` is the local view of a
@@ -58,13 +68,11 @@ def replicate_image_embeddings(
     Backward: rank r's gradient is partial (it only comes from rank r's text). Declaring the
     local gradient `Partial()` makes DTensor redistribute it to `Replicate()`: an all-reduce sum
     over cp, which finishes before the projector and ViT backward start.
-
-    `sum_grad=False` exists only for the negative-control test (it must break parity).
     """
-    if cp_mesh.size() == 1 or not sum_grad:
+    if cp_mesh.size() == 1:
         return embeds
     replicated = DTensor.from_local(embeds, cp_mesh, [Replicate()], run_check=False)
-    return replicated.to_local(grad_placements=[Partial()])
+    return replicated.to_local(grad_placements=[image_grad_placement()])
 
 
 def image_shard_sizes(num_images: int, cp_size: int) -> list[int]:
@@ -81,40 +89,39 @@ class _BroadcastFromSource(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x: torch.Tensor, group: dist.ProcessGroup, src: int, sum_grad: bool
+        ctx: FunctionCtx, x: torch.Tensor, group: dist.ProcessGroup, src: int
     ) -> torch.Tensor:
-        ctx.group, ctx.src, ctx.sum_grad = group, src, sum_grad
+        ctx.group, ctx.src = group, src  # type: ignore[attr-defined]  # autograd's context
         out = x.detach().clone()
         dist.broadcast(out, src=src, group=group)
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         grad = grad.contiguous().clone()
-        if ctx.sum_grad:
-            dist.reduce(grad, dst=ctx.src, op=dist.ReduceOp.SUM, group=ctx.group)
-        return grad, None, None, None
+        if image_grad_placement().is_partial():
+            group, src = ctx.group, ctx.src  # type: ignore[attr-defined]  # set in forward
+            dist.reduce(grad, dst=src, op=dist.ReduceOp.SUM, group=group)
+        return grad, None, None
 
 
 def encode_images_over_cp(
-    model: torch.nn.Module,
+    model: VisionLanguageModel,
     images: torch.Tensor,
     cp_mesh: DeviceMesh,
     mode: str,
-    sum_grad: bool = True,
     embed_width: int | None = None,
 ) -> torch.Tensor:
     """Image embeddings [n, tokens_per_image, D] of all n images, whole on every CP rank, their
     gradient summed over cp before it reaches the projector and ViT. `mode` is where the ViT
-    runs (CPOptions.vision). `sum_grad=False` only for the negative-control test. `embed_width`:
-    the projector's local output width D when it is not the decoder's
-    (image_embed_tp_shard: D/tp)."""
+    runs (CPOptions.vision). `embed_width`: the projector's local output width D when it is not
+    the decoder's (image_embed_tp_shard: D/tp)."""
     cp_size = cp_mesh.size()
     if cp_size == 1:
         return model.encode_images(images)
     # The cp sums below run in fp32 whatever the compute dtype (the decoder casts back).
     if mode == "replicate":
-        return replicate_image_embeddings(model.encode_images(images).float(), cp_mesh, sum_grad)
+        return replicate_image_embeddings(model.encode_images(images).float(), cp_mesh)
     rank = cp_mesh.get_local_rank()
     if mode == "broadcast":
         group = cp_mesh.get_group()
@@ -122,12 +129,12 @@ def encode_images_over_cp(
         if rank == 0:
             local = model.encode_images(images).float()  # travels in fp32 (the receivers' dtype)
         else:  # a leaf that wants a gradient, so this rank joins the backward reduce
-            args = model.args
             local = images.new_zeros(
-                (images.shape[0], args.tokens_per_image, embed_width or args.decoder.dim),
+                (images.shape[0], model.tokens_per_image, embed_width or model.embed_dim),
                 dtype=torch.float32,
             ).requires_grad_()
-        return _BroadcastFromSource.apply(local, group, src, sum_grad)
+        out: torch.Tensor = _BroadcastFromSource.apply(local, group, src)
+        return out
     if mode == "shard":
         sizes = image_shard_sizes(images.shape[0], cp_size)
         start = sum(sizes[:rank])
@@ -144,26 +151,25 @@ def encode_images_over_cp(
             stride=torch.empty(shape, device="meta").stride(),
         )
         full = sharded.redistribute(cp_mesh, [Replicate()])  # all-gather; backward: reduce-scatter
-        return full.to_local(grad_placements=[Partial()] if sum_grad else None)
+        return full.to_local(grad_placements=[image_grad_placement()])
     raise ValueError(
         f"unknown cp_vision mode {mode!r} (expected one of {', '.join(CP_VISION_MODES)})"
     )
 
 
 @torch.no_grad()
-def sync_broadcast_vision_grads(model: torch.nn.Module, cp_mesh: DeviceMesh) -> None:
+def sync_broadcast_vision_grads(model: VisionLanguageModel, cp_mesh: DeviceMesh) -> None:
     """ "broadcast" mode: only cp rank 0 ran the ViT and holds its (complete) gradients; hand them
     to the other cp ranks so every replica takes the same optimizer step."""
     if cp_mesh.size() == 1:
         return
     group = cp_mesh.get_group()
     src = dist.get_global_rank(group, 0)
-    for module in (model.vision, model.projector):
+    for module in model.vision_modules():
         for p in module.parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            dist.broadcast(local, src=src, group=group)
+            dist.broadcast(local_tensor(p.grad), src=src, group=group)
 
 
 def shard_batch(
@@ -178,8 +184,9 @@ def shard_batch(
     or a group of one: the whole rows, unsharded. Padding slots get token 0 and no label; they
     attend to nothing and nothing attends to them, so their id is moot. `pad_to_multiple`: the
     local slot count is padded to a multiple of it (sequence parallelism splits it over tp)."""
-    cp_size = cp_mesh.size() if cp_mesh is not None else 1
-    rank = cp_mesh.get_local_rank() if cp_size > 1 else 0
+    group = cp_mesh if cp_mesh is not None and cp_mesh.size() > 1 else None
+    cp_size = group.size() if group is not None else 1
+    rank = group.get_local_rank() if group is not None else 0
     index, layout = build_layout(
         batch.doc, batch.image, cp_size, rank, bidirectional_images, pad_to_multiple
     )
@@ -189,6 +196,6 @@ def shard_batch(
     tokens = batch.tokens.gather(1, index.clamp(min=0)).masked_fill(pad, 0)
     labels = batch.labels.gather(1, index.clamp(min=0)).masked_fill(pad, IGNORE_INDEX)
     layout.positions = layout.positions.to(device)
-    if cp_size > 1:
-        layout.cp = CP_ATTENTION[comm_type](cp_mesh)
+    if group is not None:
+        layout.cp = CP_ATTENTION[comm_type](group)
     return tokens, labels, layout

@@ -1,0 +1,137 @@
+"""One training step on this rank: `forward_backward` and `train_step`.
+
+Read `forward_backward` for where context parallelism happens: the image embeddings are
+replicated over cp (gradient summed there), only the text is sharded, and the loss is the mean
+over the global batch's text tokens.
+
+    images --encode_images_over_cp--> embeds, whole on every cp rank (Replicate on cp)
+    batch  --shard_batch-------------> this cp rank's text slots, labels, SeqLayout
+    model.decode(tokens, embeds, layout) -> logits -> summed loss / global text tokens
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_vlm.data.batch import IGNORE_INDEX, Batch
+from titan_vlm.distributed import dist_sum
+from titan_vlm.layout import SeqLayout
+from titan_vlm.models.spec import VisionLanguageModel
+from titan_vlm.optim import clip_grad_norm_
+from titan_vlm.parallel.context_parallel import (
+    CPOptions,
+    encode_images_over_cp,
+    shard_batch,
+    sync_broadcast_vision_grads,
+)
+from titan_vlm.parallel.tensor_parallel import TPOptions, gather_image_embeds_over_tp
+from titan_vlm.parallel_dims import Mesh
+
+# FSDP2 warns when a wrapped module returns a view (nn.Linear on 3-D input does); it matters only
+# for in-place ops on that output, which titan_vlm never does.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+# The HSDP mesh is sliced from the root by a flattened dim, torchtitan-style; torch says that
+# spelling will change, which is for a later torch pin to follow.
+warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+
+
+def forward_backward(
+    model: VisionLanguageModel,
+    batch: Batch,
+    mesh: Mesh,
+    cp: CPOptions = CPOptions(),
+    tp: TPOptions = TPOptions(),
+) -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
+    """Forward and backward of one batch on this rank. Returns the global loss (mean over every
+    text token of the global batch, identical on all ranks), the global text-token count, and
+    this rank's layout."""
+    # 1-2. The image embeddings of every image of the batch, whole on every CP rank (Replicate on
+    # cp); in backward their gradient is summed over cp before the projector and ViT. This runs
+    # even for a batch without images, so every rank enters the same collectives. With
+    # image_embed_tp_shard they are [.., dim/tp] slices until they join the text.
+    width = model.embed_dim // mesh.tp.size() if tp.image_embed_shard else None
+    embeds = encode_images_over_cp(model, batch.images, mesh.cp, cp.vision, embed_width=width)
+    if tp.image_embed_shard:
+        embeds = gather_image_embeds_over_tp(embeds, mesh.tp)
+    # 3. Only the text is CP-sharded (head-tail per sample), with its positions and shifted labels.
+    tokens, labels, layout = shard_batch(
+        batch,
+        mesh.cp,
+        cp.comm_type,
+        model.bidirectional_images,
+        pad_to_multiple=mesh.tp.size() if tp.sequence_parallel else 1,
+    )
+    logits = model.decode(tokens, embeds, layout)
+    # 4. Mean over the global batch's text tokens: count across dp and cp (not tp: its ranks hold
+    # the same tokens), sum per rank.
+    loss_group = mesh.job.get_group()
+    ntokens = dist_sum((labels != IGNORE_INDEX).sum(), loss_group)
+    loss = F.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    ) / ntokens.clamp(min=1)
+    loss.backward()
+    if cp.vision == "broadcast":
+        sync_broadcast_vision_grads(model, mesh.cp)
+    return dist_sum(loss.detach(), loss_group), ntokens, layout
+
+
+def train_step(
+    model: VisionLanguageModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    batch: Batch,
+    mesh: Mesh,
+    max_norm: float,
+    cp: CPOptions = CPOptions(),
+    tp: TPOptions = TPOptions(),
+) -> tuple[dict[str, float], SeqLayout]:
+    """One optimizer step; returns its stats and this rank's layout of the batch. A non-finite
+    loss or gradient norm (the same on every rank: both are reduced over the job) updates
+    nothing: the optimizer does not step and "nonfinite" is 1; the caller stops or goes on
+    (training.on_nonfinite). The lr schedule advances either way."""
+    optimizer.zero_grad(set_to_none=True)
+    loss, ntokens, layout = forward_backward(model, batch, mesh, cp, tp)
+    grad_norm = clip_grad_norm_(list(model.parameters()), max_norm)
+    lr = float(scheduler.get_last_lr()[0])
+    finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
+    if finite:
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    stats = {
+        "loss": loss.item(),
+        "grad_norm": grad_norm.item(),
+        "ntokens": int(ntokens),
+        "lr": lr,
+        "cp_balance": layout.balance(),
+        "nonfinite": int(not finite),
+    }
+    return stats, layout
+
+
+def check_same_batch(batch: Batch, rows_mesh: DeviceMesh, step: int) -> None:
+    """The CP and TP ranks of a dp group read the same rows and must build the same batch. If a
+    data error struck some of them only (say a transient read error on one image), they would
+    wait in different collectives and hang; one small all-gather per step turns that into the
+    same error on every rank instead."""
+    if rows_mesh.size() == 1:
+        return
+    mine = torch.tensor(
+        [batch.images.shape[0], int((batch.doc >= 0).sum()), int(batch.tokens.sum())],
+        dtype=torch.long,
+        device=batch.tokens.device,
+    )
+    everyone = mine.new_empty(rows_mesh.size() * mine.numel())
+    dist.all_gather_into_tensor(everyone, mine, group=rows_mesh.get_group())
+    everyone = everyone.view(rows_mesh.size(), -1)
+    if not bool((everyone == everyone[0]).all()):
+        raise RuntimeError(
+            f"step {step}: the CP/TP ranks that share rows built different batches (images, "
+            f"slots, token sum per rank: {everyone.tolist()}); a data error on some ranks only?"
+        )

@@ -1,0 +1,388 @@
+"""The training job on an existing mesh, torchtitan's shape:
+
+    trainer = Trainer(cfg, mesh, device)   model (built on meta, sharded, each rank fills its
+                                           own shards), optimizer, lr schedule, checkpointer
+                                           (resumes from the newest usable checkpoint), data,
+                                           metrics; logs the setup
+    trainer.train()                        the loop: step, non-finite policy, metrics, empty
+                                           batches, checkpoint cadence, signals
+
+The trainer is DCP `Stateful`: `state_dict()` holds what it needs to go on beyond the model and
+the optimizer (the step, which is the data position; the lr schedule; the RNG; the counters the
+metrics report), and the checkpointer saves it through DCP with them (checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+
+from titan_vlm.attention import select_kernel, use_kernel
+from titan_vlm.checkpoint import Checkpointer
+from titan_vlm.config import JobConfig
+from titan_vlm.data import build_dataset, model_inputs
+from titan_vlm.distributed import dist_max, dist_sum, local_tensor
+from titan_vlm.errors import UserError
+from titan_vlm.launch import STOP
+from titan_vlm.layout import SeqLayout
+from titan_vlm.metrics import MetricsLogger, peak_memory_gib
+from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM, param_counts
+from titan_vlm.models.build import build_model
+from titan_vlm.models.registry import get_model_spec
+from titan_vlm.optim import build_optimizer, build_scheduler
+from titan_vlm.parallel.context_parallel import CPOptions, shard_batch
+from titan_vlm.parallel.tensor_parallel import TPOptions
+from titan_vlm.parallel_dims import Mesh
+from titan_vlm.step import check_same_batch, train_step
+
+logger = logging.getLogger("titan_vlm")
+
+
+class NonFiniteError(UserError):
+    """A non-finite loss or gradient norm with training.on_nonfinite = "stop"."""
+
+
+class EmptyBatchesError(UserError):
+    """data.max_empty_steps steps in a row without a loss token."""
+
+
+@dataclass
+class StepResult:
+    """One step as the loop sees it: train_step's stats and the job-wide reductions after it."""
+
+    stats: dict[str, float]  # train_step's (loss, grad_norm, ntokens, lr, cp_balance, nonfinite)
+    elapsed_s: float
+    flops: float  # the global batch's model FLOPs
+    peak_memory_gib: float  # the worst rank's
+    stop: bool  # some rank was asked to stop (SIGINT / SIGTERM)
+
+
+class Trainer(Stateful):
+    """A training job on `mesh` (every rank builds one and calls `train()`)."""
+
+    def __init__(self, cfg: JobConfig, mesh: Mesh, device: torch.device):
+        t, p = cfg.training, cfg.parallelism
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        self.spec = get_model_spec(cfg.model.name)
+        use_kernel(cfg.model.attention_kernel)
+        self.cp = CPOptions(comm_type=p.cp_comm_type, vision=p.cp_vision)
+        self.tp = TPOptions(
+            sequence_parallel=p.enable_sequence_parallel, image_embed_shard=p.image_embed_tp_shard
+        )
+        self.log_parallelism()
+        self.model, self.args = build_model(self.spec, cfg, mesh, device)
+        self.log_model()
+        self.optimizer = build_optimizer(self.model, t)
+        self.scheduler = build_scheduler(self.optimizer, t)
+        # The trainer's own state (state_dict): the step (the data position), and the counters
+        # the metrics report: the distinct samples any dp rank dropped while building batches
+        # since step 1 (every rank holds the same set) and the steps skipped for a non-finite
+        # loss or grad norm.
+        self.step = 0
+        self.dropped: set[int] = set()
+        self.nonfinite_skipped = 0
+        self.empty_since: int | None = None  # first step of the current run without a loss token
+        self.checkpointer: Checkpointer | None = None
+        if cfg.checkpoint.enable:
+            self.checkpointer = Checkpointer(
+                cfg,
+                self.model,
+                self.optimizer,
+                self,
+                mesh.world.get_group(),
+                global_rows=mesh.dp.size() * t.local_batch_size,
+            )
+            self.resume(self.checkpointer)
+        self.dp_rank, self.dp = mesh.dp.get_local_rank(), mesh.dp.size()
+        # Start-up warnings once (rank 0); batch-time ones once per dp rank (its rows are its own).
+        self.data = build_dataset(
+            cfg,
+            self.args,
+            *model_inputs(cfg),
+            log_startup=dist.get_rank() == 0,
+            log_batches=mesh.cp.get_local_rank() == 0 and mesh.tp.get_local_rank() == 0,
+        )
+        self.log_data()
+        self.metrics = MetricsLogger(
+            cfg.job.dump_folder,
+            cfg.metrics.enable_tensorboard,
+            enabled=dist.get_rank() == 0,
+            resume_after=self.step,
+        )
+        self.history: list[dict[str, float]] = []  # every step this run trained, with its metrics
+
+    def train(self) -> list[dict[str, float]]:
+        """Train from the resumed step to training.steps, or until a signal; returns the metrics
+        of the steps it ran."""
+        t = self.cfg.training
+        logger.info(
+            "training %d steps, %d rows x %d slots per step; metrics -> %s",
+            t.steps,
+            self.dp * t.local_batch_size,
+            t.seq_len,
+            self.cfg.job.dump_folder,
+        )
+        for step in range(self.step + 1, t.steps + 1):
+            result = self.train_one_step(step)
+            self.apply_nonfinite_policy(step, result.stats)
+            self.log_metrics(step, result)
+            self.check_empty_batches(step, int(result.stats["ntokens"]))
+            self.checkpoint_if_due(step, result.stop)
+            if result.stop:
+                logger.info("stopped after step %d on a signal (SIGINT / SIGTERM)", step)
+                break
+        self.metrics.close()
+        logger.info("done")
+        return self.history
+
+    # ---- the loop's jobs ----
+
+    def train_one_step(self, step: int) -> StepResult:
+        """Read step's batch, train on it, and reduce over the job what every rank must know:
+        the global batch's FLOPs and new drops (dp), the worst peak memory and any stop request
+        (world)."""
+        t = self.cfg.training
+        begin = time.perf_counter()
+        host = self.data.batch(step - 1, self.dp_rank, self.dp, t.local_batch_size)
+        new_drops = sorted(self.data.dropped - self.dropped)  # this rank's, new to the job
+        batch = host.to(self.device)
+        check_same_batch(batch, self.mesh.rows, step)
+        stats, layout = train_step(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            batch,
+            self.mesh,
+            t.max_norm,
+            self.cp,
+            self.tp,
+        )
+        # The global batch's model FLOPs and new drops: one all-reduce (exact as float64).
+        sums = torch.tensor(
+            [self.spec.flops(self.args, host, layout), len(new_drops)],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - begin
+        peak_stop = torch.tensor([peak_memory_gib(self.device), STOP.requested], device=self.device)
+        dist_max(peak_stop, self.mesh.world.get_group())
+        dist_sum(sums, self.mesh.dp.get_group())
+        if sums[1]:  # some dp rank dropped a sample new to the job: everyone learns which
+            everyone: list[list[int] | None] = [None] * self.dp
+            dist.all_gather_object(everyone, new_drops, group=self.mesh.dp.get_group())
+            self.dropped.update(i for ids in everyone for i in ids or ())
+        self.step = step
+        return StepResult(stats, elapsed, float(sums[0]), float(peak_stop[0]), bool(peak_stop[1]))
+
+    def apply_nonfinite_policy(self, step: int, stats: dict[str, float]) -> None:
+        """training.on_nonfinite for a step whose loss or grad norm was not finite (the same on
+        every rank: both are reduced over the job): "stop" raises, "skip" counts and warns (the
+        step updated nothing). Takes "nonfinite" out of `stats`."""
+        if not stats.pop("nonfinite"):
+            return
+        if self.cfg.training.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"step {step}: loss {stats['loss']}, grad_norm {stats['grad_norm']}: not finite; "
+                "stopped before the update (training.on_nonfinite='stop'; 'skip' skips such "
+                "steps); the checkpoints hold only finite steps"
+            )
+        self.nonfinite_skipped += 1
+        logger.warning(
+            "step %d: loss %s, grad_norm %s: not finite; step skipped, nothing updated "
+            "(training.on_nonfinite='skip'; %d skipped so far)",
+            step,
+            stats["loss"],
+            stats["grad_norm"],
+            self.nonfinite_skipped,
+        )
+
+    def log_metrics(self, step: int, result: StepResult) -> None:
+        """metrics.jsonl and TensorBoard get every step; stdout every log_freq steps and the
+        last."""
+        t = self.cfg.training
+        record = {
+            **result.stats,
+            "tokens_per_sec": self.dp * t.local_batch_size * t.seq_len / result.elapsed_s,
+            "tflops_per_sec": result.flops / result.elapsed_s / 1e12,
+            "step_time_s": result.elapsed_s,
+            "peak_memory_gib": result.peak_memory_gib,
+            "data_bad_samples": self.data.bad_at_startup + len(self.dropped),
+            "data_truncated": self.data.truncated,
+            "nonfinite_skipped": self.nonfinite_skipped,
+        }
+        echo = step % self.cfg.metrics.log_freq == 0 or step == t.steps
+        self.metrics.log(step, record, echo=echo)
+        self.history.append({"step": step, **record})
+
+    def check_empty_batches(self, step: int, ntokens: int) -> None:
+        """data.max_empty_steps steps in a row without a loss token stop the run."""
+        if ntokens:
+            self.empty_since = None
+            return
+        self.empty_since = step if self.empty_since is None else self.empty_since
+        if step - self.empty_since + 1 >= self.cfg.data.max_empty_steps:
+            raise EmptyBatchesError(
+                f"steps {self.empty_since}-{step} carried no loss token (every sample of their "
+                f"batches was bad or empty: see the data: lines above; data.max_empty_steps="
+                f"{self.cfg.data.max_empty_steps})"
+            )
+
+    def checkpoint_if_due(self, step: int, stop: bool) -> None:
+        """Save every checkpoint.interval steps, after the last step, and before a signal
+        stops the run."""
+        if self.checkpointer is None:
+            return
+        if step % self.cfg.checkpoint.interval == 0 or step == self.cfg.training.steps or stop:
+            logger.info("checkpoint saved: %s", self.checkpointer.save(step))
+
+    # ---- DCP Stateful: what the trainer saves beside the model and the optimizer ----
+
+    def state_dict(self) -> dict[str, Any]:
+        """The step (the data position: the data is a function of it), the lr schedule, the
+        RNG and the counters. The RNG state is the same on every rank (each process starts
+        from torch's fixed default seed, a resume gives every rank the saved one, and training
+        draws nothing from it), so DCP writing one rank's copy loses nothing."""
+        return {
+            "step": self.step,
+            "scheduler": self.scheduler.state_dict(),
+            "rng": torch.get_rng_state(),
+            "data_dropped_samples": sorted(self.dropped),
+            "nonfinite_skipped": self.nonfinite_skipped,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+        self.scheduler.load_state_dict(state_dict["scheduler"])
+        torch.set_rng_state(state_dict["rng"])
+        self.dropped = set(state_dict["data_dropped_samples"])
+        self.nonfinite_skipped = int(state_dict["nonfinite_skipped"])
+
+    # ---- set-up ----
+
+    def resume(self, checkpointer: Checkpointer) -> None:
+        """Load the newest usable checkpoint, if any, into the model, optimizer and trainer."""
+        step_dir = checkpointer.resume()
+        if step_dir is not None:
+            logger.info("resumed from %s at step %d", step_dir, self.step)
+        if self.step >= self.cfg.training.steps:
+            logger.warning(
+                "the latest checkpoint is at step %d >= training.steps=%d: nothing to train "
+                "(raise training.steps to train on)",
+                self.step,
+                self.cfg.training.steps,
+            )
+
+    def log_parallelism(self) -> None:
+        """The attention kernel, and tensor parallelism when there is some."""
+        cfg, mesh = self.cfg, self.mesh
+        dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
+        logger.info(
+            "attention kernel: %s (model.attention_kernel=%s)",
+            select_kernel(self.device, dtype).name,
+            cfg.model.attention_kernel,
+        )
+        if mesh.tp.size() > 1:
+            logger.info(
+                "tensor parallel: %d ways; sequence parallel %s; image embeddings %s over tp",
+                mesh.tp.size(),
+                "on" if self.tp.sequence_parallel else "off",
+                "sharded along the hidden dim" if self.tp.image_embed_shard else "replicated",
+            )
+
+    def log_model(self) -> None:
+        """Parameter counts, and the model state this rank holds."""
+        mesh = self.mesh
+        counts = param_counts(self.model)
+        logger.info(
+            "model %s: %s parameters (vision %s, projector %s, decoder %s)",
+            self.cfg.model.hf_path or self.cfg.model.flavor,
+            f"{sum(counts.values()):,}",
+            f"{counts['vision']:,}",
+            f"{counts['projector']:,}",
+            f"{counts['decoder']:,}",
+        )
+        vision_fsdp = mesh.fsdp_no_cp if self.cp.vision == "broadcast" else mesh.fsdp
+        tp_note = (
+            f"; TP splits the matrices {mesh.tp.size()} ways more" if mesh.tp.size() > 1 else ""
+        )
+        # measured on this rank's shards (with TP, the replicated norms and ViT embeddings are
+        # not split)
+        local_params = sum(local_tensor(p).numel() for p in self.model.parameters())
+        logger.info(
+            "model state per rank: %.3f GiB (fp32 params, grads and AdamW moments; "
+            "decoder sharded %d ways, "
+            "vision %d ways%s)",
+            STATE_BYTES_PER_PARAM * local_params / 2**30,
+            mesh.shards(mesh.fsdp),
+            mesh.shards(vision_fsdp),
+            tp_note,
+        )
+
+    def log_data(self) -> None:
+        """The data, and who holds which slots of the first batch this run trains on."""
+        t, mesh = self.cfg.training, self.mesh
+        first = self.data.batch(self.step, self.dp_rank, self.dp, t.local_batch_size)
+        sp_multiple = mesh.tp.size() if self.tp.sequence_parallel else 1
+        _, _, layout = shard_batch(
+            first, mesh.cp, self.cp.comm_type, self.model.bidirectional_images, sp_multiple
+        )
+        logger.info("data: %s", self.data.describe())
+        for line in describe_layout(layout):
+            logger.info(line)
+        if self.tp.sequence_parallel:
+            local = layout.positions.shape[1]
+            logger.info(
+                "  sequence parallel: this CP rank's %d slots (padded to a multiple of tp) "
+                "are split %d per "
+                "tp rank between the TP regions",
+                local,
+                local // mesh.tp.size(),
+            )
+        if self.cfg.data.images_per_sample and mesh.cp.size() > 1:
+            where = {
+                "replicate": "every CP rank encodes all of them",
+                "broadcast": "CP rank 0 encodes them and broadcasts the embeddings",
+                "shard": "each CP rank encodes about 1/cp of them and the embeddings are "
+                "all-gathered",
+            }[self.cp.vision]
+            logger.info(
+                "vision (cp_vision=%s): %d images in the first step's batch; %s",
+                self.cp.vision,
+                first.images.shape[0],
+                where,
+            )
+
+
+def describe_layout(layout: SeqLayout, row: int = 0) -> list[str]:
+    """Human-readable: which CP rank holds which slots of one row."""
+    images = layout.images.order[row]
+    n_img = int((images >= 0).sum())
+    docs = layout.slots("all").doc[row]
+    text = sum(int((t.doc[row] >= 0).sum()) for t in layout.texts)
+    lines = [
+        f"row {row}: {len(torch.unique(docs[docs >= 0]))} sample(s), "
+        f"{layout.image_counts[row]} image(s) "
+        f"= {n_img} image slots, {text} text slots"
+    ]
+    for r, t in enumerate(layout.texts):
+        where = t.order[row][t.order[row] >= 0].tolist()
+        runs, start = [], None
+        for i, pos in enumerate(where):
+            if start is None:
+                start = pos
+            if i + 1 == len(where) or where[i + 1] != pos + 1:
+                runs.append(f"[{start}, {pos + 1})")
+                start = None
+        lines.append(
+            f"  cp rank {r}: all {n_img} image slots (replicated) + {len(where)} text slots "
+            f"{' '.join(runs) or '-'}"
+        )
+    return lines
