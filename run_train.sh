@@ -5,7 +5,7 @@
 # starts torchrun with as many processes as the config's parallel degrees need (NPROC overrides).
 # On a failure torchrun restarts every worker (job.max_restarts times); with checkpoint.enable
 # the restarted job resumes from the newest verified checkpoint.
-# More than one node (README "Scaling out"): run the same command on every node with
+# More than one node (docs/scaling.md): run the same command on every node with
 #   NNODES=N NPROC=<processes per node> RDZV_ENDPOINT=<host:port>   (torchrun's c10d rendezvous)
 # or NNODES=N NPROC=... NODE_RANK=<0..N-1> MASTER_ADDR=<node 0> [MASTER_PORT=29500]  (static).
 set -euo pipefail
