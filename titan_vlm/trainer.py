@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titan_vlm.attention import select_kernel, use_kernel
 from titan_vlm.checkpoint import Checkpointer
 from titan_vlm.config import JobConfig
 from titan_vlm.data import build_dataset, model_inputs
 from titan_vlm.distributed import dist_max, dist_sum, local_tensor
 from titan_vlm.errors import UserError
+from titan_vlm.kernels import select_kernel
 from titan_vlm.launch import STOP
 from titan_vlm.layout import SeqLayout
 from titan_vlm.metrics import MetricsLogger, peak_memory_gib
@@ -70,7 +70,6 @@ class Trainer(Stateful):
         t, p = cfg.training, cfg.parallelism
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.spec = get_model_spec(cfg.model.name)
-        use_kernel(cfg.model.attention_kernel)
         self.cp = CPOptions(comm_type=p.cp_comm_type, vision=p.cp_vision)
         self.tp = TPOptions(
             sequence_parallel=p.enable_sequence_parallel, image_embed_shard=p.image_embed_tp_shard
@@ -286,7 +285,7 @@ class Trainer(Stateful):
         dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
         logger.info(
             "attention kernel: %s (model.attention_kernel=%s)",
-            select_kernel(self.device, dtype).name,
+            select_kernel(self.cfg.model.attention_kernel, self.device, dtype).name,
             cfg.model.attention_kernel,
         )
         if mesh.tp.size() > 1:
