@@ -4,10 +4,11 @@ decoder's attention included, is an error and fails the run. Each test is one op
 the compiled parallel trainer against one eager process (same tolerances as test_parity.py;
 test_parity.py::test_torch_compile_with_cp_matches_single_process is ring attention with FSDP).
 The layouts below cover every cp_comm_type, full and selective activation checkpointing, FSDP,
-TP with SP, and no CP. They compile with "aot_eager" (dynamo and AOT autograd trace each block
-into one forward and one backward graph, exactly what inductor receives, so a graph break or an
-untraceable op fails them just the same); one layout, the richest, runs inductor instead, whose
-generated C++ kernels cost about a minute to compile on the CPU.
+TP with SP, TP with activation checkpointing, TP ranks whose ViT gets no image, and no CP. They
+compile with "aot_eager" (dynamo and AOT autograd trace each block into one forward and one
+backward graph, exactly what inductor receives, so a graph break or an untraceable op fails them
+just the same); one layout, the richest, runs inductor instead, whose generated C++ kernels cost
+about a minute to compile on the CPU.
 
 The whole parity suite compiled (every case of test_parity.py, test_packing.py,
 test_vision_placement.py, test_tensor_parallel.py with compiled blocks):
@@ -40,6 +41,15 @@ LAYOUTS = {
     "a2a_cp2xtp2_sp": dict(comm="a2a", cp=2, tp=2, sp=True),
     # no CP: the local attention op, with TP and SP
     "local_tp2_sp": dict(cp=1, tp=2, sp=True, seq_len=80),
+    # TP blocks inside the checkpoint wrapper (compiled first, then wrapped: parallelize_vlm)
+    "p2p_cp2xtp2_sp_selective_ac_replicate": dict(
+        comm="p2p", cp=2, tp=2, sp=True, ac="selective", vision="replicate"
+    ),
+    "allgather_cp2xtp2_full_ac": dict(comm="allgather", cp=2, tp=2, ac="full"),
+    # a rank whose TP ViT gets no image: cp rank 1 of one one-image row, and a text-only batch
+    # (context_parallel.encode_images_never_empty)
+    "p2p_cp2xtp2_one_image": dict(comm="p2p", cp=2, tp=2, batch_size=1),
+    "local_tp2_sp_text_only": dict(cp=1, tp=2, sp=True, images=0, seq_len=80),
 }
 
 

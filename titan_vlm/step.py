@@ -55,7 +55,9 @@ def forward_backward(
     # even for a batch without images, so every rank enters the same collectives. With
     # image_embed_tp_shard they are [.., dim/tp] slices until they join the text.
     width = model.embed_dim // mesh.tp.size() if tp.image_embed_shard else None
-    embeds = encode_images_over_cp(model, batch.images, mesh.cp, cp.vision, embed_width=width)
+    embeds = encode_images_over_cp(
+        model, batch.images, mesh.cp, cp.vision, embed_width=width, tp_vision=mesh.tp.size() > 1
+    )
     if tp.image_embed_shard:
         embeds = gather_image_embeds_over_tp(embeds, mesh.tp)
     # 3. Only the text is CP-sharded (head-tail per sample), with its positions and shifted labels.

@@ -105,29 +105,57 @@ class _BroadcastFromSource(torch.autograd.Function):
         return grad, None, None
 
 
+def encode_images_never_empty(model: VisionLanguageModel, images: torch.Tensor) -> torch.Tensor:
+    """`model.encode_images(images)`, except that an empty batch [0, C, H, W] is encoded as one
+    all-zero image whose embeddings are then dropped ([:0]): the result has the empty batch's
+    shape, and the dummy's gradient is exactly zero (nothing downstream uses it).
+
+    Why: under tensor parallelism torch 2.13's DTensor view rule mis-reads a reshape whose leading
+    dim is 0 (torch/distributed/tensor/_ops/_view_ops.py view_groups: [0, T, D] -> [0, D] becomes
+    a flatten of (T, D)), so the gradient of every row-wise weight (ViT attention and MLP output
+    projections, the projector's fc2) gets a `_StridedShard` placement; eager DTensor tolerates
+    it, but a compiled block cannot rebuild such a DTensor (DTensor.__tensor_unflatten__:
+    "DTensorSpec doesn't allow specify shard_order when use_strided_shard_as_shard_order is
+    True"). Every tp
+    rank of a (dp, cp) coordinate holds the same images, so the tp ranks all take this branch or
+    none: they enter the same TP collectives, in the same order, as with any one-image batch."""
+    if images.shape[0] > 0:
+        return model.encode_images(images)
+    return model.encode_images(images.new_zeros((1, *images.shape[1:])))[:0]
+
+
 def encode_images_over_cp(
     model: VisionLanguageModel,
     images: torch.Tensor,
     cp_mesh: DeviceMesh,
     mode: str,
     embed_width: int | None = None,
+    tp_vision: bool = False,
 ) -> torch.Tensor:
     """Image embeddings [n, tokens_per_image, D] of all n images, whole on every CP rank, their
     gradient summed over cp before it reaches the projector and ViT. `mode` is where the ViT
     runs (CPOptions.vision). `embed_width`: the projector's local output width D when it is not
-    the decoder's (image_embed_tp_shard: D/tp)."""
+    the decoder's (image_embed_tp_shard: D/tp). `tp_vision`: the ViT and projector are
+    tensor-parallel (tensor_parallel_degree > 1), so a rank never encodes an empty batch
+    (encode_images_never_empty)."""
+
+    def encode(batch: torch.Tensor) -> torch.Tensor:
+        if tp_vision:
+            return encode_images_never_empty(model, batch)
+        return model.encode_images(batch)
+
     cp_size = cp_mesh.size()
     if cp_size == 1:
-        return model.encode_images(images)
+        return encode(images)
     # The cp sums below run in fp32 whatever the compute dtype (the decoder casts back).
     if mode == "replicate":
-        return replicate_image_embeddings(model.encode_images(images).float(), cp_mesh)
+        return replicate_image_embeddings(encode(images).float(), cp_mesh)
     rank = cp_mesh.get_local_rank()
     if mode == "broadcast":
         group = cp_mesh.get_group()
         src = dist.get_global_rank(group, 0)
         if rank == 0:
-            local = model.encode_images(images).float()  # travels in fp32 (the receivers' dtype)
+            local = encode(images).float()  # travels in fp32 (the receivers' dtype)
         else:  # a leaf that wants a gradient, so this rank joins the backward reduce
             local = images.new_zeros(
                 (images.shape[0], model.tokens_per_image, embed_width or model.embed_dim),
@@ -138,9 +166,7 @@ def encode_images_over_cp(
     if mode == "shard":
         sizes = image_shard_sizes(images.shape[0], cp_size)
         start = sum(sizes[:rank])
-        local = model.encode_images(
-            images[start : start + sizes[rank]]
-        ).float()  # may be empty: still runs
+        local = encode(images[start : start + sizes[rank]]).float()  # may be empty: still runs
         shape = torch.Size((images.shape[0], *local.shape[1:]))
         sharded = DTensor.from_local(
             local,

@@ -88,7 +88,8 @@ def apply_compile(model: VLM, fullgraph: bool = True, backend: str = "inductor")
     """torch.compile each ViT and decoder block in place (the blocks share one compiled graph).
     The decoder's attention, local or context-parallel, is one opaque custom op
     (titan_vlm::attention, attention.py), so with `fullgraph` each block is a single graph and a
-    graph break is an error."""
+    graph break is an error. Runs before apply_ac: the checkpoint wrapper goes around the
+    compiled block (why: parallelize_vlm)."""
     for layers in (model.vision.layers, model.decoder.layers):
         for block in layers:
             block.compile(fullgraph=fullgraph, backend=backend)
@@ -105,12 +106,21 @@ def parallelize_vlm(
     fullgraph: bool = True,
     compile_backend: str = "inductor",
 ) -> VLM:
-    """Everything the trainer applies to the model, torchtitan's order: tensor parallelism,
-    activation checkpointing, torch.compile, then FSDP. CP itself needs no module changes: it
-    lives in the batch sharding and the SeqLayout the attention receives (context_parallel.py)."""
+    """Everything the trainer applies to the model: tensor parallelism, torch.compile of each
+    block, activation checkpointing around the compiled blocks, then FSDP. CP itself needs no
+    module changes: it lives in the batch sharding and the SeqLayout the attention receives
+    (context_parallel.py).
+
+    Compile before AC (torchtitan checkpoints first and compiles the wrapper): on torch 2.13 a
+    block compiled with its checkpoint inside and TP DTensors in it fails at its first forward
+    (AOT autograd saves the DTensors' DeviceMesh among the tensors for backward:
+    torch/_functorch/_aot_autograd/runtime_wrappers.py, _AutogradSavedState.save_from_forward,
+    "expected all tensors_saved_with_vc_check to be Tensors"). Wrapped after compiling, the
+    non-reentrant checkpoint drops what the compiled forward saves and reruns it in backward
+    (its collectives included, in the same order on every rank), for every layout."""
     apply_tp(model, mesh.tp, tp)
-    apply_ac(model, ac_mode)
     if compile_blocks:
         apply_compile(model, fullgraph, compile_backend)
+    apply_ac(model, ac_mode)
     apply_fsdp(model, mesh, mixed_precision, cp_vision)
     return model
