@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from titan_vlm.errors import ConfigError
-from titan_vlm.varlen import VarlenCall, VarlenKernel
+from titan_vlm.varlen import VarlenCall, VarlenKernel, merge
 
 aten = torch.ops.aten
 
@@ -144,11 +144,7 @@ class Kernel(VarlenKernel):
                 if acc_out is None:
                     acc_out, acc_lse = o.float(), part_lse
                 else:
-                    new = torch.logaddexp(acc_lse, part_lse)
-                    acc_out = acc_out * torch.exp(acc_lse - new).unsqueeze(-1) + o.float() * (
-                        torch.exp(part_lse - new).unsqueeze(-1)
-                    )
-                    acc_lse = new
+                    acc_out, acc_lse = merge(acc_out, acc_lse, o, part_lse)
             assert acc_out is not None  # every sequence has at least one block
             out[qs] = acc_out[0].transpose(0, 1).to(q.dtype)
             lse[:, qs] = acc_lse[0]

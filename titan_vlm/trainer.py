@@ -271,7 +271,7 @@ class Trainer(Stateful):
         step_dir = checkpointer.resume()
         if step_dir is not None:
             logger.info("resumed from %s at step %d", step_dir, self.step)
-        if self.step >= self.cfg.training.steps:
+        if self.step >= self.cfg.training.steps and dist.get_rank() == 0:  # once, not per rank
             logger.warning(
                 "the latest checkpoint is at step %d >= training.steps=%d: nothing to train "
                 "(raise training.steps to train on)",

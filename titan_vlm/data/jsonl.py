@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
-from titan_vlm.data.bad_samples import BadSampleLog, check_on_bad_sample
+from titan_vlm.data.bad_samples import BadSampleLog
 from titan_vlm.data.batch import ImageRef, Part, Prompt, Sample
 from titan_vlm.data.dataset import Dataset, batch_rows
 from titan_vlm.data.hf_processor import HFProcessor
@@ -59,8 +59,8 @@ if TYPE_CHECKING:
 
 def validate_data_config(data: Data) -> None:
     """The data.* keys of a dataset file, before any process group exists (the file itself is
-    parsed when the dataset is built)."""
-    check_on_bad_sample(data.on_bad_sample)
+    parsed when the dataset is built). data.on_bad_sample, a choice key, is checked with the
+    others by config.check_choices (ParallelDims.validate_model runs it first)."""
     if data.max_image_pixels < 1:
         raise ConfigError(f"data.max_image_pixels must be >= 1, got {data.max_image_pixels}")
     if data.dataset == "synthetic":
