@@ -283,6 +283,7 @@ def test_choice_literals_name_what_the_registries_hold():
 
     from titan_vlm.data.bad_samples import BAD_SAMPLE_MODES
     from titan_vlm.kernels import KERNELS
+    from titan_vlm.layout import IMAGE_TOKEN_MODES, SAMPLE_PLACEMENTS
     from titan_vlm.models.flavors import FLAVORS, IMAGE_ATTENTION
     from titan_vlm.models.registry import MODEL_SPECS
     from titan_vlm.parallel import parallelize
@@ -301,6 +302,8 @@ def test_choice_literals_name_what_the_registries_hold():
     assert names(config.Flavor) == {*FLAVORS, "hf"}
     assert names(config.ImageAttention) == set(IMAGE_ATTENTION)
     assert names(config.OnBadSample) == set(BAD_SAMPLE_MODES)
+    assert names(config.CPSamplePlacement) == set(SAMPLE_PLACEMENTS)
+    assert names(config.CPImageTokens) == set(IMAGE_TOKEN_MODES)
     assert names(config.CompileBackend) <= set(list_backends(exclude_tags=()))
 
 

@@ -39,6 +39,8 @@ OnNonfinite = Literal["stop", "skip"]
 OnBadSample = Literal["skip", "error"]
 CPCommType = Literal["p2p", "allgather", "a2a"]  # parallel/cp_attention.py CP_ATTENTION
 CPVision = Literal["replicate", "broadcast", "shard"]  # parallel/context_parallel.py
+CPSamplePlacement = Literal["split", "auto"]  # layout.py SAMPLE_PLACEMENTS
+CPImageTokens = Literal["replicate", "shard", "auto"]  # layout.py IMAGE_TOKEN_MODES
 ACMode = Literal["none", "selective", "full"]  # parallel/parallelize.py, plan/memory.py
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
 
@@ -141,6 +143,14 @@ class Data:
     first, naming file:line)."""
     max_image_pixels: int = 4096 * 4096
     """Images larger than this (pixels, read from their header) are bad samples."""
+    native_resolution_pixels: int = 0
+    """0: every image is resized to the model's square input (vision image_size), so each takes
+    the same number of slots. N > 0: each image keeps its aspect ratio, resized to at most N
+    pixels with both sides multiples of the ViT's patch size (at least one patch), so its slot
+    count follows its size; the ViT's position embeddings are interpolated to each grid."""
+    max_frames: int = 8
+    """A dataset line's "video" (a list of frame files): at most this many frames, sampled
+    evenly from first to last; each frame is an image of the sample, in order."""
     shuffle: bool = True
     """A dataset file's rows in a new order every epoch (seeded by training.seed)."""
     max_empty_steps: int = 3
@@ -169,6 +179,14 @@ class Parallelism:
     """Where the ViT runs in a CP group: "shard" (each rank encodes its share of the images,
     all-gathered), "replicate" (every rank encodes all), "broadcast" (cp rank 0 encodes and
     broadcasts)."""
+    cp_sample_placement: CPSamplePlacement = "split"
+    """How a row's samples are placed on the CP group: "split" (every sample's text cut head-tail
+    over all ranks) or "auto" (per batch, the cost model keeps short samples whole on one rank,
+    with their images, and splits the long ones; layout.py)."""
+    cp_image_tokens: CPImageTokens = "replicate"
+    """The image slots of a sample split over the CP group: "replicate" (every rank holds them),
+    "shard" (cut head-tail with the sample's text, each rank holds its share) or "auto" (per
+    sample, whichever the cost model prices lower)."""
     enable_sequence_parallel: bool = False
     """Sequence parallelism inside the TP group: norms and residual adds on a 1/tp slice of the
     (CP-local) sequence; needs tensor_parallel_degree > 1."""

@@ -48,6 +48,9 @@ if TYPE_CHECKING:
     from titan_vlm.parallel.cp_attention import Algorithm
 
 ALL_ROWS = slice(None)
+# parallelism.cp_sample_placement and parallelism.cp_image_tokens (their config Literals)
+SAMPLE_PLACEMENTS = ("split", "auto")
+IMAGE_TOKEN_MODES = ("replicate", "shard", "auto")
 
 
 @dataclass(frozen=True)
