@@ -73,6 +73,17 @@ class ViTArgs:
     def tokens_per_image(self) -> int:
         return self.num_positions - int(self.drop_first)
 
+    def image_tokens(self, height: int, width: int) -> int:
+        """Output tokens of an image of height x width pixels (both multiples of patch_size):
+        one per patch, plus the class token unless dropped; `tokens_per_image` at image_size."""
+        if height % self.patch_size or width % self.patch_size or min(height, width) <= 0:
+            raise ValueError(
+                f"an image of {height}x{width} pixels is not a whole number of "
+                f"{self.patch_size}-pixel patches"
+            )
+        patches = (height // self.patch_size) * (width // self.patch_size)
+        return patches + int(self.class_token) - int(self.drop_first)
+
 
 @dataclass(frozen=True)
 class Rope:
@@ -151,6 +162,11 @@ class VLMArgs:
     def tokens_per_image(self) -> int:
         """Tokens one image occupies in the decoder's sequence (the ViT's output positions)."""
         return self.vision.tokens_per_image
+
+    def image_tokens(self, height: int, width: int) -> int:
+        """Image slots an image of height x width pixels takes in a row (the data pipeline's
+        and the model's one rule): the ViT's output tokens (the projector keeps the count)."""
+        return self.vision.image_tokens(height, width)
 
 
 FLAVORS: dict[str, VLMArgs] = {
