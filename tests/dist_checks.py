@@ -23,7 +23,9 @@ from titan_vlm.config import JobConfig, Training
 from titan_vlm.data.batch import IGNORE_INDEX, Batch, Sample, collate
 from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.distributed import local_tensor
+from titan_vlm.layout import LayoutCost, SeqLayout
 from titan_vlm.metrics import SavedForBackward
+from titan_vlm.models.accounting import layout_cost
 from titan_vlm.models.flavors import Rope, VLMArgs, get_flavor
 from titan_vlm.models.vlm import VLM
 from titan_vlm.optim import build_optimizer, build_scheduler
@@ -108,6 +110,20 @@ def special_rows(name: str, seq_len: int, seed: int = 0) -> Batch:
                 Sample([text(3, True), image(), text(20, eos=True)]),
             ],
         ]
+    elif name == "long_and_short":  # cp_sample_placement="auto": the long one split, the rest whole
+        rows = [
+            [
+                Sample([text(3, True), image(), text(2), image(), text(86, eos=True)]),
+                Sample([image(), text(10, True, True)]),
+                Sample([text(12, True, True)]),
+            ],
+            [
+                Sample([text(4, True), image(), text(6, eos=True)]),
+                Sample([text(70, True, True)]),
+                Sample([text(30, True), image()]),
+                Sample([text(9, True, True)]),
+            ],
+        ]
     elif name == "one_rank_images":
         rows = [
             [Sample([text(2, True), image(), text(1), image(), text(70, eos=True)])],
@@ -141,6 +157,9 @@ def parity(
     image_embed_tp_shard: bool = False,
     tp_unreduced_norms: bool = False,
     hf_features: bool = False,
+    placement: str = "split",
+    placement_cost: str = "pairs",
+    kept_images_placed: bool = True,
 ) -> dict:
     """One optimizer step of the parallel trainer against one process with the same weights and
     global batch. Returns both losses and grad norms and, per group (vision, projector, decoder),
@@ -152,7 +171,10 @@ def parity(
         every module feature of the Hugging Face families (hf_features_args). `compile_backend`:
     "none" (eager blocks) or the torch.compile backend of every ViT and decoder block
     ("aot_eager", "inductor"), fullgraph, so a graph break fails the check; dynamo's caches are
-    reset first and a recompile-limit hit is an error, so no block silently runs eager."""
+    reset first and a recompile-limit hit is an error, so no block silently runs eager.
+    `placement`: parallelism.cp_sample_placement, priced by `placement_cost` ("pairs": attention
+    pairs only, LayoutCost(); "model": the debug model's weights, accounting.layout_cost);
+    `kept_images_placed=False` is its negative control (_kept_images_not_placed)."""
     args = dataclasses.replace(get_flavor("debug"), image_attention=image_attention)
     if hf_features:
         args = hf_features_args(args)
@@ -166,7 +188,8 @@ def parity(
     )
     mesh = make_mesh(dp_shard, cp, dp_replicate, tp)
     dp = dp_replicate * dp_shard
-    options = CPOptions(comm_type=comm, vision=vision)
+    cost = layout_cost(args) if placement_cost == "model" else LayoutCost()
+    options = CPOptions(comm_type=comm, vision=vision, sample_placement=placement, cost=cost)
     tp_options = TPOptions(sequence_parallel=sp, image_embed_shard=image_embed_tp_shard)
     if rows is None:
         data = SyntheticCaptions(
@@ -222,8 +245,11 @@ def parity(
     batch = full.rows(dp_rank * batch_size, (dp_rank + 1) * batch_size)
     if merge_samples:
         batch.doc = torch.where(batch.doc >= 0, 0, batch.doc)
-    with contextlib.nullcontext() if sum_image_grad else _image_grads_not_summed_over_cp():
-        stats, _ = train_step(model, opt, sched, batch, mesh, t.max_norm, options, tp_options)
+    with (
+        contextlib.nullcontext() if sum_image_grad else _image_grads_not_summed_over_cp(),
+        contextlib.nullcontext() if kept_images_placed else _kept_images_not_placed(),
+    ):
+        stats, layout = train_step(model, opt, sched, batch, mesh, t.max_norm, options, tp_options)
 
     grad_err = dict.fromkeys(GROUPS, 0.0)
     param_err = dict.fromkeys(GROUPS, 0.0)
@@ -256,6 +282,10 @@ def parity(
         "ntokens": stats["ntokens"],
         "ref_ntokens": int((full.labels != IGNORE_INDEX).sum()),
         "cp_balance": stats["cp_balance"],
+        "cp_padding": stats["cp_padding"],
+        "split_samples": layout.split_samples(),
+        "kept_samples": layout.kept_samples(),
+        "kept_image_slots": [int((k.image >= 0).sum()) for k in layout.kept],
         "tied": model.decoder.output.weight is model.decoder.tok_embeddings.weight,
         "divide_factors": divide_factors(model),
     }
@@ -334,6 +364,14 @@ def _sp_norms_with_local_weights():
         )
 
     with mock.patch.object(tensor_parallel, "SequenceParallel", local_weight_norm):
+        yield
+
+
+@contextlib.contextmanager
+def _kept_images_not_placed():
+    """Negative control of cp_sample_placement="auto": the images of the samples a rank keeps
+    whole never reach the decoder (their slots keep their token embeddings)."""
+    with mock.patch.object(SeqLayout, "inline_embeds", lambda self, embeds: None):
         yield
 
 

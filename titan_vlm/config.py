@@ -147,7 +147,8 @@ class Data:
     """0: every image is resized to the model's square input (vision image_size), so each takes
     the same number of slots. N > 0: each image keeps its aspect ratio, resized to at most N
     pixels with both sides multiples of the ViT's patch size (at least one patch), so its slot
-    count follows its size; the ViT's position embeddings are interpolated to each grid."""
+    count follows its size; the ViT's position embeddings are interpolated to each grid. Only 0
+    is supported yet (N > 0 is an error)."""
     max_frames: int = 8
     """A dataset line's "video" (a list of frame files): at most this many frames, sampled
     evenly from first to last; each frame is an image of the sample, in order."""
@@ -181,12 +182,13 @@ class Parallelism:
     broadcasts)."""
     cp_sample_placement: CPSamplePlacement = "split"
     """How a row's samples are placed on the CP group: "split" (every sample's text cut head-tail
-    over all ranks) or "auto" (per batch, the cost model keeps short samples whole on one rank,
-    with their images, and splits the long ones; layout.py)."""
+    over all ranks, its images on every rank) or "auto" (per row, the cost model keeps short
+    samples whole on one rank, with their images, and splits the long ones head-tail, so that
+    the ranks' modelled costs balance; layout.py)."""
     cp_image_tokens: CPImageTokens = "replicate"
-    """The image slots of a sample split over the CP group: "replicate" (every rank holds them),
-    "shard" (cut head-tail with the sample's text, each rank holds its share) or "auto" (per
-    sample, whichever the cost model prices lower)."""
+    """The image slots of a sample split over the CP group: "replicate" (every rank holds them).
+    "shard" (cut head-tail with the sample's text, each rank holds its share) and "auto" (per
+    sample, whichever the cost model prices lower) are not supported yet: an error."""
     enable_sequence_parallel: bool = False
     """Sequence parallelism inside the TP group: norms and residual adds on a 1/tp slice of the
     (CP-local) sequence; needs tensor_parallel_degree > 1."""

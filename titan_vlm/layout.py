@@ -232,16 +232,43 @@ class LayoutHandle(OpaqueBase):
 register_opaque_type(LayoutHandle, typ="reference")
 
 
+@dataclass(frozen=True)
+class LayoutCost:
+    """What a CP rank's share of a step costs, in one unit (model FLOPs of forward and backward,
+    or any multiple of them): `slot` per decoder slot the rank holds (the linear layers, norms
+    and residuals run on every local slot, padding included), `pair` per attention query-key
+    pair its queries compute, `image` per image its ViT encodes (cp_vision). The one cost model
+    the auto placement balances and `cp_balance` reports. The default counts attention pairs
+    only; the trainer takes the model family's (ModelSpec.layout_cost)."""
+
+    slot: float = 0.0
+    pair: float = 1.0
+    image: float = 0.0
+
+
 @dataclass
 class SeqLayout:
     """The local slots of one CP rank's batch and everything attention needs to know about them.
 
-    positions [B, N + T]: RoPE position (within its sample) of each local slot.
-    images [B, N]: the rows' image slots, whole on every CP rank. texts[s] [B, T]: CP rank s's
-    text slots (every rank knows every rank's, so it can plan blocks against any of them).
-    image_counts: images per row, to place the batch's image embeddings.
-    cp: None (the whole row is local) or the algorithm that makes attention exact across the CP
-    group (parallel/cp_attention.py).
+    A sample of the batch is either split over the CP group (its text head-tail, its images on
+    every rank) or kept whole on one rank (`build_layout`, parallelism.cp_sample_placement).
+    Local slots on rank r, in this order:
+
+        [images | texts[r] | kept[r]]
+         N        T          W_r
+
+    images [B, N]: the split samples' image slots, the same on every rank (the decoder's image
+    prefix). texts[s] [B, T]: rank s's share of the split samples' text, the only slots that
+    cross the CP group (the same T on every rank). kept[s] [B, W_s]: the samples rank s keeps
+    whole, text and images in row order (per row, then padding: they never travel). Every rank
+    knows every rank's slots, so it can plan blocks against any of them and price them.
+
+    positions [B, L]: RoPE position (within its sample) of each local slot.
+    image_index [B, L]: each local image slot's index into the batch's image tokens
+    (`place_images`; -1: text or padding). image_counts: images per row. cost / encoded: the
+    cost model and the images each rank's ViT encodes (`rank_cost`; encoded None: ViT not
+    priced). cp: None (the whole row is local) or the algorithm that makes attention exact
+    across the CP group (parallel/cp_attention.py).
     """
 
     positions: torch.Tensor
@@ -252,12 +279,20 @@ class SeqLayout:
     row_positions: torch.Tensor  # [B, S] every row slot's position within its sample
     bidirectional_images: bool = False
     cp: Algorithm | None = None
+    kept: list[Slots] = field(default_factory=list)  # []: no rank keeps a sample whole
+    image_index: torch.Tensor | None = None  # None: made from the slots
+    cost: LayoutCost = field(default_factory=LayoutCost)
+    encoded: list[int] | None = None
     _plans: PlanCache = field(default_factory=PlanCache, repr=False)
 
     def __post_init__(self) -> None:
         # not a dataclass field: FSDP's input casting rebuilds dataclasses from their fields
         # (dataclasses.replace), and the rebuilt layout gets its own handle here
         self.handle = LayoutHandle(self)
+        if not self.kept:
+            self.kept = [_empty_slots(self.images.doc.shape[0])] * len(self.texts)
+        if self.image_index is None:
+            self.image_index = image_token_index(self.slots("local"), self.row_image_ids())
 
     @property
     def comm(self) -> str:
@@ -266,20 +301,51 @@ class SeqLayout:
 
     @property
     def num_image_tokens(self) -> int:
+        """N: the split samples' image slots, the local slots' prefix on every rank."""
         return len(self.images)
 
+    @property
+    def travel(self) -> int:
+        """T: the text slots of each rank that cross the CP group."""
+        return len(self.texts[0])
+
+    @property
+    def inline_images(self) -> bool:
+        """Whether this rank's kept slots hold image slots (the decoder places their embeddings
+        among the text)."""
+        return bool((self.kept[self.rank].image >= 0).any())
+
+    def row_image_ids(self) -> torch.Tensor:
+        """[B, S]: the rows' image ids at their image slots, -1 elsewhere (from the slots the
+        layout places)."""
+        everything = Slots.cat([self.images, *self.texts, *self.kept])
+        out = torch.full_like(self.row_positions, -1)
+        real = everything.image >= 0
+        rows = torch.arange(out.shape[0])[:, None].expand_as(real)
+        out[rows[real], everything.order[real]] = everything.image[real]
+        return out
+
     def slots(self, name: str | int, rank: int | None = None) -> Slots:
-        """ "local": a rank's `[images, its text]`; "images"; "all": `[images, every rank's text]`
-        (rank-major, as an all-gather or all-to-all delivers it); an int s: rank s's text."""
-        rank = self.rank if rank is None else rank
+        """ "local": a rank's slots in order (class docstring); "images": the split samples'
+        image slots; "all": every slot a rank's queries may see, `[images, every rank's text
+        (rank-major, as an all-gather delivers it), kept]`; "shared": the split samples' slots,
+        `[images, every rank's text]` (what the all-to-all carries); "kept": the rank's kept
+        slots; an int s: rank s's text."""
+        r = self.rank if rank is None else rank
         if name == "local":
-            return Slots.cat([self.images, self.texts[rank]])
+            return Slots.cat([self.images, self.texts[r], self.kept[r]])
         if name == "images":
             return self.images
         if name == "all":
+            return Slots.cat([self.images, *self.texts, self.kept[r]])
+        if name == "shared":
             return Slots.cat([self.images, *self.texts])
+        if name == "kept":
+            return self.kept[r]
         if isinstance(name, str):
-            raise ValueError(f"slots: unknown name {name!r} (local, images, all or a CP rank)")
+            raise ValueError(
+                f"slots: unknown name {name!r} (local, images, all, shared, kept or a CP rank)"
+            )
         return self.texts[name]
 
     def blocks(self, queries: str, keys: str | int, rank: int | None = None) -> list[Block]:
@@ -307,44 +373,149 @@ class SeqLayout:
         )
 
     def rank_work(self) -> list[int]:
-        """Query-key pairs each CP rank's queries (all image slots + its text) compute against
-        the whole row under the mask rule: what the ring and all-gather algorithms run on each
-        rank (tests/test_layout.py checks it against the block plans). A query sees the earlier
+        """Query-key pairs each CP rank's queries (its local slots) compute against the whole
+        row under the mask rule: what the ring and all-gather algorithms run on each rank
+        (tests/test_layout.py checks it against the block plans). A query sees the earlier
         slots of its sample and itself, `position in sample + 1` keys, and with bidirectional
         images also the rest of its image: no plan is needed, so every step can afford it."""
         images = self._keys_seen(self.images)
-        return [images + self._keys_seen(t) for t in self.texts]
+        return [
+            images + self._keys_seen(self.texts[r]) + self._keys_seen(self.kept[r])
+            for r in self._ranks()
+        ]
 
     def whole_work(self) -> int:
-        """Query-key pairs of the whole rows, as one device computes them: the image slots once
-        and every CP rank's text (the model FLOPs count this; the same as `rank_work()[0]` of
-        the rows' layout at cp=1)."""
-        return self._keys_seen(self.images) + sum(self._keys_seen(t) for t in self.texts)
+        """Query-key pairs of the whole rows, as one device computes them: the split samples'
+        image slots once, every rank's text and kept slots (the model FLOPs count this; the
+        same as `rank_work()[0]` of the rows' layout at cp=1)."""
+        own = sum(self._keys_seen(s) for s in (*self.texts, *self.kept))
+        return self._keys_seen(self.images) + own
+
+    def rank_slots(self) -> list[int]:
+        """Local slots (padding included) of each CP rank's batch: B x (N + T + W_r)."""
+        rows = self.images.doc.shape[0]
+        return [rows * (len(self.images) + self.travel + len(self.kept[r])) for r in self._ranks()]
+
+    def rank_cost(self) -> list[float]:
+        """Each CP rank's modelled cost (LayoutCost): its slots, its attention pairs and the
+        images its ViT encodes."""
+        c, encoded = self.cost, self.encoded or [0] * len(self.texts)
+        return [
+            c.slot * slots + c.pair * pairs + c.image * images
+            for slots, pairs, images in zip(self.rank_slots(), self.rank_work(), encoded)
+        ]
+
+    def balance(self) -> float:
+        """cp_balance: max/mean of `rank_cost` over the CP ranks (1.0 is perfect)."""
+        w = self.rank_cost()
+        return max(w) / (sum(w) / len(w)) if sum(w) > 0 else 1.0
+
+    def padding(self) -> float:
+        """cp_padding: the largest fraction of padding among the CP ranks' local slots (the
+        split's padding: samples cut into 2P chunks, rows of different lengths, sequence
+        parallelism's multiple; the rows' own unused slots are never placed)."""
+        out = 0.0
+        for r in self._ranks():
+            held = Slots.cat([self.images, self.texts[r], self.kept[r]]).doc
+            if held.numel():
+                out = max(out, float((held < 0).sum()) / held.numel())
+        return out
+
+    def kept_samples(self) -> list[int]:
+        """Samples each CP rank keeps whole (over all rows)."""
+        return [_count_samples([k]) for k in self.kept]
+
+    def split_samples(self) -> int:
+        """Samples split over the CP group (over all rows)."""
+        return _count_samples([self.images, *self.texts])
+
+    def _ranks(self) -> range:
+        return range(len(self.texts))
 
     def _keys_seen(self, s: Slots) -> int:
         """The keys the queries of `s` see under the mask rule, summed (`rank_work`)."""
-        real = s.doc >= 0
-        pos = self.row_positions.gather(1, s.order.clamp(min=0))
-        seen = (pos + 1).masked_fill(~real, 0)
-        if self.bidirectional_images and s.image.numel():
-            ids = s.image.clamp(min=0)
-            last = torch.zeros(s.image.shape[0], int(ids.max()) + 1, dtype=torch.long)
-            last.scatter_reduce_(1, ids, s.order.masked_fill(s.image < 0, -1), "amax")
-            later = (last.gather(1, ids) - s.order).masked_fill(s.image < 0, 0)
-            seen = seen + later.masked_fill(~real, 0)
-        return int(seen.sum())
-
-    def balance(self) -> float:
-        """max/mean of `rank_work` over the CP ranks (1.0 is perfect)."""
-        w = self.rank_work()
-        return max(w) / max(sum(w) / len(w), 1)
+        return int(keys_seen(s, self.row_positions, self.bidirectional_images).sum())
 
     def place_images(self, embeds: torch.Tensor) -> torch.Tensor:
-        """The batch's image embeddings [n_images, tokens_per_image, D] (rows in order) into the
-        rows' image slots: [B, N, D], zeros in padding slots. Differentiable."""
-        per_row = embeds.flatten(0, 1).split([c * embeds.shape[1] for c in self.image_counts])
-        n = self.num_image_tokens
-        return torch.stack([torch.nn.functional.pad(x, (0, 0, 0, n - x.shape[0])) for x in per_row])
+        """The batch's image embeddings [n_images, tokens_per_image, D] (batch order) into the
+        image prefix of this rank's local slots: [B, N, D], zeros in padding slots.
+        Differentiable."""
+        return _pick(embeds, self._image_index()[:, : self.num_image_tokens])
+
+    def inline_embeds(self, embeds: torch.Tensor) -> torch.Tensor | None:
+        """The embeddings [M, D] of the image slots among this rank's text section (its kept
+        samples' images), at `inline_slots`; None: there are none."""
+        if not self.inline_images:
+            return None
+        index = self._image_index()[:, self.num_image_tokens :]
+        return _pick(embeds, index[index >= 0])
+
+    def inline_slots(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, columns) of `inline_embeds`' slots within the text section [B, T + W]."""
+        index = self._image_index()[:, self.num_image_tokens :]
+        rows, cols = (index >= 0).nonzero(as_tuple=True)
+        return rows.to(device), cols.to(device)
+
+    def _image_index(self) -> torch.Tensor:
+        assert self.image_index is not None  # set in __post_init__
+        return self.image_index
+
+
+def _pick(embeds: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """embeds [n, tokens, D] flattened to image tokens, at `index` (any shape; -1: zeros).
+    Always connected to `embeds` in autograd, also when there is no image."""
+    flat = embeds.reshape(-1, embeds.shape[-1])
+    padded = torch.cat([flat, flat.new_zeros(1, flat.shape[-1])])
+    index = index.to(flat.device)
+    return padded[index.masked_fill(index < 0, flat.shape[0])]
+
+
+def keys_seen(s: Slots, row_positions: torch.Tensor, bidirectional_images: bool) -> torch.Tensor:
+    """[B, L]: how many keys each query slot of `s` sees under the mask rule (0 for padding):
+    its position in its sample + 1, plus, with bidirectional images, the later slots of its
+    image."""
+    real = s.doc >= 0
+    pos = row_positions.gather(1, s.order.clamp(min=0))
+    seen = (pos + 1).masked_fill(~real, 0)
+    if bidirectional_images and s.image.numel() and bool((s.image >= 0).any()):
+        ids = s.image.clamp(min=0)
+        last = torch.zeros(s.image.shape[0], int(ids.max()) + 1, dtype=torch.long)
+        last.scatter_reduce_(1, ids, s.order.masked_fill(s.image < 0, -1), "amax")
+        later = (last.gather(1, ids) - s.order).masked_fill(s.image < 0, 0)
+        seen = seen + later.masked_fill(~real, 0)
+    return seen
+
+
+def _count_samples(parts: list[Slots]) -> int:
+    """Distinct (row, sample) among the slots of `parts`."""
+    held = Slots.cat(parts).doc
+    return sum(len(torch.unique(d[d >= 0])) for d in held)
+
+
+def _empty_slots(rows: int) -> Slots:
+    none = torch.zeros(rows, 0, dtype=torch.long)
+    return Slots(none, none, none)
+
+
+def image_token_index(images: Slots, row_image: torch.Tensor) -> torch.Tensor:
+    """[B, N]: for each image slot of `images`, its index into the batch's image tokens: the
+    images in batch order (their ids), each taking as many tokens as it has slots, in row
+    order (`SeqLayout.place_images`); -1 for padding. `row_image` [B, S]: the rows' image ids
+    (-1 elsewhere), which give each image's size and first slot."""
+    ids = images.image
+    real = ids >= 0
+    if not bool(real.any()):
+        return torch.full_like(ids, -1)
+    rows, seq = row_image.shape
+    where = row_image >= 0
+    n = int(row_image.max()) + 1
+    counts = torch.bincount(row_image[where], minlength=n)
+    first = torch.full((n,), seq, dtype=torch.long)
+    pos = torch.arange(seq).expand(rows, seq)
+    first.scatter_reduce_(0, row_image[where], pos[where], "amin")
+    offset = torch.cumsum(counts, 0) - counts
+    safe = ids.clamp(min=0)
+    return torch.where(real, offset[safe] + images.order - first[safe], -1)
 
 
 def head_tail_pairs(index: torch.Tensor, cp_size: int) -> list[torch.Tensor]:
@@ -374,12 +545,88 @@ def _deal_pairs(costs: list[list[int]], cp_size: int) -> list[list[int]]:
     return deal
 
 
+@dataclass
+class _Sample:
+    """One sample of a row, priced both ways (`_place_row`)."""
+
+    row: int
+    text: torch.Tensor  # its text slots' row positions
+    images: torch.Tensor  # its image slots' row positions
+    pairs: list[torch.Tensor]  # its text's head-tail pairs (head_tail_pairs)
+    pair_work: list[int]  # attention pairs of each head-tail pair's queries
+    image_work: int  # attention pairs of its image queries
+    # where it goes: -1 split (pair deal[r] to rank r), else the rank that keeps it whole
+    rank: int = -1
+    deal: list[int] = field(default_factory=list)
+
+    def whole_cost(self, c: LayoutCost) -> float:
+        slots = len(self.text) + len(self.images)
+        return c.slot * slots + c.pair * (sum(self.pair_work) + self.image_work)
+
+    def split_costs(self, c: LayoutCost) -> tuple[float, list[float]]:
+        """What splitting it costs every rank (its image slots, replicated) and each pair."""
+        on_every = c.slot * len(self.images) + c.pair * self.image_work
+        return on_every, [c.slot * len(p) + c.pair * w for p, w in zip(self.pairs, self.pair_work)]
+
+
+def _place_row(samples: list[_Sample], cp_size: int, c: LayoutCost, base: list[float]) -> None:
+    """cp_sample_placement = "auto" for one row: split the k costliest samples head-tail (their
+    pairs dealt dearest first to the least-loaded ranks) and deal the rest whole, costliest
+    first, to the least-loaded rank (longest processing time first); k is the one whose busiest
+    rank costs least (ties: fewer splits, less traffic). Loads start at `base` (each rank's ViT
+    share). Sets each sample's `rank` and `deal`."""
+    order = sorted(range(len(samples)), key=lambda i: (-samples[i].whole_cost(c), i))
+
+    def place(k: int) -> tuple[float, list[list[int]], list[int]]:
+        loads = list(base)
+        deals = _deal_split(samples, order[:k], cp_size, c, loads)
+        owners = []
+        for i in order[k:]:
+            r = min(range(cp_size), key=lambda r: (loads[r], r))
+            loads[r] += samples[i].whole_cost(c)
+            owners.append(r)
+        return max(loads), deals, owners
+
+    best_k, best_max = 0, place(0)[0]
+    for k in range(1, len(order) + 1):
+        busiest = place(k)[0]
+        if busiest < best_max * (1 - 1e-9):
+            best_k, best_max = k, busiest
+    _, deals, owners = place(best_k)
+    for i, deal in zip(order[:best_k], deals):
+        samples[i].rank, samples[i].deal = -1, deal
+    for i, r in zip(order[best_k:], owners):
+        samples[i].rank = r
+
+
+def _deal_split(
+    samples: list[_Sample], split: list[int], cp_size: int, c: LayoutCost, loads: list[float]
+) -> list[list[int]]:
+    """Deal the pairs of the split samples (costliest first) onto `loads` (updated): for each,
+    which pair every rank gets."""
+    deals = []
+    for i in split:
+        on_every, pair_costs = samples[i].split_costs(c)
+        pairs = sorted(range(cp_size), key=lambda j: -pair_costs[j])
+        ranks = sorted(range(cp_size), key=lambda r: (loads[r], r))
+        deal = [0] * cp_size
+        for j, r in zip(pairs, ranks):
+            deal[r] = j
+            loads[r] += on_every + pair_costs[j]
+        deals.append(deal)
+    return deals
+
+
 def _stack_padded(rows: list[torch.Tensor], length: int) -> torch.Tensor:
     return (
         torch.stack([torch.nn.functional.pad(r, (0, length - len(r)), value=-1) for r in rows])
         if rows
         else torch.zeros(0, length, dtype=torch.long)
     )
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
 def build_layout(
@@ -389,51 +636,97 @@ def build_layout(
     cp_rank: int = 0,
     bidirectional_images: bool = False,
     pad_to_multiple: int = 1,
+    placement: str = "split",
+    cost: LayoutCost | None = None,
+    encoded: list[int] | None = None,
 ) -> tuple[torch.Tensor, SeqLayout]:
     """Split rows with slot metadata doc/image [B, S] for CP rank `cp_rank` of `cp_size`.
 
-    Returns the row positions of this rank's text slots [B, T] (-1: padding) and its SeqLayout.
-    With cp_size 1 the text is the whole row's text, in row order. The local slot count N + T is
-    padded (with padding text slots, which cost no attention) to a multiple of `pad_to_multiple`.
+    Returns the row positions of this rank's text section `[texts[r], kept[r]]` [B, T + W] (-1:
+    padding; kept samples' image slots among them) and its SeqLayout. `placement`
+    (parallelism.cp_sample_placement): "split" splits every sample (its text head-tail, its
+    images on every rank; the pairs dealt by cost over the whole batch); "auto" decides per row
+    which samples to keep whole on one rank (`_place_row`, by `cost`, with `encoded` images on
+    each rank's ViT; shard_batch joins a batch's rows into one first). With cp_size 1 the text
+    is the whole row's text, in row order. Each rank's local slot count is padded (with kept
+    padding slots, which cost no attention and never travel) to a multiple of `pad_to_multiple`.
     """
+    if placement not in SAMPLE_PLACEMENTS:
+        raise ValueError(
+            f"parallelism.cp_sample_placement must be one of {SAMPLE_PLACEMENTS}, got {placement!r}"
+        )
+    cost = cost or LayoutCost()
     rows, seq = doc.shape
     doc, image = doc.cpu(), image.cpu()
     positions = torch.arange(seq)
-    image_index, rope, image_counts = [], [], []
-    samples = []  # (row, head-tail pairs, cost of each pair)
+    rope = []
+    samples: list[_Sample] = []
+    by_row: list[list[_Sample]] = [[] for _ in range(rows)]
     for b in range(rows):
         d, i = doc[b], image[b]
-        image_index.append(positions[i >= 0])
-        image_counts.append(len(torch.unique(i[i >= 0])))
         start = torch.zeros(seq, dtype=torch.long)  # first row position of each slot's sample
         for sample in torch.unique_consecutive(d[d >= 0]).tolist():
             where = positions[d == sample]
             start[where] = where[0]
-            pairs = head_tail_pairs(where[i[where] < 0], cp_size)
-            # a text query sees every earlier slot of its sample and itself: position + 1 keys
-            costs = [int((p[p >= 0] - where[0] + 1).sum()) for p in pairs]
-            samples.append((b, pairs, costs))
         rope.append(positions - start)
-    deal = _deal_pairs([c for _, _, c in samples], cp_size)
-    dealt_pairs: list[list[list[torch.Tensor]]] = [
-        [[] for _ in range(rows)] for _ in range(cp_size)
-    ]
-    for (b, pairs, _), dealt in zip(samples, deal):
-        for r in range(cp_size):
-            dealt_pairs[r][b].append(pairs[dealt[r]])
-    text_index = [
-        [torch.cat(x) if x else torch.zeros(0, dtype=torch.long) for x in per_rank]
-        for per_rank in dealt_pairs
-    ]
-    n = max((len(x) for x in image_index), default=0)
-    t = max((len(x) for per_rank in text_index for x in per_rank), default=0)
-    t += -(n + t) % pad_to_multiple
-    images = Slots.gather(doc, image, _stack_padded(image_index, n))
-    texts = [Slots.gather(doc, image, _stack_padded(text_index[r], t)) for r in range(cp_size)]
-    local = torch.cat([images.order, texts[cp_rank].order], dim=1)
     row_positions = torch.stack(rope)
-    rope_pos = row_positions.gather(1, local.clamp(min=0)).masked_fill(local < 0, 0)
+    row = Slots(doc, positions.expand(rows, seq), image)
+    seen = keys_seen(row, row_positions, bidirectional_images)  # [B, S]
+    for b in range(rows):
+        d, i = doc[b], image[b]
+        for sample in torch.unique_consecutive(d[d >= 0]).tolist():
+            where = positions[d == sample]
+            text, pictures = where[i[where] < 0], where[i[where] >= 0]
+            pairs = head_tail_pairs(text, cp_size)
+            work = [int(seen[b, p[p >= 0]].sum()) for p in pairs]
+            priced = _Sample(b, text, pictures, pairs, work, int(seen[b, pictures].sum()))
+            samples.append(priced)
+            by_row[b].append(priced)
+    if placement == "auto" and cp_size > 1:
+        # each rank's ViT share, spread evenly over the rows (the ViT runs on the batch)
+        vit = [cost.image * e / max(rows, 1) for e in (encoded or [0] * cp_size)]
+        for b in range(rows):
+            _place_row(by_row[b], cp_size, cost, vit)
+    else:
+        for s, deal in zip(samples, _deal_pairs([s.pair_work for s in samples], cp_size)):
+            s.deal = deal
+    shared_images = [_cat([s.images for s in by_row[b] if s.rank < 0]) for b in range(rows)]
+    texts_at: list[list[torch.Tensor]] = [[] for _ in range(cp_size)]
+    kept_at: list[list[torch.Tensor]] = [[] for _ in range(cp_size)]
+    for r in range(cp_size):
+        for b in range(rows):
+            split = [s for s in by_row[b] if s.rank < 0]
+            whole = [s for s in by_row[b] if s.rank == r]
+            texts_at[r].append(_cat([s.pairs[s.deal[r]] for s in split]))
+            kept_at[r].append(_cat([x for s in whole for x in (s.images, s.text)]).sort().values)
+
+    def longest(xs: list[torch.Tensor]) -> int:
+        return max((len(x) for x in xs), default=0)
+
+    n = longest(shared_images)
+    t = max(longest(x) for x in texts_at)
+    images = Slots.gather(doc, image, _stack_padded(shared_images, n))
+    texts = [Slots.gather(doc, image, _stack_padded(x, t)) for x in texts_at]
+    kept: list[Slots] = []
+    for r in range(cp_size):
+        w = longest(kept_at[r])
+        w += -(n + t + w) % pad_to_multiple
+        kept.append(Slots.gather(doc, image, _stack_padded(kept_at[r], w)))
+    local = Slots.cat([images, texts[cp_rank], kept[cp_rank]])
+    order = local.order
+    rope_pos = row_positions.gather(1, order.clamp(min=0)).masked_fill(order < 0, 0)
+    image_counts = [len(torch.unique(i[i >= 0])) for i in image]
     layout = SeqLayout(
-        rope_pos, images, texts, cp_rank, image_counts, row_positions, bidirectional_images
+        rope_pos,
+        images,
+        texts,
+        cp_rank,
+        image_counts,
+        row_positions,
+        bidirectional_images,
+        kept=kept,
+        image_index=image_token_index(local, image),
+        cost=cost,
+        encoded=encoded,
     )
-    return texts[cp_rank].order, layout
+    return order[:, n:], layout

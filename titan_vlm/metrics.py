@@ -87,7 +87,7 @@ class MetricsLogger:
             logger.info(
                 "step %5d | loss %.4f | grad_norm %.3f | lr %.2e | tokens/s %9.1f | "
                 "peak mem %.2f GiB | "
-                "cp_balance %.3f",
+                "cp_balance %.3f | cp_padding %.3f",
                 step,
                 metrics["loss"],
                 metrics["grad_norm"],
@@ -95,6 +95,7 @@ class MetricsLogger:
                 metrics["tokens_per_sec"],
                 metrics["peak_memory_gib"],
                 metrics.get("cp_balance", 1.0),
+                metrics.get("cp_padding", 0.0),
             )
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.tb is not None:

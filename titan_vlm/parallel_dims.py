@@ -166,6 +166,17 @@ class ParallelDims:
                     f"model.attention_kernel={kernel} needs training.mixed_precision = 'bf16'"
                 )
         comm = cfg.parallelism.cp_comm_type
+        if cfg.parallelism.cp_image_tokens != "replicate":
+            raise ConfigError(
+                f"parallelism.cp_image_tokens={cfg.parallelism.cp_image_tokens!r} is not "
+                "supported yet: a split sample's image slots are replicated on every CP rank "
+                "('replicate'; cp_sample_placement='auto' keeps short samples' images on one rank)"
+            )
+        if cfg.data.native_resolution_pixels:
+            raise ConfigError(
+                "data.native_resolution_pixels is not supported yet: every image is resized to "
+                f"the ViT's {vlm.vision.image_size}x{vlm.vision.image_size} input (set it to 0)"
+            )
         self._validate_tp(cfg, vlm)
         local_heads = dec.n_heads // self.tp  # after TP: the heads the a2a splits over cp
         if comm == "a2a" and local_heads % self.cp:

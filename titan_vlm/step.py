@@ -60,11 +60,12 @@ def forward_backward(
     )
     if tp.image_embed_shard:
         embeds = gather_image_embeds_over_tp(embeds, mesh.tp)
-    # 3. Only the text is CP-sharded (head-tail per sample), with its positions and shifted labels.
+    # 3. The text is CP-sharded (head-tail per split sample; with cp_sample_placement = "auto" a
+    # short sample stays whole on one rank, images and all), with positions and shifted labels.
     tokens, labels, layout = shard_batch(
         batch,
         mesh.cp,
-        cp.comm_type,
+        cp,
         model.bidirectional_images,
         pad_to_multiple=mesh.tp.size() if tp.sequence_parallel else 1,
     )
@@ -112,6 +113,9 @@ def train_step(
         "ntokens": int(ntokens),
         "lr": lr,
         "cp_balance": layout.balance(),
+        "cp_padding": layout.padding(),
+        "cp_split_samples": layout.split_samples(),
+        "cp_whole_samples": sum(layout.kept_samples()),
         "nonfinite": int(not finite),
     }
     return stats, layout

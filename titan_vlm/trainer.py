@@ -30,7 +30,7 @@ from titan_vlm.distributed import dist_max, dist_sum, local_tensor
 from titan_vlm.errors import UserError
 from titan_vlm.kernels import select_kernel
 from titan_vlm.launch import STOP
-from titan_vlm.layout import SeqLayout
+from titan_vlm.layout import SeqLayout, Slots
 from titan_vlm.metrics import MetricsLogger, peak_memory_gib
 from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM, param_counts
 from titan_vlm.models.build import build_model
@@ -70,12 +70,18 @@ class Trainer(Stateful):
         t, p = cfg.training, cfg.parallelism
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.spec = get_model_spec(cfg.model.name)
-        self.cp = CPOptions(comm_type=p.cp_comm_type, vision=p.cp_vision)
         self.tp = TPOptions(
             sequence_parallel=p.enable_sequence_parallel, image_embed_shard=p.image_embed_tp_shard
         )
         self.log_parallelism()
         self.model, self.args = build_model(self.spec, cfg, mesh, device)
+        # the cost model's weights come from the architecture (ModelSpec.layout_cost)
+        self.cp = CPOptions(
+            comm_type=p.cp_comm_type,
+            vision=p.cp_vision,
+            sample_placement=p.cp_sample_placement,
+            cost=self.spec.layout_cost(self.args),
+        )
         self.log_model()
         self.optimizer = build_optimizer(self.model, t)
         self.scheduler = build_scheduler(self.optimizer, t)
@@ -331,11 +337,24 @@ class Trainer(Stateful):
         first = self.data.batch(self.step, self.dp_rank, self.dp, t.local_batch_size)
         sp_multiple = mesh.tp.size() if self.tp.sequence_parallel else 1
         _, _, layout = shard_batch(
-            first, mesh.cp, self.cp.comm_type, self.model.bidirectional_images, sp_multiple
+            first, mesh.cp, self.cp, self.model.bidirectional_images, sp_multiple
         )
         logger.info("data: %s", self.data.describe())
         for line in describe_layout(layout):
             logger.info(line)
+        if mesh.cp.size() > 1:
+            slots = layout.rank_slots()
+            logger.info(
+                "cp placement (parallelism.cp_sample_placement=%s): %d sample(s) split, %d kept "
+                "whole on one rank; local slots per rank %s; cp_balance %.3f (max/mean modelled "
+                "cost), cp_padding %.3f",
+                self.cp.sample_placement,
+                layout.split_samples(),
+                sum(layout.kept_samples()),
+                [x // max(first.num_rows, 1) for x in slots],
+                layout.balance(),
+                layout.padding(),
+            )
         if self.tp.sequence_parallel:
             local = layout.positions.shape[1]
             logger.info(
@@ -360,28 +379,47 @@ class Trainer(Stateful):
             )
 
 
+def _runs(positions: list[int]) -> str:
+    """Row positions as half-open runs: "[3, 7) [9, 10)"."""
+    runs, start = [], None
+    for i, pos in enumerate(positions):
+        if start is None:
+            start = pos
+        if i + 1 == len(positions) or positions[i + 1] != pos + 1:
+            runs.append(f"[{start}, {pos + 1})")
+            start = None
+    return " ".join(runs) or "-"
+
+
 def describe_layout(layout: SeqLayout, row: int = 0) -> list[str]:
     """Human-readable: which CP rank holds which slots of one row."""
-    images = layout.images.order[row]
-    n_img = int((images >= 0).sum())
-    docs = layout.slots("all").doc[row]
-    text = sum(int((t.doc[row] >= 0).sum()) for t in layout.texts)
+    ranks = range(len(layout.texts))
+    every = Slots.cat([layout.images, *layout.texts, *layout.kept])
+    docs, real = every.doc[row], every.doc[row] >= 0
+    n_img = int((layout.images.order[row] >= 0).sum())
+    images = int((every.image[row] >= 0).sum())
     lines = [
-        f"row {row}: {len(torch.unique(docs[docs >= 0]))} sample(s), "
+        f"row {row}: {len(torch.unique(docs[real]))} sample(s), "
         f"{layout.image_counts[row]} image(s) "
-        f"= {n_img} image slots, {text} text slots"
+        f"= {images} image slots, {int(real.sum()) - images} text slots"
     ]
-    for r, t in enumerate(layout.texts):
-        where = t.order[row][t.order[row] >= 0].tolist()
-        runs, start = [], None
-        for i, pos in enumerate(where):
-            if start is None:
-                start = pos
-            if i + 1 == len(where) or where[i + 1] != pos + 1:
-                runs.append(f"[{start}, {pos + 1})")
-                start = None
-        lines.append(
-            f"  cp rank {r}: all {n_img} image slots (replicated) + {len(where)} text slots "
-            f"{' '.join(runs) or '-'}"
-        )
+    for r in ranks:
+        split = layout.texts[r].order[row]
+        where = split[split >= 0].tolist()
+        parts = []
+        if n_img or where:
+            parts.append(
+                f"{n_img} image slots (replicated) + {len(where)} text slots of split samples "
+                f"{_runs(where)}"
+            )
+        kept = layout.kept[r]
+        held = kept.doc[row] >= 0
+        if bool(held.any()):
+            mine = kept.order[row][held].tolist()
+            kept_img = int((kept.image[row] >= 0).sum())
+            parts.append(
+                f"{len(torch.unique(kept.doc[row][held]))} whole sample(s): {kept_img} image + "
+                f"{len(mine) - kept_img} text slots {_runs(mine)}"
+            )
+        lines.append(f"  cp rank {r}: " + ("; ".join(parts) or "nothing"))
     return lines

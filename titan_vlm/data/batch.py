@@ -95,6 +95,24 @@ class Batch:
     def num_rows(self) -> int:
         return self.tokens.shape[0]
 
+    def as_one_row(self) -> Batch:
+        """The rows back to back as one row of B x S slots, each sample keeping its slots (doc
+        ids renumbered so that samples of different rows stay apart). Attention, labels and
+        RoPE positions are per sample, so a model computes the same on it; a CP layout of it
+        places samples without padding every row to the longest (cp_sample_placement="auto")."""
+        if self.num_rows <= 1:
+            return self
+        stride = int(self.doc.max()) + 1 if self.doc.numel() else 1
+        rows = torch.arange(self.num_rows, device=self.doc.device)[:, None]
+        doc = torch.where(self.doc >= 0, self.doc + rows * stride, self.doc)
+        return Batch(
+            self.images,
+            self.tokens.reshape(1, -1),
+            self.labels.reshape(1, -1),
+            doc.reshape(1, -1),
+            self.image.reshape(1, -1),
+        )
+
     def rows(self, start: int, stop: int) -> Batch:
         """Rows [start, stop) as a batch of their own (images renumbered)."""
         image = self.image[start:stop]

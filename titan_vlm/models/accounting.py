@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from titan_vlm.data.batch import Batch
-from titan_vlm.layout import SeqLayout
+from titan_vlm.layout import LayoutCost, SeqLayout
 from titan_vlm.models.flavors import VLMArgs
 
 
@@ -17,26 +17,34 @@ def param_counts(model: nn.Module) -> dict[str, int]:
     return {name: count_params(getattr(model, name)) for name in ("vision", "projector", "decoder")}
 
 
-def train_flops(args: VLMArgs, num_images: int, text_tokens: int, attention_pairs: float) -> float:
-    """Model FLOPs of forward + backward (3x forward) for `num_images` images and
-    `text_tokens` text tokens whose decoder attention computes `attention_pairs` query-key pairs.
-
-    Matmuls: 2 FLOPs per parameter per token; attention: QK^T and AV, 4 * heads * head_dim per
-    query-key pair per layer (the ViT's images are bidirectional, over its patches and class
-    token). The CP-replicated image tokens are counted once: this is the useful work, not what the
-    ranks execute."""
+def layout_cost(args: VLMArgs) -> LayoutCost:
+    """The CP cost model's weights for this architecture (layout.LayoutCost), in model FLOPs of
+    forward + backward (3x forward): a decoder slot runs every layer's matmuls (2 FLOPs per
+    parameter), a query-key pair QK^T and AV in every layer (4 * heads * head_dim), an image the
+    ViT (bidirectional over its patches and class token) and the projector on its tokens."""
     v, d = args.vision, args.decoder
     n = v.num_positions  # the ViT's sequence (patches and class token)
     vit_params = v.n_layers * (4 * v.dim * v.dim + 2 * v.dim * v.mlp_dim)
-    vision = num_images * (2 * vit_params * n + v.n_layers * 4 * n * n * v.dim)
-    tpi = args.tokens_per_image
-    projector = num_images * 2 * (v.dim * d.dim + d.dim * d.dim) * tpi
+    vision = 2 * vit_params * n + v.n_layers * 4 * n * n * v.dim
+    projector = 2 * (v.dim * d.dim + d.dim * d.dim) * args.tokens_per_image
     q_dim, kv_dim = d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim
     layer_params = 2 * d.dim * q_dim + 2 * d.dim * kv_dim + 3 * d.dim * d.ffn_dim
-    seq = num_images * tpi + text_tokens
-    decoder = 2 * d.n_layers * layer_params * seq + d.n_layers * 4 * attention_pairs * q_dim
-    head = 2 * d.dim * d.vocab_size * text_tokens
-    return 3.0 * (vision + projector + decoder + head)
+    return LayoutCost(
+        slot=3.0 * 2 * d.n_layers * layer_params,
+        pair=3.0 * d.n_layers * 4 * q_dim,
+        image=3.0 * (vision + projector),
+    )
+
+
+def train_flops(args: VLMArgs, num_images: int, text_tokens: int, attention_pairs: float) -> float:
+    """Model FLOPs of forward + backward (3x forward) for `num_images` images and
+    `text_tokens` text tokens whose decoder attention computes `attention_pairs` query-key pairs:
+    `layout_cost`'s weights, plus the output head on the text. The CP-replicated image tokens
+    are counted once: this is the useful work, not what the ranks execute."""
+    c = layout_cost(args)
+    seq = num_images * args.tokens_per_image + text_tokens
+    head = 3.0 * 2 * args.decoder.dim * args.decoder.vocab_size * text_tokens
+    return c.image * num_images + c.slot * seq + c.pair * attention_pairs + head
 
 
 def batch_train_flops(args: VLMArgs, batch: Batch, layout: SeqLayout) -> float:

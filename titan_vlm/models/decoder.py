@@ -203,14 +203,23 @@ class Decoder(nn.Module):
         self._init_own_weights()
 
     def forward(
-        self, tokens: torch.Tensor, image_embeds: torch.Tensor | None, layout: SeqLayout
+        self,
+        tokens: torch.Tensor,
+        image_embeds: torch.Tensor | None,
+        layout: SeqLayout,
+        inline_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens [B, T] (local text), image_embeds [B, N, dim] or None -> logits [B, T, vocab] of
-        the text.
+        """tokens [B, T] (the local text section), image_embeds [B, N, dim] or None -> logits
+        [B, T, vocab] of the text section.
 
-        The local sequence is `[image tokens, text tokens]`; `layout.positions` gives each its
-        row position (RoPE and the causal order)."""
+        The local sequence is `[image tokens, text section]`; `layout.positions` gives each slot
+        its row position (RoPE and the causal order). `inline_embeds` [M, dim]: the embeddings
+        of image slots inside the text section (a CP rank's samples kept whole,
+        SeqLayout.inline_embeds), which replace those slots' token embeddings; their logits
+        carry no label."""
         h = self.tok_embeddings(tokens)
+        if inline_embeds is not None:
+            h = h.index_put(layout.inline_slots(h.device), inline_embeds.to(h.dtype))
         n_img = 0
         if image_embeds is not None:
             n_img = image_embeds.shape[1]

@@ -25,7 +25,7 @@ import torch.nn as nn
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError
 from titan_vlm.files import read_json
-from titan_vlm.models.accounting import batch_train_flops
+from titan_vlm.models.accounting import batch_train_flops, layout_cost
 from titan_vlm.models.flavors import IMAGE_ATTENTION, VLMArgs, get_flavor
 from titan_vlm.models.hf_adapter import export_names, hf_names, key_style, unused_hf_tensors
 from titan_vlm.models.hf_config import args_from_hf_config, text_args_from_hf, vision_args_from_hf
@@ -201,4 +201,5 @@ LLAVA = ModelSpec(
     hf_export_names=export_names,
     parallelize=parallelize,
     flops=batch_train_flops,
+    layout_cost=layout_cost,
 )

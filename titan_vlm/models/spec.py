@@ -14,6 +14,8 @@ this interface and never reach into module names:
                 model holds once, e.g. a tied head, which must equal the one it loads)
     parallelize TP, activation checkpointing, compile and FSDP, applied from outside
     flops       model FLOPs of a batch, given a CP rank's layout of it (no second layout)
+    layout_cost the CP cost model's weights (layout.LayoutCost: per slot, attention pair and
+                image), which the auto sample placement balances and cp_balance reports
 
 The module `build` returns is a `VisionLanguageModel`: the few verbs the trainer, context
 parallelism (parallel/context_parallel.py) and generate.py use on it (encode the images, decode
@@ -44,7 +46,7 @@ import torch.nn as nn
 if TYPE_CHECKING:
     from titan_vlm.config import JobConfig
     from titan_vlm.data.batch import Batch
-    from titan_vlm.layout import SeqLayout
+    from titan_vlm.layout import LayoutCost, SeqLayout
     from titan_vlm.models.loading import Init
     from titan_vlm.parallel_dims import Mesh
 
@@ -109,3 +111,4 @@ class ModelSpec:
     hf_export_names: Callable[[Any], dict[str, str]]
     parallelize: Callable[[nn.Module, Mesh, JobConfig], None]
     flops: Callable[[Any, Batch, SeqLayout], float]
+    layout_cost: Callable[[Any], LayoutCost]

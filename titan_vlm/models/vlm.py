@@ -63,7 +63,9 @@ class VLM(VisionLanguageModel):
         return self.projector(self.vision(images))
 
     def decode(self, tokens: torch.Tensor, embeds: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
-        return self.decoder(tokens, layout.place_images(embeds), layout)
+        return self.decoder(
+            tokens, layout.place_images(embeds), layout, layout.inline_embeds(embeds)
+        )
 
     def vision_modules(self) -> list[nn.Module]:
         return [self.vision, self.projector]

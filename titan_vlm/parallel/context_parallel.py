@@ -28,7 +28,7 @@ CP group of P ranks:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from titan_vlm.data.batch import IGNORE_INDEX, Batch
 from titan_vlm.distributed import local_tensor
-from titan_vlm.layout import SeqLayout, build_layout
+from titan_vlm.layout import LayoutCost, SeqLayout, build_layout
 from titan_vlm.models.spec import VisionLanguageModel
 from titan_vlm.parallel.cp_attention import CP_ATTENTION
 
@@ -49,6 +49,17 @@ CP_VISION_MODES = ("replicate", "broadcast", "shard")
 class CPOptions:
     comm_type: str = "p2p"  # attention across the group: "p2p" | "allgather" | "a2a"
     vision: str = "shard"  # where the ViT runs: "replicate" | "broadcast" | "shard"
+    sample_placement: str = "split"  # "split" | "auto" (parallelism.cp_sample_placement)
+    cost: LayoutCost = field(default_factory=LayoutCost)  # what "auto" balances, cp_balance
+
+
+def vision_images_per_rank(num_images: int, cp_size: int, mode: str) -> list[int]:
+    """Images each CP rank's ViT encodes under cp_vision `mode` (the layout's ViT cost)."""
+    if mode == "replicate":
+        return [num_images] * cp_size
+    if mode == "broadcast":
+        return [num_images] + [0] * (cp_size - 1)
+    return image_shard_sizes(num_images, cp_size)
 
 
 def image_grad_placement() -> Placement:
@@ -201,20 +212,33 @@ def sync_broadcast_vision_grads(model: VisionLanguageModel, cp_mesh: DeviceMesh)
 def shard_batch(
     batch: Batch,
     cp_mesh: DeviceMesh | None,
-    comm_type: str = "p2p",
+    cp: CPOptions = CPOptions(),
     bidirectional_images: bool = False,
     pad_to_multiple: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
-    """This CP rank's text tokens and labels [B, T] and its SeqLayout (layout.build_layout: every
-    image slot replicated, each sample's text split head-tail over the group). `cp_mesh=None`
-    or a group of one: the whole rows, unsharded. Padding slots get token 0 and no label; they
-    attend to nothing and nothing attends to them, so their id is moot. `pad_to_multiple`: the
-    local slot count is padded to a multiple of it (sequence parallelism splits it over tp)."""
+    """This CP rank's text tokens and labels [B, T + W] and its SeqLayout (layout.build_layout:
+    each sample split head-tail over the group with its image slots on every rank, or, with
+    cp.sample_placement = "auto", kept whole on one rank where the cost model says so).
+    `cp_mesh=None` or a group of one: the whole rows, unsharded. Padding slots get token 0 and
+    no label; they attend to nothing and nothing attends to them, so their id is moot.
+    `pad_to_multiple`: the local slot count is padded to a multiple of it (sequence parallelism
+    splits it over tp)."""
     group = cp_mesh if cp_mesh is not None and cp_mesh.size() > 1 else None
     cp_size = group.size() if group is not None else 1
     rank = group.get_local_rank() if group is not None else 0
+    if cp.sample_placement == "auto" and cp_size > 1:
+        # placed as one row: no rank pads every row to the longest row's share
+        batch = batch.as_one_row()
     index, layout = build_layout(
-        batch.doc, batch.image, cp_size, rank, bidirectional_images, pad_to_multiple
+        batch.doc,
+        batch.image,
+        cp_size,
+        rank,
+        bidirectional_images,
+        pad_to_multiple,
+        cp.sample_placement,
+        cp.cost,
+        vision_images_per_rank(batch.images.shape[0], cp_size, cp.vision),
     )
     device = batch.tokens.device
     index = index.to(device)
@@ -223,5 +247,5 @@ def shard_batch(
     labels = batch.labels.gather(1, index.clamp(min=0)).masked_fill(pad, IGNORE_INDEX)
     layout.positions = layout.positions.to(device)
     if group is not None:
-        layout.cp = CP_ATTENTION[comm_type](group)
+        layout.cp = CP_ATTENTION[cp.comm_type](group)
     return tokens, labels, layout

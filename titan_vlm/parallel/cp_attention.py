@@ -43,7 +43,7 @@ def attention_plans(comm: str | None, cp: int, rank: int) -> list[tuple[str, str
     if comm == "allgather":
         return [("local", "all")]
     if comm == "a2a":
-        return [("all", "all")]
+        return [("shared", "shared"), ("kept", "kept")]
     raise ValueError(f"parallelism.cp_comm_type must be one of {tuple(CP_ATTENTION)}, got {comm!r}")
 
 
@@ -210,8 +210,9 @@ class RingAttention(_CPAttention):
         kernel: VarlenKernel,
     ) -> tuple[torch.Tensor, list[torch.Tensor], Any]:
         g = self.g
-        n = layout.num_image_tokens
-        kv = torch.stack([k[:, :, n:], v[:, :, n:]]).contiguous()  # travels the ring as one buffer
+        n, t = layout.num_image_tokens, layout.travel
+        # this rank's split-sample text travels the ring as one buffer
+        kv = torch.stack([k[:, :, n : n + t], v[:, :, n : n + t]]).contiguous()
         if g.size > 1:
             incoming, reqs = g.shift(kv)  # overlapped with the local plan
         out, lse, aux_local = run_plan(kernel, q, k, v, layout.packed("local", "local"))
@@ -243,9 +244,9 @@ class RingAttention(_CPAttention):
         g = self.g
         aux_local, aux_ring = aux
         lse = saved[0]
-        n = layout.num_image_tokens
+        n, t = layout.num_image_tokens, layout.travel
         dq, dk, dv = float_grads(q, k, v)
-        kv = torch.stack([k[:, :, n:], v[:, :, n:]]).contiguous()
+        kv = torch.stack([k[:, :, n : n + t], v[:, :, n : n + t]]).contiguous()
         if g.size > 1:
             incoming, reqs = g.shift(kv)
         plan = layout.packed("local", "local")
@@ -269,8 +270,8 @@ class RingAttention(_CPAttention):
             dkv_incoming, dreqs = g.shift(dkv)  # overlapped with the next step's plan
         if dkv_incoming is not None:
             _wait(dreqs)  # after P - 1 hops our own block's accumulator is back, complete
-            dk[:, :, n:] += dkv_incoming[0]
-            dv[:, :, n:] += dkv_incoming[1]
+            dk[:, :, n : n + t] += dkv_incoming[0]
+            dv[:, :, n : n + t] += dkv_incoming[1]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -289,12 +290,12 @@ class AllGatherAttention(_CPAttention):
         layout: SeqLayout,
         kernel: VarlenKernel,
     ) -> tuple[torch.Tensor, list[torch.Tensor], Any]:
-        n = layout.num_image_tokens
-        kv_text = torch.stack([k[:, :, n:], v[:, :, n:]])  # [2, B, Hkv, T, D]
+        n, t = layout.num_image_tokens, layout.travel
+        kv_text = torch.stack([k[:, :, n : n + t], v[:, :, n : n + t]])  # [2, B, Hkv, T, D]
         # [2, B, Hkv, P*T, D], rank-major
         gathered = self.g.all_gather(kv_text.movedim(3, 0)).movedim(0, 3)
-        k_all = torch.cat([k[:, :, :n], gathered[0]], dim=2)
-        v_all = torch.cat([v[:, :, :n], gathered[1]], dim=2)
+        k_all = torch.cat([k[:, :, :n], gathered[0], k[:, :, n + t :]], dim=2)
+        v_all = torch.cat([v[:, :, :n], gathered[1], v[:, :, n + t :]], dim=2)
         out, lse, aux = run_plan(kernel, q, k_all, v_all, layout.packed("local", "all"))
         return out, [lse, k_all, v_all], aux
 
@@ -312,21 +313,23 @@ class AllGatherAttention(_CPAttention):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         auxes = aux
         lse, k_all, v_all = saved
-        n = layout.num_image_tokens
+        n, end = layout.num_image_tokens, layout.num_image_tokens + self.g.size * layout.travel
         dq, dk_all, dv_all = float_grads(q, k_all, v_all)
         plan = layout.packed("local", "all")
         run_plan_backward(kernel, dout, q, k_all, v_all, out, lse, plan, auxes, dq, dk_all, dv_all)
-        dkv_text = torch.stack([dk_all[:, :, n:], dv_all[:, :, n:]])
+        dkv_text = torch.stack([dk_all[:, :, n:end], dv_all[:, :, n:end]])
         local = self.g.reduce_scatter(dkv_text.movedim(3, 0)).movedim(0, 3)  # [2, B, Hkv, T, D]
-        dk = torch.cat([dk_all[:, :, :n], local[0]], dim=2)
-        dv = torch.cat([dv_all[:, :, :n], local[1]], dim=2)
+        dk = torch.cat([dk_all[:, :, :n], local[0], dk_all[:, :, end:]], dim=2)
+        dv = torch.cat([dv_all[:, :, :n], local[1], dv_all[:, :, end:]], dim=2)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     @staticmethod
     def saved_like(
         q: torch.Tensor, k: torch.Tensor, n: int, texts: list[torch.Tensor]
     ) -> list[torch.Tensor]:
-        kv = k.new_empty(k.shape[0], k.shape[1], n + len(texts) * texts[0].shape[1], k.shape[3])
+        # the local slots with every rank's text in place of this rank's
+        length = q.shape[2] + (len(texts) - 1) * texts[0].shape[1]
+        kv = k.new_empty(k.shape[0], k.shape[1], length, k.shape[3])
         return [_lse_like(q, q.shape[1], q.shape[2]), kv, torch.empty_like(kv)]
 
 
@@ -426,12 +429,18 @@ class UlyssesAttention(_CPAttention):
     ) -> tuple[torch.Tensor, list[torch.Tensor], Any]:
         n = layout.num_image_tokens
         owned = self._owned(k, q)
-        q_all = self._split(q, n, None)
-        k_all, v_all = self._split(k, n, owned), self._split(v, n, owned)
-        out_all, lse_all, aux = run_plan(kernel, q_all, k_all, v_all, layout.packed("all", "all"))
+        (qs, qk), (ks, kk), (vs, vk) = (_shared_and_kept(x, layout) for x in (q, k, v))
+        q_all = self._split(qs, n, None)
+        k_all, v_all = self._split(ks, n, owned), self._split(vs, n, owned)
+        out_all, lse_all, aux = run_plan(
+            kernel, q_all, k_all, v_all, layout.packed("shared", "shared")
+        )
         text = self._heads_to_seq(out_all[:, :, n:])
-        out = torch.cat([self._gather_heads(out_all[:, :, :n].contiguous()), text], dim=2)
-        return out, [lse_all, q_all, k_all, v_all, out_all], aux
+        out_shared = torch.cat([self._gather_heads(out_all[:, :, :n].contiguous()), text], dim=2)
+        # the slots kept whole on this rank: every head here, nothing travels
+        out_kept, lse_kept, aux_kept = run_plan(kernel, qk, kk, vk, layout.packed("kept", "kept"))
+        out = _from_shared_and_kept(out_shared, out_kept, layout)
+        return out, [lse_all, q_all, k_all, v_all, out_all, lse_kept], (aux, aux_kept)
 
     def backward(
         self,
@@ -445,12 +454,14 @@ class UlyssesAttention(_CPAttention):
         kernel: VarlenKernel,
         aux: Any,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        lse_all, q_all, k_all, v_all, out_all = saved
+        lse_all, q_all, k_all, v_all, out_all, lse_kept = saved
+        aux_all, aux_kept = aux
         n = layout.num_image_tokens
+        dout_s, dout_k = _shared_and_kept(dout, layout)
         # the image outputs were all-gathered by head: sum every rank's gradient of my heads
-        d_img = self.g.reduce_scatter(dout[:, :, :n].movedim(1, 0)).movedim(0, 1)
-        dout_all = torch.cat([d_img, self._seq_to_heads(dout[:, :, n:])], dim=2)
-        plan = layout.packed("all", "all")
+        d_img = self.g.reduce_scatter(dout_s[:, :, :n].movedim(1, 0)).movedim(0, 1)
+        dout_all = torch.cat([d_img, self._seq_to_heads(dout_s[:, :, n:])], dim=2)
+        plan = layout.packed("shared", "shared")
         dq_all, dk_all, dv_all = float_grads(q_all, k_all, v_all)
         run_plan_backward(
             kernel,
@@ -461,24 +472,36 @@ class UlyssesAttention(_CPAttention):
             out_all,
             lse_all,
             plan,
-            aux,
+            aux_all,
             dq_all,
             dk_all,
             dv_all,
         )
         owned = self._owned(k, q)
-        dq = self._split_backward(dq_all, q.shape[1], n, None)
-        dk = self._split_backward(dk_all, k.shape[1], n, owned)
-        dv = self._split_backward(dv_all, v.shape[1], n, owned)
+        dq_s = self._split_backward(dq_all, q.shape[1], n, None)
+        dk_s = self._split_backward(dk_all, k.shape[1], n, owned)
+        dv_s = self._split_backward(dv_all, v.shape[1], n, owned)
+        (_, qk), (_, kk), (_, vk), (_, out_k) = (
+            _shared_and_kept(x, layout) for x in (q, k, v, out)
+        )
+        dq_k, dk_k, dv_k = float_grads(qk, kk, vk)
+        kept = layout.packed("kept", "kept")
+        run_plan_backward(
+            kernel, dout_k, qk, kk, vk, out_k, lse_kept, kept, aux_kept, dq_k, dk_k, dv_k
+        )
+        dq, dk, dv = (
+            _from_shared_and_kept(s, k_, layout)
+            for s, k_ in ((dq_s, dq_k), (dk_s, dk_k), (dv_s, dv_k))
+        )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     @staticmethod
     def saved_like(
         q: torch.Tensor, k: torch.Tensor, n: int, texts: list[torch.Tensor]
     ) -> list[torch.Tensor]:
-        p = len(texts)
-        b, h, _, d = q.shape
-        length = n + p * texts[0].shape[1]
+        p, t = len(texts), texts[0].shape[1]
+        b, h, local, d = q.shape
+        length = n + p * t
         hk = len(a2a_kv_heads(h, k.shape[1], p)[0])
         q_all = q.new_empty(b, h // p, length, d)
         k_all = k.new_empty(b, hk, length, d)
@@ -488,7 +511,22 @@ class UlyssesAttention(_CPAttention):
             k_all,
             torch.empty_like(k_all),
             torch.empty_like(q_all),
+            _lse_like(q, h, local - n - t),  # the kept slots'
         ]
+
+
+def _shared_and_kept(x: torch.Tensor, layout: SeqLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, H, L, ...] over the local slots -> (the split samples' slots `[images, this rank's
+    text]`, the slots of the samples kept whole here), along dim 2."""
+    end = layout.num_image_tokens + layout.travel
+    return x[:, :, :end], x[:, :, end:]
+
+
+def _from_shared_and_kept(
+    shared: torch.Tensor, kept: torch.Tensor, layout: SeqLayout
+) -> torch.Tensor:
+    """The inverse of `_shared_and_kept`."""
+    return torch.cat([shared, kept], dim=2)
 
 
 # parallelism.cp_comm_type -> the algorithm: the one registry of CP algorithms (the config,
