@@ -444,6 +444,45 @@ def test_jsonl_dataset_uses_the_folder(folders, tmp_path):
         JsonlDataset(str(tmp_path / "d.jsonl"), proc.tokenizer, 32, n, seq, 0, processor=proc)
 
 
+def test_a_video_is_one_image_of_the_processor_per_frame(folders, tmp_path):
+    """A record's video through the folder's processor: each kept frame one image item of the
+    chat template (one image token, then its image's tokens), as transformers renders the same
+    conversation with one image per frame."""
+    folder = folders["siglip"]
+    proc = HFProcessor.from_folder(folder)
+    frames = [draw_png(tmp_path / f"f{i}.png", size=(45 + 3 * i, 31)) for i in range(5)]
+    record = {
+        "video": [f"f{i}.png" for i in range(5)],
+        "conversations": [
+            {"from": "human", "value": "What moves?\n<video>"},
+            {"from": "gpt", "value": ANSWERS[0]},
+        ],
+    }
+    (tmp_path / "v.jsonl").write_text(json.dumps(record) + "\n")
+    n = proc.tokens_per_image
+    data = JsonlDataset(
+        str(tmp_path / "v.jsonl"), proc.tokenizer, 28, n, 256, 0, processor=proc, max_frames=3
+    )
+    batch = data.batch(0, 0, 1, 1)
+    kept = [frames[i] for i in (0, 2, 4)]
+    msgs = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What moves?"},
+                *({"type": "image", "path": f} for f in kept),
+            ],
+        },
+        {"role": "assistant", "content": [{"type": "text", "text": ANSWERS[0]}]},
+    ]
+    expected = hf_processor(folder).apply_chat_template(
+        msgs, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    ids = expected["input_ids"][0]
+    assert batch.tokens[0, : len(ids)].tolist() == ids.tolist()
+    assert torch.equal(batch.images, expected["pixel_values"])
+
+
 def edit_json(folder, name, **changes):
     path = folder / name
     value = json.loads(path.read_text())

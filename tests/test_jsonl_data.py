@@ -1,6 +1,7 @@
 """Datasets from files (data/jsonl.py): LLaVA conversations and captions in JSONL / JSON, images
 decoded with Pillow, bad input counted, warned about by file:line and skipped (or an error), rows
-read by global row number, and a real training run that resumes bit-exact on such a file."""
+read by global row number, videos as sampled frames, and a real training run that resumes
+bit-exact on such a file."""
 
 import json
 import logging
@@ -14,10 +15,11 @@ from PIL import Image
 from titan_vlm.checkpoint import load_model_for_inference
 from titan_vlm.config import ConfigError, load_config
 from titan_vlm.data.bad_samples import DataError
-from titan_vlm.data.batch import IGNORE_INDEX
+from titan_vlm.data.batch import IGNORE_INDEX, ImageRef, Prompt
 from titan_vlm.data.chat import chat_question
 from titan_vlm.data.images import load_image
 from titan_vlm.data.jsonl import JsonlDataset
+from titan_vlm.data.records import sample_frames
 from titan_vlm.data.synthetic import COLORS, draw_image
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 from titan_vlm.generate import generate
@@ -45,18 +47,18 @@ def conv(*turns, **images):
 RECORDS = [
     (conv("<image>\nWhat is this?", "A red circle.", image="red.png"), "kept"),  # 1
     ({"image": "blue.png", "text": "a blue circle."}, "kept"),  # 2
-    ('{"image": "red.png", "text": "oops"', "malformed JSON"),  # 3
-    ({"image": "nowhere.png", "text": "a lost image."}, "image file not found"),  # 4
-    ({"image": "red.png", "text": "  "}, "empty text"),  # 5
-    ({"images": ["red.png", "blue.png"], "text": "just <image> one"}, "placeholder count"),  # 6
-    ({"text": "x" * 150}, "truncated"),  # 7
-    ({"image": "truncated.png", "text": "a broken file."}, "decode"),  # 8
-    ({"image": "junk.png", "text": "not an image."}, "decode"),  # 9
-    ({"image": "big.png", "text": "too many pixels."}, "too large"),  # 10
+    ('{"image": "red.png", "text": "oops"', "malformed JSON"),  # 4
+    ({"image": "nowhere.png", "text": "a lost image."}, "image file not found"),  # 5
+    ({"image": "red.png", "text": "  "}, "empty text"),  # 6
+    ({"images": ["red.png", "blue.png"], "text": "just <image> one"}, "placeholder count"),  # 7
+    ({"text": "x" * 150}, "truncated"),  # 8
+    ({"image": "truncated.png", "text": "a broken file."}, "decode"),  # 9
+    ({"image": "junk.png", "text": "not an image."}, "decode"),  # 10
+    ({"image": "big.png", "text": "too many pixels."}, "too large"),  # 11
     (
         conv("<image> and <image>?", "two.", "Sure?", "yes.", images=["red.png", "blue.png"]),
         "kept",
-    ),  # 11
+    ),  # 12
     (
         conv("Color?", "blue.", image="sub/green.png"),
         "kept",
@@ -333,6 +335,148 @@ def test_load_image_resizes_and_bounds_the_pixels(files):
         load_image(files / "big.png", 32, max_pixels=BIG)
 
 
+# -- videos: "video": [frame paths], each kept frame one image of the sample -----------------
+
+FRAMES = [f"clip/{i:02d}.png" for i in range(20)]
+
+
+@pytest.fixture
+def clip(files):
+    """The `files` folder with a 20-frame video under clip/ (frame i: a circle in cell i % 4)."""
+    (files / "clip").mkdir()
+    for i, frame in enumerate(FRAMES):
+        save_png(files / frame, size=32, color="green", cell=i % 4)
+    return files
+
+
+def video_data(folder, *records, **kw) -> JsonlDataset:
+    path = folder / "video.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return dataset(path, **{"seq_len": 512, **kw})
+
+
+def shape_of(data: JsonlDataset, i: int) -> list:
+    """Sample i's parts as: an image's file (relative to the image root), or its text (a context
+    part after "prompt: ")."""
+    out: list = []
+    for part in data.sample(i).parts:
+        if isinstance(part, ImageRef):
+            out.append(part.path.relative_to(data.image_root).as_posix())
+        else:
+            out.append(("prompt: " if isinstance(part, Prompt) else "") + text_of(part))
+    return out
+
+
+def test_frames_are_sampled_evenly_first_and_last_kept(clip):
+    assert sample_frames(20, 8) == [0, 3, 5, 8, 11, 14, 16, 19]  # round(i * 19 / 7), half up
+    assert sample_frames(9, 5) == [0, 2, 4, 6, 8] and sample_frames(10, 2) == [0, 9]
+    assert sample_frames(5, 1) == [0] and sample_frames(3, 8) == [0, 1, 2]
+    video = {"video": FRAMES, "text": "a green circle moves."}
+    data = video_data(clip, video, max_frames=8)  # no placeholder: the video goes first
+    assert shape_of(data, 0) == [
+        *(FRAMES[i] for i in (0, 3, 5, 8, 11, 14, 16, 19)),
+        "a green circle moves.",
+    ]
+    assert data.num_images == 8 and data.sample(0).num_slots(16) == 8 * 16 + 23
+    every = video_data(clip, video, max_frames=30)  # more than the frames: all of them
+    assert shape_of(every, 0)[:20] == FRAMES and every.num_images == 20
+    # the frames not kept are not read: a missing one costs nothing
+    (clip / FRAMES[1]).unlink()
+    assert video_data(clip, video, max_frames=8).bad_at_startup == 0
+
+
+def test_video_placeholder_mid_text_and_with_images_in_reading_order(clip):
+    three = FRAMES[:3]
+    records = [
+        {"video": three, "text": "look: <video> it moves."},
+        conv("<image> then <video>?", "yes.", image="red.png", video=three),
+        conv("<video> and <image> and <image>", "ok.", images=["red.png", "blue.png"], video=three),
+        conv("What moves?", "a circle.", video=three),  # no placeholder: opens the first turn
+        conv("<image> what moves?", "a circle.", image="red.png", video=three),  # video first
+    ]
+    data = video_data(clip, *records, max_frames=8)
+    assert data.bad_at_startup == 0
+    assert [shape_of(data, i) for i in range(5)] == [
+        ["look: ", *three, " it moves."],
+        ["prompt: USER: ", "red.png", "prompt:  then ", *three, "prompt: ? ASSISTANT:", " yes."],
+        [
+            "prompt: USER: ",
+            *three,
+            "prompt:  and ",
+            "red.png",
+            "prompt:  and ",
+            "blue.png",
+            "prompt:  ASSISTANT:",
+            " ok.",
+        ],
+        ["prompt: USER: ", *three, "prompt: \nWhat moves? ASSISTANT:", " a circle."],
+        [
+            "prompt: USER: ",
+            *three,
+            "prompt: \n",
+            "red.png",
+            "prompt:  what moves? ASSISTANT:",
+            " a circle.",
+        ],
+    ]
+    # decoded, each frame is an image of 16 slots, in order
+    batch = data.batch(0, 0, 1, 2)
+    assert batch.images.shape[0] == 3 + 4
+    assert torch.equal(batch.images[0], load_image(clip / three[0], 32))
+    assert torch.equal(batch.images[4], load_image(clip / three[0], 32))  # row 2: red, frames
+    assert int((batch.image[0] >= 0).sum()) == 3 * 16
+
+
+def test_bad_videos_are_bad_samples_with_their_reasons(clip, caplog):
+    records = [
+        {"video": "clip.mp4", "text": "a video file."},  # 1
+        {"video": None, "text": "null."},  # 2
+        {"video": ["clip/00.png", ""], "text": "an empty path."},  # 3
+        {"video": [FRAMES[:2], FRAMES[2:4]], "text": "<video> and <video>"},  # 4
+        {"video": [], "text": "no frames."},  # 5
+        {"video": ["clip/00.png", 3], "text": "not a path."},  # 6
+        {"video": FRAMES[:2], "text": "<video> twice <video>"},  # 7
+        {"text": "<video> without a video."},  # 8
+        {"image": "red.png", "video": FRAMES[:2], "text": "no placeholders."},  # 9
+        {"video": ["clip/00.png", "clip/gone.png"], "text": "a lost frame."},  # 10
+        {"video": FRAMES[:2], "text": "<video>"},  # 11
+        {"video": FRAMES[:2], "text": "a good one."},  # 12
+    ]
+    with caplog.at_level(logging.WARNING, logger="titan_vlm"):
+        data = video_data(clip, *records)
+    path = clip / "video.jsonl"
+    assert list(data.lines) == [12]
+    assert [w.removeprefix(f"data: {path}:") for w in warnings_of(caplog)] == [
+        "1: 'video' must be a list of frame paths, not a file (videos are not decoded) (skipped)",
+        "2: 'video' must be a list of frame paths (skipped)",
+        "3: 'video' must be a list of frame paths (skipped)",
+        "4: 'video' is a list of lists: one video a record (a list of frame paths) (skipped)",
+        "5: 'video' has no frames (skipped)",
+        "6: 'video' must be a list of frame paths (skipped)",
+        "7: 2 <video> placeholder(s) for 1 video(s) (skipped)",
+        "8: 1 <video> placeholder(s) for 0 video(s) (skipped)",
+        "9: an image and a video without placeholders: mark each place with <image> and "
+        "<video> (skipped)",
+        f"10: frame file not found: {clip / 'clip' / 'gone.png'} (skipped)",
+        "11: empty text (skipped)",
+    ]
+    assert dict(data.skipped) == {
+        "bad record": 6,
+        "placeholder count": 3,
+        "missing image file": 1,
+        "empty text": 1,
+    }
+
+
+def test_max_frames_must_be_positive(files):
+    path = files / "train.jsonl"
+    cfg = load_config([f"--data.dataset={path}", "--data.max_frames=0"])
+    with pytest.raises(ConfigError, match=r"^data.max_frames must be >= 1, got 0$"):
+        ParallelDims.from_config(cfg, 1).validate_model(cfg)
+    with pytest.raises(ConfigError, match=r"^data.max_frames must be >= 1, got 0$"):
+        dataset(path, max_frames=0)
+
+
 # One real training run on the file (2 ranks: dp_shard=2, one row each, so a rank's whole batch
 # is sometimes a dropped sample), interrupted and resumed.
 TRAIN = dict(
@@ -400,3 +544,34 @@ def test_training_on_a_jsonl_file_resumes_bit_exact(pool, files, tmp_path):
         model, load_image(files / "red.png", 32), "What is this?", max_new_tokens=4, chat=True
     )
     assert isinstance(answer, str) and len(answer) <= 4
+
+
+def test_training_on_videos_and_images(pool, clip, tmp_path):
+    """A few real steps (cp=2) on a file of videos, images and both: every sample kept, frames
+    decoded as images, a finite loss."""
+    records = [
+        conv("What moves?\n<video>", "a green circle.", video=FRAMES),
+        {"image": "red.png", "video": FRAMES[::2], "text": "<image> then <video> circles."},
+        conv("<image>\nWhat is this?", "A red circle.", image="red.png"),
+        {"video": FRAMES[5:9], "text": "one green circle."},
+    ]
+    path = clip / "video.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert dataset(path, seq_len=128, max_frames=4).num_images == 4 + (1 + 4) + 1 + 4
+    history = pool.run(
+        "train_run",
+        dp_shard=1,
+        cp=2,
+        steps=2,
+        data__dataset=str(path),
+        data__max_frames=4,
+        data__shuffle=False,
+        training__seq_len=128,
+        training__local_batch_size=2,
+        training__warmup_steps=1,
+        metrics__enable_tensorboard=False,
+        job__dump_folder=str(tmp_path),
+    )[0]
+    assert [h["step"] for h in history] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
+    assert all(h["data_bad_samples"] == 0 and h["data_truncated"] == 0 for h in history)

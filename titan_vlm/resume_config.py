@@ -30,6 +30,7 @@ MUST_MATCH = (
     "data.packing",
     "data.shuffle",
     "data.image_root",
+    "data.max_frames",
     "data.sentences_per_image",
     "data.images_per_sample",
     "data.blank_images",

@@ -85,4 +85,5 @@ def build_dataset(
         log_startup=log_startup,
         log_batches=log_batches,
         processor=processor,
+        max_frames=d.max_frames,
     )

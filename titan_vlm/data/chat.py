@@ -9,7 +9,8 @@ A conversation, with `|` between context (`Prompt` parts) and trained text:
 Only the assistant turns carry loss (the standard LLaVA masking): the user turns are Prompts,
 which no position is trained to predict; the first answer token is predicted from the ":" of
 "ASSISTANT:" and each EOS from its answer. A caption is `BOS text EOS` (one image without a
-placeholder first: `[image] BOS text EOS`, the built-in data's layout), all of it trained.
+placeholder, or a video's frames, first: `[image] BOS text EOS`, the built-in data's layout), all
+of it trained.
 A tokenizer without BOS (Qwen2's) writes none.
 
 Each `<image>` placeholder in a text is the next image, in order; the caller (data/records.py)
@@ -110,9 +111,10 @@ def chat_question(image: Part, question: str, tok: ByteTokenizer | HFTokenizer) 
 def caption_segments(
     text: str, images: list[Part], tok: ByteTokenizer | HFTokenizer
 ) -> list[Segment]:
-    """`BOS text EOS` with the images at their placeholders, or one image without a placeholder
-    first: `[image] BOS text EOS`."""
-    images = list(images)
-    if PLACEHOLDER not in text and len(images) == 1:
-        return [("image", images[0]), *_bos("text", tok), ("text", text), ("text", tok.EOS)]
-    return [*_bos("text", tok), *_with_images("text", text, images), ("text", tok.EOS)]
+    """`BOS text EOS` with the images at their placeholders; the images beyond the placeholders
+    (data/records.py: one image, or a video's frames, without a placeholder) go first:
+    `[image] BOS text EOS`."""
+    first = len(images) - text.count(PLACEHOLDER)
+    leading: list[Segment] = [("image", image) for image in images[:first]]
+    placed = _with_images("text", text, list(images[first:]))
+    return [*leading, *_bos("text", tok), *placed, ("text", tok.EOS)]

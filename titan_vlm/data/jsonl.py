@@ -19,18 +19,18 @@ the file (which must not change while a run and its resumes use it) and decodes 
 rows' images.
 
 Bad input, each counted and reported once per process as `data: <file>:<line>: <reason> (skipped)`
-(data/bad_samples.py: the first MAX_WARNINGS; the counts cover all), or with
-`data.on_bad_sample = "error"` a DataError naming the file and line: a malformed JSON line, a
-record without the keys of data/records.py, an empty text, a placeholder / image count mismatch,
-a conversation the chat template cannot render and a missing image file are found at start-up
-and leave the sample out of the index; a sample longer than training.seq_len is cut to it
-(Sample.truncated, "(truncated)"); JSON nested too deeply, text that is not valid Unicode (a
-lone surrogate escape such as "\\ud800") and bytes that are not UTF-8 are bad samples too, and
-a UTF-8 byte order mark at the start of the file is skipped; an image that cannot be decoded or
-has more than `data.max_image_pixels` pixels (read from its header) is found when its batch is
-built, and its sample is left out of that row (the same way on every read, so runs stay
-deterministic; a rank whose whole batch is left out gets one untrained padding token, so it
-still runs the step).
+(data/bad_samples.py: the first MAX_WARNINGS; the counts cover all), or with `data.on_bad_sample =
+"error"` a DataError naming the file and line: a malformed JSON line, a record without the keys of
+data/records.py (or with a bad "video"), an empty text, a placeholder / image (or video) count
+mismatch, a conversation the chat template cannot render and a missing image (or kept video frame)
+file are found at start-up and leave the sample out of the index; a sample longer than
+training.seq_len is cut to it (Sample.truncated, "(truncated)"); JSON nested too deeply, text that
+is not valid Unicode (a lone surrogate escape such as "\\ud800") and bytes that are not UTF-8 are
+bad samples too, and a UTF-8 byte order mark at the start of the file is skipped; an image that
+cannot be decoded or has more than `data.max_image_pixels` pixels (read from its header; a video's
+frames are images) is found when its batch is built, and its sample is left out of that row (the
+same way on every read, so runs stay deterministic; a rank whose whole batch is left out gets one
+untrained padding token, so it still runs the step).
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def validate_data_config(data: Data) -> None:
     others by config.check_choices (ParallelDims.validate_model runs it first)."""
     if data.max_image_pixels < 1:
         raise ConfigError(f"data.max_image_pixels must be >= 1, got {data.max_image_pixels}")
+    _check_max_frames(data.max_frames)
     if data.dataset == "synthetic":
         return
     path = Path(data.dataset)
@@ -74,6 +75,11 @@ def validate_data_config(data: Data) -> None:
         raise ConfigError(f"data.dataset: file not found: {data.dataset}")
     if data.image_root and not Path(data.image_root).is_dir():
         raise ConfigError(f"data.image_root: folder not found: {data.image_root}")
+
+
+def _check_max_frames(max_frames: int) -> None:
+    if max_frames < 1:
+        raise ConfigError(f"data.max_frames must be >= 1, got {max_frames}")
 
 
 class JsonlDataset(Dataset):
@@ -89,7 +95,8 @@ class JsonlDataset(Dataset):
 
     `processor`: a Hugging Face model folder's (data/hf_processor.py): conversations in its chat
     template, images preprocessed by its image processor (its image size must be
-    `image_size`); `tokenizer` must then be `processor.tokenizer`."""
+    `image_size`); `tokenizer` must then be `processor.tokenizer`. `max_frames`: a record's video
+    is sampled to at most this many frames (data.max_frames), each one image of the sample."""
 
     def __init__(
         self,
@@ -107,7 +114,9 @@ class JsonlDataset(Dataset):
         log_startup: bool = True,
         log_batches: bool = True,
         processor: HFProcessor | None = None,
+        max_frames: int = 8,
     ):
+        _check_max_frames(max_frames)
         if processor is not None and tokenizer is not processor.tokenizer:
             raise ValueError("JsonlDataset: with a processor, the tokenizer is processor.tokenizer")
         if processor is not None and processor.image_size != image_size:
@@ -123,7 +132,7 @@ class JsonlDataset(Dataset):
         self.image_size, self.tokens_per_image, self.seq_len = image_size, tokens_per_image, seq_len
         self.seed, self.packing, self.shuffle = seed, packing, shuffle
         self.image_root = Path(image_root) if image_root else self.path.parent
-        self.max_image_pixels = max_image_pixels
+        self.max_image_pixels, self.max_frames = max_image_pixels, max_frames
         self.log_batches = log_batches
         self.skipped: Counter[str] = Counter()  # start-up reasons, by kind
         self.dropped: set[int] = set()
@@ -142,7 +151,12 @@ class JsonlDataset(Dataset):
             try:
                 record = decode_record(raw[start:end])
                 parts = parse_record(
-                    record, tokenizer, self.image_root, check_files=True, processor=processor
+                    record,
+                    tokenizer,
+                    self.image_root,
+                    check_files=True,
+                    processor=processor,
+                    max_frames=max_frames,
                 )
             except BadSample as bad:
                 self.bad.report(line, str(bad), log_startup)
@@ -229,6 +243,7 @@ class JsonlDataset(Dataset):
                 self.image_root,
                 check_files=False,
                 processor=self.processor,
+                max_frames=self.max_frames,
             )
         except BadSample:
             raise ConfigError(

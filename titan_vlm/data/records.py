@@ -4,26 +4,37 @@
                                          {"from": "gpt", "value": "A red circle."}, ...]}
     {"images": ["a.png", "b.png"], "text": "<image> then <image>: two circles."}
     {"image": "a.png", "text": "A red circle."}
+    {"video": ["f0.png", "f1.png", "f2.png"], "text": "A circle <video> moving right."}
 
 `image` / `images` (a path or a list; none: a text-only sample) are relative to `data.image_root`
 (default: the data file's folder; an absolute path stays as it is). Each `<image>` placeholder
 marks where an image goes, in order; their count must match the images, except that one image
 without a placeholder goes first (a conversation: `<image>\\n` before the first user turn,
-LLaVA's convention; a caption: before the text). Speakers: "human" or "user", then "gpt" or
+LLaVA's convention; a caption: before the text).
+
+`video` (a list of frame paths, relative as images are; at most one video a record, so a list
+of lists is a bad sample) is `<video>`'s: its frames, sampled to at most `max_frames`
+(`sample_frames`), become that many images of the sample at the placeholder, in order, as if
+the text said `<image>` once per kept frame there; frames not kept are not read. Its placeholder
+count must match too (one `<video>`, or none: then the video goes first, as one image does). A
+record may hold images and a video: each placeholder takes its own in reading order (`<image>`
+the next image, `<video>` the frames); one image and a video that both lack a placeholder is a
+bad sample (which goes first is not said). Speakers: "human" or "user", then "gpt" or
 "assistant", alternating. Conversations are laid out in the built-in chat template
 (data/chat.py), or in a Hugging Face folder's (data/hf_processor.py) where the dataset has its
 processor; captions always as data/chat.py says.
 
-Invariants: `parse_record` is a pure function of the record, the tokenizer, the processor and
-the image root (with `check_files`, of which image files exist too), so reading a record again
-gives the same parts; its images are `ImageRef`s (files, not decoded); a record it cannot use
-raises `BadSample`, whose `kind` groups the start-up summary and whose message names the
-reason in one line (the dataset adds file and line).
+Invariants: `parse_record` is a pure function of the record, the tokenizer, the processor, the
+image root and max_frames (with `check_files`, of which image files exist too), so reading a
+record again gives the same parts; its images are `ImageRef`s (files, not decoded); a record it
+cannot use raises `BadSample`, whose `kind` groups the start-up summary and whose message names
+the reason in one line (the dataset adds file and line).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from titan_vlm.data.batch import ImageRef, Part
@@ -31,6 +42,8 @@ from titan_vlm.data.chat import PLACEHOLDER, assemble, caption_segments, chat_se
 from titan_vlm.data.hf_processor import ChatError, HFProcessor
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 
+VIDEO = "<video>"  # where a record's video (its sampled frames) goes
+_PLACEHOLDERS = re.compile(f"({re.escape(PLACEHOLDER)}|{re.escape(VIDEO)})")
 USER_NAMES, ASSISTANT_NAMES = ("human", "user"), ("gpt", "assistant")
 
 # A record as json.loads gives it: anything, checked here.
@@ -58,19 +71,38 @@ def decode_record(raw: bytes) -> Json:
     return value
 
 
+def sample_frames(n: int, max_frames: int) -> list[int]:
+    """Which of a video's `n` frames are kept (indices, increasing) when at most `max_frames`
+    are: all of them when n <= max_frames; else k = max_frames indices spread evenly from the
+    first to the last, i * (n - 1) / (k - 1) rounded half up for i = 0 .. k - 1 (the first and
+    the last frame are kept, and no frame twice since the step is at least 1); k = 1: the
+    first frame."""
+    if max_frames < 1:
+        raise ValueError(f"max_frames must be >= 1, got {max_frames}")
+    k = min(n, max_frames)
+    if k == n:
+        return list(range(n))
+    if k == 1:
+        return [0]
+    return [(2 * i * (n - 1) + k - 1) // (2 * (k - 1)) for i in range(k)]
+
+
 def parse_record(
     record: Json,
     tok: ByteTokenizer | HFTokenizer,
     image_root: Path,
     check_files: bool,
     processor: HFProcessor | None = None,
+    max_frames: int = 8,
 ) -> list[Part]:
-    """One record into Sample parts (images as ImageRef), or BadSample saying why not.
-    `check_files`: an image file that does not exist is a bad sample. `processor`:
-    conversations in its chat template (else the built-in one)."""
+    """One record into Sample parts (images, and a video's kept frames, as ImageRef), or
+    BadSample saying why not. `check_files`: an image (or kept frame) file that does not exist
+    is a bad sample. `processor`: conversations in its chat template (else the built-in one).
+    `max_frames`: a video's frames are sampled to at most this many (data.max_frames)."""
     if not isinstance(record, dict):
         raise BadSample("bad record", f"expected a JSON object, got {type(record).__name__}")
     paths = _paths(record)
+    frames = _frames(record, max_frames)  # None: no video
     turns: list[tuple[bool, str]] = []
     if "conversations" in record:
         turns = _turns(record["conversations"])
@@ -84,23 +116,41 @@ def parse_record(
         texts = [text]
     else:
         raise BadSample("bad record", "no 'conversations' or 'text' key")
-    _check_unicode([*texts, *paths])
+    _check_unicode([*texts, *paths, *(frames or [])])
     placeholders = sum(text.count(PLACEHOLDER) for text in texts)
     if placeholders != len(paths) and not (placeholders == 0 and len(paths) == 1):
         raise BadSample(
             "placeholder count",
             f"{placeholders} {PLACEHOLDER} placeholder(s) for {len(paths)} image(s)",
         )
-    refs = [ImageRef(image_root / p) for p in paths]  # an absolute p stays as is
+    videos, has_video = sum(text.count(VIDEO) for text in texts), frames is not None
+    if videos > has_video:  # one <video> for the video, or none: it goes first
+        raise BadSample(
+            "placeholder count", f"{videos} {VIDEO} placeholder(s) for {int(has_video)} video(s)"
+        )
+    image_first, video_first = placeholders == 0 and len(paths) == 1, videos == 0 and has_video
+    if image_first and video_first:
+        raise BadSample(
+            "placeholder count",
+            f"an image and a video without placeholders: mark each place with {PLACEHOLDER} "
+            f"and {VIDEO}",
+        )
+    # What lacks a placeholder goes first; then each placeholder takes its own, in reading order.
+    first = [(paths[0], "image")] if image_first else []
+    first = [(f, "frame") for f in frames or []] if video_first else first
+    placed, texts = _placed(texts, paths, frames or [])
+    files = [*first, *placed]
+    refs = [ImageRef(image_root / path) for path, _ in files]  # an absolute path stays as is
     if check_files:
-        for ref in refs:
+        for ref, (_, kind) in zip(refs, files):
             if not ref.path.is_file():
-                raise BadSample("missing image file", f"image file not found: {ref.path}")
+                raise BadSample("missing image file", f"{kind} file not found: {ref.path}")
     images: list[Part] = list(refs)
     if not turns:
         return assemble(caption_segments(texts[0], images, tok), tok)
-    if placeholders == 0 and images:  # LLaVA's convention: the image opens the first user turn
-        turns[0] = (True, PLACEHOLDER + "\n" + turns[0][1])
+    turns = [(from_user, text) for (from_user, _), text in zip(turns, texts)]
+    if first:  # LLaVA's convention: the image (or the video's frames) opens the first user turn
+        turns[0] = (True, PLACEHOLDER * len(first) + "\n" + turns[0][1])
     if processor is None:
         return assemble(chat_segments(turns, images, tok), tok)
     try:
@@ -129,7 +179,7 @@ def _turns(conversations: Json) -> list[tuple[bool, str]]:
                 f"turn {i + 1} is from {speaker!r}: turns must alternate "
                 "human (or user) and gpt (or assistant), starting with human",
             )
-        if _blank(text) and PLACEHOLDER not in text:
+        if _blank(text) and not _PLACEHOLDERS.search(text):
             raise BadSample("empty text", f"empty text in turn {i + 1}")
     if len(said) < 2:
         raise BadSample("empty text", "no gpt turn: nothing to train on")
@@ -138,6 +188,7 @@ def _turns(conversations: Json) -> list[tuple[bool, str]]:
 
 _NOT_TURNS = '\'conversations\' must be a list of {"from": ..., "value": ...}'
 _NOT_PATHS = "'image' / 'images' must be a path or a list of paths"
+_NOT_FRAMES = "'video' must be a list of frame paths"
 
 
 def _paths(record: dict[str, Json]) -> list[str]:
@@ -156,8 +207,52 @@ def _paths(record: dict[str, Json]) -> list[str]:
     return paths
 
 
+def _frames(record: dict[str, Json], max_frames: int) -> list[str] | None:
+    """The record's video: its kept frame paths, in order (`sample_frames`); None: no video."""
+    if "video" not in record:
+        return None
+    value = record["video"]
+    if isinstance(value, list) and any(isinstance(v, list) for v in value):
+        raise BadSample(
+            "bad record", "'video' is a list of lists: one video a record (a list of frame paths)"
+        )
+    if isinstance(value, str):
+        raise BadSample("bad record", f"{_NOT_FRAMES}, not a file (videos are not decoded)")
+    if not isinstance(value, list):
+        raise BadSample("bad record", _NOT_FRAMES)
+    if not value:
+        raise BadSample("bad record", "'video' has no frames")
+    frames: list[str] = []
+    for path in value:
+        if not isinstance(path, str) or not path:
+            raise BadSample("bad record", _NOT_FRAMES)
+        frames.append(path)
+    return [frames[i] for i in sample_frames(len(frames), max_frames)]
+
+
+def _placed(
+    texts: list[str], paths: list[str], frames: list[str]
+) -> tuple[list[tuple[str, str]], list[str]]:
+    """The files the placeholders of `texts` take in reading order, each as (path, "image" or
+    "frame"): each `<image>` the next of `paths`, each `<video>` all `frames`; and the texts with
+    each `<video>` written as one `<image>` per frame. The caller has checked the counts."""
+    images = iter(paths)
+    placed: list[tuple[str, str]] = []
+    written: list[str] = []
+    for text in texts:
+        pieces = _PLACEHOLDERS.split(text)  # text, placeholder, text, ...
+        for j in range(1, len(pieces), 2):
+            if pieces[j] == PLACEHOLDER:
+                placed.append((next(images), "image"))
+            else:
+                placed += [(f, "frame") for f in frames]
+                pieces[j] = PLACEHOLDER * len(frames)
+        written.append("".join(pieces))
+    return placed, written
+
+
 def _blank(text: str) -> bool:
-    return not text.replace(PLACEHOLDER, "").strip()
+    return not _PLACEHOLDERS.sub("", text).strip()
 
 
 def _check_unicode(strings: list[str]) -> None:
