@@ -180,11 +180,12 @@ class Parallelism:
     """Where the ViT runs in a CP group: "shard" (each rank encodes its share of the images,
     all-gathered), "replicate" (every rank encodes all), "broadcast" (cp rank 0 encodes and
     broadcasts)."""
-    cp_sample_placement: CPSamplePlacement = "split"
+    cp_sample_placement: CPSamplePlacement = "auto"
     """How a row's samples are placed on the CP group: "split" (every sample's text cut head-tail
     over all ranks, its images on every rank) or "auto" (per row, the cost model keeps short
     samples whole on one rank, with their images, and splits the long ones head-tail, so that
-    the ranks' modelled costs balance; layout.py)."""
+    the ranks' modelled costs balance; layout.py). "auto" is the default: on every workload of
+    benchmarks/cp_layouts.py its busiest rank costs less and it sends less (docs/performance.md)."""
     cp_image_tokens: CPImageTokens = "replicate"
     """The image slots of a sample split over the CP group: "replicate" (every rank holds them).
     "shard" (cut head-tail with the sample's text, each rank holds its share) and "auto" (per

@@ -570,32 +570,50 @@ class _Sample:
 
 
 def _place_row(samples: list[_Sample], cp_size: int, c: LayoutCost, base: list[float]) -> None:
-    """cp_sample_placement = "auto" for one row: split the k costliest samples head-tail (their
-    pairs dealt dearest first to the least-loaded ranks) and deal the rest whole, costliest
-    first, to the least-loaded rank (longest processing time first); k is the one whose busiest
-    rank costs least (ties: fewer splits, less traffic). Loads start at `base` (each rank's ViT
-    share). Sets each sample's `rank` and `deal`."""
-    order = sorted(range(len(samples)), key=lambda i: (-samples[i].whole_cost(c), i))
+    """cp_sample_placement = "auto" for one row: which samples to split head-tail (their pairs
+    dealt dearest first to the least-loaded ranks, their images on every rank) and which to
+    deal whole, costliest first, to the least-loaded rank (longest processing time first), so
+    that the busiest rank costs least. The split set: the k costliest samples for the best k,
+    then, one at a time, whichever further sample's split lowers the busiest rank most (a
+    sample with images costs its image slots on every rank when split, so the costliest is not
+    always the one to split); ties keep fewer splits (less traffic). Loads start at `base`
+    (each rank's ViT share). Sets each sample's `rank` and `deal`."""
+    by_cost = sorted(range(len(samples)), key=lambda i: (-samples[i].whole_cost(c), i))
 
-    def place(k: int) -> tuple[float, list[list[int]], list[int]]:
+    def place(split: list[int]) -> tuple[float, list[list[int]], list[int]]:
         loads = list(base)
-        deals = _deal_split(samples, order[:k], cp_size, c, loads)
+        deals = _deal_split(samples, split, cp_size, c, loads)
         owners = []
-        for i in order[k:]:
+        for i in by_cost:
+            if i in split:
+                continue
             r = min(range(cp_size), key=lambda r: (loads[r], r))
             loads[r] += samples[i].whole_cost(c)
             owners.append(r)
         return max(loads), deals, owners
 
-    best_k, best_max = 0, place(0)[0]
-    for k in range(1, len(order) + 1):
-        busiest = place(k)[0]
-        if busiest < best_max * (1 - 1e-9):
-            best_k, best_max = k, busiest
-    _, deals, owners = place(best_k)
-    for i, deal in zip(order[:best_k], deals):
+    def better(a: float, b: float) -> bool:
+        return a < b * (1 - 1e-9)
+
+    split: list[int] = []
+    busiest = place(split)[0]
+    for k in range(1, len(by_cost) + 1):
+        cost = place(by_cost[:k])[0]
+        if better(cost, busiest):
+            split, busiest = by_cost[:k], cost
+    while True:
+        trials = [(place(split + [i])[0], i) for i in by_cost if i not in split]
+        if not trials:
+            break
+        cost, i = min(trials)
+        if not better(cost, busiest):
+            break
+        split, busiest = split + [i], cost
+    split = sorted(split, key=by_cost.index)  # dealt costliest first
+    _, deals, owners = place(split)
+    for i, deal in zip(split, deals):
         samples[i].rank, samples[i].deal = -1, deal
-    for i, r in zip(order[best_k:], owners):
+    for i, r in zip([i for i in by_cost if i not in split], owners):
         samples[i].rank = r
 
 

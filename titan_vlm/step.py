@@ -134,7 +134,7 @@ def check_same_batch(batch: Batch, rows_mesh: DeviceMesh, step: int) -> None:
         device=batch.tokens.device,
     )
     everyone = mine.new_empty(rows_mesh.size() * mine.numel())
-    dist.all_gather_into_tensor(everyone, mine, group=rows_mesh.get_group())
+    dist.all_gather_single(everyone, mine, group=rows_mesh.get_group())
     everyone = everyone.view(rows_mesh.size(), -1)
     if not bool((everyone == everyone[0]).all()):
         raise RuntimeError(

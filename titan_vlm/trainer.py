@@ -340,10 +340,11 @@ class Trainer(Stateful):
             first, mesh.cp, self.cp, self.model.bidirectional_images, sp_multiple
         )
         logger.info("data: %s", self.data.describe())
-        for line in describe_layout(layout):
+        joined = self.cp.sample_placement == "auto" and mesh.cp.size() > 1
+        name = f"rows 0-{first.num_rows - 1} placed as one" if joined else "row 0"
+        for line in describe_layout(layout, name=name):
             logger.info(line)
         if mesh.cp.size() > 1:
-            slots = layout.rank_slots()
             logger.info(
                 "cp placement (parallelism.cp_sample_placement=%s): %d sample(s) split, %d kept "
                 "whole on one rank; local slots per rank %s; cp_balance %.3f (max/mean modelled "
@@ -351,7 +352,7 @@ class Trainer(Stateful):
                 self.cp.sample_placement,
                 layout.split_samples(),
                 sum(layout.kept_samples()),
-                [x // max(first.num_rows, 1) for x in slots],
+                layout.rank_slots(),
                 layout.balance(),
                 layout.padding(),
             )
@@ -391,15 +392,15 @@ def _runs(positions: list[int]) -> str:
     return " ".join(runs) or "-"
 
 
-def describe_layout(layout: SeqLayout, row: int = 0) -> list[str]:
-    """Human-readable: which CP rank holds which slots of one row."""
+def describe_layout(layout: SeqLayout, row: int = 0, name: str | None = None) -> list[str]:
+    """Human-readable: which CP rank holds which slots of one row (`name`: what to call it)."""
     ranks = range(len(layout.texts))
     every = Slots.cat([layout.images, *layout.texts, *layout.kept])
     docs, real = every.doc[row], every.doc[row] >= 0
     n_img = int((layout.images.order[row] >= 0).sum())
     images = int((every.image[row] >= 0).sum())
     lines = [
-        f"row {row}: {len(torch.unique(docs[real]))} sample(s), "
+        f"{name or f'row {row}'}: {len(torch.unique(docs[real]))} sample(s), "
         f"{layout.image_counts[row]} image(s) "
         f"= {images} image slots, {int(real.sum()) - images} text slots"
     ]

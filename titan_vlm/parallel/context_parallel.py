@@ -49,7 +49,9 @@ CP_VISION_MODES = ("replicate", "broadcast", "shard")
 class CPOptions:
     comm_type: str = "p2p"  # attention across the group: "p2p" | "allgather" | "a2a"
     vision: str = "shard"  # where the ViT runs: "replicate" | "broadcast" | "shard"
-    sample_placement: str = "split"  # "split" | "auto" (parallelism.cp_sample_placement)
+    # "split" | "auto" (parallelism.cp_sample_placement; the trainer passes the config's, whose
+    # default is "auto"; code that builds CPOptions itself gets today's split unless it asks)
+    sample_placement: str = "split"
     cost: LayoutCost = field(default_factory=LayoutCost)  # what "auto" balances, cp_balance
 
 
