@@ -27,7 +27,8 @@ def test_default_config_trains_and_writes_metrics(tmp_path):
     out = run_train("--training.steps=4", "--metrics.log_freq=2", f"--job.dump_folder={tmp_path}")
     assert out.returncode == 0, out.stderr[-3000:]
     stdout = out.stdout
-    assert "cp=2" in stdout and re.search(r"cp rank 1: all \d+ image slots \(replicated\)", stdout)
+    assert "cp=2" in stdout and re.search(r"cp rank 1: \d+ whole sample\(s\)", stdout)
+    assert "cp placement (parallelism.cp_sample_placement=auto)" in stdout
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     for s in steps:
@@ -40,8 +41,12 @@ def test_default_config_trains_and_writes_metrics(tmp_path):
             "ntokens",
             "peak_memory_gib",
             "cp_balance",
+            "cp_padding",
+            "cp_split_samples",
+            "cp_whole_samples",
         } <= s.keys()
         assert 1.0 <= s["cp_balance"] <= 1.10
+        assert 0.0 <= s["cp_padding"] <= 0.05
         assert s["loss"] > 0 and s["tokens_per_sec"] > 0 and s["ntokens"] > 0
     assert steps[-1]["loss"] < steps[0]["loss"]
     assert any((tmp_path / "tb").glob("events.out.tfevents.*"))

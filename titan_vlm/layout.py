@@ -17,12 +17,28 @@ The decoder's one mask rule: a query q sees a key k iff
 so attention never crosses a sample boundary, text sees an image only if the image comes before
 it, and the tokens of one image see each other causally or all at once.
 
-The CP split (`build_layout`): every CP rank holds ALL image slots of its rows (replicated, the
-seed's design), and each sample's text is padded to a multiple of 2P and cut into 2P chunks;
-each rank gets one head-tail pair of chunks (j, 2P-1-j) of every sample: a light and a heavy
-piece of its causal triangle. Which pair goes to which rank is dealt by cost (a text slot costs
-its position in the sample + 1 keys), so images inside the text and the padding of short samples
-do not pile up on one rank. Local slots on rank r: `[image slots, text slots]`.
+The CP split (`build_layout`), per sample, one of two:
+
+  split   its text is padded to a multiple of 2P and cut into 2P chunks; each rank gets one
+          head-tail pair of chunks (j, 2P-1-j): a light and a heavy piece of its causal
+          triangle, dealt by cost so images inside the text and padding do not pile up on one
+          rank; its image slots are held by EVERY rank (replicated, the seed's design). Only
+          this text crosses the CP group.
+  whole   the sample, text and images, is kept on one rank: no padding, nothing sent, no copy.
+
+parallelism.cp_sample_placement = "split" splits every sample (pairs dealt over the whole
+batch); "auto" decides per row (shard_batch joins a batch's rows into one first, so no rank pads
+every row to the longest): the cost model (`LayoutCost`: linear work per slot, attention pairs,
+ViT images) prices each rank's load, short samples are dealt whole to the least-loaded rank,
+largest first, and the samples whose split lowers the busiest rank are split (`_place_row`).
+
+    samples a (long, image I), b, c, d (short; c with image J), P = 2, "auto":
+    rank 0: | I | a0 a3 | b  c(J inline) |      [images | texts[0] | kept[0]]
+    rank 1: | I | a1 a2 | d              |      [images | texts[1] | kept[1]]
+
+Local slots on rank r: `[images, texts[r], kept[r]]` (SeqLayout): the split samples' image
+slots (the same on every rank), r's share of the split samples' text, and the samples r keeps
+whole (their image slots among their text).
 
 Blocks, not masks: the slots of any sequence of metadata (a rank's local slots, another rank's
 text, everything gathered) fall into *pieces*: maximal runs of one sample and one image (or
@@ -727,7 +743,9 @@ def build_layout(
     texts = [Slots.gather(doc, image, _stack_padded(x, t)) for x in texts_at]
     kept: list[Slots] = []
     for r in range(cp_size):
-        w = longest(kept_at[r])
+        # at least one slot: a rank that holds nothing (a batch of one short sample) still runs
+        # the model on a padding slot, which attends to nothing and carries no label
+        w = max(longest(kept_at[r]), int(n + t == 0))
         w += -(n + t + w) % pad_to_multiple
         kept.append(Slots.gather(doc, image, _stack_padded(kept_at[r], w)))
     local = Slots.cat([images, texts[cp_rank], kept[cp_rank]])

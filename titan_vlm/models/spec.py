@@ -69,8 +69,10 @@ class VisionLanguageModel(nn.Module, ABC):
 
     @abstractmethod
     def decode(self, tokens: torch.Tensor, embeds: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
-        """The logits [B, T, vocab] of the layout's text slots: `tokens` [B, T] with the image
-        embeddings of every image of the rows (`encode_images`' output, rows in order)."""
+        """The logits [B, T, vocab] of the layout's text section: `tokens` [B, T] with the image
+        embeddings of every image of the rows (`encode_images`' output, rows in order), placed
+        by the layout into its image prefix and (samples a CP rank keeps whole) among the text
+        (SeqLayout.place_images, inline_embeds)."""
 
     @abstractmethod
     def vision_modules(self) -> list[nn.Module]:

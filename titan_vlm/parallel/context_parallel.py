@@ -3,11 +3,12 @@
 A row holds one or more samples, each text and images in reading order (data/batch.py). On a
 CP group of P ranks:
 
-  * each sample's text is padded to a multiple of 2P and cut into 2P chunks, and every rank
-    keeps one head-tail pair of chunks (j, 2P-1-j) of each sample (one light and one heavy
-    piece of its causal triangle; which pair goes where is dealt by cost), with their row
-    positions and labels (labels are shifted before sharding, never after): `shard_batch`,
-    layout.build_layout;
+  * a sample is split or kept whole (parallelism.cp_sample_placement; "auto" asks the cost
+    model, layout.py): a split sample's text is padded to a multiple of 2P and cut into 2P
+    chunks, and every rank keeps one head-tail pair of chunks (j, 2P-1-j) (one light and one
+    heavy piece of its causal triangle; which pair goes where is dealt by cost); a whole sample
+    stays on one rank, images and all. Row positions and labels go with the slots (labels are
+    shifted before sharding, never after): `shard_batch`, layout.build_layout;
   * the image embeddings are NOT split: every rank holds all of them (`encode_images_over_cp`:
     a DTensor with `Replicate()` on the cp mesh dim). Where the ViT runs is `cp_vision`: on
     every rank ("replicate"), on cp rank 0 and broadcast ("broadcast"), or each rank encodes
@@ -21,9 +22,14 @@ CP group of P ranks:
     encoder (shard). The vision tower then trains exactly as without CP; its parameters are
     reduced over cp only where the ranks encoded different images (see parallel/parallelize.py).
 
-    rank:      0                  1                  (P = 2; samples a and b, each's text in
-    holds: [I][a0 a3 b1 b2]  [I][a1 a2 b0 b3]        chunks 0..3; I = all image tokens; the
-                                                     pairs as the cost dealing might give them)
+    rank:      0                  1                  (P = 2, "split": samples a and b, each's
+    holds: [I][a0 a3 b1 b2]  [I][a1 a2 b0 b3]        text in chunks 0..3; I = all image
+                                                     tokens; the pairs as the cost dealing
+                                                     might give them)
+    "auto" (a long, b short):  [Ia][a0 a3][b Ib]  [Ia][a1 a2]
+                                                     (b and its image whole on rank 0: its
+                                                     embeddings are used there only, so the
+                                                     other ranks' gradient for them is zero)
 """
 
 from __future__ import annotations

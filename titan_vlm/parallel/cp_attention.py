@@ -1,15 +1,19 @@
 """Exact attention across a context-parallel group: ring (p2p), all-to-all (Ulysses), all-gather.
 
-Local slots on CP rank r: `[image slots (whole on every rank), r's text slots]`, the text being
-r's head-tail share of each sample (layout.build_layout). Every rank knows every rank's slot
-metadata, so it can plan, without communicating, the dense and causal blocks its queries need
-against any rank's text (layout.plan): the algorithms below differ only in how K/V (or queries)
-travel, never in which query-key pairs they compute.
+Local slots on CP rank r: `[images (N), texts[r] (T), kept[r] (W_r)]` (layout.SeqLayout): the
+split samples' image slots (whole on every rank), r's head-tail share of the split samples'
+text, and the samples r keeps whole (cp_sample_placement = "auto"). Every rank knows every
+rank's slot metadata, so it can plan, without communicating, the dense and causal blocks its
+queries need against any rank's text (layout.plan): the algorithms below differ only in how K/V
+(or queries) travel, never in which query-key pairs they compute. Only the T travelling slots
+cross the group: ranks may hold different W_r, which no rank needs to be told.
 
     image keys       local, never communicated (every rank holds them)
+    kept slots       local, never communicated (no other rank's query sees them)
     text keys        ring: rank s's text K/V arrive at step (r - s) mod P, dK/dV travel back
                      all-gather: every rank's text K/V at once, dK/dV reduce-scattered
-                     all-to-all: whole sequence for H/P heads, then back
+                     all-to-all: images + every rank's text for H/P heads, then back; the kept
+                     slots in a plan of their own on all heads
 
 Image queries attend to the text before them in their sample (interleaved data), so every rank
 computes the image queries' output in full (the same on every rank, up to merge order). In
@@ -354,8 +358,9 @@ def a2a_kv_heads(heads: int, kv_heads: int, cp: int) -> list[list[int]]:
 
 
 class UlyssesAttention(_CPAttention):
-    """cp_comm_type = "a2a": all-to-all from sequence-sharded to head-sharded, whole-sequence
-    attention on H/P query heads (one plan), all-to-all back. The replicated image tokens are
+    """cp_comm_type = "a2a": all-to-all from sequence-sharded to head-sharded, attention over
+    the split samples' whole sequence on H/P query heads (one plan), all-to-all back; the
+    samples this rank keeps whole attend locally on all heads (a second plan, "kept"). The replicated image tokens are
     not sent: each rank takes its own heads of them locally (so the image K/V are not counted
     CP-fold), and the image queries' output heads are all-gathered at the end. Each rank gets
     only the K/V heads its query heads use (`a2a_kv_heads`); the kernel maps its query heads to
