@@ -104,9 +104,13 @@ def test_auto_costs_the_busiest_rank_no_more_than_split(cp, seed):
 
 
 def test_a_rank_that_gets_no_sample_holds_one_padding_slot():
-    batch = collate([[Sample([list(range(1, 9))])]], 16, TPI, 32, 0)
-    lengths = [auto(batch, 4, r)[1].positions.shape[1] for r in range(4)]
-    assert sorted(lengths) == [1, 1, 1, 8]  # the sample whole on one rank, the rest padding
+    """Two samples of mostly image slots at cp = 4: splitting one would copy its images to
+    every rank, so both stay whole and two ranks get nothing."""
+    img = torch.zeros(3, 32, 32)
+    sample = Sample([img, img, list(range(1, 5))])
+    batch = collate([[sample, sample]], 72, TPI, 32, 0)
+    lengths = [auto(batch, 4, r, MODEL_COST)[1].positions.shape[1] for r in range(4)]
+    assert sorted(lengths) == [1, 1, 36, 36]
 
 
 def test_one_rank_is_the_whole_row():
