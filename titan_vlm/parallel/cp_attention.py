@@ -359,8 +359,8 @@ def a2a_kv_heads(heads: int, kv_heads: int, cp: int) -> list[list[int]]:
 
 class UlyssesAttention(_CPAttention):
     """cp_comm_type = "a2a": all-to-all from sequence-sharded to head-sharded, attention over
-    the split samples' whole sequence on H/P query heads (one plan), all-to-all back; the samples this
-    rank keeps whole attend locally on all heads (a second plan, "kept"). The replicated image
+    the split samples' whole sequence on H/P query heads (one plan), all-to-all back; the samples
+    this rank keeps whole attend locally on all heads (a second plan, "kept"). The replicated image
     tokens are not sent: each rank takes its own heads of them locally (so the image K/V are not
     counted CP-fold), and the image queries' output heads are all-gathered at the end. Each rank
     gets only the K/V heads its query heads use (`a2a_kv_heads`); the kernel maps its query
