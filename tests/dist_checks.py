@@ -560,3 +560,46 @@ def train_run_with_file_size_limit(
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
         signal.signal(signal.SIGXFSZ, old_handler)
+
+
+def compiled_train_run(dp_shard: int, cp: int, steps: int, tp: int = 1, **overrides) -> dict:
+    """train_run with every ViT and decoder block compiled (compile__backend etc. in overrides;
+    fullgraph by default, so a graph break fails the run), dynamo's caches reset first and a
+    recompile-limit hit an error, so no block silently runs eager. Returns {"history",
+    "graph_breaks", "graphs": {"vit", "decoder"}: how many graphs dynamo compiled for the
+    block's forward, "shapes": {"vit": the distinct image batch shapes, "decoder": the distinct
+    local sequence lengths}}."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.utils import counters
+
+    from titan_vlm.models.decoder import DecoderBlock
+    from titan_vlm.models.vit import ViTBlock
+    from titan_vlm.parallel import parallelize
+
+    torch._dynamo.reset()
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    breaks = sum(counters["graph_break"].values())
+    shapes: dict[str, set] = {"vit": set(), "decoder": set()}
+    real_compile = parallelize.apply_compile
+
+    def apply_compile(model: VLM, *args, **kwargs) -> None:
+        # the blocks' input shapes, seen from the uncompiled stacks around them
+        model.vision.register_forward_pre_hook(lambda m, a: shapes["vit"].add(tuple(a[0].shape)))
+        model.decoder.register_forward_pre_hook(
+            lambda m, a: shapes["decoder"].add(
+                a[0].shape[1] + (0 if a[1] is None else a[1].shape[1])  # text + image slots
+            )
+        )
+        real_compile(model, *args, **kwargs)
+
+    with mock.patch.object(parallelize, "apply_compile", apply_compile):
+        history = train_run(dp_shard, cp, steps, tp=tp, compile__enable=True, **overrides)
+    return {
+        "history": history,
+        "graph_breaks": sum(counters["graph_break"].values()) - breaks,
+        "graphs": {
+            "vit": len(_debug_get_cache_entry_list(ViTBlock.forward)),
+            "decoder": len(_debug_get_cache_entry_list(DecoderBlock.forward)),
+        },
+        "shapes": {name: sorted(s) for name, s in shapes.items()},
+    }

@@ -8,7 +8,9 @@ TP with SP, TP with activation checkpointing, TP ranks whose ViT gets no image, 
 compile with "aot_eager" (dynamo and AOT autograd trace each block into one forward and one
 backward graph, exactly what inductor receives, so a graph break or an untraceable op fails them
 just the same); one layout, the richest, runs inductor instead, whose generated C++ kernels cost
-about a minute to compile on the CPU.
+about a minute to compile on the CPU. test_compiled_tp_recompiles_match_eager trains TP over
+five steps whose batches change shape, so the blocks recompile with dynamic sizes, against the
+same steps eager.
 
 The whole parity suite compiled (every case of test_parity.py, test_packing.py,
 test_vision_placement.py, test_tensor_parallel.py with compiled blocks):
@@ -70,3 +72,57 @@ def test_compiled_one_step_matches_single_process(pool, layout, backend):
     report(f"compiled ({backend}) {layout}", results[0])
     for rank, result in enumerate(results):
         assert mismatches(result) == [], f"rank {rank}: {mismatches(result)}"
+
+
+# Packed rows with up to 3 images per sample. Steps 1-5 have 4, 2, 2, 3, 2 images (the ViT
+# block's batch) and decoder sequences of 80, 80, 80, 96, 68 slots: each block sees three
+# shapes, none of them a size 1 (which dynamo would specialize). TP without SP: the layout whose
+# recompile died (with SP the decoder's backward takes another path and never hit it).
+VARYING = dict(
+    training__seq_len=80,
+    training__local_batch_size=2,
+    training__warmup_steps=2,
+    data__packing=True,
+    data__images_per_sample=3,
+    data__sentences_per_image=3,
+    metrics__enable_tensorboard=False,
+)
+
+
+def test_compiled_tp_recompiles_match_eager(pool, tmp_path):
+    """TP, compiled, over steps whose batches change shape: a new shape recompiles the block
+    with dynamic sizes (with DTensors in the block this recompile used to die in
+    proxy_tensor._compute_proxy: parallelize.keep_first_symbol_proxy), a few graphs per block
+    cover every batch, none breaks, and the losses match the eager run step by step."""
+    steps = 5
+    eager = pool.run(
+        "train_run",
+        dp_shard=1,
+        cp=1,
+        tp=2,
+        steps=steps,
+        job__dump_folder=str(tmp_path / "e"),
+        **VARYING,
+    )[0]
+    compiled = pool.run(
+        "compiled_train_run",
+        dp_shard=1,
+        cp=1,
+        tp=2,
+        steps=steps,
+        compile__backend="aot_eager",
+        job__dump_folder=str(tmp_path / "c"),
+        **VARYING,
+    )
+    for result in compiled:
+        assert result["graph_breaks"] == 0
+        assert min(len(shapes) for shapes in result["shapes"].values()) >= 3, result["shapes"]
+        # Each block: its static graph, then dynamic ones (automatic_dynamic_shapes makes a size
+        # dynamic once it has changed) that serve every later batch. The decoder: one dynamic
+        # graph. The ViT: two, as DTensor's view rule (the TP linear's flatten of [images,
+        # tokens, dim], distributed/tensor/_ops/_view_ops.py) guards whether the image count is
+        # even: 2 images recompile it dynamic, step 4's 3 once more, for every odd count.
+        assert result["graphs"] == {"vit": 3, "decoder": 2}, result["graphs"]
+        got = [h["loss"] for h in result["history"]]
+        want = [h["loss"] for h in eager]
+        assert got == pytest.approx(want, rel=1e-5), (got, want)

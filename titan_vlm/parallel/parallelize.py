@@ -26,7 +26,7 @@ Gradients are summed, never averaged: the loss is already divided by the global 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -84,12 +84,70 @@ def apply_ac(model: VLM, mode: str) -> None:
             layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
 
 
+_first_symbol_proxy_installed = False
+
+
+def keep_first_symbol_proxy() -> None:
+    """Make torch's make_fx tracer keep the FIRST proxy it registers for each bare size symbol
+    (s27), as it already does for each SymInt; without it a compiled TP block dies with a
+    RecursionError in proxy_tensor._compute_proxy at its first recompile, when dynamo makes the
+    batch's sizes dynamic (automatic_dynamic_shapes) and AOT autograd traces the block again.
+
+    The torch 2.13 behaviour (torch/fx/experimental/proxy_tensor.py): `set_proxy_slot` never
+    clobbers a SymInt's proxy in `tracer.symnode_tracker`, but for a SymInt whose expression is a
+    bare symbol it also writes `tracer.sympy_expr_tracker[symbol]` unconditionally.
+    `get_proxy_slot` falls back to that map for a SymInt the tracer never saw: with DTensors in
+    the graph those are common (AOT autograd does not pass a subclass's outer sizes to make_fx,
+    and DTensor's sharding propagation mints its own; the map exists for exactly these, see the
+    comment in set_proxy_slot). In the joint trace of the block's backward, C++ stride code calls
+    `sym_max(s27, 1)` on such an untracked s27 (the DTensor linear's ViewBackward0, where the
+    dynamic dim is the sequence: dim 1), the result simplifies to the bare symbol s27 and is
+    registered with a lazy proxy that computes sym_max(<proxy of its argument>, 1), overwriting
+    the placeholder's entry for s27. Forcing that lazy proxy looks its argument up, finds it
+    untracked, falls back to the map, gets itself, and recurses until Python gives up
+    (_compute_proxy -> Thunk.force -> _compute_proxy ...). Plain tensors (no TP) leave no size
+    untracked, and in the runs checked neither the TP ViT (its dynamic dim is the image count,
+    dim 0) nor TP with SP hit it; the decoder under TP without SP did (aot_eager and inductor).
+
+    The fix restores the entry that was there first (the graph input's, as the symnode tracker's
+    first-one-wins policy would): every proxy registered for a bare symbol computes the same
+    value, so only which node the graph refers to changes, and the first is the primal. The
+    patch wraps torch's own function and changes nothing else; it is installed once per process
+    by apply_compile. Checked by tests/test_compile.py::test_compiled_tp_recompiles_match_eager
+    (fails without it)."""
+    global _first_symbol_proxy_installed
+    if _first_symbol_proxy_installed:
+        return
+    from torch.fx.experimental import proxy_tensor
+
+    original = proxy_tensor.set_proxy_slot
+
+    def set_proxy_slot(obj: Any, tracer: Any, proxy: Any) -> None:
+        exprs: dict[Any, Any] | None = getattr(tracer, "sympy_expr_tracker", None)
+        first = None
+        if exprs is not None and isinstance(obj, proxy_tensor.py_sym_types):
+            expr = getattr(obj.node, "expr", None)
+            if getattr(expr, "is_Symbol", False):  # a bare sympy.Symbol
+                first = exprs.get(expr)
+        original(obj, tracer, proxy)
+        if exprs is not None and first is not None:
+            exprs[expr] = first
+
+    # make_fx's own callers (_sym_register among them) look the name up in the module.
+    setattr(proxy_tensor, "set_proxy_slot", set_proxy_slot)  # noqa: B010 - an overloaded def
+    _first_symbol_proxy_installed = True
+
+
 def apply_compile(model: VLM, fullgraph: bool = True, backend: str = "inductor") -> None:
     """torch.compile each ViT and decoder block in place (the blocks share one compiled graph).
     The decoder's attention, local or context-parallel, is one opaque custom op
     (titan_vlm::attention, attention.py), so with `fullgraph` each block is a single graph and a
     graph break is an error. Runs before apply_ac: the checkpoint wrapper goes around the
-    compiled block (why: parallelize_vlm)."""
+    compiled block (why: parallelize_vlm). Sizes stay torch's default: static at first, dynamic
+    once a batch has changed them (automatic_dynamic_shapes), so a few graphs per block cover
+    every batch (docs/parallelism.md, Compile); with TP those recompiles need
+    keep_first_symbol_proxy."""
+    keep_first_symbol_proxy()
     for layers in (model.vision.layers, model.decoder.layers):
         for block in layers:
             block.compile(fullgraph=fullgraph, backend=backend)
