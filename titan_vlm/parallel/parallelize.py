@@ -148,6 +148,9 @@ def apply_compile(model: VLM, fullgraph: bool = True, backend: str = "inductor")
     every batch (docs/parallelism.md, Compile); with TP those recompiles need
     keep_first_symbol_proxy."""
     keep_first_symbol_proxy()
+    # A block past dynamo's recompile limit would otherwise run eager from then on, silently:
+    # an error instead (raise torch._dynamo.config.recompile_limit if a run needs more graphs).
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     for layers in (model.vision.layers, model.decoder.layers):
         for block in layers:
             block.compile(fullgraph=fullgraph, backend=backend)
