@@ -464,7 +464,10 @@ def mismatched_batches(cp: int = 2) -> str:
 def built_weights(dp_shard: int, cp: int, tp: int = 1, **overrides) -> dict[str, torch.Tensor]:
     """The trainer's model (models/build.py: meta, parallelize, each rank fills its own shards)
     on a test mesh, gathered whole; overrides are section__key=value."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     from titan_vlm.models.build import build_model
+    from titan_vlm.models.loading import canonical_parameters
     from titan_vlm.models.registry import get_model_spec
 
     cfg = JobConfig()
@@ -474,7 +477,11 @@ def built_weights(dp_shard: int, cp: int, tp: int = 1, **overrides) -> dict[str,
     model, _ = build_model(
         get_model_spec(cfg.model.name), cfg, make_mesh(dp_shard, cp, 1, tp), torch.device("cpu")
     )
-    return {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+    weights = {n: _full(p.detach()).clone() for n, p in canonical_parameters(model).items()}
+    # the names the weights were seeded by are keys a checkpoint stores them under (which also
+    # holds a tied head under its own name)
+    assert weights.keys() <= get_model_state_dict(model).keys()
+    return weights
 
 
 def model_state_bytes(

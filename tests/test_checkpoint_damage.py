@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from cli import python_m
 
 from titan_vlm.checkpoint import MANIFEST, load_model_for_inference, step_dirs, verify_step_dir
 
@@ -113,6 +114,31 @@ def test_a_garbage_latest_is_passed_over_with_a_warning(pool, stopped, tmp_path,
     assert all(losses(out["history"])[s] == whole[s] for s in (5, 6))
     warned = [w for w in out["warnings"] if w.startswith("checkpoint:")]
     assert len(warned) == 1 and "not a step" in warned[0], warned
+
+
+def test_inference_and_export_verify_the_checkpoint_in_one_line(stopped, tmp_path):
+    """generate --checkpoint and --export-hf verify the manifest as a resume does: a truncated
+    shard is one line naming it, not torch.load's EOFError traceback (no fallback to step-2:
+    the newest was asked for)."""
+    from PIL import Image
+
+    dump = damaged_copy(stopped, tmp_path, DAMAGE["truncated shard"][0])
+    step_dir = dump / "copy0" / "checkpoint" / "step-4"
+    Image.new("RGB", (32, 32), (255, 0, 0)).save(tmp_path / "red.png")
+    for module, *argv in (
+        ("titan_vlm.generate", "--checkpoint", str(step_dir.parent), "--image", "red.png"),
+        ("titan_vlm.checkpoint", "--export-hf", str(step_dir.parent), str(tmp_path / "hf")),
+        ("titan_vlm.checkpoint", "--export", str(step_dir), str(tmp_path / "m.safetensors")),
+    ):
+        argv = [str(tmp_path / a) if a == "red.png" else a for a in argv]
+        done = python_m(module, *argv)
+        assert done.returncode == 1 and done.stdout == "", (module, done.stderr[-3000:])
+        assert done.stderr.splitlines() == [
+            f"error: checkpoint {step_dir} is unusable: __0_0.distcp has "
+            f"{(step_dir / '__0_0.distcp').stat().st_size} bytes, the manifest says "
+            f"{json.loads((step_dir / MANIFEST).read_text())['files']['__0_0.distcp']['size']}"
+        ], (module, done.stderr[-3000:])
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "m.safetensors").exists()
 
 
 def test_no_usable_checkpoint_is_one_line(pool, stopped, tmp_path):

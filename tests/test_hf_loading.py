@@ -14,10 +14,13 @@ from transformers import LlamaForCausalLM, SiglipVisionModel
 
 from titan_vlm.config import ConfigError, JobConfig
 from titan_vlm.errors import ConfigError as LeafConfigError
+from titan_vlm.models.build import load_hf
 from titan_vlm.models.hf_export import export_hf, hf_config, load_hf_model
 from titan_vlm.models.llava import init_rule
-from titan_vlm.models.loading import init_from_seed
+from titan_vlm.models.loading import canonical_parameters, init_from_seed
+from titan_vlm.models.registry import get_model_spec
 from titan_vlm.models.vlm import VLM
+from titan_vlm.parallel.parallelize import apply_ac
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,6 +69,25 @@ def test_separate_towers_load_and_the_projector_starts_from_the_seed(tmp_path):
     drawn = dict(fresh.named_parameters())
     assert projector and all(torch.equal(params[n], drawn[n]) for n in projector)
     assert float(params["projector.fc1.weight"].detach().abs().max()) > 0
+
+
+def test_activation_checkpointing_loads_the_same_weights(tmp_path):
+    """The checkpoint wrapper renames the blocks' parameters (`_checkpoint_wrapped_module.`);
+    the adapter's names are the unwrapped ones (models/loading.py canonical_name). Before: a
+    KeyError for the first wrapped parameter."""
+    vision, text = towers(tmp_path)
+    cfg = separate(vision, text)
+    plain, args = load_hf_model(cfg)
+    spec = get_model_spec(cfg.model.name)
+    with torch.device("meta"):
+        wrapped = VLM(args)
+    apply_ac(wrapped, "selective")
+    wrapped.to_empty(device="cpu")
+    spec.after_to_empty(wrapped)
+    load_hf(wrapped, spec, args, cfg)
+    got, want = canonical_parameters(wrapped), dict(plain.named_parameters())
+    assert any("_checkpoint_wrapped_module." in n for n, _ in wrapped.named_parameters())
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
 
 
 def test_a_built_in_flavor_must_match_the_folder(tmp_path):

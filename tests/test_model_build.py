@@ -21,6 +21,23 @@ def test_initial_weights_are_the_same_at_every_layout(pool):
     assert len(_equal(one, reseeded)) == len([n for n, t in one.items() if t.std() > 0])
 
 
+def test_activation_checkpointing_and_compile_do_not_change_the_initial_weights(pool):
+    """The checkpoint wrapper (and torch.compile's `_orig_mod`) put their own prefixes into
+    `named_parameters()`; each parameter is seeded by its canonical name (models/loading.py
+    canonical_name, a checkpoint's key), so the weights are bit for bit the unwrapped ones."""
+    one = pool.run("built_weights", dp_shard=1, cp=1)[0]
+    for mode in ("full", "selective"):
+        for dp_shard, cp in ((1, 1), (2, 1), (1, 2)):
+            other = pool.run(
+                "built_weights", dp_shard=dp_shard, cp=cp, activation_checkpoint__mode=mode
+            )[0]
+            assert _equal(one, other) == [], (mode, dp_shard, cp)
+    both = pool.run(
+        "built_weights", dp_shard=2, cp=1, activation_checkpoint__mode="full", compile__enable=True
+    )[0]
+    assert _equal(one, both) == []
+
+
 def test_initial_weights_follow_the_init_rule(pool):
     """Spot checks of the scheme (models/llava.py init_rule) on the debug flavor."""
     w = pool.run("built_weights", dp_shard=2, cp=2)[0]

@@ -20,7 +20,10 @@ DCP stores DTensor shards with their global shapes, so a checkpoint written at o
 loads into another.
 
     python -m titan_vlm.checkpoint --export <checkpoint dir or step dir> <out.safetensors>
-writes the full model weights into one safetensors file for inference.
+writes the full model weights into one safetensors file for inference. It, --export-hf and
+generate --checkpoint (`load_model_for_inference`) verify the checkpoint they are given as a
+resume does, and refuse a damaged one in one line (`CheckpointError`; no fallback to an older
+step: the caller named this one).
 """
 
 from __future__ import annotations
@@ -81,7 +84,10 @@ def latest_step_dir(folder: Path) -> Path | None:
     latest = folder / "latest"
     if not latest.is_file():
         return None
-    step_dir = folder / f"step-{int(latest.read_text().strip())}"
+    text = latest.read_text(errors="replace").strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{latest} holds {text[:40]!r}, not a step")
+    step_dir = folder / f"step-{int(text)}"
     if not (step_dir / MANIFEST).is_file():
         raise FileNotFoundError(f"{latest} names {step_dir.name}, which is incomplete or missing")
     return step_dir
@@ -353,6 +359,11 @@ def load_model_for_inference(path: str | Path) -> tuple[VisionLanguageModel, Job
         raise FileNotFoundError(
             f"{path}: no checkpoint (expected a 'latest' file or a step-N folder)"
         )
+    # what a resume verifies, before DCP reads a shard (a truncated one: an EOFError deep in
+    # torch.load); no fallback to an older step: the caller asked for this one
+    problem = verify_step_dir(step_dir)
+    if problem:
+        raise CheckpointError(f"checkpoint {step_dir} is unusable: {problem}")
     saved = json.loads((step_dir / "config.json").read_text())
     # data.dataset too: generate asks in the format the model was trained on (chat or caption)
     cfg = load_config(
@@ -404,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
             model, cfg = load_model_for_inference(args[1])
             files = export_hf(model, cfg, Path(args[2]), max_bytes)
             print(f"wrote {len(files)} safetensors file(s) and the source folder's other files")
-    except (ConfigError, FileNotFoundError) as e:
+    except (UserError, FileNotFoundError) as e:  # CheckpointError, ConfigError: one line
         sys.exit(f"error: {e}")
     print(f"wrote {args[2]}")
 

@@ -40,7 +40,7 @@ from titan_vlm.data.chat import chat_question
 from titan_vlm.data.hf_processor import ChatError, HFProcessor, chat_prompt
 from titan_vlm.data.images import load_image
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
-from titan_vlm.errors import ConfigError
+from titan_vlm.errors import ConfigError, UserError
 from titan_vlm.models.spec import VisionLanguageModel
 from titan_vlm.parallel.context_parallel import shard_batch
 
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             answer, ids = ask_builtin(model, image, opts.prompt, opts.max_new_tokens, tok, chat)
             print(answer.strip() if chat else opts.prompt + answer)
-    except (ConfigError, ChatError, FileNotFoundError) as e:
+    except (UserError, ChatError, FileNotFoundError) as e:  # CheckpointError too: one line
         sys.exit(f"error: {e}")
     if opts.print_ids:
         print(" ".join(str(i) for i in ids))

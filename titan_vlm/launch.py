@@ -123,22 +123,39 @@ def alive(pid: int) -> bool:
         return False
 
 
-def die_with_parent(poll_s: float = 0.5) -> None:
-    """Exit this process (a torchrun worker) soon after its parent (torchrun) or the launcher
-    (LAUNCHER_PID_ENV, set by the launcher) is gone: a killed launcher must not leave workers
-    training (and writing the dump folder) as orphans. The launcher's pid also covers a worker
-    whose torchrun died before this ran (its parent is then already someone else)."""
-    parent = os.getppid()
-    launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
+class ParentWatch:
+    """The thread of `die_with_parent`; `stop()` ends and joins it."""
 
-    def watch() -> None:
+    def __init__(self, parent: int, launcher: int, poll_s: float):
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(
+            target=self._watch, args=(parent, launcher, poll_s), name="die-with-parent", daemon=True
+        )
+        self._thread.start()
+
+    def _watch(self, parent: int, launcher: int, poll_s: float) -> None:
         while os.getppid() == parent and (not launcher or alive(launcher)):
-            time.sleep(poll_s)
+            if self._stopped.wait(poll_s):
+                return
         if os.environ.get("RANK") == "0":
             print("[titan_vlm] the launcher or torchrun is gone: exiting", file=sys.stderr)
         os._exit(1)
 
-    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+    def stop(self) -> None:
+        """End the thread and wait for it (a poll at most). A worker calls this last, before its
+        interpreter finalizes: a Python thread still running then can abort the process
+        (train.py `shut_down`)."""
+        self._stopped.set()
+        self._thread.join()
+
+
+def die_with_parent(poll_s: float = 0.5) -> ParentWatch:
+    """Exit this process (a torchrun worker) soon after its parent (torchrun) or the launcher
+    (LAUNCHER_PID_ENV, set by the launcher) is gone: a killed launcher must not leave workers
+    training (and writing the dump folder) as orphans. The launcher's pid also covers a worker
+    whose torchrun died before this ran (its parent is then already someone else). Returns the
+    watching thread's handle: the worker stops it just before it exits."""
+    return ParentWatch(os.getppid(), int(os.environ.get(LAUNCHER_PID_ENV, "0")), poll_s)
 
 
 class StopRequest:

@@ -9,6 +9,7 @@ parallelism happens).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -48,22 +49,48 @@ def train(cfg: JobConfig) -> None:
         world_size,
         device.type,
     )
-    Trainer(cfg, mesh, device).train()
+    trainer = Trainer(cfg, mesh, device)
+    trainer.train()
     dist.barrier()  # no rank tears down its groups while another still uses them
-    dist.destroy_process_group()
+    del trainer, mesh
+    shut_down()
+
+
+def shut_down() -> None:
+    """Free the process groups here, in the main thread, before the interpreter finalizes.
+
+    The trainer and its Checkpointer (which holds the world group) are a reference cycle, so
+    without this the group is freed by whichever thread next runs a full garbage collection,
+    or by the interpreter's teardown. torch frees a group with the GIL released
+    (c10d's IntrusivePtrNoGilDestructor: joining gloo's threads takes a while); if the main
+    thread starts finalizing meanwhile, the other thread (here `die_with_parent`'s) cannot take
+    the GIL back: Python 3.11 ends it with pthread_exit, whose unwinding through that
+    destructor (noexcept) is std::terminate, "terminate called without an active exception"
+    (SIGABRT; tests/test_launcher.py saw it on a loaded machine after Ctrl-C). So the groups
+    go here, and `main` joins the watching thread before returning: the interpreter finalizes
+    with one Python thread (test_a_worker_exits_with_only_its_main_thread), so a group freed
+    then (torch itself keeps one alive past destroy_process_group once the model is built;
+    a UserError's way out leaves them all) is freed by the finalizing thread, which may take the
+    GIL back."""
+    dist.destroy_process_group()  # shuts the groups down and forgets them
+    gc.collect()  # the cycles that still hold them: the groups' last references go here
 
 
 def main(argv: list[str] | None = None) -> None:
     """A worker under torchrun (README: When things go wrong): it exits when torchrun is gone,
     stops at a step boundary on SIGINT / SIGTERM, and reports a UserError in one line."""
+    watch = None
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        die_with_parent()
+        watch = die_with_parent()
         STOP.install()
     try:
         cfg = load_config(sys.argv[1:] if argv is None else argv)
         train(cfg)
     except UserError as e:
         sys.exit(report_user_error(e))
+    finally:  # whichever way the worker ends, no Python thread but this one outlives it
+        if watch is not None:
+            watch.stop()
 
 
 if __name__ == "__main__":

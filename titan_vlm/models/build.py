@@ -21,7 +21,7 @@ from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError
 from titan_vlm.models.hf_folder import SafetensorsFiles, weight_files
 from titan_vlm.models.llava import hf_sources
-from titan_vlm.models.loading import init_from_seed, load_hf_shards
+from titan_vlm.models.loading import canonical_parameters, init_from_seed, load_hf_shards
 from titan_vlm.models.spec import ModelSpec, VisionLanguageModel
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def load_hf(model: nn.Module, spec: ModelSpec, args: Any, cfg: JobConfig) -> Non
     """Fill `model` (sharded or not) from the config's Hugging Face sources. Each file tensor is
     either loaded into a parameter or known to be unused (the adapter says why, and one log
     line lists them); any other tensor is an error naming it."""
-    params = dict(model.named_parameters())
+    params = canonical_parameters(model)  # the adapter names the unwrapped model's parameters
     wanted = set(params)
     for key, files in hf_files(cfg):
         with SafetensorsFiles(files, key) as st:

@@ -8,9 +8,10 @@ pieces (`Module.to_empty`), and only then fills them, by one of:
     the full tensor; exactly that box is read from the Hugging Face safetensors files. A rank
     of an FSDP group of N reads about 1/N of the weights, and at no time holds more.
   * `init_from_seed`: the same box of a tensor drawn from a generator seeded by the job's seed,
-    the parameter's name and the row block (`ROW_BLOCK` rows of dim 0), so every layout, one
-    process or many, starts from the same weights, and a rank draws only the row blocks its
-    piece touches.
+    the parameter's canonical name (`canonical_name`: no wrapper's prefix) and the row block
+    (`ROW_BLOCK` rows of dim 0), so every layout, one process or many, with or without
+    activation checkpointing or torch.compile, starts from the same weights, and a rank draws
+    only the row blocks its piece touches.
 
 Both work on plain tensors too (no FSDP: the box is the whole tensor).
 """
@@ -31,6 +32,23 @@ from titan_vlm.errors import ConfigError
 from titan_vlm.models.hf_folder import SafetensorsFiles
 
 ROW_BLOCK = 64  # rows of dim 0 drawn from one seeded generator (init_from_seed)
+# What activation checkpointing's wrapper (torch's _CHECKPOINT_PREFIX) and a torch.compile'd
+# module (OptimizedModule) insert into the names of the parameters below them
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name without the wrappers' prefixes: the name of the unwrapped model, and
+    the key a checkpoint stores it under (DCP's get_model_state_dict strips the same two), so
+    the init seed, the Hugging Face mapping and the checkpoint agree whatever wraps the blocks."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def canonical_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """`model.named_parameters()` under their canonical names (`canonical_name`)."""
+    return {canonical_name(n): p for n, p in model.named_parameters()}
 
 
 def local_box(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
@@ -108,8 +126,9 @@ def init_from_seed(
 ) -> None:
     """Every parameter (or those named in `only`) from `rule(name, param)`, drawn in row blocks
     seeded by (seed, name, block): the values of a row do not depend on which rank holds it
-    (module docstring)."""
-    for name, param in model.named_parameters():
+    (module docstring). `name` is the canonical one (`canonical_name`): activation
+    checkpointing or torch.compile around a block leaves its weights as they are."""
+    for name, param in canonical_parameters(model).items():
         if only is not None and name not in only:
             continue
         init = rule(name, param)
