@@ -27,6 +27,7 @@ from titan_vlm.layout import LayoutCost, SeqLayout
 from titan_vlm.metrics import SavedForBackward
 from titan_vlm.models.accounting import layout_cost
 from titan_vlm.models.flavors import Rope, VLMArgs, get_flavor
+from titan_vlm.models.loading import canonical_name
 from titan_vlm.models.vlm import VLM
 from titan_vlm.optim import build_optimizer, build_scheduler
 from titan_vlm.parallel import context_parallel, tensor_parallel
@@ -257,7 +258,7 @@ def parity(
     missing = []  # parameters with a gradient on one side only
     zero_grad_abs = 0.0
     for name, p in model.named_parameters():
-        name = name.replace("_checkpoint_wrapped_module.", "")
+        name = canonical_name(name)
         group = name.split(".")[0]
         if (p.grad is None) != (ref_params[name].grad is None):
             missing.append(name)
