@@ -50,6 +50,7 @@ blocks (`plan`): no kernel needs an arbitrary mask, and no masked-out pair is co
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -585,6 +586,13 @@ class _Sample:
         return on_every, [c.slot * len(p) + c.pair * w for p, w in zip(self.pairs, self.pair_work)]
 
 
+# cp_sample_placement = "auto" considers splitting only the costliest samples: at most this many,
+# and none below 1/SPLIT_FRACTION of a rank's mean load (dealt whole, such samples leave the
+# ranks at most that far apart; the search stays O(MAX_SPLIT_CANDIDATES^2) placements per row).
+MAX_SPLIT_CANDIDATES = 16
+SPLIT_FRACTION = 8
+
+
 def _place_row(samples: list[_Sample], cp_size: int, c: LayoutCost, base: list[float]) -> None:
     """cp_sample_placement = "auto" for one row: which samples to split head-tail (their pairs
     dealt dearest first to the least-loaded ranks, their images on every rank) and which to
@@ -592,33 +600,42 @@ def _place_row(samples: list[_Sample], cp_size: int, c: LayoutCost, base: list[f
     that the busiest rank costs least. The split set: the k costliest samples for the best k,
     then, one at a time, whichever further sample's split lowers the busiest rank most (a
     sample with images costs its image slots on every rank when split, so the costliest is not
-    always the one to split); ties keep fewer splits (less traffic). Loads start at `base`
-    (each rank's ViT share). Sets each sample's `rank` and `deal`."""
-    by_cost = sorted(range(len(samples)), key=lambda i: (-samples[i].whole_cost(c), i))
+    always the one to split); ties keep fewer splits (less traffic). Only the costliest samples
+    are candidates (MAX_SPLIT_CANDIDATES, SPLIT_FRACTION). Loads start at `base` (each rank's
+    ViT share). Sets each sample's `rank` and `deal`."""
+    whole = [s.whole_cost(c) for s in samples]
+    by_cost = sorted(range(len(samples)), key=lambda i: (-whole[i], i))
+    mean_load = (sum(whole) + sum(base)) / cp_size
+    candidates = [i for i in by_cost if whole[i] * SPLIT_FRACTION >= mean_load]
+    candidates = candidates[:MAX_SPLIT_CANDIDATES]
+    split_costs = {i: samples[i].split_costs(c) for i in candidates}
 
     def place(split: list[int]) -> tuple[float, list[list[int]], list[int]]:
         loads = list(base)
-        deals = _deal_split(samples, split, cp_size, c, loads)
+        deals = [_deal_pairs_onto(*split_costs[i], loads) for i in split]
+        chosen = set(split)
+        heap = [(load, r) for r, load in enumerate(loads)]
+        heapq.heapify(heap)
         owners = []
         for i in by_cost:
-            if i in split:
+            if i in chosen:
                 continue
-            r = min(range(cp_size), key=lambda r: (loads[r], r))
-            loads[r] += samples[i].whole_cost(c)
+            load, r = heapq.heappop(heap)  # the least-loaded rank (lowest index on a tie)
             owners.append(r)
-        return max(loads), deals, owners
+            heapq.heappush(heap, (load + whole[i], r))
+        return max(load for load, _ in heap), deals, owners
 
     def better(a: float, b: float) -> bool:
         return a < b * (1 - 1e-9)
 
     split: list[int] = []
     busiest = place(split)[0]
-    for k in range(1, len(by_cost) + 1):
-        cost = place(by_cost[:k])[0]
+    for k in range(1, len(candidates) + 1):
+        cost = place(candidates[:k])[0]
         if better(cost, busiest):
-            split, busiest = by_cost[:k], cost
+            split, busiest = candidates[:k], cost
     while True:
-        trials = [(place(split + [i])[0], i) for i in by_cost if i not in split]
+        trials = [(place(split + [i])[0], i) for i in candidates if i not in split]
         if not trials:
             break
         cost, i = min(trials)
@@ -633,22 +650,30 @@ def _place_row(samples: list[_Sample], cp_size: int, c: LayoutCost, base: list[f
         samples[i].rank = r
 
 
-def _deal_split(
-    samples: list[_Sample], split: list[int], cp_size: int, c: LayoutCost, loads: list[float]
-) -> list[list[int]]:
-    """Deal the pairs of the split samples (costliest first) onto `loads` (updated): for each,
-    which pair every rank gets."""
-    deals = []
-    for i in split:
-        on_every, pair_costs = samples[i].split_costs(c)
-        pairs = sorted(range(cp_size), key=lambda j: -pair_costs[j])
-        ranks = sorted(range(cp_size), key=lambda r: (loads[r], r))
-        deal = [0] * cp_size
-        for j, r in zip(pairs, ranks):
-            deal[r] = j
-            loads[r] += on_every + pair_costs[j]
-        deals.append(deal)
-    return deals
+def _deal_pairs_onto(on_every: float, pair_costs: list[float], loads: list[float]) -> list[int]:
+    """Deal one split sample's pairs onto `loads` (updated): dearest pair to the least-loaded
+    rank; every rank also pays `on_every` (its replicated image slots). Which pair each rank
+    gets."""
+    pairs = sorted(range(len(loads)), key=lambda j: -pair_costs[j])
+    ranks = sorted(range(len(loads)), key=lambda r: (loads[r], r))
+    deal = [0] * len(loads)
+    for j, r in zip(pairs, ranks):
+        deal[r] = j
+        loads[r] += on_every + pair_costs[j]
+    return deal
+
+
+def _sample_runs(doc: torch.Tensor, row: int) -> list[tuple[int, int]]:
+    """[start, stop) of each sample of one row's `doc` [S], in row order. A sample's slots are
+    consecutive (data/batch.py packs samples back to back): anything else is an error."""
+    ids, counts = torch.unique_consecutive(doc, return_counts=True)
+    stops = counts.cumsum(0)
+    runs = [(int(z - n), int(z)) for d, n, z in zip(ids.tolist(), counts, stops) if d >= 0]
+    real = ids[ids >= 0].tolist()
+    if len(set(real)) != len(real):
+        twice = sorted({d for d in real if real.count(d) > 1})[:5]
+        raise ValueError(f"row {row}: the slots of sample(s) {twice} are not consecutive")
+    return runs
 
 
 def _stack_padded(rows: list[torch.Tensor], length: int) -> torch.Tensor:
@@ -696,21 +721,20 @@ def build_layout(
     rope = []
     samples: list[_Sample] = []
     by_row: list[list[_Sample]] = [[] for _ in range(rows)]
+    runs = [_sample_runs(doc[b], b) for b in range(rows)]
     for b in range(rows):
-        d, i = doc[b], image[b]
         start = torch.zeros(seq, dtype=torch.long)  # first row position of each slot's sample
-        for sample in torch.unique_consecutive(d[d >= 0]).tolist():
-            where = positions[d == sample]
-            start[where] = where[0]
+        for a, z in runs[b]:
+            start[a:z] = a
         rope.append(positions - start)
     row_positions = torch.stack(rope)
     row = Slots(doc, positions.expand(rows, seq), image)
     seen = keys_seen(row, row_positions, bidirectional_images)  # [B, S]
     for b in range(rows):
-        d, i = doc[b], image[b]
-        for sample in torch.unique_consecutive(d[d >= 0]).tolist():
-            where = positions[d == sample]
-            text, pictures = where[i[where] < 0], where[i[where] >= 0]
+        for a, z in runs[b]:
+            where = positions[a:z]
+            is_image = image[b, a:z] >= 0
+            text, pictures = where[~is_image], where[is_image]
             pairs = head_tail_pairs(text, cp_size)
             work = [int(seen[b, p[p >= 0]].sum()) for p in pairs]
             priced = _Sample(b, text, pictures, pairs, work, int(seen[b, pictures].sum()))
@@ -739,6 +763,11 @@ def build_layout(
 
     n = longest(shared_images)
     t = max(longest(x) for x in texts_at)
+    if placement == "auto" and cp_size > 1:
+        # Under "auto" a batch often splits no sample, or no image: N or T would be 0 (or 1),
+        # sizes torch.compile specialises on, so each would cost the attention op's blocks a
+        # recompile (with selective AC, two) until dynamo's limit. Two padding slots instead.
+        n, t = max(n, 2), max(t, 2)
     images = Slots.gather(doc, image, _stack_padded(shared_images, n))
     texts = [Slots.gather(doc, image, _stack_padded(x, t)) for x in texts_at]
     kept: list[Slots] = []
