@@ -16,7 +16,7 @@ workloads, at each cp, averaged over `--steps` batches:
               flavor's FLOPs per slot, attention pair and ViT image; cp_vision = shard)
   vs ideal    the busiest rank's modelled cost / (the batch's useful cost / P): what the step
               waits for, against a perfect split of the work done once
-  padding     cp_padding: the largest padding fraction of a rank's local slots
+  padding     cp_padding: the padding fraction of the busiest rank's local slots
   slots       the busiest rank's decoder slots / ((N + L) / P), N and L the batch's image and
               text slots: 1.0 when nothing is replicated or padded
   p2p MiB     bytes one rank sends for the ring attention per step (bf16 K/V, fp32 dK/dV,

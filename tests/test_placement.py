@@ -116,7 +116,7 @@ def test_a_rank_that_gets_no_sample_holds_padding_and_no_size_is_0_or_1():
     layouts = [auto(batch, 4, r, MODEL_COST)[1] for r in range(4)]
     assert sorted(x.positions.shape[1] for x in layouts) == [4, 4, 40, 40]
     assert all((x.num_image_tokens, x.travel) == (2, 2) for x in layouts)
-    assert layouts[0].padding() == 1.0  # the worst rank holds padding only
+    assert layouts[0].padding() == 4 / 40  # the busiest ranks' floors
 
 
 def test_one_rank_is_the_whole_row():

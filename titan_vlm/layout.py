@@ -428,11 +428,15 @@ class SeqLayout:
         return max(w) / (sum(w) / len(w)) if sum(w) > 0 else 1.0
 
     def padding(self) -> float:
-        """cp_padding: the largest fraction of padding among the CP ranks' local slots (the
-        split's padding: samples cut into 2P chunks, rows of different lengths, sequence
-        parallelism's multiple; the rows' own unused slots are never placed)."""
+        """cp_padding: the padding fraction of the busiest rank's local slots (of the ranks with
+        the most slots, the largest): the split's padding (samples cut into 2P chunks, rows of
+        different lengths, sequence parallelism's multiple, the 2-slot floors of "auto"); the
+        rows' own unused slots are never placed."""
+        slots = self.rank_slots()
         out = 0.0
         for r in self._ranks():
+            if slots[r] != max(slots):
+                continue
             held = Slots.cat([self.images, self.texts[r], self.kept[r]]).doc
             if held.numel():
                 out = max(out, float((held < 0).sum()) / held.numel())
@@ -594,25 +598,29 @@ SPLIT_FRACTION = 8
 
 
 def _place_row(samples: list[_Sample], cp_size: int, c: LayoutCost, base: list[float]) -> None:
-    """cp_sample_placement = "auto" for one row: which samples to split head-tail (their pairs
-    dealt dearest first to the least-loaded ranks, their images on every rank) and which to
-    deal whole, costliest first, to the least-loaded rank (longest processing time first), so
-    that the busiest rank costs least. The split set: the k costliest samples for the best k,
-    then, one at a time, whichever further sample's split lowers the busiest rank most (a
-    sample with images costs its image slots on every rank when split, so the costliest is not
-    always the one to split); ties keep fewer splits (less traffic). Only the costliest samples
-    are candidates (MAX_SPLIT_CANDIDATES, SPLIT_FRACTION). Loads start at `base` (each rank's
-    ViT share). Sets each sample's `rank` and `deal`."""
+    """cp_sample_placement = "auto" for one row: which samples to split head-tail (their pairs dealt
+    dearest first to the least-loaded ranks, their images on every rank) and which to deal
+    whole, costliest first, to the least-loaded rank (longest processing time first), so that
+    the busiest rank costs least. The split set: the k costliest samples for the best k (or
+    every sample), then, one at a time, whichever further sample's split lowers the busiest rank
+    most (a sample with images costs its image slots on every rank when split, so the costliest
+    is not always the one to split); ties keep fewer splits (less traffic). Only the costliest
+    samples are candidates (MAX_SPLIT_CANDIDATES, SPLIT_FRACTION). Loads start at `base` (each
+    rank's ViT share). Sets each sample's `rank` and `deal`."""
     whole = [s.whole_cost(c) for s in samples]
     by_cost = sorted(range(len(samples)), key=lambda i: (-whole[i], i))
     mean_load = (sum(whole) + sum(base)) / cp_size
     candidates = [i for i in by_cost if whole[i] * SPLIT_FRACTION >= mean_load]
     candidates = candidates[:MAX_SPLIT_CANDIDATES]
-    split_costs = {i: samples[i].split_costs(c) for i in candidates}
+    split_costs: dict[int, tuple[float, list[float]]] = {}
 
     def place(split: list[int]) -> tuple[float, list[list[int]], list[int]]:
         loads = list(base)
-        deals = [_deal_pairs_onto(*split_costs[i], loads) for i in split]
+        deals = []
+        for i in split:
+            if i not in split_costs:
+                split_costs[i] = samples[i].split_costs(c)
+            deals.append(_deal_pairs_onto(*split_costs[i], loads))
         chosen = set(split)
         heap = [(load, r) for r, load in enumerate(loads)]
         heapq.heapify(heap)
@@ -630,10 +638,11 @@ def _place_row(samples: list[_Sample], cp_size: int, c: LayoutCost, base: list[f
 
     split: list[int] = []
     busiest = place(split)[0]
-    for k in range(1, len(candidates) + 1):
-        cost = place(candidates[:k])[0]
+    # the k costliest candidates, and every sample ("split"'s choice, dealt as auto deals)
+    for option in [candidates[:k] for k in range(1, len(candidates) + 1)] + [by_cost]:
+        cost = place(option)[0]
         if better(cost, busiest):
-            split, busiest = candidates[:k], cost
+            split, busiest = option, cost
     while True:
         trials = [(place(split + [i])[0], i) for i in candidates if i not in split]
         if not trials:
