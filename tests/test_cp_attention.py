@@ -33,6 +33,35 @@ class ThreadGroup:
     def rank(self, rank: int) -> "RankGroup":
         return RankGroup(self, rank)
 
+    def run(self, rank_main) -> list:
+        """rank_main(rank) on one thread per rank; their results in rank order. An exception
+        in any rank aborts the others' collectives and is raised here."""
+        got: list = [None] * self.size
+
+        def main(rank: int) -> None:
+            try:
+                got[rank] = rank_main(rank)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                got[rank] = e
+                self._barrier.abort()
+
+        threads = [threading.Thread(target=main, args=(r,)) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for result in got:
+            if isinstance(result, BaseException):
+                raise result
+        return got
+
+
+class _Done:
+    """A finished request (`CPGroup.shift`'s handles)."""
+
+    def wait(self) -> None:
+        pass
+
 
 class RankGroup:
     """One rank's view of a ThreadGroup, with CPGroup's interface."""
@@ -47,6 +76,11 @@ class RankGroup:
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat(self.shared._exchange(self.rank, x))
+
+    def shift(self, x: torch.Tensor) -> tuple[torch.Tensor, list["_Done"]]:
+        """The ring's send to the next rank, receive from the previous one (already done)."""
+        every = self.shared._exchange(self.rank, x)
+        return every[(self.rank - 1) % self.size].clone(), [_Done()]
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         every = self.shared._exchange(self.rank, x)
@@ -111,29 +145,17 @@ def test_a2a_sends_each_rank_only_its_kv_heads_and_is_exact(heads, kv_heads, cp,
     want = attend(whole, row_qkv, grad)[1:]
 
     threads_group = ThreadGroup(cp)
-    got: list[list[torch.Tensor] | BaseException | None] = [None] * cp
 
-    def rank_main(rank: int) -> None:
-        try:
-            _, layout = build_layout(batch.doc, batch.image, cp, rank)
-            algorithm = UlyssesAttention.__new__(UlyssesAttention)
-            algorithm.g = threads_group.rank(rank)  # type: ignore[assignment]
-            layout.cp = algorithm
-            # the image outputs are every rank's: each rank backprops 1/P of their gradient
-            image = (batch.image >= 0)[:, None, :, None]
-            got[rank] = attend(layout, row_qkv, torch.where(image, grad / cp, grad))
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
-            got[rank] = e
-            threads_group._barrier.abort()
+    def rank_main(rank: int) -> list[torch.Tensor]:
+        _, layout = build_layout(batch.doc, batch.image, cp, rank)
+        algorithm = UlyssesAttention.__new__(UlyssesAttention)
+        algorithm.g = threads_group.rank(rank)  # type: ignore[assignment]
+        layout.cp = algorithm
+        # the image outputs are every rank's: each rank backprops 1/P of their gradient
+        image = (batch.image >= 0)[:, None, :, None]
+        return attend(layout, row_qkv, torch.where(image, grad / cp, grad))
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(cp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for result in got:
-        if isinstance(result, BaseException):
-            raise result
+    got = threads_group.run(rank_main)
     results = [r for r in got if isinstance(r, list)]
     # forward: q, k, v to heads, out back: the K/V all-to-alls carry `per_rank` heads for
     # every rank (P x per_rank heads of this rank's T text slots, not H)

@@ -8,12 +8,11 @@ cp_comm_type, causal and bidirectional images), and the trainer's step on the pr
 
 import json
 import random
-import threading
 from unittest import mock
 
 import pytest
 import torch
-from test_cp_attention import RankGroup, ThreadGroup, local, to_row
+from test_cp_attention import ThreadGroup, local, to_row
 from test_layout import packed_batch
 from test_parity import COMM_TYPES, mismatches, report
 
@@ -136,17 +135,6 @@ def test_an_unknown_placement_is_an_error():
 # Exact attention: P ranks as threads
 
 
-class _Done:
-    def wait(self) -> None:
-        pass
-
-
-def _shift(self: RankGroup, x: torch.Tensor):
-    """The ring's send-to-next / receive-from-previous among the threads."""
-    every = self.shared._exchange(self.rank, x)
-    return every[(self.rank - 1) % self.size].clone(), [_Done()]
-
-
 def _attend(layout: SeqLayout, row_qkv, grad: torch.Tensor, cp: int) -> list[torch.Tensor]:
     order = layout.slots("local").order
     q, k, v = (local(x, order).requires_grad_() for x in row_qkv)
@@ -168,29 +156,16 @@ def attention_errors(comm: str, cp: int, bidirectional: bool) -> list[float]:
     _, whole = build_layout(batch.doc, batch.image, bidirectional_images=bidirectional)
     want = _attend(whole, row_qkv, grad, 1)[1:]
     group = ThreadGroup(cp)
-    got: list = [None] * cp
 
-    def rank_main(rank: int) -> None:
-        try:
-            _, layout = auto(batch, cp, rank, bidirectional=bidirectional)
-            assert layout.split_samples() == 2 and sum(layout.kept_samples()) == 5
-            algorithm = CP_ATTENTION[comm].__new__(CP_ATTENTION[comm])
-            algorithm.g = group.rank(rank)  # type: ignore[assignment]
-            layout.cp = algorithm
-            got[rank] = _attend(layout, row_qkv, grad, cp)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
-            got[rank] = e
-            group._barrier.abort()
+    def rank_main(rank: int) -> list[torch.Tensor]:
+        _, layout = auto(batch, cp, rank, bidirectional=bidirectional)
+        assert layout.split_samples() == 2 and sum(layout.kept_samples()) == 5
+        algorithm = CP_ATTENTION[comm].__new__(CP_ATTENTION[comm])
+        algorithm.g = group.rank(rank)  # type: ignore[assignment]
+        layout.cp = algorithm
+        return _attend(layout, row_qkv, grad, cp)
 
-    with mock.patch.object(RankGroup, "shift", _shift, create=True):
-        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(cp)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    for result in got:
-        if isinstance(result, BaseException):
-            raise result
+    got = group.run(rank_main)
     out = max(float((local(o, order) - local(want[0], order)).abs().max()) for order, o, *_ in got)
     return [out] + [float((sum(r[i] for r in got) - want[i - 1]).abs().max()) for i in (2, 3, 4)]
 
@@ -219,6 +194,13 @@ def test_negative_control_a2a_without_the_kept_plan_fails():
 # The trainer's step on the process pool
 
 
+def placed(pool, **case) -> list[dict]:
+    """dist_checks.parity of the "long_and_short" rows with cp_sample_placement = "auto"."""
+    return pool.run(
+        "parity", placement="auto", rows="long_and_short", seq_len=192, batch_size=2, **case
+    )
+
+
 PLACED = {  # every cp_comm_type and cp_vision (shard: the next test), causal and bidirectional
     "p2p_cp2_vision_replicate": dict(comm="p2p", cp=2, vision="replicate"),
     "allgather_cp4_bidirectional": dict(comm="allgather", cp=4, image_attention="bidirectional"),
@@ -231,9 +213,7 @@ PLACED = {  # every cp_comm_type and cp_vision (shard: the next test), causal an
 
 @pytest.mark.parametrize("case", PLACED.values(), ids=PLACED.keys())
 def test_auto_placement_matches_single_process(pool, case):
-    results = pool.run(
-        "parity", placement="auto", rows="long_and_short", seq_len=192, batch_size=2, **case
-    )
+    results = placed(pool, **case)
     report(f"auto placement {case}", results[0])
     for rank, result in enumerate(results):
         assert mismatches(result) == [], f"rank {rank}: {mismatches(result)}"
@@ -261,75 +241,32 @@ def test_auto_placement_with_fsdp_and_the_model_cost_matches_single_process(pool
 
 
 def test_auto_placement_with_sequence_parallel_matches_single_process(pool):
-    results = pool.run(
-        "parity",
-        placement="auto",
-        rows="long_and_short",
-        seq_len=192,
-        batch_size=2,
-        cp=2,
-        tp=2,
-        sp=True,
-    )
+    results = placed(pool, cp=2, tp=2, sp=True)
     report("auto placement, cp=2 x tp=2, sequence parallel", results[0])
     for result in results:
         assert mismatches(result) == []
 
 
 def test_negative_control_kept_images_not_placed_fails(pool):
-    result = pool.run(
-        "parity",
-        placement="auto",
-        rows="long_and_short",
-        seq_len=192,
-        batch_size=2,
-        cp=2,
-        kept_images_placed=False,
-    )[0]
+    result = placed(pool, cp=2, kept_images_placed=False)[0]
     problems = mismatches(result)
     assert any(p.startswith("loss") for p in problems), problems
     assert any(p.startswith("vision gradient") for p in problems), problems
 
 
 def test_negative_control_auto_without_image_grad_sum_fails(pool):
-    result = pool.run(
-        "parity",
-        placement="auto",
-        rows="long_and_short",
-        seq_len=192,
-        batch_size=2,
-        cp=2,
-        sum_image_grad=False,
-    )[0]
+    result = placed(pool, cp=2, sum_image_grad=False)[0]
     assert any(p.startswith("vision gradient") for p in mismatches(result)), mismatches(result)
 
 
 def test_auto_placement_compiled_and_in_bf16_matches_single_process(pool):
     """Every decoder and ViT block compiled (aot_eager, fullgraph: a graph break fails) with
     the all-to-all's kept plan, and bf16 mixed precision within bf16 rounding."""
-    compiled = pool.run(
-        "parity",
-        placement="auto",
-        rows="long_and_short",
-        seq_len=192,
-        batch_size=2,
-        cp=2,
-        comm="a2a",
-        compile_backend="aot_eager",
-    )
+    compiled = placed(pool, cp=2, comm="a2a", compile_backend="aot_eager")
     report("auto placement, a2a cp=2, compiled", compiled[0])
     for result in compiled:
         assert mismatches(result) == []
-    bf16 = pool.run(
-        "parity",
-        placement="auto",
-        rows="long_and_short",
-        seq_len=192,
-        batch_size=2,
-        cp=2,
-        comm="p2p",
-        mixed_precision="bf16",
-    )[0]
+    bf16 = placed(pool, cp=2, comm="p2p", mixed_precision="bf16")[0]
     report("auto placement, p2p cp=2, bf16", bf16)
     # test_parity.py's bf16 bounds
     assert abs(bf16["loss"] - bf16["ref_loss"]) / bf16["ref_loss"] < 1e-3
