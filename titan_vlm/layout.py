@@ -554,15 +554,10 @@ def _deal_pairs(costs: list[list[int]], cp_size: int) -> list[list[int]]:
     dealing its pairs, dearest first, to the ranks with the least work so far (longest
     processing time first). Every rank gets one pair of every sample, so the slot counts stay
     equal; the costs even out what images and padding unbalance."""
-    loads = [0] * cp_size
+    loads = [0.0] * cp_size
     deal: list[list[int]] = [[] for _ in costs]
     for s in sorted(range(len(costs)), key=lambda s: -sum(costs[s])):
-        pairs = sorted(range(cp_size), key=lambda j: -costs[s][j])
-        ranks = sorted(range(cp_size), key=lambda r: loads[r])
-        deal[s] = [0] * cp_size
-        for j, r in zip(pairs, ranks):
-            deal[s][r] = j
-            loads[r] += costs[s][j]
+        deal[s] = _deal_pairs_onto(0.0, [float(x) for x in costs[s]], loads)
     return deal
 
 
@@ -570,7 +565,6 @@ def _deal_pairs(costs: list[list[int]], cp_size: int) -> list[list[int]]:
 class _Sample:
     """One sample of a row, priced both ways (`_place_row`)."""
 
-    row: int
     text: torch.Tensor  # its text slots' row positions
     images: torch.Tensor  # its image slots' row positions
     pairs: list[torch.Tensor]  # its text's head-tail pairs (head_tail_pairs)
@@ -746,7 +740,7 @@ def build_layout(
             text, pictures = where[~is_image], where[is_image]
             pairs = head_tail_pairs(text, cp_size)
             work = [int(seen[b, p[p >= 0]].sum()) for p in pairs]
-            priced = _Sample(b, text, pictures, pairs, work, int(seen[b, pictures].sum()))
+            priced = _Sample(text, pictures, pairs, work, int(seen[b, pictures].sum()))
             samples.append(priced)
             by_row[b].append(priced)
     if placement == "auto" and cp_size > 1:
