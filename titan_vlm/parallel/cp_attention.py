@@ -444,7 +444,7 @@ class UlyssesAttention(_CPAttention):
         out_shared = torch.cat([self._gather_heads(out_all[:, :, :n].contiguous()), text], dim=2)
         # the slots kept whole on this rank: every head here, nothing travels
         out_kept, lse_kept, aux_kept = run_plan(kernel, qk, kk, vk, layout.packed("kept", "kept"))
-        out = _from_shared_and_kept(out_shared, out_kept, layout)
+        out = torch.cat([out_shared, out_kept], dim=2)
         return out, [lse_all, q_all, k_all, v_all, out_all, lse_kept], (aux, aux_kept)
 
     def backward(
@@ -495,8 +495,7 @@ class UlyssesAttention(_CPAttention):
             kernel, dout_k, qk, kk, vk, out_k, lse_kept, kept, aux_kept, dq_k, dk_k, dv_k
         )
         dq, dk, dv = (
-            _from_shared_and_kept(s, k_, layout)
-            for s, k_ in ((dq_s, dq_k), (dk_s, dk_k), (dv_s, dv_k))
+            torch.cat(parts, dim=2) for parts in ((dq_s, dq_k), (dk_s, dk_k), (dv_s, dv_k))
         )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
@@ -522,16 +521,10 @@ class UlyssesAttention(_CPAttention):
 
 def _shared_and_kept(x: torch.Tensor, layout: SeqLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, H, L, ...] over the local slots -> (the split samples' slots `[images, this rank's
-    text]`, the slots of the samples kept whole here), along dim 2."""
+    text]`, the slots of the samples kept whole here), along dim 2; torch.cat of the two along
+    dim 2 is x again."""
     end = layout.num_image_tokens + layout.travel
     return x[:, :, :end], x[:, :, end:]
-
-
-def _from_shared_and_kept(
-    shared: torch.Tensor, kept: torch.Tensor, layout: SeqLayout
-) -> torch.Tensor:
-    """The inverse of `_shared_and_kept`."""
-    return torch.cat([shared, kept], dim=2)
 
 
 # parallelism.cp_comm_type -> the algorithm: the one registry of CP algorithms (the config,
