@@ -67,7 +67,11 @@ def vision_images_per_rank(num_images: int, cp_size: int, mode: str) -> list[int
         return [num_images] * cp_size
     if mode == "broadcast":
         return [num_images] + [0] * (cp_size - 1)
-    return image_shard_sizes(num_images, cp_size)
+    if mode == "shard":
+        return image_shard_sizes(num_images, cp_size)
+    raise ValueError(
+        f"unknown cp_vision mode {mode!r} (expected one of {', '.join(CP_VISION_MODES)})"
+    )
 
 
 def image_grad_placement() -> Placement:
