@@ -1,6 +1,8 @@
 """Where the tokens of a batch go on the CP group: parallelism.cp_sample_placement "split" (every
 sample head-tail over all ranks, its images on every rank) against "auto" (the cost model keeps
-short samples whole on one rank, splits the long ones; rows placed as one):
+short samples whole on one rank, splits the long ones; rows placed as one), each with
+parallelism.cp_image_tokens "replicate" (a split sample's image slots on every rank), "shard"
+(cut head-tail with its text) or "auto" (whichever the cost model prices lower):
 
     python benchmarks/cp_layouts.py [--steps 10] [--cps 2,4,8] [--run-cps 2,4]
 
@@ -23,10 +25,12 @@ workloads, at each cp, averaged over `--steps` batches:
               every layer), from the layout's travelling slots by cp_scaling.analytic_bytes
               (the formula tests and cp_scaling.py check against counted bytes)
 
-Part 2, runs (`--run-cps`): the debug model's forward + backward of the default run's data on a
-real gloo group of cp processes, split vs auto, ring attention: the slowest rank's step time,
-saved-for-backward bytes of the worst rank, and the bytes each rank sends for the attention,
-counted by wrapping torch.distributed's collectives (cp_scaling.count_sent_bytes).
+Part 2, runs (`--run-cps`): the debug model's forward + backward on a real gloo group of cp
+processes, ring attention, for the default run's data and for rows of one long sample whose
+image share grows (0-75%: where sharding image tokens starts to pay), split vs auto placement
+and replicated vs sharded image tokens: the busiest rank's local slots, the slowest rank's step
+time, saved-for-backward bytes of the worst rank, and the bytes each rank sends, counted by
+wrapping torch.distributed's collectives (cp_scaling.count_sent_bytes).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from _group import run_group
 from cp_scaling import analytic_bytes, count_sent_bytes
 from torch.distributed.device_mesh import init_device_mesh
 
-from titan_vlm.data.batch import Batch
+from titan_vlm.data.batch import Batch, Sample, collate
 from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.layout import LayoutCost, SeqLayout, build_layout
 from titan_vlm.metrics import SavedForBackward
@@ -54,7 +58,14 @@ from titan_vlm.parallel.context_parallel import CPOptions, vision_images_per_ran
 from titan_vlm.parallel_dims import MESH_DIMS, Mesh
 from titan_vlm.step import forward_backward
 
-PLACEMENTS = ("split", "auto")
+# (cp_sample_placement, cp_image_tokens): today's layout first
+LAYOUTS = (
+    ("split", "replicate"),
+    ("auto", "replicate"),
+    ("split", "shard"),
+    ("auto", "shard"),
+    ("auto", "auto"),
+)
 IMAGE_SHARES = (0.01, 0.1, 0.3, 0.5, 0.7, 0.9)
 
 
@@ -121,7 +132,9 @@ def default_rows(step: int) -> Batch:
     return data.batch(step, 0, 1, 4)
 
 
-def place(rows: Rows | Batch, cp: int, placement: str, cost: LayoutCost) -> SeqLayout:
+def place(
+    rows: Rows | Batch, cp: int, placement: str, image_tokens: str, cost: LayoutCost
+) -> SeqLayout:
     """CP rank 0's layout of the rows, as shard_batch builds it (cp_vision = shard); it knows
     every rank's slots."""
     if placement == "auto":
@@ -131,7 +144,9 @@ def place(rows: Rows | Batch, cp: int, placement: str, cost: LayoutCost) -> SeqL
             rows = Rows(rows.doc.reshape(1, -1), rows.image.reshape(1, -1))
     n_images = len(torch.unique(rows.image[rows.image >= 0]))
     encoded = vision_images_per_rank(n_images, cp, "shard")
-    return build_layout(rows.doc, rows.image, cp, 0, False, 1, placement, cost, encoded)[1]
+    return build_layout(
+        rows.doc, rows.image, cp, 0, False, 1, placement, cost, encoded, image_tokens
+    )[1]
 
 
 def layout_row(lay: SeqLayout, rows: Rows | Batch, cp: int, flavor: str) -> dict:
@@ -152,6 +167,7 @@ def layout_row(lay: SeqLayout, rows: Rows | Batch, cp: int, flavor: str) -> dict
         image_share=n_img / max(n_img + n_text, 1),
         split=lay.split_samples(),
         whole=sum(lay.kept_samples()),
+        sharded=lay.sharded_images(),
     )
 
 
@@ -169,36 +185,65 @@ def workloads(steps: int) -> list[tuple[str, str, list]]:
 def part_layouts(steps: int, cps: list[int]) -> None:
     print("## layouts (modelled; rows of each workload averaged over the steps)\n")
     print(
-        "| workload | image share | cp | placement | split / whole samples | balance | "
-        "vs ideal | padding | slots | p2p MiB/rank |"
+        "| workload | image share | cp | placement | image tokens | split / whole samples | "
+        "sharded images | balance | vs ideal | padding | slots | p2p MiB/rank |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, flavor, batches in workloads(steps):
         cost = layout_cost(get_flavor(flavor))
         for cp in cps:
-            for placement in PLACEMENTS:
-                rows = [layout_row(place(b, cp, placement, cost), b, cp, flavor) for b in batches]
+            for placement, image_tokens in LAYOUTS:
+                rows = [
+                    layout_row(place(b, cp, placement, image_tokens, cost), b, cp, flavor)
+                    for b in batches
+                ]
 
                 def mean(key: str, rows: list[dict] = rows) -> float:
                     return sum(r[key] for r in rows) / len(rows)
 
                 print(
-                    f"| {name} | {mean('image_share'):.0%} | {cp} | {placement} | "
-                    f"{mean('split'):.1f} / {mean('whole'):.1f} | {mean('balance'):.3f} | "
+                    f"| {name} | {mean('image_share'):.0%} | {cp} | {placement} | {image_tokens} | "
+                    f"{mean('split'):.1f} / {mean('whole'):.1f} | {mean('sharded'):.1f} | "
+                    f"{mean('balance'):.3f} | "
                     f"{mean('vs_ideal'):.3f} | {mean('padding'):.1%} | {mean('slots'):.3f} | "
                     f"{mean('p2p_mib'):.1f} |",
                     flush=True,
                 )
 
 
-def worker(rank: int, cp: int, results, steps: int) -> None:
+RUN_LAYOUTS = (("split", "replicate"), ("auto", "replicate"), ("auto", "shard"))
+CROSSOVER_IMAGES = (0, 8, 16, 32, 48)  # images of 16 slots in a 1024-slot sample: 0% to 75%
+
+
+def long_sample_rows(images: int, seq_len: int = 1024) -> Batch:
+    """One row: one sample of `seq_len` slots with `images` images (debug flavor: 16 slots)
+    spread through its text; "auto" must split it, its image slots replicated or sharded."""
+    args = get_flavor("debug")
+    tpi, size = args.tokens_per_image, args.vision.image_size
+    rng = random.Random(images)
+    text = seq_len - images * tpi
+    cuts = sorted(rng.randint(0, text) for _ in range(images))
+    parts: list = []
+    done = 0
+    for cut in cuts:
+        parts += [[rng.randint(5, 200) for _ in range(cut - done)], torch.zeros(3, size, size)]
+        done = cut
+    parts.append([rng.randint(5, 200) for _ in range(text - done)])
+    sample = Sample([p for p in parts if not isinstance(p, list) or p])
+    return collate([[sample]], seq_len, tpi, size, 0)
+
+
+def worker(rank: int, cp: int, results, steps: int, workload: str) -> None:
     mesh = Mesh.from_root(init_device_mesh("cpu", (1, 1, cp, 1), mesh_dim_names=MESH_DIMS))
     args = get_flavor("debug")
     torch.manual_seed(0)
     model = VLM(args)
-    batches = [default_rows(s) for s in range(steps)]
-    for placement in PLACEMENTS:
-        options = CPOptions("p2p", "shard", placement, layout_cost(args))
+    if workload == "default":
+        batches = [default_rows(s) for s in range(steps)]
+    else:
+        batches = [long_sample_rows(int(workload.split()[0]))] * steps
+    for placement, image_tokens in RUN_LAYOUTS:
+        options = CPOptions("p2p", "shard", placement, image_tokens, layout_cost(args))
         elapsed, saved_bytes, sent_bytes = 0.0, 0, 0
         forward_backward(model, batches[0], mesh, options)  # warm-up
         for batch in batches:
@@ -206,7 +251,7 @@ def worker(rank: int, cp: int, results, steps: int) -> None:
             dist.barrier()
             start = time.perf_counter()
             with count_sent_bytes() as sent, SavedForBackward(model.parameters()) as saved:
-                forward_backward(model, batch, mesh, options)
+                _, _, layout = forward_backward(model, batch, mesh, options)
             took = torch.tensor(time.perf_counter() - start)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             elapsed += float(took)
@@ -215,10 +260,15 @@ def worker(rank: int, cp: int, results, steps: int) -> None:
         stats = torch.tensor([saved_bytes, sent_bytes], dtype=torch.float64)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
         if rank == 0:
+            image = batches[0].image
             results.put(
                 dict(
+                    workload=workload,
+                    image_share=float((image >= 0).sum() / (batches[0].doc >= 0).sum()),
                     cp=cp,
                     placement=placement,
+                    image_tokens=image_tokens,
+                    slots=max(layout.rank_slots()),
                     step_s=elapsed / steps,
                     saved_mib=float(stats[0]) / 2**20,
                     sent_mib=float(stats[1]) / steps / 2**20,
@@ -228,27 +278,34 @@ def worker(rank: int, cp: int, results, steps: int) -> None:
 
 def part_runs(steps: int, cps: list[int]) -> None:
     print(
-        f"\n## runs: debug flavor, default data, p2p, forward + backward, fp32, "
+        f"\n## runs: debug flavor, p2p, forward + backward, fp32, "
         f"{os.cpu_count()} CPU cores, torch {torch.__version__}\n"
     )
-    print("| cp | placement | step s | saved MiB/rank (worst) | sent MiB/rank/step (counted) |")
-    print("|---|---|---|---|---|")
+    print(
+        "| workload | image share | cp | placement | image tokens | slots (busiest) | step s | "
+        "saved MiB/rank (worst) | sent MiB/rank/step (counted) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    workloads = ["default"] + [f"{k} images" for k in CROSSOVER_IMAGES]
     for cp in cps:
-        for r in run_group(worker, cp, len(PLACEMENTS), steps):
-            print(
-                f"| {r['cp']} | {r['placement']} | {r['step_s']:.3f} | {r['saved_mib']:.1f} | "
-                f"{r['sent_mib']:.3f} |",
-                flush=True,
-            )
+        for workload in workloads:
+            for r in run_group(worker, cp, len(RUN_LAYOUTS), steps, workload):
+                print(
+                    f"| {r['workload']} | {r['image_share']:.0%} | {r['cp']} | {r['placement']} "
+                    f"| {r['image_tokens']} | {r['slots']} | {r['step_s']:.3f} | "
+                    f"{r['saved_mib']:.1f} | {r['sent_mib']:.3f} |",
+                    flush=True,
+                )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--cps", default="2,4,8")
+    parser.add_argument("--cps", default="2,4,8", help="'' skips the layouts")
     parser.add_argument("--run-cps", default="2,4", help="'' skips the runs")
     opts = parser.parse_args()
-    part_layouts(opts.steps, [int(x) for x in opts.cps.split(",")])
+    if opts.cps:
+        part_layouts(opts.steps, [int(x) for x in opts.cps.split(",")])
     if opts.run_cps:
         part_runs(opts.steps, [int(x) for x in opts.run_cps.split(",")])
 

@@ -161,6 +161,7 @@ def parity(
     placement: str = "split",
     placement_cost: str = "pairs",
     kept_images_placed: bool = True,
+    image_tokens: str = "replicate",
 ) -> dict:
     """One optimizer step of the parallel trainer against one process with the same weights and
     global batch. Returns both losses and grad norms and, per group (vision, projector, decoder),
@@ -175,7 +176,8 @@ def parity(
     reset first and a recompile-limit hit is an error, so no block silently runs eager.
     `placement`: parallelism.cp_sample_placement, priced by `placement_cost` ("pairs": attention
     pairs only, LayoutCost(); "model": the debug model's weights, accounting.layout_cost);
-    `kept_images_placed=False` is its negative control (_kept_images_not_placed)."""
+    `kept_images_placed=False` is its negative control (_kept_images_not_placed);
+    `image_tokens`: parallelism.cp_image_tokens."""
     args = dataclasses.replace(get_flavor("debug"), image_attention=image_attention)
     if hf_features:
         args = hf_features_args(args)
@@ -190,7 +192,13 @@ def parity(
     mesh = make_mesh(dp_shard, cp, dp_replicate, tp)
     dp = dp_replicate * dp_shard
     cost = layout_cost(args) if placement_cost == "model" else LayoutCost()
-    options = CPOptions(comm_type=comm, vision=vision, sample_placement=placement, cost=cost)
+    options = CPOptions(
+        comm_type=comm,
+        vision=vision,
+        sample_placement=placement,
+        image_tokens=image_tokens,
+        cost=cost,
+    )
     tp_options = TPOptions(sequence_parallel=sp, image_embed_shard=image_embed_tp_shard)
     if rows is None:
         data = SyntheticCaptions(
@@ -287,6 +295,8 @@ def parity(
         "split_samples": layout.split_samples(),
         "kept_samples": layout.kept_samples(),
         "kept_image_slots": [int((k.image >= 0).sum()) for k in layout.kept],
+        "sharded_images": layout.sharded_images(),
+        "replicated_images": layout.replicated_images(),
         "tied": model.decoder.output.weight is model.decoder.tok_embeddings.weight,
         "divide_factors": divide_factors(model),
     }

@@ -43,11 +43,20 @@ def long_and_short() -> torch.Tensor:
     return collate(rows, 200, TPI, 32, 0).as_one_row()
 
 
-def auto(batch, cp: int, rank: int = 0, cost: LayoutCost | None = None, bidirectional=False):
+def auto(
+    batch,
+    cp: int,
+    rank: int = 0,
+    cost: LayoutCost | None = None,
+    bidirectional=False,
+    image_tokens="replicate",
+):
     """Rank `rank`'s layout of the batch's rows joined (as shard_batch places them), placed by
     `cost` (default: attention pairs only)."""
     joined = batch.as_one_row()
-    return build_layout(joined.doc, joined.image, cp, rank, bidirectional, 1, "auto", cost)
+    return build_layout(
+        joined.doc, joined.image, cp, rank, bidirectional, 1, "auto", cost, None, image_tokens
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -146,8 +155,11 @@ def _attend(layout: SeqLayout, row_qkv, grad: torch.Tensor, cp: int) -> list[tor
     return [order] + [to_row(t, order, length) for t in (out.detach(), q.grad, k.grad, v.grad)]
 
 
-def attention_errors(comm: str, cp: int, bidirectional: bool) -> list[float]:
-    """Worst abs error of out, dq, dk, dv (summed over ranks) against the whole row."""
+def attention_errors(
+    comm: str, cp: int, bidirectional: bool, image_tokens: str = "replicate"
+) -> list[float]:
+    """Worst abs error of out, dq, dk, dv (summed over ranks) against the whole row, the long
+    sample's images replicated or sharded (`image_tokens`)."""
     batch = long_and_short()
     s, d = batch.doc.shape[1], 8
     torch.manual_seed(0)
@@ -158,8 +170,12 @@ def attention_errors(comm: str, cp: int, bidirectional: bool) -> list[float]:
     group = ThreadGroup(cp)
 
     def rank_main(rank: int) -> list[torch.Tensor]:
-        _, layout = auto(batch, cp, rank, bidirectional=bidirectional)
-        assert layout.split_samples() == 2 and sum(layout.kept_samples()) == 5
+        _, layout = auto(batch, cp, rank, bidirectional=bidirectional, image_tokens=image_tokens)
+        if image_tokens == "replicate":
+            assert layout.split_samples() >= 1 and sum(layout.kept_samples()) >= 4
+            assert layout.replicated_images() >= 1
+        else:  # the images of the long sample (at least) cut over the ranks with their text
+            assert layout.replicated_images() == 0 and layout.sharded_images() >= 2
         algorithm = CP_ATTENTION[comm].__new__(CP_ATTENTION[comm])
         algorithm.g = group.rank(rank)  # type: ignore[assignment]
         layout.cp = algorithm

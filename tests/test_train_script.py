@@ -28,7 +28,7 @@ def test_default_config_trains_and_writes_metrics(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     stdout = out.stdout
     assert "cp=2" in stdout and re.search(r"cp rank 1: \d+ whole sample\(s\)", stdout)
-    assert "cp placement (parallelism.cp_sample_placement=auto)" in stdout
+    assert "cp placement (parallelism.cp_sample_placement=auto, cp_image_tokens=auto)" in stdout
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     for s in steps:
@@ -44,6 +44,8 @@ def test_default_config_trains_and_writes_metrics(tmp_path):
             "cp_padding",
             "cp_split_samples",
             "cp_whole_samples",
+            "cp_replicated_images",
+            "cp_sharded_images",
         } <= s.keys()
         assert 1.0 <= s["cp_balance"] <= 1.10
         assert 0.0 <= s["cp_padding"] <= 0.05

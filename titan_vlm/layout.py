@@ -22,8 +22,10 @@ The CP split (`build_layout`), per sample, one of two:
   split   its text is padded to a multiple of 2P and cut into 2P chunks; each rank gets one
           head-tail pair of chunks (j, 2P-1-j): a light and a heavy piece of its causal
           triangle, dealt by cost so images inside the text and padding do not pile up on one
-          rank; its image slots are held by EVERY rank (replicated, the seed's design). Only
-          this text crosses the CP group.
+          rank; its image slots are held by EVERY rank (replicated, the seed's design), or,
+          with parallelism.cp_image_tokens = "shard", cut head-tail with the text (the chunks
+          are of all its slots, so an image may be split between ranks). Only this text (and
+          sharded image slots) crosses the CP group.
   whole   the sample, text and images, is kept on one rank: no padding, nothing sent, no copy.
 
 parallelism.cp_sample_placement = "split" splits every sample (pairs dealt over the whole
@@ -36,22 +38,28 @@ largest first, and the samples whose split lowers the busiest rank are split (`_
     rank 0: | I | a0 a3 | b  c(J inline) |      [images | texts[0] | kept[0]]
     rank 1: | I | a1 a2 | d              |      [images | texts[1] | kept[1]]
 
-Local slots on rank r: `[images, texts[r], kept[r]]` (SeqLayout): the split samples' image
-slots (the same on every rank), r's share of the split samples' text, and the samples r keeps
-whole (their image slots among their text).
+    the same with cp_image_tokens = "shard" (a's chunks 0..3 now cut from text and I alike):
+    rank 0: | a0 a3(I1) | b  c(J inline) |      I1, I2: I's slots in chunks 3 and 1
+    rank 1: | a1(I2) a2 | d              |
+
+Local slots on rank r: `[images, texts[r], kept[r]]` (SeqLayout): the split samples' replicated
+image slots (the same on every rank), r's share of the split samples' text (sharded image slots
+among it), and the samples r keeps whole (their image slots among their text).
 
 Blocks, not masks: the slots of any sequence of metadata (a rank's local slots, another rank's
 text, everything gathered) fall into *pieces*: maximal runs of one sample and one image (or
 text) at consecutive row positions. Chunk and image boundaries cut every such sequence in the
 same places, so between a query piece and a key piece of the same sample visibility is all,
-nothing, or the causal diagonal (the same piece). Attention is then a list of dense and causal
-blocks (`plan`): no kernel needs an arbitrary mask, and no masked-out pair is computed.
+nothing, or the causal diagonal (the same piece); with bidirectional images, pieces of one image
+see each other all, wherever they are (a sharded image's later pieces too). Attention is then a
+list of dense and causal blocks (`plan`): no kernel needs an arbitrary mask, and no masked-out
+pair is computed.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -143,8 +151,11 @@ def _relation(q: Piece, k: Piece, bidirectional_images: bool) -> str | None:
     """How the query piece sees the key piece of the same sample: "dense", "causal" or None."""
     q_end, k_end = q.order + q.stop - q.start, k.order + k.stop - k.start
     same_range = (q.order, q_end) == (k.order, k_end)
-    if q.image >= 0 and q.image == k.image and same_range:
-        return "dense" if bidirectional_images else "causal"
+    if q.image >= 0 and q.image == k.image:
+        if bidirectional_images:  # the whole image, also its pieces after q (a sharded image)
+            return "dense"
+        if same_range:
+            return "causal"
     if k_end <= q.order:
         return "dense"
     if k.order >= q_end:
@@ -274,18 +285,19 @@ class SeqLayout:
         [images | texts[r] | kept[r]]
          N        T          W_r
 
-    images [B, N]: the split samples' image slots, the same on every rank (the decoder's image
-    prefix). texts[s] [B, T]: rank s's share of the split samples' text, the only slots that
-    cross the CP group (the same T on every rank). kept[s] [B, W_s]: the samples rank s keeps
+    images [B, N]: the split samples' replicated image slots, the same on every rank (the
+    decoder's image prefix). texts[s] [B, T]: rank s's share of the split samples' text, with
+    their image slots where cp_image_tokens shards them, the only slots that cross the CP group
+    (the same T on every rank). kept[s] [B, W_s]: the samples rank s keeps
     whole, text and images in row order (per row, then padding: they never travel). Every rank
     knows every rank's slots, so it can plan blocks against any of them and price them.
 
     positions [B, L]: RoPE position (within its sample) of each local slot.
     image_index [B, L]: each local image slot's index into the batch's image tokens
     (`place_images`; -1: text or padding). image_counts: images per row. cost / encoded: the
-    cost model and the images each rank's ViT encodes (`rank_cost`; encoded None: ViT not
-    priced). cp: None (the whole row is local) or the algorithm that makes attention exact
-    across the CP group (parallel/cp_attention.py).
+    cost model and each rank's ViT work, in images of the model's own size (`rank_cost`;
+    encoded None: ViT not priced). cp: None (the whole row is local) or the algorithm that makes
+    attention exact across the CP group (parallel/cp_attention.py).
     """
 
     positions: torch.Tensor
@@ -299,7 +311,7 @@ class SeqLayout:
     kept: list[Slots] = field(default_factory=list)  # []: no rank keeps a sample whole
     image_index: torch.Tensor | None = None  # None: made from the slots
     cost: LayoutCost = field(default_factory=LayoutCost)
-    encoded: list[int] | None = None
+    encoded: Sequence[float] | None = None
     _plans: PlanCache = field(default_factory=PlanCache, repr=False)
 
     def __post_init__(self) -> None:
@@ -328,9 +340,11 @@ class SeqLayout:
 
     @property
     def inline_images(self) -> bool:
-        """Whether this rank's kept slots hold image slots (the decoder places their embeddings
-        among the text)."""
-        return bool((self.kept[self.rank].image >= 0).any())
+        """Whether this rank's text section holds image slots (the decoder places their
+        embeddings among the text): its kept samples' images, its share of sharded images."""
+        return bool((self.kept[self.rank].image >= 0).any()) or bool(
+            (self.texts[self.rank].image >= 0).any()
+        )
 
     def row_image_ids(self) -> torch.Tensor:
         """[B, S]: the rows' image ids at their image slots, -1 elsewhere (from the slots the
@@ -450,12 +464,21 @@ class SeqLayout:
         """Samples split over the CP group (over all rows)."""
         return _count_samples([self.images, *self.texts])
 
+    def replicated_images(self) -> int:
+        """Images of split samples whose slots every rank holds (cp_image_tokens)."""
+        return _count_images([self.images])
+
+    def sharded_images(self) -> int:
+        """Images of split samples whose slots are cut over the CP group with their text."""
+        return _count_images(self.texts)
+
     def _ranks(self) -> range:
         return range(len(self.texts))
 
     def _keys_seen(self, s: Slots) -> int:
         """The keys the queries of `s` see under the mask rule, summed (`rank_work`)."""
-        return int(keys_seen(s, self.row_positions, self.bidirectional_images).sum())
+        row_image = self._plans.get(("row_image",), self.row_image_ids)
+        return int(keys_seen(s, self.row_positions, row_image, self.bidirectional_images).sum())
 
     def place_images(self, embeds: torch.Tensor) -> torch.Tensor:
         """The batch's image embeddings [n_images, tokens_per_image, D] (batch order) into the
@@ -491,18 +514,23 @@ def _pick(embeds: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return padded[index.masked_fill(index < 0, flat.shape[0])]
 
 
-def keys_seen(s: Slots, row_positions: torch.Tensor, bidirectional_images: bool) -> torch.Tensor:
+def keys_seen(
+    s: Slots, row_positions: torch.Tensor, row_image: torch.Tensor, bidirectional_images: bool
+) -> torch.Tensor:
     """[B, L]: how many keys each query slot of `s` sees under the mask rule (0 for padding):
     its position in its sample + 1, plus, with bidirectional images, the later slots of its
-    image."""
+    image (wherever they are held: `row_image` [B, S] is the rows' image ids, -1 elsewhere, so
+    a query slot of an image sharded over the CP group counts its image's slots on every
+    rank)."""
     real = s.doc >= 0
     pos = row_positions.gather(1, s.order.clamp(min=0))
     seen = (pos + 1).masked_fill(~real, 0)
     if bidirectional_images and s.image.numel() and bool((s.image >= 0).any()):
-        ids = s.image.clamp(min=0)
-        last = torch.zeros(s.image.shape[0], int(ids.max()) + 1, dtype=torch.long)
-        last.scatter_reduce_(1, ids, s.order.masked_fill(s.image < 0, -1), "amax")
-        later = (last.gather(1, ids) - s.order).masked_fill(s.image < 0, 0)
+        where = row_image >= 0
+        at = torch.arange(row_image.shape[1]).expand_as(row_image)
+        last = torch.full((int(row_image.max()) + 1,), -1, dtype=torch.long)
+        last.scatter_reduce_(0, row_image[where], at[where], "amax")  # each image's last slot
+        later = (last[s.image.clamp(min=0)] - s.order).masked_fill(s.image < 0, 0)
         seen = seen + later.masked_fill(~real, 0)
     return seen
 
@@ -511,6 +539,12 @@ def _count_samples(parts: list[Slots]) -> int:
     """Distinct (row, sample) among the slots of `parts`."""
     held = Slots.cat(parts).doc
     return sum(len(torch.unique(d[d >= 0])) for d in held)
+
+
+def _count_images(parts: list[Slots]) -> int:
+    """Distinct images among the slots of `parts` (image ids number the batch's images)."""
+    ids = Slots.cat(parts).image
+    return len(torch.unique(ids[ids >= 0]))
 
 
 def _empty_slots(rows: int) -> Slots:
@@ -563,25 +597,42 @@ def _deal_pairs(costs: list[list[int]], cp_size: int) -> list[list[int]]:
 
 @dataclass
 class _Sample:
-    """One sample of a row, priced both ways (`_place_row`)."""
+    """One sample of a row, priced every way it can be placed (`_place_row`)."""
 
     text: torch.Tensor  # its text slots' row positions
     images: torch.Tensor  # its image slots' row positions
     pairs: list[torch.Tensor]  # its text's head-tail pairs (head_tail_pairs)
     pair_work: list[int]  # attention pairs of each head-tail pair's queries
     image_work: int  # attention pairs of its image queries
+    # with cp_image_tokens = "shard": the head-tail pairs of all its slots, images among the text
+    shard_pairs: list[torch.Tensor]
+    shard_work: list[int]
     # where it goes: -1 split (pair deal[r] to rank r), else the rank that keeps it whole
     rank: int = -1
     deal: list[int] = field(default_factory=list)
+    shard: bool = False  # split with its image slots cut head-tail with its text (else replicated)
 
     def whole_cost(self, c: LayoutCost) -> float:
         slots = len(self.text) + len(self.images)
         return c.slot * slots + c.pair * (sum(self.pair_work) + self.image_work)
 
     def split_costs(self, c: LayoutCost) -> tuple[float, list[float]]:
-        """What splitting it costs every rank (its image slots, replicated) and each pair."""
+        """What splitting it costs every rank (its image slots, where replicated) and each
+        pair."""
+        if self.shard:
+            return 0.0, [
+                c.slot * len(p) + c.pair * w for p, w in zip(self.shard_pairs, self.shard_work)
+            ]
         on_every = c.slot * len(self.images) + c.pair * self.image_work
         return on_every, [c.slot * len(p) + c.pair * w for p, w in zip(self.pairs, self.pair_work)]
+
+    def split_pairs(self) -> list[torch.Tensor]:
+        """The row positions each pair of its split holds (images among them if sharded)."""
+        return self.shard_pairs if self.shard else self.pairs
+
+    def replicated_images(self) -> torch.Tensor:
+        """Its image slots every rank holds when it is split (none if sharded)."""
+        return self.images[:0] if self.shard else self.images
 
 
 # cp_sample_placement = "auto" considers splitting only the costliest samples: at most this many,
@@ -589,6 +640,13 @@ class _Sample:
 # ranks at most that far apart; the search stays O(MAX_SPLIT_CANDIDATES^2) placements per row).
 MAX_SPLIT_CANDIDATES = 16
 SPLIT_FRACTION = 8
+# A further split (or sharding a split sample's images, cp_image_tokens = "auto") is taken only
+# when it lowers the busiest rank's modelled cost by at least this fraction: the cost model
+# prices compute, not communication, and every split sends its slots around the group, so a
+# split that buys a fraction of a percent of balance is not worth its traffic (on the SFT mix of
+# benchmarks/cp_layouts.py at cp = 8, splitting every sample balances to 1.004 but sends 120x
+# the bytes of splitting the two that bring the busiest rank within 1%).
+MIN_SPLIT_GAIN = 0.01
 
 
 def _place_row(samples: list[_Sample], cp_size: int, c: LayoutCost, base: list[float]) -> None:
@@ -628,7 +686,7 @@ def _place_row(samples: list[_Sample], cp_size: int, c: LayoutCost, base: list[f
         return max(load for load, _ in heap), deals, owners
 
     def better(a: float, b: float) -> bool:
-        return a < b * (1 - 1e-9)
+        return a < b * (1 - MIN_SPLIT_GAIN)
 
     split: list[int] = []
     busiest = place(split)[0]
@@ -700,7 +758,8 @@ def build_layout(
     pad_to_multiple: int = 1,
     placement: str = "split",
     cost: LayoutCost | None = None,
-    encoded: list[int] | None = None,
+    encoded: Sequence[float] | None = None,
+    image_tokens: str = "replicate",
 ) -> tuple[torch.Tensor, SeqLayout]:
     """Split rows with slot metadata doc/image [B, S] for CP rank `cp_rank` of `cp_size`.
 
@@ -712,11 +771,39 @@ def build_layout(
     each rank's ViT; shard_batch joins a batch's rows into one first). With cp_size 1 the text
     is the whole row's text, in row order. Each rank's local slot count is padded (with kept
     padding slots, which cost no attention and never travel) to a multiple of `pad_to_multiple`.
+
+    `image_tokens` (parallelism.cp_image_tokens): a split sample's image slots are "replicate"d
+    on every rank (the images prefix) or "shard"ed: cut head-tail with its text, each rank
+    holding its share among its text (they travel like text); "auto" builds both and keeps the
+    one whose busiest rank the cost model prices lower (`rank_cost`; a tie keeps replicate,
+    which sends less).
     """
     if placement not in SAMPLE_PLACEMENTS:
         raise ValueError(
             f"parallelism.cp_sample_placement must be one of {SAMPLE_PLACEMENTS}, got {placement!r}"
         )
+    if image_tokens not in IMAGE_TOKEN_MODES:
+        raise ValueError(
+            f"parallelism.cp_image_tokens must be one of {IMAGE_TOKEN_MODES}, got {image_tokens!r}"
+        )
+    if image_tokens == "auto":
+        built = [
+            build_layout(
+                doc,
+                image,
+                cp_size,
+                cp_rank,
+                bidirectional_images,
+                pad_to_multiple,
+                placement,
+                cost,
+                encoded,
+                mode,
+            )
+            for mode in ("replicate", "shard")
+        ]
+        replicated, sharded = (max(lay.rank_cost()) for _, lay in built)
+        return built[1] if sharded < replicated * (1 - MIN_SPLIT_GAIN) else built[0]
     cost = cost or LayoutCost()
     rows, seq = doc.shape
     doc, image = doc.cpu(), image.cpu()
@@ -732,7 +819,7 @@ def build_layout(
         rope.append(positions - start)
     row_positions = torch.stack(rope)
     row = Slots(doc, positions.expand(rows, seq), image)
-    seen = keys_seen(row, row_positions, bidirectional_images)  # [B, S]
+    seen = keys_seen(row, row_positions, image, bidirectional_images)  # [B, S]
     for b in range(rows):
         for a, z in runs[b]:
             where = positions[a:z]
@@ -740,7 +827,19 @@ def build_layout(
             text, pictures = where[~is_image], where[is_image]
             pairs = head_tail_pairs(text, cp_size)
             work = [int(seen[b, p[p >= 0]].sum()) for p in pairs]
-            priced = _Sample(text, pictures, pairs, work, int(seen[b, pictures].sum()))
+            shard = image_tokens == "shard" and cp_size > 1 and len(pictures) > 0
+            every = head_tail_pairs(where, cp_size) if shard else pairs
+            every_work = [int(seen[b, p[p >= 0]].sum()) for p in every] if shard else work
+            priced = _Sample(
+                text,
+                pictures,
+                pairs,
+                work,
+                int(seen[b, pictures].sum()),
+                every,
+                every_work,
+                shard=shard,
+            )
             samples.append(priced)
             by_row[b].append(priced)
     if placement == "auto" and cp_size > 1:
@@ -749,16 +848,19 @@ def build_layout(
         for b in range(rows):
             _place_row(by_row[b], cp_size, cost, vit)
     else:
-        for s, deal in zip(samples, _deal_pairs([s.pair_work for s in samples], cp_size)):
+        dealt = [s.shard_work if s.shard else s.pair_work for s in samples]
+        for s, deal in zip(samples, _deal_pairs(dealt, cp_size)):
             s.deal = deal
-    shared_images = [_cat([s.images for s in by_row[b] if s.rank < 0]) for b in range(rows)]
+    shared_images = [
+        _cat([s.replicated_images() for s in by_row[b] if s.rank < 0]) for b in range(rows)
+    ]
     texts_at: list[list[torch.Tensor]] = [[] for _ in range(cp_size)]
     kept_at: list[list[torch.Tensor]] = [[] for _ in range(cp_size)]
     for r in range(cp_size):
         for b in range(rows):
             split = [s for s in by_row[b] if s.rank < 0]
             whole = [s for s in by_row[b] if s.rank == r]
-            texts_at[r].append(_cat([s.pairs[s.deal[r]] for s in split]))
+            texts_at[r].append(_cat([s.split_pairs()[s.deal[r]] for s in split]))
             kept_at[r].append(_cat([x for s in whole for x in (s.images, s.text)]).sort().values)
 
     def longest(xs: list[torch.Tensor]) -> int:

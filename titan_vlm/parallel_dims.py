@@ -166,12 +166,6 @@ class ParallelDims:
                     f"model.attention_kernel={kernel} needs training.mixed_precision = 'bf16'"
                 )
         comm = cfg.parallelism.cp_comm_type
-        if cfg.parallelism.cp_image_tokens != "replicate":
-            raise ConfigError(
-                f"parallelism.cp_image_tokens={cfg.parallelism.cp_image_tokens!r} is not "
-                "supported yet: a split sample's image slots are replicated on every CP rank "
-                "('replicate'; cp_sample_placement='auto' keeps short samples' images on one rank)"
-            )
         if cfg.data.native_resolution_pixels:
             raise ConfigError(
                 "data.native_resolution_pixels is not supported yet: every image is resized to "

@@ -116,6 +116,8 @@ def train_step(
         "cp_padding": layout.padding(),
         "cp_split_samples": layout.split_samples(),
         "cp_whole_samples": sum(layout.kept_samples()),
+        "cp_replicated_images": layout.replicated_images(),
+        "cp_sharded_images": layout.sharded_images(),
         "nonfinite": int(not finite),
     }
     return stats, layout

@@ -80,6 +80,7 @@ class Trainer(Stateful):
             comm_type=p.cp_comm_type,
             vision=p.cp_vision,
             sample_placement=p.cp_sample_placement,
+            image_tokens=p.cp_image_tokens,
             cost=self.spec.layout_cost(self.args),
         )
         self.log_model()
@@ -346,12 +347,16 @@ class Trainer(Stateful):
             logger.info(line)
         if mesh.cp.size() > 1:
             logger.info(
-                "cp placement (parallelism.cp_sample_placement=%s): %d sample(s) split, %d kept "
-                "whole on one rank; local slots per rank %s; cp_balance %.3f (max/mean modelled "
-                "cost), cp_padding %.3f",
+                "cp placement (parallelism.cp_sample_placement=%s, cp_image_tokens=%s): %d "
+                "sample(s) split, %d kept whole on one rank; split samples' images: %d "
+                "replicated, %d sharded; local slots per rank %s; cp_balance %.3f (max/mean "
+                "modelled cost), cp_padding %.3f",
                 self.cp.sample_placement,
+                self.cp.image_tokens,
                 layout.split_samples(),
                 sum(layout.kept_samples()),
+                layout.replicated_images(),
+                layout.sharded_images(),
                 layout.rank_slots(),
                 layout.balance(),
                 layout.padding(),

@@ -58,6 +58,9 @@ class CPOptions:
     # "split" | "auto" (parallelism.cp_sample_placement; the trainer passes the config's, whose
     # default is "auto"; code that builds CPOptions itself gets today's split unless it asks)
     sample_placement: str = "split"
+    # "replicate" | "shard" | "auto": a split sample's image slots (parallelism.cp_image_tokens;
+    # the config's default is "auto", code that builds CPOptions itself replicates unless it asks)
+    image_tokens: str = "replicate"
     cost: LayoutCost = field(default_factory=LayoutCost)  # what "auto" balances, cp_balance
 
 
@@ -229,8 +232,10 @@ def shard_batch(
     pad_to_multiple: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
     """This CP rank's text tokens and labels [B, T + W] and its SeqLayout (layout.build_layout:
-    each sample split head-tail over the group with its image slots on every rank, or, with
-    cp.sample_placement = "auto", kept whole on one rank where the cost model says so).
+    each sample split head-tail over the group with its image slots on every rank or, with
+    cp.image_tokens = "shard", cut head-tail with its text; or, with cp.sample_placement =
+    "auto", kept whole on one rank where the cost model says so). The tokens at image slots of
+    the text section are placeholders the decoder replaces with the image embeddings.
     `cp_mesh=None` or a group of one: the whole rows, unsharded. Padding slots get token 0 and
     no label; they attend to nothing and nothing attends to them, so their id is moot.
     `pad_to_multiple`: the local slot count is padded to a multiple of it (sequence parallelism
@@ -251,6 +256,7 @@ def shard_batch(
         cp.sample_placement,
         cp.cost,
         vision_images_per_rank(batch.images.shape[0], cp_size, cp.vision),
+        cp.image_tokens,
     )
     device = batch.tokens.device
     index = index.to(device)

@@ -1,23 +1,26 @@
 """Exact attention across a context-parallel group: ring (p2p), all-to-all (Ulysses), all-gather.
 
 Local slots on CP rank r: `[images (N), texts[r] (T), kept[r] (W_r)]` (layout.SeqLayout): the
-split samples' image slots (whole on every rank), r's head-tail share of the split samples'
-text, and the samples r keeps whole (cp_sample_placement = "auto"). Every rank knows every
+split samples' replicated image slots (whole on every rank), r's head-tail share of the split
+samples' text (with their image slots among it where cp_image_tokens = "shard": they travel
+as text does), and the samples r keeps whole (cp_sample_placement = "auto"). Every rank knows every
 rank's slot metadata, so it can plan, without communicating, the dense and causal blocks its
 queries need against any rank's text (layout.plan): the algorithms below differ only in how K/V
 (or queries) travel, never in which query-key pairs they compute. Only the T travelling slots
 cross the group: ranks may hold different W_r, which no rank needs to be told.
 
-    image keys       local, never communicated (every rank holds them)
+    image keys       replicated ones local, never communicated (every rank holds them);
+                     sharded ones are text slots here
     kept slots       local, never communicated (no other rank's query sees them)
     text keys        ring: rank s's text K/V arrive at step (r - s) mod P, dK/dV travel back
                      all-gather: every rank's text K/V at once, dK/dV reduce-scattered
                      all-to-all: images + every rank's text for H/P heads, then back; the kept
                      slots in a plan of their own on all heads
 
-Image queries attend to the text before them in their sample (interleaved data), so every rank
-computes the image queries' output in full (the same on every rank, up to merge order). In
-backward each rank's image gradients cover only its own text's use of the images; the cp sum at
+Replicated image queries attend to the text before them in their sample (interleaved data), so
+every rank computes their output in full (the same on every rank, up to merge order); a sharded
+image's queries are computed once, by the rank holding them. In backward each rank's image
+gradients cover only its own slots' use of the images; the cp sum at
 the image embeddings (context_parallel.py) completes them. Each algorithm keeps that contract:
 summed over ranks, its image gradients are the true ones.
 """
