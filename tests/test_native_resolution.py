@@ -27,16 +27,18 @@ from transformers import CLIPVisionConfig, CLIPVisionModel, SiglipVisionConfig, 
 
 from titan_vlm.config import ConfigError, JobConfig
 from titan_vlm.data import native_resolution
-from titan_vlm.data.batch import IGNORE_INDEX, ImageList
+from titan_vlm.data.batch import IGNORE_INDEX, ImageList, Sample, collate
+from titan_vlm.data.chat import chat_question
 from titan_vlm.data.images import NativeResolution, load_native_image
 from titan_vlm.data.jsonl import JsonlDataset
 from titan_vlm.data.tokenizer import ByteTokenizer
+from titan_vlm.generate import ask_builtin
 from titan_vlm.models.flavors import VLMArgs, get_flavor
 from titan_vlm.models.hf_adapter import hf_names
 from titan_vlm.models.hf_config import vision_args_from_hf
 from titan_vlm.models.vit import ViT
 from titan_vlm.models.vlm import VLM
-from titan_vlm.parallel.context_parallel import vision_images_per_rank
+from titan_vlm.parallel.context_parallel import shard_batch, vision_images_per_rank
 from titan_vlm.parallel_dims import ParallelDims
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -264,6 +266,23 @@ def test_native_resolution_keys(folder):
         native_data(folder, processor=object())
 
 
+def test_generate_asks_about_an_image_at_its_own_size(folder):
+    """generate's greedy decoding with a native-resolution image: its first answer id is the
+    argmax of one forward of the same prompt collated as a batch (the ImageList path)."""
+    torch.manual_seed(0)
+    model = VLM(get_flavor("debug")).eval()
+    native = NativeResolution(PIXELS, 8, 32, model.image_tokens)
+    image = load_native_image(folder / "wide.png", native)
+    tok = ByteTokenizer()
+    _, ids = ask_builtin(model, image, "Which?", 3, tok, chat=True, native=native)
+    prefix = chat_question(image, "Which?", tok)
+    batch = collate([[Sample(prefix)]], Sample(prefix).num_slots(native), native, 32, tok.PAD)
+    assert isinstance(batch.images, ImageList) and batch.images.sizes() == [(24, 72)]
+    tokens, _, layout = shard_batch(batch, None)
+    with torch.no_grad():
+        assert int(model(batch.images, tokens, layout)[0, -1].argmax()) == ids[0]
+
+
 # -- CP parity of a batch of mixed sizes (dist_checks.special_rows("native")) -----------------
 
 CASES = {
@@ -275,6 +294,9 @@ CASES = {
     "broadcast-split": dict(vision="broadcast"),
     "shard-auto-cp4": dict(vision="shard", placement="auto", cp=4),
     "shard-auto-dp2xcp2": dict(vision="shard", placement="auto", dp_shard=2, batch_size=1),
+    "broadcast-split-tp2": dict(vision="broadcast", tp=2),
+    # a CLIP-shaped tower (class token, its position interpolated around, then dropped)
+    "shard-auto-hf-features": dict(vision="shard", placement="auto", hf_features=True),
 }
 
 
@@ -322,6 +344,7 @@ def test_train_script_on_mixed_sizes_and_a_video(folder, tmp_path):
         env={**os.environ},
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "cp=2" in out.stdout and f"images at native resolution up to {PIXELS}" in out.stdout
     steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
     assert all(torch.isfinite(torch.tensor(s["loss"])) and s["ntokens"] > 0 for s in steps)

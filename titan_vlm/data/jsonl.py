@@ -256,12 +256,18 @@ class JsonlDataset(Dataset):
 
     def describe(self) -> str:
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(self.skipped.items()))
+        native = (
+            f", images at native resolution up to {self.native.max_pixels} pixels"
+            if self.native is not None
+            else ""
+        )
         return (
             f"{self.name}: {self.records} record(s) -> {len(self.starts)} samples with "
             f"{self.num_images} "
             f"image(s) in {len(self.rows)} rows of {self.seq_len} slots "
             f"({'packed' if self.packing else 'one sample per row'}"
-            f"{', rows shuffled per epoch' if self.shuffle else ''}); "
+            f"{', rows shuffled per epoch' if self.shuffle else ''}"
+            f"{native}); "
             f"skipped {self.bad_at_startup}{f' ({kinds})' if kinds else ''}, "
             f"truncated {self.truncated}"
         )

@@ -91,7 +91,7 @@ class VisionLanguageModel(nn.Module, ABC):
     @property
     @abstractmethod
     def tokens_per_image(self) -> int:
-        """Embeddings (image slots) per image."""
+        """Embeddings (image slots) per image of the native size (`image_tokens` of any other)."""
 
     @property
     @abstractmethod
