@@ -65,7 +65,10 @@ class ViTBlock(nn.Module):
         self.fc2 = nn.Linear(a.mlp_dim, a.dim)
 
     def forward(self, x: torch.Tensor, plan: PackedPlan | None = None) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), plan)
+        # the fixed-size path calls attn with x alone: sequence parallelism's input plan for
+        # it (tensor_parallel._block_plan) names one input
+        normed = self.norm1(x)
+        x = x + (self.attn(normed) if plan is None else self.attn(normed, plan))
         return x + self.fc2(self.act(self.fc1(self.norm2(x))))
 
 
