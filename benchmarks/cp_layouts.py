@@ -54,7 +54,7 @@ from titan_vlm.metrics import SavedForBackward
 from titan_vlm.models.accounting import layout_cost
 from titan_vlm.models.flavors import get_flavor
 from titan_vlm.models.vlm import VLM
-from titan_vlm.parallel.context_parallel import CPOptions, vision_images_per_rank
+from titan_vlm.parallel.context_parallel import CPOptions, image_shard_sizes
 from titan_vlm.parallel_dims import MESH_DIMS, Mesh
 from titan_vlm.step import forward_backward
 
@@ -143,7 +143,8 @@ def place(
         else:
             rows = Rows(rows.doc.reshape(1, -1), rows.image.reshape(1, -1))
     n_images = len(torch.unique(rows.image[rows.image >= 0]))
-    encoded = vision_images_per_rank(n_images, cp, "shard")
+    # every image has the model's size here: each rank's ViT work is its share of the images
+    encoded = [float(n) for n in image_shard_sizes([1] * n_images, cp)]
     return build_layout(
         rows.doc, rows.image, cp, 0, False, 1, placement, cost, encoded, image_tokens
     )[1]

@@ -66,7 +66,7 @@ def worker(rank: int, cp: int, results, flavor: str) -> None:
         encoded = {
             "replicate": n,
             "broadcast": n if rank == 0 else 0,
-            "shard": image_shard_sizes(n, cp)[rank],
+            "shard": image_shard_sizes([1] * n, cp)[rank],
         }[mode]
         most = torch.tensor(encoded)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)

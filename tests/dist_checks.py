@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 from titan_vlm.config import JobConfig, Training
 from titan_vlm.data.batch import IGNORE_INDEX, Batch, Sample, collate
+from titan_vlm.data.images import NativeResolution
 from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.distributed import local_tensor
 from titan_vlm.layout import LayoutCost, SeqLayout
@@ -69,7 +70,8 @@ def special_rows(name: str, seq_len: int, seed: int = 0) -> Batch:
     "mixed": samples with 0, 1 and 3 images, an image in the middle and one at the end of its
     text; "no_image": text-only samples; "half_images": a text-only row and a row with images;
     "one_rank_images": a long sample whose two images sit inside its first text chunk, i.e.
-    among one CP rank's text at cp=2 and cp=4."""
+    among one CP rank's text at cp=2 and cp=4; "native": the "mixed" kinds with six images of
+    different sizes (an ImageList: native resolution, 6 to 16 slots each)."""
     args = get_flavor("debug")
     data = SyntheticCaptions(
         args.vision.image_size, args.tokens_per_image, seq_len, seed, sentences_per_image=2
@@ -79,6 +81,9 @@ def special_rows(name: str, seq_len: int, seed: int = 0) -> Batch:
 
     def image() -> torch.Tensor:
         return data.random_image(rng, 1)[0]
+
+    def sized(h: int, w: int) -> torch.Tensor:
+        return torch.rand(3, h, w, generator=torch.Generator().manual_seed(h * 97 + w)) * 2 - 1
 
     def text(n: int, bos: bool = False, eos: bool = False) -> list[int]:
         return enc("".join(rng.choice("abcdefgh ") for _ in range(n)), bos=bos, eos=eos)
@@ -125,6 +130,26 @@ def special_rows(name: str, seq_len: int, seed: int = 0) -> Batch:
                 Sample([text(9, True, True)]),
             ],
         ]
+    elif name == "native":  # images of mixed sizes (native resolution), packed, interleaved
+        rows = [
+            [
+                Sample([sized(16, 40), text(20, True, True)]),
+                Sample([text(9, True, True)]),
+                Sample(
+                    [
+                        *(text(4, True), sized(24, 24), text(7), sized(32, 32)),
+                        *(text(5), sized(8, 48), text(6, eos=True)),
+                    ]
+                ),
+            ],
+            [
+                Sample([text(11, True), sized(40, 16), text(23, eos=True)]),
+                Sample([text(6, True), sized(24, 16)]),
+                Sample([text(30, True, True)]),
+            ],
+        ]
+        rule = NativeResolution(2 * 32 * 32, 8, args.vision.image_size, args.image_tokens)
+        return collate(rows, seq_len, rule, args.vision.image_size, data.tokenizer.PAD)
     elif name == "one_rank_images":
         rows = [
             [Sample([text(2, True), image(), text(1), image(), text(70, eos=True)])],

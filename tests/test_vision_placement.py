@@ -2,6 +2,7 @@
 reproduces one process, with rows of 0, 1 and 5 images, including ranks that encode no image."""
 
 import pytest
+import torch
 from test_parity import GRAD_TOL, mismatches, report
 
 from titan_vlm.parallel.context_parallel import image_shard_sizes
@@ -35,11 +36,24 @@ def test_every_vision_placement_matches_single_process(pool, vision, cp, images)
 
 
 def test_shard_mode_leaves_ranks_without_images():
-    """The case the parity test above covers at cp=4 with one image per row (2 images, 4 ranks)."""
-    assert image_shard_sizes(2, 4) == [1, 1, 0, 0]
-    assert image_shard_sizes(10, 4) == [3, 3, 3, 1]
-    assert image_shard_sizes(0, 2) == [0, 0]
-    assert max(image_shard_sizes(10, 4)) == -(-10 // 4)  # nobody encodes more than ceil(n/P)
+    """The case the parity test above covers at cp=4 with one image per row (2 images, 4 ranks).
+    Images of one size split as torch.chunk (DTensor Shard(0)) does."""
+    assert image_shard_sizes([16] * 2, 4) == [1, 1, 0, 0]
+    assert image_shard_sizes([16] * 10, 4) == [3, 3, 3, 1]
+    assert image_shard_sizes([], 2) == [0, 0]
+    for n in range(12):
+        for cp in (2, 3, 4):
+            chunks = [len(c) for c in torch.arange(n).chunk(cp)]
+            assert image_shard_sizes([1] * n, cp) == chunks + [0] * (cp - len(chunks))
+
+
+def test_shard_mode_balances_patches_in_contiguous_ranges():
+    """Images of different sizes: contiguous ranges in batch order, the busiest rank's patches
+    as few as any contiguous split allows."""
+    assert image_shard_sizes([64, 4, 4, 4, 4, 16], 2) == [1, 5]  # 64 | 32
+    assert image_shard_sizes([4, 4, 4, 4, 64], 2) == [4, 1]
+    assert image_shard_sizes([10, 10, 10, 30], 2) == [3, 1]
+    assert image_shard_sizes([30, 1, 1, 1], 4) == [1, 3, 0, 0]  # greedy fill of the best budget
 
 
 @pytest.mark.parametrize("vision", MODES)

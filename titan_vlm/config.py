@@ -145,10 +145,13 @@ class Data:
     """Images larger than this (pixels, read from their header) are bad samples."""
     native_resolution_pixels: int = 0
     """0: every image is resized to the model's square input (vision image_size), so each takes
-    the same number of slots. N > 0: each image keeps its aspect ratio, resized to at most N
-    pixels with both sides multiples of the ViT's patch size (at least one patch), so its slot
-    count follows its size; the ViT's position embeddings are interpolated to each grid. Only 0
-    is supported yet (N > 0 is an error)."""
+    the same number of slots. N > 0 (a dataset file's images and video frames): each keeps its
+    aspect ratio, resized (bicubic) by min(1, sqrt(N / pixels)) with each side rounded down to a
+    multiple of the ViT's patch size (at least one patch), so H x W <= N and no image is
+    upscaled except to one patch a side; its slots are the ViT's tokens of that grid, and the
+    ViT's position embeddings are interpolated to it (bicubic, as transformers'
+    interpolate_pos_encoding). At least one patch (patch_size^2); not with model.hf_path (its
+    image processor fixes the size), compile.enable or sequence parallelism."""
     max_frames: int = 8
     """A dataset line's "video" (a list of frame files): at most this many frames, sampled
     evenly from first to last; each frame is an image of the sample, in order."""

@@ -20,7 +20,10 @@ them (`--template`, default auto):
            trained on the built-in data
   chat     `BOS USER: [image]\\n<prompt> ASSISTANT:` and the answer (data/chat.py's chat template,
            LLaVA's layout); auto picks it for a --prompt to a model trained on a .json / .jsonl file
-until EOS or --max-new-tokens.
+until EOS or --max-new-tokens. A built-in model trained with data.native_resolution_pixels > 0 is
+asked about the image at its own aspect ratio, sized as its training images were
+(data/images.py NativeResolution; a Hugging Face folder refuses that key, its processor fixes the
+size).
 
 `--print-ids` prints the generated token ids (the end-of-sequence id included, as transformers'
 output has it), space-separated, as the last line.
@@ -35,10 +38,10 @@ from pathlib import Path
 
 import torch
 
-from titan_vlm.data.batch import Part, Sample, collate
+from titan_vlm.data.batch import Part, Sample, SlotRule, collate
 from titan_vlm.data.chat import chat_question
 from titan_vlm.data.hf_processor import ChatError, HFProcessor, chat_prompt
-from titan_vlm.data.images import load_image
+from titan_vlm.data.images import NativeResolution, load_image, load_native_image
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 from titan_vlm.errors import ConfigError, UserError
 from titan_vlm.models.spec import VisionLanguageModel
@@ -55,16 +58,19 @@ def greedy(
     max_new_tokens: int,
     pad_id: int,
     image_id: int | None = None,
+    native: NativeResolution | None = None,
 ) -> list[int]:
     """The greedy continuation of `prefix` (text ids and at most one image, data/batch.py parts):
-    its token ids up to and including the first id in `eos`, or `max_new_tokens` of them."""
+    its token ids up to and including the first id in `eos`, or `max_new_tokens` of them.
+    `native`: the image is at its native-resolution size (data.native_resolution_pixels > 0),
+    whose image_tokens give its slots; None: it has the model's size."""
     images = [p for p in prefix if isinstance(p, torch.Tensor) and p.ndim == 3]
     embeds = model.encode_images(torch.stack(images))  # computed once
-    tpi = model.tokens_per_image
+    slots: SlotRule = model.tokens_per_image if native is None else native
     out: list[int] = []
     while len(out) < max_new_tokens:
         row = Sample(prefix + [list(out)] if out else prefix)
-        batch = collate([[row]], row.num_slots(tpi), tpi, model.image_size, pad_id, image_id)
+        batch = collate([[row]], row.num_slots(slots), slots, model.image_size, pad_id, image_id)
         tokens, _, layout = shard_batch(
             batch, None, bidirectional_images=model.bidirectional_images
         )
@@ -82,14 +88,15 @@ def ask_builtin(
     max_new_tokens: int,
     tok: ByteTokenizer | HFTokenizer,
     chat: bool,
+    native: NativeResolution | None = None,
 ) -> tuple[str, list[int]]:
     """A built-in model's answer and its ids: the greedy continuation of `prompt` after `image`
     ([3, H, W] in [-1, 1]); `chat`: the answer to `prompt` asked about `image` in the chat
-    template (see the module docstring)."""
+    template (see the module docstring). `native`: as `greedy`'s."""
     prefix: list[Part] = (
         chat_question(image, prompt, tok) if chat else [image, tok.encode(prompt, eos=False)]
     )
-    ids = greedy(model, prefix, {tok.EOS}, max_new_tokens, tok.PAD)
+    ids = greedy(model, prefix, {tok.EOS}, max_new_tokens, tok.PAD, native=native)
     return tok.decode([i for i in ids if i != tok.EOS]), ids
 
 
@@ -141,8 +148,10 @@ def ask_hf(
 
 def main(argv: list[str] | None = None) -> None:
     from titan_vlm.checkpoint import load_model_for_inference
+    from titan_vlm.data import native_resolution
     from titan_vlm.data.tokenizer import build_tokenizer
     from titan_vlm.models.hf_export import hf_config, load_hf_model
+    from titan_vlm.models.registry import get_model_spec
 
     parser = argparse.ArgumentParser(description="Ask a model about an image (greedy decoding).")
     source = parser.add_mutually_exclusive_group(required=True)
@@ -188,12 +197,19 @@ def main(argv: list[str] | None = None) -> None:
         else:
             if opts.raw_prompt:
                 raise ConfigError("--raw-prompt is for models from a Hugging Face folder")
-            image = load_image(opts.image, model.image_size)
+            native = native_resolution(cfg, get_model_spec(cfg.model.name).args(cfg))
+            image = (
+                load_image(opts.image, model.image_size)
+                if native is None
+                else load_native_image(opts.image, native)
+            )
             tok = build_tokenizer(cfg.model.tokenizer_path)
             chat = opts.template == "chat" or (
                 opts.template == "auto" and bool(opts.prompt) and cfg.data.dataset != "synthetic"
             )
-            answer, ids = ask_builtin(model, image, opts.prompt, opts.max_new_tokens, tok, chat)
+            answer, ids = ask_builtin(
+                model, image, opts.prompt, opts.max_new_tokens, tok, chat, native
+            )
             print(answer.strip() if chat else opts.prompt + answer)
     except (UserError, ChatError, FileNotFoundError) as e:  # CheckpointError too: one line
         sys.exit(f"error: {e}")

@@ -166,11 +166,30 @@ class ParallelDims:
                     f"model.attention_kernel={kernel} needs training.mixed_precision = 'bf16'"
                 )
         comm = cfg.parallelism.cp_comm_type
-        if cfg.data.native_resolution_pixels:
-            raise ConfigError(
-                "data.native_resolution_pixels is not supported yet: every image is resized to "
-                f"the ViT's {vlm.vision.image_size}x{vlm.vision.image_size} input (set it to 0)"
-            )
+        native = cfg.data.native_resolution_pixels
+        if native:
+            patch = vlm.vision.patch_size
+            if cfg.model.hf_path:
+                # a LLaVA folder's image processor fixes every image's size (and so its <image>
+                # expansion): the folder's preprocessing would no longer be transformers'
+                raise ConfigError(
+                    "data.native_resolution_pixels > 0 does not combine with model.hf_path: the "
+                    "folder's image processor fixes every image's size (set it to 0)"
+                )
+            if native < patch * patch:
+                raise ConfigError(
+                    f"data.native_resolution_pixels={native} is less than one {patch}x{patch} "
+                    "patch of the ViT"
+                )
+            for key, on in (
+                ("compile.enable", cfg.compile.enable),
+                ("parallelism.enable_sequence_parallel", cfg.parallelism.enable_sequence_parallel),
+            ):
+                if on:
+                    raise ConfigError(
+                        f"data.native_resolution_pixels > 0 does not combine with {key} yet (the "
+                        "ViT packs images of different sizes into one sequence)"
+                    )
         self._validate_tp(cfg, vlm)
         local_heads = dec.n_heads // self.tp  # after TP: the heads the a2a splits over cp
         if comm == "a2a" and local_heads % self.cp:

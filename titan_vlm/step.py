@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_vlm.data.batch import IGNORE_INDEX, Batch
+from titan_vlm.data.batch import IGNORE_INDEX, Batch, image_sizes
 from titan_vlm.distributed import dist_sum
 from titan_vlm.layout import SeqLayout
 from titan_vlm.models.spec import VisionLanguageModel
@@ -130,8 +130,14 @@ def check_same_batch(batch: Batch, rows_mesh: DeviceMesh, step: int) -> None:
     same error on every rank instead."""
     if rows_mesh.size() == 1:
         return
+    pixels = sum(h * w for h, w in image_sizes(batch.images))
     mine = torch.tensor(
-        [batch.images.shape[0], int((batch.doc >= 0).sum()), int(batch.tokens.sum())],
+        [
+            len(image_sizes(batch.images)),
+            pixels,
+            int((batch.doc >= 0).sum()),
+            int(batch.tokens.sum()),
+        ],
         dtype=torch.long,
         device=batch.tokens.device,
     )
@@ -141,5 +147,6 @@ def check_same_batch(batch: Batch, rows_mesh: DeviceMesh, step: int) -> None:
     if not bool((everyone == everyone[0]).all()):
         raise RuntimeError(
             f"step {step}: the CP/TP ranks that share rows built different batches (images, "
-            f"slots, token sum per rank: {everyone.tolist()}); a data error on some ranks only?"
+            f"their pixels, slots, token sum per rank: {everyone.tolist()}); a data error on "
+            "some ranks only?"
         )

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from titan_vlm.config import JobConfig
     from titan_vlm.data.dataset import Dataset
     from titan_vlm.data.hf_processor import HFProcessor
+    from titan_vlm.data.images import NativeResolution
     from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
     from titan_vlm.models.flavors import VLMArgs
 
@@ -86,4 +87,17 @@ def build_dataset(
         log_batches=log_batches,
         processor=processor,
         max_frames=d.max_frames,
+        native=native_resolution(cfg, args),
     )
+
+
+def native_resolution(cfg: JobConfig, args: VLMArgs) -> NativeResolution | None:
+    """data.native_resolution_pixels' geometry for this model (None: 0, every image at the
+    model's size): the ViT's patch size and native side, and VLMArgs.image_tokens as the one
+    slot rule."""
+    from titan_vlm.data.images import NativeResolution
+
+    n = cfg.data.native_resolution_pixels
+    if not n:
+        return None
+    return NativeResolution(n, args.vision.patch_size, args.vision.image_size, args.image_tokens)

@@ -1,8 +1,10 @@
 """Samples, packing, and the batch the trainer consumes.
 
 A `Sample` is text and images in reading order. Rows of `seq_len` slots hold one sample
-(`data.packing = false`) or several packed back to back (`true`); an image takes
-`tokens_per_image` consecutive slots. A `Batch` describes every slot of its rows (see
+(`data.packing = false`) or several packed back to back (`true`); an image takes consecutive
+slots, as many as the slot rule says (`SlotRule`: `tokens_per_image` for every image, or with
+data.native_resolution_pixels > 0 VLMArgs.image_tokens of the size it enters the ViT at). A
+`Batch` describes every slot of its rows (see
 layout.py for what the metadata means to attention):
 
     slot:    [img 0 .. img 0][BOS t h r e e ...][BOS l o o k :][img 1 .. img 1][ t w o ...]......
@@ -25,6 +27,8 @@ from pathlib import Path
 import torch
 from typing_extensions import TypeIs
 
+from titan_vlm.data.images import NativeResolution
+
 IGNORE_INDEX = -100
 
 
@@ -34,9 +38,79 @@ class Prompt(list[int]):
 
 @dataclass(frozen=True)
 class ImageRef:
-    """An image part before decoding: its file (a dataset file's record, data/records.py)."""
+    """An image part before decoding: its file (a dataset file's record, data/records.py), and
+    with data.native_resolution_pixels > 0 the (height, width) it will enter the ViT at, from its
+    header (NativeResolution.size_of); None: the model's native square size."""
 
     path: Path
+    size: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class ImageList:
+    """A batch's images when they are not all at the model's native square size
+    (data.native_resolution_pixels > 0): `tensors`, each [C, h, w] (h, w multiples of the patch
+    size), in batch order (rows in order, each in reading order). Never empty: an empty
+    selection is the empty [0, C, S, S] tensor of the fixed-size path (`__getitem__`).
+    `native`: the geometry they were fitted by; its native patch count is the unit of
+    `vit_work`."""
+
+    tensors: tuple[torch.Tensor, ...]
+    native: NativeResolution
+
+    def __post_init__(self) -> None:
+        if not self.tensors:
+            raise ValueError("ImageList: no images (an empty batch is a [0, C, S, S] tensor)")
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __getitem__(self, index: slice) -> Images:
+        """The images `index` selects, in order; none: an empty [0, C, S, S] tensor (S the
+        native size) on their device."""
+        picked = self.tensors[index]
+        if picked:
+            return ImageList(picked, self.native)
+        first, s = self.tensors[0], self.native.image_size
+        return first.new_zeros((0, first.shape[0], s, s))
+
+    def to(self, device: torch.device | str) -> ImageList:
+        return ImageList(tuple(t.to(device) for t in self.tensors), self.native)
+
+    def sizes(self) -> list[tuple[int, int]]:
+        """(height, width) of each image, in order."""
+        return [(t.shape[1], t.shape[2]) for t in self.tensors]
+
+
+# A batch's images in batch order: one [n, C, S, S] tensor when every image has the model's
+# native size S (always with data.native_resolution_pixels = 0; n may be 0), else an ImageList.
+Images = torch.Tensor | ImageList
+
+
+def num_images(images: Images) -> int:
+    return images.shape[0] if isinstance(images, torch.Tensor) else len(images)
+
+
+def image_sizes(images: Images) -> list[tuple[int, int]]:
+    """(height, width) of each image of a batch, in batch order."""
+    if isinstance(images, ImageList):
+        return images.sizes()
+    return [(images.shape[2], images.shape[3])] * images.shape[0]
+
+
+def vit_work(images: Images) -> list[float]:
+    """Each image's ViT work in native-image units: its patches / the patches of an image at the
+    model's native size (1.0 for every image of a tensor batch, whose images have that size)."""
+    if isinstance(images, torch.Tensor):
+        return [1.0] * images.shape[0]
+    native = images.native
+    return [native.patches(h, w) / native.native_patches for h, w in images.sizes()]
+
+
+# How many slots an image takes: an int, the same for every image (each at the model's native
+# size), or the native-resolution geometry, whose `image_tokens` of the size the image enters the
+# ViT at (a decoded image's shape, an ImageRef's size) is the count.
+SlotRule = int | NativeResolution
 
 
 # Token ids (a plain list is trained text, a Prompt is context), or one image: a [3, H, W] tensor
@@ -48,24 +122,40 @@ def is_image(part: Part) -> TypeIs[torch.Tensor | ImageRef]:
     return not isinstance(part, list)
 
 
+def image_slots(part: torch.Tensor | ImageRef, rule: SlotRule) -> int:
+    """The slots one image part takes under `rule` (SlotRule)."""
+    if isinstance(rule, int):
+        return rule
+    if isinstance(part, torch.Tensor):
+        return rule.image_tokens(part.shape[1], part.shape[2])
+    if part.size is None:
+        raise ValueError(f"{part.path}: an image whose size was not read (native resolution)")
+    return rule.image_tokens(*part.size)
+
+
+def part_slots(part: Part, rule: SlotRule) -> int:
+    return image_slots(part, rule) if is_image(part) else len(part)
+
+
 @dataclass
 class Sample:
     """One sample in reading order."""
 
     parts: list[Part]
 
-    def num_slots(self, tokens_per_image: int) -> int:
-        return sum(tokens_per_image if is_image(p) else len(p) for p in self.parts)
+    def num_slots(self, rule: SlotRule) -> int:
+        """Slots the sample takes, its images' under `rule` (SlotRule)."""
+        return sum(part_slots(p, rule) for p in self.parts)
 
     def num_images(self) -> int:
         return sum(is_image(p) for p in self.parts)
 
-    def truncated(self, max_slots: int, tokens_per_image: int) -> Sample:
+    def truncated(self, max_slots: int, rule: SlotRule) -> Sample:
         """The first `max_slots` slots: text is cut, an image that no longer fits is dropped with
         everything after it (an image is never cut)."""
         parts, left = [], max_slots
         for p in self.parts:
-            size = tokens_per_image if is_image(p) else len(p)
+            size = part_slots(p, rule)
             if size <= left:
                 parts.append(p)
                 left -= size
@@ -78,9 +168,7 @@ class Sample:
 
 @dataclass
 class Batch:
-    images: (
-        torch.Tensor
-    )  # [n, 3, H, W]: every image of the batch, rows in order, each in reading order
+    images: Images  # every image of the batch, rows in order, each in reading order
     tokens: torch.Tensor  # [B, S] input ids (image slots hold the image id, padding the pad id)
     labels: torch.Tensor  # [B, S] next-token targets, IGNORE_INDEX where there is no loss
     doc: torch.Tensor  # [B, S] sample index within the row, -1 for padding
@@ -88,7 +176,8 @@ class Batch:
 
     def to(self, device: torch.device | str) -> Batch:
         return Batch(
-            *(t.to(device) for t in (self.images, self.tokens, self.labels, self.doc, self.image))
+            self.images.to(device),
+            *(t.to(device) for t in (self.tokens, self.labels, self.doc, self.image)),
         )
 
     @property
@@ -131,14 +220,17 @@ class Batch:
 def collate(
     rows: list[list[Sample]],
     seq_len: int,
-    tokens_per_image: int,
+    tokens_per_image: SlotRule,
     image_size: int,
     pad_id: int,
     image_id: int | None = None,
 ) -> Batch:
-    """Rows of samples (each row's samples must fit in seq_len slots) into one Batch. Image slots
-    hold `image_id` (default: the pad id); the decoder never reads it (the image embeddings take
-    those slots), it only makes dumps readable, as LLaVA's <image> token does."""
+    """Rows of samples (each row's samples must fit in seq_len slots) into one Batch; each image
+    takes the slots `tokens_per_image` (a SlotRule) gives it. Image slots hold `image_id`
+    (default: the pad id); the decoder never reads it (the image embeddings take those slots),
+    it only makes dumps readable, as LLaVA's <image> token does. The images are one
+    [n, 3, S, S] tensor when all have the native size S = `image_size` (always under an int
+    rule), else an ImageList (the rule is then a NativeResolution)."""
     n = len(rows)
     tokens = torch.full((n, seq_len), pad_id, dtype=torch.long)
     context = torch.zeros((n, seq_len), dtype=torch.bool)  # Prompt slots: never a target
@@ -155,11 +247,12 @@ def collate(
             doc[b, at : at + size] = d
             for part in sample.parts:
                 if isinstance(part, torch.Tensor):
-                    image[b, at : at + tokens_per_image] = len(images)
+                    slots = image_slots(part, tokens_per_image)
+                    image[b, at : at + slots] = len(images)
                     if image_id is not None:
-                        tokens[b, at : at + tokens_per_image] = image_id
+                        tokens[b, at : at + slots] = image_id
                     images.append(part)
-                    at += tokens_per_image
+                    at += slots
                 elif isinstance(part, list):
                     tokens[b, at : at + len(part)] = torch.tensor(part, dtype=torch.long)
                     context[b, at : at + len(part)] = isinstance(part, Prompt)
@@ -169,12 +262,15 @@ def collate(
     is_text = (doc >= 0) & (image < 0)
     follows = is_text[:, :-1] & is_text[:, 1:] & (doc[:, :-1] == doc[:, 1:]) & ~context[:, 1:]
     labels[:, :-1] = torch.where(follows, tokens[:, 1:], IGNORE_INDEX)
-    stacked = torch.stack(images) if images else torch.zeros(0, 3, image_size, image_size)
-    return Batch(stacked, tokens, labels, doc, image)
+    native = all(p.shape[1:] == (image_size, image_size) for p in images)
+    if native or isinstance(tokens_per_image, int):
+        stacked = torch.stack(images) if images else torch.zeros(0, 3, image_size, image_size)
+        return Batch(stacked, tokens, labels, doc, image)
+    return Batch(ImageList(tuple(images), tokens_per_image), tokens, labels, doc, image)
 
 
 def pack(
-    samples: Iterable[Sample], seq_len: int, tokens_per_image: int, max_skips: int = 8
+    samples: Iterable[Sample], seq_len: int, tokens_per_image: SlotRule, max_skips: int = 8
 ) -> list[Sample]:
     """One row's samples from a stream: take them in order while they fit; one that does not
     fit is skipped (up to `max_skips` times, so shorter ones can fill the gap). A first sample

@@ -17,7 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Set
 
-from titan_vlm.data.batch import Batch, Sample, collate
+from titan_vlm.data.batch import Batch, Sample, SlotRule, collate
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 
 
@@ -30,10 +30,13 @@ def batch_rows(step: int, dp_rank: int, dp_size: int, batch_size: int) -> range:
 class Dataset(ABC):
     """Rows of `seq_len` slots, read a batch at a time. Counters the trainer's metrics report:
     `bad_at_startup` (samples left out before training), `truncated` (samples cut to seq_len),
-    `dropped` (the sample numbers this process left out of its batches)."""
+    `dropped` (the sample numbers this process left out of its batches). `slots`: how many slots
+    each image takes (data/batch.py SlotRule: `tokens_per_image`, or under native resolution the
+    geometry whose image_tokens rule sizes each image)."""
 
     seq_len: int
     tokens_per_image: int
+    slots: SlotRule
     image_size: int
     tokenizer: ByteTokenizer | HFTokenizer
     bad_at_startup: int
@@ -53,7 +56,7 @@ class Dataset(ABC):
         return collate(
             self.read(batch_rows(step, dp_rank, dp_size, batch_size)),
             self.seq_len,
-            self.tokens_per_image,
+            self.slots,
             self.image_size,
             self.tokenizer.PAD,
             self.tokenizer.IMAGE,

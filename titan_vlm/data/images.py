@@ -1,15 +1,17 @@
 """Image files into the model's input: the one place training data and generate decode images.
 
-Two preprocessings: `load_image` (the built-in models: SigLIP-style, square resize to the model's
-size, values in [-1, 1]) and `ImageProcessing` (a Hugging Face model folder's image processor
-settings, data/hf_processor.py), which computes what transformers' PIL image processors compute."""
+Three preprocessings: `load_image` (the built-in models: SigLIP-style, square resize to the model's
+size, values in [-1, 1]), `load_native_image` (the same, but each image keeps its aspect ratio at
+a size `NativeResolution.fit` chooses: data.native_resolution_pixels > 0) and `ImageProcessing`
+(a Hugging Face model folder's image processor settings, data/hf_processor.py), which computes
+what transformers' PIL image processors compute."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from math import ceil
+from math import ceil, floor, sqrt
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,6 +62,71 @@ def load_image(path: str | Path, size: int, max_pixels: int | None = None) -> to
             rgb = rgb.resize((size, size), Image.Resampling.BICUBIC)
         pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(size, size, 3)
     return pixels.permute(2, 0, 1).float() / 255 * 2 - 1
+
+
+@dataclass(frozen=True)
+class NativeResolution:
+    """data.native_resolution_pixels = `max_pixels` > 0: each image keeps its aspect ratio and
+    enters the ViT at `fit(height, width)`, a grid of whole `patch_size`-pixel patches, and takes
+    `image_tokens(h, w)` slots (VLMArgs.image_tokens: the data's, the batch's and the model's one
+    rule). `image_size`: the ViT's native square side (its learned position grid), the unit of
+    the CP cost model's ViT work (`native_patches`)."""
+
+    max_pixels: int
+    patch_size: int
+    image_size: int
+    image_tokens: Callable[[int, int], int]
+
+    def fit(self, height: int, width: int) -> tuple[int, int]:
+        """(H, W) for an image of height x width pixels: the aspect ratio kept, scaled by
+        s = min(1, sqrt(max_pixels / (height * width))), each side rounded DOWN to a multiple of
+        the patch size and at least one patch. So H * W <= max_pixels always (a side clamped to
+        one patch takes the other side's room: the other is cut to max_pixels // patch^2
+        patches), an image is never upscaled except to reach one patch per side, and one that
+        already fits is only cut down to whole patches (unlike Qwen2-VL's smart_resize, which
+        rounds to the nearest multiple and upscales to a minimum)."""
+        p, n = self.patch_size, self.max_pixels
+        if n < p * p:
+            raise ValueError(f"data.native_resolution_pixels={n} is less than one {p}x{p} patch")
+        s = min(1.0, sqrt(n / (height * width)))
+        rows, cols = max(1, floor(height * s / p)), max(1, floor(width * s / p))
+        most = n // (p * p)  # patches an image may have
+        if rows * cols > most:  # only a side clamped to one patch can overshoot
+            rows, cols = (1, min(cols, most)) if rows == 1 else (min(rows, most), 1)
+        return rows * p, cols * p
+
+    def patches(self, height: int, width: int) -> int:
+        """Patches of an image that enters the ViT at height x width pixels."""
+        return (height // self.patch_size) * (width // self.patch_size)
+
+    @property
+    def native_patches(self) -> int:
+        """Patches of an image at the ViT's native square size (the ViT-work unit)."""
+        return self.patches(self.image_size, self.image_size)
+
+    def size_of(self, path: str | Path, max_pixels: int | None = None) -> tuple[int, int]:
+        """(H, W) the image file enters the ViT at, from its header alone (`open_image`:
+        ImageTooLarge above `max_pixels`, Pillow's errors pass through)."""
+        with open_image(path, max_pixels) as img:
+            width, height = img.size
+        return self.fit(height, width)
+
+
+def load_native_image(
+    path: str | Path, native: NativeResolution, max_pixels: int | None = None
+) -> torch.Tensor:
+    """An image file as a [3, H, W] tensor in [-1, 1] (as `load_image`), at (H, W) =
+    `native.fit` of its size: its aspect ratio kept, resized with bicubic resampling (not at
+    all when it already has that size)."""
+    from PIL import Image
+
+    with open_image(path, max_pixels) as img:
+        height, width = native.fit(img.size[1], img.size[0])
+        rgb = img.convert("RGB")
+        if rgb.size != (width, height):
+            rgb = rgb.resize((width, height), Image.Resampling.BICUBIC)
+        pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)
+    return pixels.view(height, width, 3).permute(2, 0, 1).float() / 255 * 2 - 1
 
 
 @dataclass(frozen=True)

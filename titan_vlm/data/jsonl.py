@@ -31,6 +31,13 @@ cannot be decoded or has more than `data.max_image_pixels` pixels (read from its
 frames are images) is found when its batch is built, and its sample is left out of that row (the
 same way on every read, so runs stay deterministic; a rank whose whole batch is left out gets one
 untrained padding token, so it still runs the step).
+
+Native resolution (`native`, data.native_resolution_pixels > 0): each image keeps its aspect
+ratio at the size NativeResolution.fit gives its header's size, and takes that size's
+image_tokens slots. So the start-up reads every image's (and kept frame's) header (not its
+pixels) to size the samples, and an image whose header Pillow cannot read or that is larger than
+data.max_image_pixels is a bad sample at start-up; a batch reads the headers again (the same
+sizes, the file unchanged) and decodes at those sizes.
 """
 
 from __future__ import annotations
@@ -44,10 +51,10 @@ from typing import TYPE_CHECKING, BinaryIO
 import torch
 
 from titan_vlm.data.bad_samples import BadSampleLog
-from titan_vlm.data.batch import ImageRef, Part, Prompt, Sample
+from titan_vlm.data.batch import ImageRef, Part, Prompt, Sample, SlotRule
 from titan_vlm.data.dataset import Dataset, batch_rows
 from titan_vlm.data.hf_processor import HFProcessor
-from titan_vlm.data.images import ImageTooLarge, load_image
+from titan_vlm.data.images import ImageTooLarge, NativeResolution, load_image, load_native_image
 from titan_vlm.data.json_spans import FORMATS, record_spans
 from titan_vlm.data.records import BadSample, decode_record, parse_record
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
@@ -64,7 +71,16 @@ def validate_data_config(data: Data) -> None:
     if data.max_image_pixels < 1:
         raise ConfigError(f"data.max_image_pixels must be >= 1, got {data.max_image_pixels}")
     _check_max_frames(data.max_frames)
+    if data.native_resolution_pixels < 0:
+        raise ConfigError(
+            f"data.native_resolution_pixels must be >= 0, got {data.native_resolution_pixels}"
+        )
     if data.dataset == "synthetic":
+        if data.native_resolution_pixels:
+            raise ConfigError(
+                "data.native_resolution_pixels is for a dataset file's images: the synthetic "
+                "data draws every image at the model's size (set it to 0)"
+            )
         return
     path = Path(data.dataset)
     if path.suffix not in FORMATS:
@@ -75,6 +91,12 @@ def validate_data_config(data: Data) -> None:
         raise ConfigError(f"data.dataset: file not found: {data.dataset}")
     if data.image_root and not Path(data.image_root).is_dir():
         raise ConfigError(f"data.image_root: folder not found: {data.image_root}")
+
+
+_NATIVE_WITH_PROCESSOR = (
+    "data.native_resolution_pixels > 0 does not combine with model.hf_path: the folder's image "
+    "processor fixes every image's size (set it to 0)"
+)
 
 
 def _check_max_frames(max_frames: int) -> None:
@@ -96,7 +118,9 @@ class JsonlDataset(Dataset):
     `processor`: a Hugging Face model folder's (data/hf_processor.py): conversations in its chat
     template, images preprocessed by its image processor (its image size must be
     `image_size`); `tokenizer` must then be `processor.tokenizer`. `max_frames`: a record's video
-    is sampled to at most this many frames (data.max_frames), each one image of the sample."""
+    is sampled to at most this many frames (data.max_frames), each one image of the sample.
+    `native`: data.native_resolution_pixels > 0 (module docstring); None: every image is resized
+    to image_size x image_size and takes `tokens_per_image` slots."""
 
     def __init__(
         self,
@@ -115,8 +139,11 @@ class JsonlDataset(Dataset):
         log_batches: bool = True,
         processor: HFProcessor | None = None,
         max_frames: int = 8,
+        native: NativeResolution | None = None,
     ):
         _check_max_frames(max_frames)
+        if native is not None and processor is not None:
+            raise ConfigError(_NATIVE_WITH_PROCESSOR)
         if processor is not None and tokenizer is not processor.tokenizer:
             raise ValueError("JsonlDataset: with a processor, the tokenizer is processor.tokenizer")
         if processor is not None and processor.image_size != image_size:
@@ -130,6 +157,8 @@ class JsonlDataset(Dataset):
         self.bad = BadSampleLog(self.name, on_bad_sample)
         self.tokenizer = tokenizer
         self.image_size, self.tokens_per_image, self.seq_len = image_size, tokens_per_image, seq_len
+        self.native = native
+        self.slots: SlotRule = native if native is not None else tokens_per_image
         self.seed, self.packing, self.shuffle = seed, packing, shuffle
         self.image_root = Path(image_root) if image_root else self.path.parent
         self.max_image_pixels, self.max_frames = max_image_pixels, max_frames
@@ -158,12 +187,13 @@ class JsonlDataset(Dataset):
                     processor=processor,
                     max_frames=max_frames,
                 )
+                parts = self._sized(parts)
             except BadSample as bad:
                 self.bad.report(line, str(bad), log_startup)
                 self.skipped[bad.kind] += 1
                 continue
             sample = Sample(parts)
-            size = sample.num_slots(tokens_per_image)
+            size = sample.num_slots(self.slots)
             if size > seq_len:
                 self.bad.report(
                     line,
@@ -172,8 +202,8 @@ class JsonlDataset(Dataset):
                     action="truncated",
                 )
                 self.truncated += 1
-                sample = sample.truncated(seq_len, tokens_per_image)
-                size = sample.num_slots(tokens_per_image)
+                sample = sample.truncated(seq_len, self.slots)
+                size = sample.num_slots(self.slots)
             self.lines.append(line)
             self.starts.append(start)
             self.ends.append(end)
@@ -186,6 +216,31 @@ class JsonlDataset(Dataset):
             raise ConfigError(
                 f"data.dataset: {self.name}: no usable samples in {self.records} record(s)"
             )
+
+    def _sized(self, parts: list[Part]) -> list[Part]:
+        """`parts` with each ImageRef's size (the one it enters the ViT at) read from its header
+        under native resolution, else as they are. BadSample if a header cannot be read or says
+        the image is larger than data.max_image_pixels."""
+        if self.native is None:
+            return parts
+        out: list[Part] = []
+        for part in parts:
+            if isinstance(part, ImageRef):
+                try:
+                    part = ImageRef(
+                        part.path, self.native.size_of(part.path, self.max_image_pixels)
+                    )
+                except ImageTooLarge as e:
+                    raise BadSample(
+                        "image too large", f"image too large: {part.path} ({e})"
+                    ) from None
+                except (OSError, SyntaxError, ValueError, EOFError) as e:  # what Pillow raises
+                    raise BadSample(
+                        "image cannot be decoded",
+                        f"image cannot be decoded: {part.path} ({type(e).__name__}: {e})",
+                    ) from None
+            out.append(part)
+        return out
 
     def _pack(self, sizes: list[int]) -> list[list[int]]:
         """The packing index: rows of sample numbers in file order, none dropped."""
@@ -201,12 +256,18 @@ class JsonlDataset(Dataset):
 
     def describe(self) -> str:
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(self.skipped.items()))
+        native = (
+            f", images at native resolution up to {self.native.max_pixels} pixels"
+            if self.native is not None
+            else ""
+        )
         return (
             f"{self.name}: {self.records} record(s) -> {len(self.starts)} samples with "
             f"{self.num_images} "
             f"image(s) in {len(self.rows)} rows of {self.seq_len} slots "
             f"({'packed' if self.packing else 'one sample per row'}"
-            f"{', rows shuffled per epoch' if self.shuffle else ''}); "
+            f"{', rows shuffled per epoch' if self.shuffle else ''}"
+            f"{native}); "
             f"skipped {self.bad_at_startup}{f' ({kinds})' if kinds else ''}, "
             f"truncated {self.truncated}"
         )
@@ -230,11 +291,20 @@ class JsonlDataset(Dataset):
         return self._order(r // len(self.rows))[r % len(self.rows)]
 
     def sample(self, i: int) -> Sample:
-        """Kept sample i with its images as ImageRef (read back from the file)."""
+        """Kept sample i with its images as ImageRef (read back from the file; under native
+        resolution sized from their headers)."""
         with open(self.path, "rb") as f:
-            return self._read(f, i)
+            sample = self._read(f, i)
+        if sample is None:
+            raise ConfigError(
+                f"data.dataset: {self.name}:{self.lines[i]}: an image header cannot be read"
+            )
+        return sample
 
-    def _read(self, f: BinaryIO, i: int) -> Sample:
+    def _read(self, f: BinaryIO, i: int) -> Sample | None:
+        """Kept sample i as read back from the file, truncated as at start-up; None (reported, the
+        sample counted as dropped) if, under native resolution, an image header can no longer
+        be read."""
         f.seek(self.starts[i])
         try:
             parts = parse_record(
@@ -250,10 +320,18 @@ class JsonlDataset(Dataset):
                 f"data.dataset: {self.name}:{self.lines[i]} changed since start-up (batches read "
                 "their records back from the file)"
             ) from None
-        return Sample(parts).truncated(self.seq_len, self.tokens_per_image)
+        try:
+            parts = self._sized(parts)
+        except BadSample as bad:
+            self.bad.report(self.lines[i], str(bad), self.log_batches)
+            self.dropped.add(i)
+            return None
+        return Sample(parts).truncated(self.seq_len, self.slots)
 
-    def _decoded(self, i: int, sample: Sample) -> Sample | None:
+    def _decoded(self, i: int, sample: Sample | None) -> Sample | None:
         """The sample with its images decoded, or None (reported) if one cannot be used."""
+        if sample is None:
+            return None
         parts: list[Part] = []
         for part in sample.parts:
             if isinstance(part, ImageRef):
@@ -270,6 +348,8 @@ class JsonlDataset(Dataset):
         try:
             if self.processor is not None:
                 return self.processor.preprocess_image(ref.path, self.max_image_pixels)
+            if self.native is not None:
+                return load_native_image(ref.path, self.native, self.max_image_pixels)
             return load_image(ref.path, self.image_size, self.max_image_pixels)
         except ImageTooLarge as e:
             reason = f"image too large: {ref.path} ({e})"

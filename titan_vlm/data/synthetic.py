@@ -121,6 +121,7 @@ class SyntheticCaptions(Dataset):
     ):
         self.image_size = image_size
         self.tokens_per_image = tokens_per_image
+        self.slots = tokens_per_image  # every image at the model's size
         self.seq_len = seq_len
         self.images_per_sample = images_per_sample
         if seq_len - images_per_sample * tokens_per_image < 2:

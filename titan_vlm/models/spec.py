@@ -45,7 +45,7 @@ import torch.nn as nn
 
 if TYPE_CHECKING:
     from titan_vlm.config import JobConfig
-    from titan_vlm.data.batch import Batch
+    from titan_vlm.data.batch import Batch, Images
     from titan_vlm.layout import LayoutCost, SeqLayout
     from titan_vlm.models.loading import Init
     from titan_vlm.parallel_dims import Mesh
@@ -56,16 +56,25 @@ class VisionLanguageModel(nn.Module, ABC):
     only through `encode_images`; their embeddings reach the decoder only through `decode`,
     which places them into the rows' image slots (SeqLayout.place_images):
 
-        images [n, C, H, W] --encode_images--> embeds [n, tokens_per_image, embed_dim]
+        images [n, C, H, W] --encode_images--> embeds [n, image_tokens(H, W), embed_dim]
+        ImageList (mixed sizes) --encode_images--> embeds [sum of image_tokens, embed_dim]
         tokens [B, T] + embeds + layout --decode--> logits [B, T, vocab] of the text slots
 
-    Between the two, context parallelism replicates the embeddings over the cp ranks (and
-    sums their gradient there); single-device `forward` is `decode(encode_images(...))`."""
+    Either way the embeddings are the batch's image tokens in batch order, each image's in
+    order, which is how the layout indexes them (SeqLayout.place_images flattens them to
+    [tokens, D]). Between the two, context parallelism replicates the embeddings over the cp
+    ranks (and sums their gradient there); single-device `forward` is
+    `decode(encode_images(...))`."""
 
     @abstractmethod
-    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        """images [n, C, H, W] (n may be 0) -> image embeddings [n, tokens_per_image,
-        embed_dim]."""
+    def encode_images(self, images: Images) -> torch.Tensor:
+        """images [n, C, H, W] (n may be 0) -> image embeddings [n, image_tokens(H, W),
+        embed_dim]; an ImageList -> [sum of its images' image_tokens, embed_dim] (batch order)."""
+
+    @abstractmethod
+    def image_tokens(self, height: int, width: int) -> int:
+        """Embeddings (image slots) of an image that enters the ViT at height x width pixels: the
+        one rule the data pipeline, the batch's slot metadata and encode_images follow."""
 
     @abstractmethod
     def decode(self, tokens: torch.Tensor, embeds: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
@@ -82,7 +91,7 @@ class VisionLanguageModel(nn.Module, ABC):
     @property
     @abstractmethod
     def tokens_per_image(self) -> int:
-        """Embeddings (image slots) per image."""
+        """Embeddings (image slots) per image of the native size (`image_tokens` of any other)."""
 
     @property
     @abstractmethod
@@ -92,7 +101,8 @@ class VisionLanguageModel(nn.Module, ABC):
     @property
     @abstractmethod
     def image_size(self) -> int:
-        """The side, in pixels, of the square images `encode_images` takes."""
+        """The side, in pixels, of the model's native square images (its learned position grid;
+        other sizes are interpolated to)."""
 
     @property
     @abstractmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from titan_vlm.data.batch import Images
 from titan_vlm.layout import SeqLayout
 from titan_vlm.models.activations import ACT_FNS
 from titan_vlm.models.decoder import Decoder
@@ -58,9 +59,14 @@ class VLM(VisionLanguageModel):
         self.projector.init_weights()
         self.decoder.init_weights()
 
-    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        """images [n, C, H, W] -> image embeddings [n, tokens_per_image, decoder dim]."""
+    def encode_images(self, images: Images) -> torch.Tensor:
+        """images [n, C, H, W] -> image embeddings [n, image_tokens(H, W), decoder dim]; an
+        ImageList -> [sum of image_tokens, decoder dim] in batch order (the projector keeps the
+        ViT's token count)."""
         return self.projector(self.vision(images))
+
+    def image_tokens(self, height: int, width: int) -> int:
+        return self.args.image_tokens(height, width)
 
     def decode(self, tokens: torch.Tensor, embeds: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
         return self.decoder(
@@ -86,10 +92,9 @@ class VLM(VisionLanguageModel):
     def bidirectional_images(self) -> bool:
         return self.args.image_attention == "bidirectional"
 
-    def forward(
-        self, images: torch.Tensor, tokens: torch.Tensor, layout: SeqLayout
-    ) -> torch.Tensor:
-        """Single-device forward: images [n, C, H, W] (every image of the batch, n may be 0),
+    def forward(self, images: Images, tokens: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
+        """Single-device forward: images [n, C, H, W] or an ImageList (every image of the batch,
+        n may be 0),
         tokens [B, T] the layout's text slots; returns the logits of the text slots. The trainer
         calls `encode_images` and `decode` itself so that context parallelism can step in
         between them."""

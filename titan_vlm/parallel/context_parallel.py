@@ -42,7 +42,7 @@ from torch.autograd.function import FunctionCtx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from titan_vlm.data.batch import IGNORE_INDEX, Batch
+from titan_vlm.data.batch import IGNORE_INDEX, Batch, ImageList, Images, image_sizes, vit_work
 from titan_vlm.distributed import local_tensor
 from titan_vlm.layout import LayoutCost, SeqLayout, build_layout
 from titan_vlm.models.spec import VisionLanguageModel
@@ -64,17 +64,33 @@ class CPOptions:
     cost: LayoutCost = field(default_factory=LayoutCost)  # what "auto" balances, cp_balance
 
 
-def vision_images_per_rank(num_images: int, cp_size: int, mode: str) -> list[int]:
-    """Images each CP rank's ViT encodes under cp_vision `mode` (the layout's ViT cost)."""
+def vision_images_per_rank(images: Images, cp_size: int, mode: str) -> list[float]:
+    """Each CP rank's ViT work under cp_vision `mode`, in native-image units (data/batch.py
+    vit_work: an image's patches / a native-size image's; so LayoutCost.image, the cost of one
+    native image, prices it): the layout's ViT cost. A batch of native-size images counts its
+    images, as floats."""
+    work = vit_work(images)
     if mode == "replicate":
-        return [num_images] * cp_size
+        return [sum(work)] * cp_size
     if mode == "broadcast":
-        return [num_images] + [0] * (cp_size - 1)
+        return [sum(work)] + [0.0] * (cp_size - 1)
     if mode == "shard":
-        return image_shard_sizes(num_images, cp_size)
+        out, start = [], 0
+        for size in image_shard_sizes(_patches(images), cp_size):
+            out.append(sum(work[start : start + size]))
+            start += size
+        return out
     raise ValueError(
         f"unknown cp_vision mode {mode!r} (expected one of {', '.join(CP_VISION_MODES)})"
     )
+
+
+def _patches(images: Images) -> list[int]:
+    """Each image's ViT patches (what "shard" balances); a native-size batch counts 1 each (its
+    images all have the same patches, so only the count matters)."""
+    if isinstance(images, ImageList):
+        return [images.native.patches(h, w) for h, w in images.sizes()]
+    return [1] * images.shape[0]
 
 
 def image_grad_placement() -> Placement:
@@ -101,12 +117,76 @@ def replicate_image_embeddings(embeds: torch.Tensor, cp_mesh: DeviceMesh) -> tor
     return replicated.to_local(grad_placements=[image_grad_placement()])
 
 
-def image_shard_sizes(num_images: int, cp_size: int) -> list[int]:
-    """Images each CP rank encodes in "shard" mode: torch.chunk's split (DTensor's Shard(0)),
-    which gives no rank more than ceil(n/P) images; all images have the same patch count, so
-    this is also the split balanced by patches. Trailing ranks may get none."""
-    sizes = [len(c) for c in torch.arange(num_images).chunk(cp_size)]
-    return sizes + [0] * (cp_size - len(sizes))
+def image_shard_sizes(patches: list[int], cp_size: int) -> list[int]:
+    """How many images each CP rank encodes in "shard" mode: contiguous ranges of the images in
+    batch order (rank 0 the first), balanced by patches, given each image's patch count.
+
+    The rule: B is the least patch budget with which filling the ranks in order, each taking
+    images while its patches stay <= B, places every image (the contiguous split whose busiest
+    rank has the fewest patches); the ranks are filled that way. Trailing ranks may get none.
+    With equal patch counts (every fixed-size batch) this is torch.chunk's split, DTensor
+    Shard(0)'s: no rank more than ceil(n/P) images, the first ranks full."""
+    if not patches:
+        return [0] * cp_size
+
+    def fill(budget: int) -> list[int] | None:
+        sizes, used = [0], 0
+        for p in patches:
+            if used + p > budget:
+                if len(sizes) == cp_size:
+                    return None
+                sizes.append(0)
+                used = 0
+            sizes[-1] += 1
+            used += p
+        return sizes + [0] * (cp_size - len(sizes))
+
+    low, high = max(patches), sum(patches)  # fill(high) always places everything
+    while low < high:
+        mid = (low + high) // 2
+        if fill(mid) is None:
+            low = mid + 1
+        else:
+            high = mid
+    sizes = fill(low)
+    assert sizes is not None
+    return sizes
+
+
+class _GatherUneven(torch.autograd.Function):
+    """Forward: each rank's [n_r, D] rows, all-gathered into [sum n_r, D] in rank order on every
+    rank (`counts`: every rank's n_r; padded to the largest for one all_gather_into_tensor).
+    Backward: the gradient of rank r's rows summed over the group (a reduce-scatter) onto rank
+    r, when `image_grad_placement()` is Partial (each rank's gradient covers only its own
+    text's use of the embeddings); under Replicate (the negative control) each rank keeps its own
+    rows' gradient unsummed, as DTensor's Replicate -> Shard(0) would."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx, local: torch.Tensor, group: dist.ProcessGroup, counts: list[int]
+    ) -> torch.Tensor:
+        rank, most = dist.get_rank(group), max(counts)
+        ctx.group, ctx.counts, ctx.rank = group, counts, rank  # type: ignore[attr-defined]
+        padded = local.new_zeros((most, local.shape[1]))
+        padded[: counts[rank]] = local.detach()
+        gathered = local.new_empty((len(counts) * most, local.shape[1]))
+        dist.all_gather_into_tensor(gathered, padded, group=group)
+        return torch.cat([gathered[r * most : r * most + n] for r, n in enumerate(counts)])
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        group, counts, rank = ctx.group, ctx.counts, ctx.rank  # type: ignore[attr-defined]
+        offsets = [sum(counts[:r]) for r in range(len(counts))]
+        mine = slice(offsets[rank], offsets[rank] + counts[rank])
+        if not image_grad_placement().is_partial():
+            return grad[mine].contiguous(), None, None
+        most = max(counts)
+        padded = grad.new_zeros((len(counts) * most, grad.shape[1]))
+        for r, (a, n) in enumerate(zip(offsets, counts)):
+            padded[r * most : r * most + n] = grad[a : a + n]
+        out = grad.new_empty((most, grad.shape[1]))
+        dist.reduce_scatter_tensor(out, padded, op=dist.ReduceOp.SUM, group=group)
+        return out[: counts[rank]].contiguous(), None, None
 
 
 class _BroadcastFromSource(torch.autograd.Function):
@@ -131,10 +211,11 @@ class _BroadcastFromSource(torch.autograd.Function):
         return grad, None, None
 
 
-def encode_images_never_empty(model: VisionLanguageModel, images: torch.Tensor) -> torch.Tensor:
+def encode_images_never_empty(model: VisionLanguageModel, images: Images) -> torch.Tensor:
     """`model.encode_images(images)`, except that an empty batch [0, C, H, W] is encoded as one
     all-zero image whose embeddings are then dropped ([:0]): the result has the empty batch's
-    shape, and the dummy's gradient is exactly zero (nothing downstream uses it).
+    shape, and the dummy's gradient is exactly zero (nothing downstream uses it). (An ImageList
+    is never empty.)
 
     Why: under tensor parallelism torch 2.13's DTensor view rule mis-reads a reshape whose leading
     dim is 0 (torch/distributed/tensor/_ops/_view_ops.py view_groups: [0, T, D] -> [0, D] becomes
@@ -145,27 +226,30 @@ def encode_images_never_empty(model: VisionLanguageModel, images: torch.Tensor) 
     True"). Every tp
     rank of a (dp, cp) coordinate holds the same images, so the tp ranks all take this branch or
     none: they enter the same TP collectives, in the same order, as with any one-image batch."""
-    if images.shape[0] > 0:
+    if isinstance(images, ImageList) or images.shape[0] > 0:
         return model.encode_images(images)
     return model.encode_images(images.new_zeros((1, *images.shape[1:])))[:0]
 
 
 def encode_images_over_cp(
     model: VisionLanguageModel,
-    images: torch.Tensor,
+    images: Images,
     cp_mesh: DeviceMesh,
     mode: str,
     embed_width: int | None = None,
     tp_vision: bool = False,
 ) -> torch.Tensor:
-    """Image embeddings [n, tokens_per_image, D] of all n images, whole on every CP rank, their
-    gradient summed over cp before it reaches the projector and ViT. `mode` is where the ViT
-    runs (CPOptions.vision). `embed_width`: the projector's local output width D when it is not
-    the decoder's (image_embed_tp_shard: D/tp). `tp_vision`: the ViT and projector are
-    tensor-parallel (tensor_parallel_degree > 1), so a rank never encodes an empty batch
+    """Image embeddings of all the images, whole on every CP rank, their gradient summed over cp
+    before it reaches the projector and ViT: [n, tokens_per_image, D] for a tensor batch (native
+    size), [sum of image_tokens, D] for an ImageList (VisionLanguageModel.encode_images; batch
+    order either way). `mode` is where the ViT runs (CPOptions.vision); under "shard" each rank
+    encodes a contiguous range of the images balanced by patches (`image_shard_sizes`).
+    `embed_width`: the projector's local output width D when it is not the decoder's
+    (image_embed_tp_shard: D/tp). `tp_vision`: the ViT and projector are tensor-parallel
+    (tensor_parallel_degree > 1), so a rank never encodes an empty batch
     (encode_images_never_empty)."""
 
-    def encode(batch: torch.Tensor) -> torch.Tensor:
+    def encode(batch: Images) -> torch.Tensor:
         if tp_vision:
             return encode_images_never_empty(model, batch)
         return model.encode_images(batch)
@@ -173,6 +257,8 @@ def encode_images_over_cp(
     cp_size = cp_mesh.size()
     if cp_size == 1:
         return encode(images)
+    width = embed_width or model.embed_dim
+    tokens = [model.image_tokens(h, w) for h, w in image_sizes(images)]
     # The cp sums below run in fp32 whatever the compute dtype (the decoder casts back).
     if mode == "replicate":
         return replicate_image_embeddings(encode(images).float(), cp_mesh)
@@ -183,16 +269,26 @@ def encode_images_over_cp(
         if rank == 0:
             local = encode(images).float()  # travels in fp32 (the receivers' dtype)
         else:  # a leaf that wants a gradient, so this rank joins the backward reduce
-            local = images.new_zeros(
-                (images.shape[0], model.tokens_per_image, embed_width or model.embed_dim),
-                dtype=torch.float32,
-            ).requires_grad_()
+            zeros = (
+                (images.shape[0], model.tokens_per_image, width)
+                if isinstance(images, torch.Tensor)
+                else (sum(tokens), width)
+            )
+            device = images.device if isinstance(images, torch.Tensor) else images.tensors[0].device
+            local = torch.zeros(zeros, dtype=torch.float32, device=device).requires_grad_()
         out: torch.Tensor = _BroadcastFromSource.apply(local, group, src)
         return out
     if mode == "shard":
-        sizes = image_shard_sizes(images.shape[0], cp_size)
+        sizes = image_shard_sizes(_patches(images), cp_size)
         start = sum(sizes[:rank])
         local = encode(images[start : start + sizes[rank]]).float()  # may be empty: still runs
+        if isinstance(images, ImageList):  # uneven shares: rows of tokens, gathered by hand
+            firsts = [sum(sizes[:r]) for r in range(cp_size)]
+            counts = [sum(tokens[a : a + n]) for a, n in zip(firsts, sizes)]
+            gathered: torch.Tensor = _GatherUneven.apply(
+                local.reshape(-1, local.shape[-1]), cp_mesh.get_group(), counts
+            )
+            return gathered
         shape = torch.Size((images.shape[0], *local.shape[1:]))
         sharded = DTensor.from_local(
             local,
@@ -255,7 +351,7 @@ def shard_batch(
         pad_to_multiple,
         cp.sample_placement,
         cp.cost,
-        vision_images_per_rank(batch.images.shape[0], cp_size, cp.vision),
+        vision_images_per_rank(batch.images, cp_size, cp.vision),
         cp.image_tokens,
     )
     device = batch.tokens.device
