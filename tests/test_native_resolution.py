@@ -295,6 +295,11 @@ CASES = {
     "shard-auto-cp4": dict(vision="shard", placement="auto", cp=4),
     "shard-auto-dp2xcp2": dict(vision="shard", placement="auto", dp_shard=2, batch_size=1),
     "broadcast-split-tp2": dict(vision="broadcast", tp=2),
+    # the split samples' images of mixed sizes cut over the ranks with their text
+    "shard-split-image-tokens-shard": dict(vision="shard", image_tokens="shard"),
+    "replicate-auto-image-tokens-auto": dict(
+        vision="replicate", placement="auto", image_tokens="auto", placement_cost="pairs"
+    ),
     # a CLIP-shaped tower (class token, its position interpolated around, then dropped)
     "shard-auto-hf-features": dict(vision="shard", placement="auto", hf_features=True),
 }
@@ -307,6 +312,8 @@ def test_mixed_sizes_match_single_process(pool, case):
     report(f"native resolution {case}", results[0])
     for rank, result in enumerate(results):
         assert mismatches(result) == [], f"rank {rank}: {mismatches(result)}"
+        if case.get("image_tokens") == "shard":  # images of different sizes cut over the ranks
+            assert result["sharded_images"] > 0 and result["replicated_images"] == 0
 
 
 def test_negative_control_uneven_gather_needs_its_gradient_sum(pool):
