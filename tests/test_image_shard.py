@@ -69,7 +69,7 @@ CASES = list(itertools.product([2, 3, 4], [False, True], ["split", "auto"]))
 )
 def test_sharded_images_are_held_once_and_planned_exactly(cp, bidirectional, placement):
     sharded = 0
-    for seed in range(12):
+    for seed in range(6):
         doc, image = random_row(seed)
         row = Slots(doc, torch.arange(doc.shape[1])[None], image)
         lays = layouts(doc, image, cp, bidirectional, placement, "shard")
@@ -210,10 +210,3 @@ def test_negative_controls_sharded_images_not_placed_or_not_summed_fail(pool):
     assert any(p.startswith("loss") for p in unplaced), unplaced
     unsummed = mismatches(sharded(pool, cp=2, sum_image_grad=False)[0])
     assert any(p.startswith("vision gradient") for p in unsummed), unsummed
-
-
-def test_sharded_image_tokens_compiled_match_single_process(pool):
-    """Every decoder and ViT block compiled (aot_eager, fullgraph) with images among the
-    travelling text."""
-    for result in sharded(pool, cp=2, comm="p2p", compile_backend="aot_eager"):
-        assert mismatches(result) == [], mismatches(result)

@@ -289,17 +289,12 @@ CASES = {
     "shard-split": dict(vision="shard"),
     "shard-auto": dict(vision="shard", placement="auto"),
     "replicate-auto": dict(vision="replicate", placement="auto"),
-    "replicate-split": dict(vision="replicate"),
     "broadcast-auto": dict(vision="broadcast", placement="auto"),
-    "broadcast-split": dict(vision="broadcast"),
     "shard-auto-cp4": dict(vision="shard", placement="auto", cp=4),
     "shard-auto-dp2xcp2": dict(vision="shard", placement="auto", dp_shard=2, batch_size=1),
     "broadcast-split-tp2": dict(vision="broadcast", tp=2),
     # the split samples' images of mixed sizes cut over the ranks with their text
     "shard-split-image-tokens-shard": dict(vision="shard", image_tokens="shard"),
-    "replicate-auto-image-tokens-auto": dict(
-        vision="replicate", placement="auto", image_tokens="auto", placement_cost="pairs"
-    ),
     # a CLIP-shaped tower (class token, its position interpolated around, then dropped)
     "shard-auto-hf-features": dict(vision="shard", placement="auto", hf_features=True),
 }
