@@ -290,7 +290,6 @@ CASES = {
     "shard-auto": dict(vision="shard", placement="auto"),
     "replicate-auto": dict(vision="replicate", placement="auto"),
     "broadcast-auto": dict(vision="broadcast", placement="auto"),
-    "shard-auto-cp4": dict(vision="shard", placement="auto", cp=4),
     "shard-auto-dp2xcp2": dict(vision="shard", placement="auto", dp_shard=2, batch_size=1),
     "broadcast-split-tp2": dict(vision="broadcast", tp=2),
     # the split samples' images of mixed sizes cut over the ranks with their text
