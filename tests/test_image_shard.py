@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import torch
 from test_parity import mismatches, report
-from test_placement import MODEL_COST, attention_errors
+from test_placement import MODEL_COST, attention_errors, placed
 
 from titan_vlm import layout as layout_module
 from titan_vlm.layout import Piece, Slots, build_layout, visible
@@ -156,9 +156,9 @@ def test_negative_control_a_sharded_image_that_does_not_see_its_later_pieces_fai
 
 
 def sharded(pool, **case) -> list[dict]:
-    """dist_checks.parity of the "long_and_short" rows with the long sample's images sharded."""
-    case = {"placement": "auto", "image_tokens": "shard", **case}
-    return pool.run("parity", rows="long_and_short", seq_len=192, batch_size=2, **case)
+    """test_placement's `placed` runs (the "long_and_short" rows) with the long sample's images
+    sharded."""
+    return placed(pool, **{"image_tokens": "shard", **case})
 
 
 SHARDED = {  # every cp_comm_type and cp_vision, causal and bidirectional, both placements

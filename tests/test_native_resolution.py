@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from test_hf_models import TOWER as HF_TOWER
 from test_parity import mismatches, report
 from transformers import CLIPVisionConfig, CLIPVisionModel, SiglipVisionConfig, SiglipVisionModel
 
@@ -43,14 +44,7 @@ from titan_vlm.parallel_dims import ParallelDims
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5  # max abs difference / max abs value, fp32
-TOWER = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    image_size=16,
-    patch_size=4,
-)
+TOWER = {**HF_TOWER, "num_hidden_layers": 2}  # test_hf_models' tiny tower, one layer fewer
 # (height, width) of the test images: non-square both ways, a single patch row, native (16 x 16)
 SIZES = [(12, 24), (16, 16), (8, 20), (28, 8), (4, 16)]
 

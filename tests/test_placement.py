@@ -211,10 +211,10 @@ def test_negative_control_a2a_without_the_kept_plan_fails():
 
 
 def placed(pool, **case) -> list[dict]:
-    """dist_checks.parity of the "long_and_short" rows with cp_sample_placement = "auto"."""
-    return pool.run(
-        "parity", placement="auto", rows="long_and_short", seq_len=192, batch_size=2, **case
-    )
+    """dist_checks.parity of the "long_and_short" rows with cp_sample_placement = "auto" (or the
+    case's)."""
+    case = {"placement": "auto", "rows": "long_and_short", "seq_len": 192, "batch_size": 2, **case}
+    return pool.run("parity", **case)
 
 
 PLACED = {  # every cp_comm_type and cp_vision (shard: the next test), causal and bidirectional

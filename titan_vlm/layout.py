@@ -601,34 +601,27 @@ class _Sample:
 
     text: torch.Tensor  # its text slots' row positions
     images: torch.Tensor  # its image slots' row positions
-    pairs: list[torch.Tensor]  # its text's head-tail pairs (head_tail_pairs)
+    # the head-tail pairs (head_tail_pairs) of its text, or, with `shard`, of all its slots
+    pairs: list[torch.Tensor]
     pair_work: list[int]  # attention pairs of each head-tail pair's queries
     image_work: int  # attention pairs of its image queries
-    # with cp_image_tokens = "shard": the head-tail pairs of all its slots, images among the text
-    shard_pairs: list[torch.Tensor]
-    shard_work: list[int]
+    # split with its image slots cut head-tail with its text (cp_image_tokens = "shard"), else
+    # its image slots on every rank
+    shard: bool = False
     # where it goes: -1 split (pair deal[r] to rank r), else the rank that keeps it whole
     rank: int = -1
     deal: list[int] = field(default_factory=list)
-    shard: bool = False  # split with its image slots cut head-tail with its text (else replicated)
 
     def whole_cost(self, c: LayoutCost) -> float:
         slots = len(self.text) + len(self.images)
-        return c.slot * slots + c.pair * (sum(self.pair_work) + self.image_work)
+        image_work = 0 if self.shard else self.image_work  # sharded: counted in pair_work
+        return c.slot * slots + c.pair * (sum(self.pair_work) + image_work)
 
     def split_costs(self, c: LayoutCost) -> tuple[float, list[float]]:
         """What splitting it costs every rank (its image slots, where replicated) and each
         pair."""
-        if self.shard:
-            return 0.0, [
-                c.slot * len(p) + c.pair * w for p, w in zip(self.shard_pairs, self.shard_work)
-            ]
-        on_every = c.slot * len(self.images) + c.pair * self.image_work
+        on_every = 0.0 if self.shard else c.slot * len(self.images) + c.pair * self.image_work
         return on_every, [c.slot * len(p) + c.pair * w for p, w in zip(self.pairs, self.pair_work)]
-
-    def split_pairs(self) -> list[torch.Tensor]:
-        """The row positions each pair of its split holds (images among them if sharded)."""
-        return self.shard_pairs if self.shard else self.pairs
 
     def replicated_images(self) -> torch.Tensor:
         """Its image slots every rank holds when it is split (none if sharded)."""
@@ -786,6 +779,8 @@ def build_layout(
         raise ValueError(
             f"parallelism.cp_image_tokens must be one of {IMAGE_TOKEN_MODES}, got {image_tokens!r}"
         )
+    if image_tokens == "auto" and (cp_size == 1 or not bool((image >= 0).any())):
+        image_tokens = "replicate"  # no image to shard: the two layouts are the same
     if image_tokens == "auto":
         built = [
             build_layout(
@@ -825,21 +820,10 @@ def build_layout(
             where = positions[a:z]
             is_image = image[b, a:z] >= 0
             text, pictures = where[~is_image], where[is_image]
-            pairs = head_tail_pairs(text, cp_size)
-            work = [int(seen[b, p[p >= 0]].sum()) for p in pairs]
             shard = image_tokens == "shard" and cp_size > 1 and len(pictures) > 0
-            every = head_tail_pairs(where, cp_size) if shard else pairs
-            every_work = [int(seen[b, p[p >= 0]].sum()) for p in every] if shard else work
-            priced = _Sample(
-                text,
-                pictures,
-                pairs,
-                work,
-                int(seen[b, pictures].sum()),
-                every,
-                every_work,
-                shard=shard,
-            )
+            pairs = head_tail_pairs(where if shard else text, cp_size)
+            work = [int(seen[b, p[p >= 0]].sum()) for p in pairs]
+            priced = _Sample(text, pictures, pairs, work, int(seen[b, pictures].sum()), shard)
             samples.append(priced)
             by_row[b].append(priced)
     if placement == "auto" and cp_size > 1:
@@ -848,8 +832,7 @@ def build_layout(
         for b in range(rows):
             _place_row(by_row[b], cp_size, cost, vit)
     else:
-        dealt = [s.shard_work if s.shard else s.pair_work for s in samples]
-        for s, deal in zip(samples, _deal_pairs(dealt, cp_size)):
+        for s, deal in zip(samples, _deal_pairs([s.pair_work for s in samples], cp_size)):
             s.deal = deal
     shared_images = [
         _cat([s.replicated_images() for s in by_row[b] if s.rank < 0]) for b in range(rows)
@@ -860,7 +843,7 @@ def build_layout(
         for b in range(rows):
             split = [s for s in by_row[b] if s.rank < 0]
             whole = [s for s in by_row[b] if s.rank == r]
-            texts_at[r].append(_cat([s.split_pairs()[s.deal[r]] for s in split]))
+            texts_at[r].append(_cat([s.pairs[s.deal[r]] for s in split]))
             kept_at[r].append(_cat([x for s in whole for x in (s.images, s.text)]).sort().values)
 
     def longest(xs: list[torch.Tensor]) -> int:
