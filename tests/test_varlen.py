@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_layout import packed_batch
 from torch.distributed.utils import _apply_to_tensors
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_vlm.data.batch import Sample, collate
 from titan_vlm.kernels import KERNELS
@@ -42,6 +43,7 @@ def coverage(plan: PackedPlan) -> torch.Tensor:
     cover = torch.zeros(plan.rows, plan.lq, plan.lk, dtype=torch.long)
     for call in plan.calls:
         cq, ck = call.cu_q.tolist(), call.cu_k.tolist()
+        assert (call.bounds_q, call.bounds_k) == (tuple(cq), tuple(ck))
         for i in range(len(cq) - 1):
             qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
             rows = call.q_rows[qs]
@@ -211,3 +213,80 @@ def test_copies_of_a_layout_share_its_plans():
     assert copy is not layout
     assert copy.packed("local", 1) is layout.packed("local", 1)
     assert copy.handle.layout is copy and layout.handle.layout is layout
+
+
+class AtenOps(TorchDispatchMode):
+    """Records the aten ops run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+    def count(self, name: str) -> int:
+        return self.names.count(name)
+
+
+# kernel -> its dtype here, and the aten ops it runs: a varlen call's forward and backward, and
+# the ViT's dense batch forward (FlashAttention's is the batched op; the others loop over blocks)
+CUDA_OPS = {
+    "cuda_flash": (
+        torch.bfloat16,
+        "_flash_attention_forward",
+        "_flash_attention_backward",
+        "_scaled_dot_product_flash_attention",
+    ),
+    "cuda_efficient": (
+        torch.float32,
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_efficient_attention",
+    ),
+    "cuda_cudnn": (
+        torch.bfloat16,
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_cudnn_attention_backward",
+        "_scaled_dot_product_cudnn_attention",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CUDA_OPS))
+def test_cuda_kernels_run_every_plan_through_torchs_op_schemas_on_the_meta_device(name):
+    """No GPU here, but aten's CUDA attention ops have shape functions on the meta device: the
+    CUDA kernels run every plan of a cp = 2 rank (bidirectional images, 4 query heads over 2
+    K/V heads) forward and backward through this torch's op signatures, and the executor gets
+    its shapes and dtypes back. Each kernel runs as many attention ops as `launches` counts;
+    FlashAttention runs one varlen op per call and no K/V head copy (repeat_interleave)."""
+    dtype, forward_op, backward_op, dense_op = CUDA_OPS[name]
+    kernel = KERNELS[name]
+    batch = packed_batch(rows=2)
+    _, layout = build_layout(batch.doc, batch.image, 2, 1, True)
+    for queries, keys in [("local", "local"), ("local", 0), ("local", "all"), ("all", "all")]:
+        plan = layout.packed(queries, keys)
+        q = torch.empty(2, 4, plan.lq, 16, dtype=dtype, device="meta")
+        k, v = (torch.empty(2, 2, plan.lk, 16, dtype=dtype, device="meta") for _ in "kv")
+        ops = AtenOps()
+        with ops:
+            out, lse, auxes = run_plan(kernel, q, k, v, plan)
+            grads = [torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v)]
+            run_plan_backward(kernel, out, q, k, v, out, lse, plan, auxes, *grads)
+        assert (out.shape, out.dtype) == (q.shape, dtype)
+        assert (lse.shape, lse.dtype) == (q.shape[:3], torch.float32)
+        assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+        launches = sum(kernel.launches(c) for c in plan.calls)
+        assert ops.count(forward_op) == ops.count(backward_op) == launches, (queries, keys)
+        if name == "cuda_flash":
+            assert launches == len(plan.calls) and ops.count("repeat_interleave") == 0
+    # the ViT's batch of dense blocks: one launch for all images
+    q, k = (torch.empty(3, 4, 16, 16, dtype=dtype, device="meta") for _ in "qk")
+    ops = AtenOps()
+    with ops:
+        out, lse, aux = kernel.dense(q, k, k, 0.25)
+        grads = kernel.dense_backward(out, q, k, k, out, lse, 0.25, aux)
+    assert (out.shape, lse.shape) == (q.shape, q.shape[:3])
+    assert [g.shape for g in grads] == [q.shape] * 3
+    assert ops.count(dense_op) == 1

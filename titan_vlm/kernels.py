@@ -130,9 +130,7 @@ class Kernel(VarlenKernel):
         out = torch.empty_like(q)
         lse = q.new_empty(h, q.shape[0], dtype=torch.float32)
         auxes = []
-        cq, ck = call.cu_q.tolist(), call.cu_k.tolist()
-        for i in range(len(cq) - 1):
-            qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        for qs, ks in call.sequences():
             qi = _bhld(q[qs])
             ki, vi = (_bhld(expand_kv_heads(x[ks], h)) for x in (k, v))
             acc_out: torch.Tensor | None = None
@@ -165,16 +163,14 @@ class Kernel(VarlenKernel):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         h, n_kv = q.shape[1], k.shape[1]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        cq, ck = call.cu_q.tolist(), call.cu_k.tolist()
-        for i in range(len(cq) - 1):
-            qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        for (qs, ks), seq_aux in zip(call.sequences(), aux):
             qi, oi, doi = _bhld(q[qs]), _bhld(out[qs]), _bhld(dout[qs])
             li = lse[None, :, qs]
             ki, vi = (_bhld(expand_kv_heads(x[ks], h)) for x in (k, v))
             dqi = torch.zeros_like(qi, dtype=torch.float32)
             dki, dvi = torch.empty_like(ki), torch.empty_like(vi)
             parts = _parts(qs.stop - qs.start, ks.stop - ks.start, call.causal)
-            for (part, causal), a in zip(parts, aux[i]):
+            for (part, causal), a in zip(parts, seq_aux):
                 g = self.block_backward(
                     doi, qi, ki[:, :, part], vi[:, :, part], oi, li, causal, scale, a
                 )

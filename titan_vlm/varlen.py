@@ -25,6 +25,7 @@ of the sequence lengths (no empty sequence); in a causal call Lk >= Lq for every
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,26 +55,33 @@ class VarlenCall:
     q_slots: torch.Tensor
     k_rows: torch.Tensor  # [Tk] long
     k_slots: torch.Tensor
-    cu_q: torch.Tensor  # [n + 1] int32
+    cu_q: torch.Tensor  # [n + 1] int32, on the kernel's device
     cu_k: torch.Tensor
     max_q: int
     max_k: int
+    # cu_q / cu_k as host ints: what a loop over the sequences reads (no device sync per call)
+    bounds_q: tuple[int, ...]
+    bounds_k: tuple[int, ...]
 
     @property
     def num_sequences(self) -> int:
-        return self.cu_q.numel() - 1
+        return len(self.bounds_q) - 1
+
+    def sequences(self) -> list[tuple[slice, slice]]:
+        """(query slice, key slice) of every sequence in the packed tensors."""
+        cq, ck = self.bounds_q, self.bounds_k
+        return [(slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
 
     def lengths(self) -> list[tuple[int, int]]:
-        """(Lq, Lk) of every sequence (host ints)."""
-        cq, ck = self.cu_q.tolist(), self.cu_k.tolist()
-        return [(cq[i + 1] - cq[i], ck[i + 1] - ck[i]) for i in range(len(cq) - 1)]
+        """(Lq, Lk) of every sequence."""
+        return [(qs.stop - qs.start, ks.stop - ks.start) for qs, ks in self.sequences()]
 
     def to(self, device: torch.device) -> VarlenCall:
         move = {
             f: getattr(self, f).to(device)
             for f in ("q_rows", "q_slots", "k_rows", "k_slots", "cu_q", "cu_k")
         }
-        return VarlenCall(self.causal, **move, max_q=self.max_q, max_k=self.max_k)
+        return dataclasses.replace(self, **move)
 
 
 @dataclass
@@ -178,6 +186,8 @@ def _call(per_row: list[tuple[int, list[Sequence]]], causal: bool) -> VarlenCall
         cu_k,
         int((cu_q[1:] - cu_q[:-1]).max()),
         int((cu_k[1:] - cu_k[:-1]).max()),
+        tuple(cu_q.tolist()),
+        tuple(cu_k.tolist()),
     )
 
 
