@@ -1,8 +1,6 @@
 import pytest
-from dist_pool import DistPool
+from dist_pool import DistPools
 
-WORLD_SIZE = 4  # enough for cp=4 and dp_shard=2 x cp=2; smaller layouts run as identical copies
-WORLD_SIZE_8 = 8  # dp x cp x tp with every degree 2: the few 8-process tests share this pool
 COMPILE_BACKENDS = ("none", "aot_eager", "inductor")
 
 
@@ -24,15 +22,8 @@ def _pool_defaults(config: pytest.Config) -> dict[str, dict[str, str]]:
 
 @pytest.fixture(scope="session")
 def pool(pytestconfig: pytest.Config):
-    p = DistPool(WORLD_SIZE, defaults=_pool_defaults(pytestconfig))
-    yield p
-    p.close()
-
-
-@pytest.fixture(scope="session")
-def pool8(pytestconfig: pytest.Config):
-    """Started by the first test that asks for it (8 processes on 2 cores cost real time: keep
-    the tests that use it few)."""
-    p = DistPool(WORLD_SIZE_8, defaults=_pool_defaults(pytestconfig))
+    """The distributed checks' process groups: each check runs on as many processes as its mesh
+    has ranks (dist_pool.DistPools; 8 processes on 2 cores cost real time: keep such tests few)."""
+    p = DistPools(defaults=_pool_defaults(pytestconfig))
     yield p
     p.close()

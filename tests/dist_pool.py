@@ -1,13 +1,16 @@
-"""A pool of worker processes that share one gloo process group for the whole test session.
+"""Pools of worker processes that share one gloo process group each for the whole test session.
 
 Starting processes and process groups costs seconds on 2 cores, so the distributed tests send
-their checks (module-level functions of tests/dist_checks.py) to one long-lived group:
-`pool.run("parity", cp=2)` runs `dist_checks.parity(cp=2)` on every rank and returns the
-per-rank results. `defaults` gives a check keyword arguments that every call of it gets unless
-the call passes them itself (conftest.py's --compile-backend sets the parity check's
-`compile_backend` this way). A check that fails on any rank raises here with that rank's
-traceback, and the pool is restarted so a half-finished collective cannot poison the next
-check.
+their checks (module-level functions of tests/dist_checks.py) to long-lived groups:
+`pool.run("parity", cp=2)` runs `dist_checks.parity(cp=2)` on every rank of a group and returns
+the per-rank results. `DistPools` (the tests' `pool` fixture) keeps one `DistPool` per world
+size, started on first use, and runs each check on exactly as many processes as its mesh has
+ranks (dp_replicate x dp_shard x cp x tp, from the call and the check's defaults): a cp = 2
+check on 4 processes would run as two identical copies fighting for the 2 cores. `defaults`
+gives a check keyword arguments that every call of it gets unless the call passes them itself
+(conftest.py's --compile-backend sets the parity check's `compile_backend` this way). A check
+that fails on any rank raises here with that rank's traceback, and its pool is restarted so a
+half-finished collective cannot poison the next check.
 
 `spawn_group` and `init_gloo` are the one way this repository starts a local gloo group: the
 pool uses them, and so does benchmarks/_group.py (its one-shot groups).
@@ -16,6 +19,8 @@ pool uses them, and so does benchmarks/_group.py (its one-shot groups).
 from __future__ import annotations
 
 import importlib
+import inspect
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -28,6 +33,7 @@ from multiprocessing.queues import Queue
 from typing import Any
 
 CHECKS_MODULE = "dist_checks"
+MESH_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp")  # the checks' mesh keywords (make_mesh)
 
 
 def _free_port() -> int:
@@ -138,3 +144,32 @@ class DistPool:
                 p.kill()
                 p.join()
         self.procs = []
+
+
+class DistPools:
+    """One DistPool per world size, started on first use; `run` sends a check to the pool whose
+    world is the check's mesh (module docstring)."""
+
+    def __init__(self, timeout_s: float = 300, defaults: dict[str, dict[str, Any]] | None = None):
+        self.timeout_s = timeout_s
+        self.defaults = defaults or {}
+        self.pools: dict[int, DistPool] = {}
+
+    def world_of(self, check: str, kwargs: dict[str, Any]) -> int:
+        """dp_replicate x dp_shard x cp x tp of the call, the check's defaults filling in."""
+        fn = getattr(importlib.import_module(CHECKS_MODULE), check)
+        call = inspect.signature(fn).bind_partial(**{**self.defaults.get(check, {}), **kwargs})
+        call.apply_defaults()
+        return math.prod(int(call.arguments.get(k, 1)) for k in MESH_DEGREES)
+
+    def run(self, check: str, **kwargs: Any) -> list[Any]:
+        """Run `dist_checks.<check>(**kwargs)` on every rank of its mesh; results in rank order."""
+        world = self.world_of(check, kwargs)
+        if world not in self.pools:
+            self.pools[world] = DistPool(world, self.timeout_s, self.defaults)
+        return self.pools[world].run(check, **kwargs)
+
+    def close(self) -> None:
+        for p in self.pools.values():
+            p.close()
+        self.pools = {}

@@ -25,10 +25,10 @@ from test_parity import mismatches, report
 from titan_vlm.config import JobConfig
 
 LAYOUTS = {
-    # packed rows (samples with 0, 1 and 3 images, one mid-text), FSDP over dp x cp, every block
+    # packed rows (samples with 0, 1 and 3 images, one mid-text), FSDP over cp, every block
     # recomputed in backward (the ring's collectives rerun inside the recomputation)
-    "p2p_dp2xcp2_full_ac_packed": dict(
-        comm="p2p", dp_shard=2, cp=2, ac="full", rows="mixed", seq_len=128, batch_size=1
+    "p2p_cp2_full_ac_packed": dict(
+        comm="p2p", cp=2, ac="full", rows="mixed", seq_len=128, batch_size=2
     ),
     # bidirectional images: local plans with a causal and a dense varlen call
     "allgather_cp2_selective_ac_bidirectional": dict(
@@ -61,7 +61,7 @@ def test_compiled_blocks_are_one_graph_by_default():
 
 # The richest layout goes through inductor (whose first stages are aot_eager's: dynamo, AOT
 # autograd), the others through aot_eager.
-INDUCTOR_LAYOUT = "p2p_dp2xcp2_full_ac_packed"
+INDUCTOR_LAYOUT = "p2p_cp2_full_ac_packed"
 BACKENDS = {name: "inductor" if name == INDUCTOR_LAYOUT else "aot_eager" for name in LAYOUTS}
 CASES = {f"{name}-{BACKENDS[name]}": (layout, BACKENDS[name]) for name, layout in LAYOUTS.items()}
 

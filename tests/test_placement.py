@@ -318,7 +318,7 @@ def mixed_records(folder) -> str:
 
 
 def test_auto_placement_compiled_over_many_steps_stays_within_a_few_graphs(pool, tmp_path):
-    """The trainer, compiled (aot_eager) with selective activation checkpointing at cp = 4, on
+    """The trainer, compiled (aot_eager) with selective activation checkpointing at cp = 2, on
     unpacked rows of videos, images and text: under "auto" a batch often splits no sample, or
     no image. The image prefix and the travelling text never shrink to 0 or 1 slots (sizes
     dynamo specialises), so a few graphs per block serve every batch; without that floor they
@@ -326,7 +326,7 @@ def test_auto_placement_compiled_over_many_steps_stays_within_a_few_graphs(pool,
     results = pool.run(
         "compiled_train_run",
         dp_shard=1,
-        cp=4,
+        cp=2,
         steps=STEPS_COMPILED,
         compile__backend="aot_eager",
         activation_checkpoint__mode="selective",
@@ -343,6 +343,7 @@ def test_auto_placement_compiled_over_many_steps_stays_within_a_few_graphs(pool,
     for result in results:
         assert result["graph_breaks"] == 0
         # measured 4 (a static and a dynamic graph for each of the two block classes selective
-        # AC leaves), 6 without the floor; the ViT's image count is 0, 1 or more: up to 6
+        # AC leaves), 6 on rank 0 without the floor (at cp = 4 too); the ViT's image count is
+        # 0, 1 or more: up to 6
         assert result["graphs"]["decoder"] <= 4, result["graphs"]
         assert result["graphs"]["vit"] <= 6, result["graphs"]

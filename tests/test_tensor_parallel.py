@@ -11,8 +11,7 @@ from test_vision_placement import assert_divide_factors
 # image + 45 text slots; CP pads each sample's text to a multiple of 2*cp (48), so each CP rank
 # holds 16 + 24 = 40 slots, 20 per tp rank under SP; packed rows pad the local slots to a
 # multiple of tp.
-LAYOUTS_8 = {
-    "dp2xcp2xtp2": dict(dp_shard=2, cp=2, tp=2),
+LAYOUTS_8 = {  # (p2p with TP: the 4-rank layouts below)
     "dp2xcp2xtp2_sp_a2a": dict(dp_shard=2, cp=2, tp=2, sp=True, comm="a2a"),
     "hsdp2xcp2xtp2_sp_image_shard": dict(
         dp_replicate=2, cp=2, tp=2, sp=True, image_embed_tp_shard=True, comm="allgather"
@@ -29,7 +28,7 @@ LAYOUTS_4 = {
     "cp2xtp2_sp_selective_ac_replicate": dict(
         cp=2, tp=2, sp=True, ac="selective", vision="replicate"
     ),
-    # no CP (two copies of the 2-rank layout in the 4-rank pool), with and without images
+    # no CP (tp alone), with and without images
     "tp2_sp": dict(cp=1, tp=2, sp=True, seq_len=80),
     "tp2_sp_text_only": dict(cp=1, tp=2, sp=True, images=0, seq_len=80),
     # packed rows (samples with 0, 1 and 3 images, one mid-text): local slot counts that SP pads
@@ -52,8 +51,8 @@ def check(name: str, results: list[dict], layout: dict) -> None:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS_8.values(), ids=LAYOUTS_8.keys())
-def test_8_ranks_dp_cp_tp_match_single_process(pool8, layout):
-    check(str(layout), pool8.run("parity", **layout), layout)
+def test_8_ranks_dp_cp_tp_match_single_process(pool, layout):
+    check(str(layout), pool.run("parity", **layout), layout)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS_4.values(), ids=LAYOUTS_4.keys())
