@@ -49,7 +49,6 @@ from titan_vlm.config import (
     validate_failure_keys,
 )
 from titan_vlm.errors import ConfigError, UserError
-from titan_vlm.parallel_dims import ParallelDims
 
 LOCK_FILE = "job.lock"
 ERROR_FILE_ENV = "TITAN_VLM_ERROR_FILE"
@@ -215,9 +214,14 @@ def validate_launch(argv: list[str], env: dict[str, str]) -> tuple[JobConfig, in
     ConfigError otherwise. Before any worker starts."""
     cfg = load_config(argv)
     nproc, nnodes = launch_shape(cfg, env)
+    # torch (seconds to import) only once the config parses: `--help` and a mistyped key answer
+    # at once
+    import torch
+
+    from titan_vlm.parallel_dims import ParallelDims
+
     ParallelDims.from_config(cfg, nproc * nnodes).validate_model(cfg)
     validate_failure_keys(cfg)
-    import torch
 
     if torch.cuda.is_available() and nproc > torch.cuda.device_count():
         raise ConfigError(
