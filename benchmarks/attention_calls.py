@@ -87,7 +87,8 @@ def counts(batch: Batch, cp: int, comm: str | None) -> dict:
         out["blocks"] = max(out["blocks"], blocks_before(layout, comm))
         out["cpu"] = max(out["cpu"], kernel_launches(layout, comm, KERNELS["cpu_flash"]))
         out["cuda"] = max(out["cuda"], kernel_launches(layout, comm, KERNELS["cuda_flash"]))
-    out["merges"] = len(attention_plans(comm, cp, 0)) - 1
+    plans = attention_plans(comm, cp, 0)  # plans of one query set merge; a2a's two do not
+    out["merges"] = len(plans) - len({queries for queries, _ in plans})
     return out
 
 

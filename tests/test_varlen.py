@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from titan_vlm.data.batch import Sample, collate
 from titan_vlm.kernels import KERNELS
 from titan_vlm.layout import build_layout, visible
-from titan_vlm.parallel.cp_attention import CP_ATTENTION, kernel_launches
+from titan_vlm.parallel.cp_attention import CP_ATTENTION, attention_plans, kernel_launches
 from titan_vlm.varlen import PackedPlan, VarlenCall, VarlenKernel, run_plan, run_plan_backward
 
 TPI = 16
@@ -190,17 +190,26 @@ LAYOUTS = [(1, None)] + [(cp, comm) for cp in (2, 4) for comm in CP_ATTENTION]
 @pytest.mark.parametrize("cp, comm", LAYOUTS, ids=[f"cp{cp}_{comm}" for cp, comm in LAYOUTS])
 def test_cuda_launches_do_not_depend_on_the_samples_per_row(cp, comm):
     """The CUDA path launches one varlen call per packed call: per plan at most one causal and
-    one dense, whatever the number of samples (and images) in a row. The CPU loop's launches
-    grow with the samples (the control)."""
-    cuda, cpu = {}, {}
+    one dense, whatever the number of samples (and images) in a row. Under the "split"
+    placement every row gives the same count; under "auto" (images sharded) the count
+    stays within two per plan (it falls where a plan has nothing to attend to, e.g. no sample
+    split). The CPU loop's launches grow with the samples (the control)."""
+    cuda, cpu, auto = {}, {}, {}
+    plans = len(attention_plans(comm, cp, 0))
     for n in (2, 8, 32, 128):
         batch = row_of_samples(n, 4096)
         for rank in range(cp):
             _, layout = build_layout(batch.doc, batch.image, cp, rank)
             cuda[n, rank] = kernel_launches(layout, comm, KERNELS["cuda_flash"])
             cpu[n, rank] = kernel_launches(layout, comm, KERNELS["cpu_flash"])
+            if cp > 1 and n in (8, 32):
+                _, placed = build_layout(
+                    batch.doc, batch.image, cp, rank, placement="auto", image_tokens="shard"
+                )
+                auto[n, rank] = kernel_launches(placed, comm, KERNELS["cuda_flash"])
     assert len(set(cuda.values())) == 1, cuda
-    assert max(cuda.values()) <= 2 * max(cp, 1)
+    assert max(cuda.values()) <= 2 * plans
+    assert max(auto.values(), default=0) <= 2 * plans, auto
     assert cpu[128, 0] > cpu[2, 0]
 
 
