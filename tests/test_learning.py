@@ -1,9 +1,12 @@
 """The vision tower and projector learn through CP: with the real images, the debug model's
-caption loss falls clearly below that of the same model trained on blank images, and the trained
-model, asked about new images, names what is in them."""
+caption loss falls clearly below the least loss any model that does not see the image can reach,
+and the trained model, asked about new images, names what is in them."""
+
+import math
 
 from titan_vlm.checkpoint import load_model_for_inference
-from titan_vlm.data.synthetic import SyntheticCaptions
+from titan_vlm.data.batch import IGNORE_INDEX
+from titan_vlm.data.synthetic import COLORS, COUNTS, SHAPES, SyntheticCaptions
 from titan_vlm.generate import generate
 
 STEPS = 150
@@ -26,24 +29,33 @@ def final_loss(history: list[dict]) -> float:
     return sum(h["loss"] for h in last) / len(last)
 
 
+def blind_floor() -> float:
+    """The least mean loss per caption token of a model that does not see the image. A caption
+    ("three red circles.") is a function of (count, colour, shape), drawn uniformly and
+    independently, and every such triple gives another caption: whatever the model, the loss of
+    a caption's tokens sums to at least log(4 * 6 * 4) nats on average over the captions (the
+    entropy of the caption: the chain rule over its tokens), spread over the loss tokens of a
+    caption (counted here on the rows the run trains on). A model that goes well below it knows
+    what the image holds. (Trained on blank images, this run ends at 0.234 against 0.229.)"""
+    rows = SyntheticCaptions(32, 16, RUN["training__seq_len"], seed=0).batch(0, 0, 1, 2000)
+    tokens_per_caption = int((rows.labels != IGNORE_INDEX).sum()) / 2000
+    return math.log(len(COUNTS) * len(COLORS) * len(SHAPES)) / tokens_per_caption
+
+
 def test_vision_learns_through_cp(pool, tmp_path):
-    seeing = pool.run(
+    history = pool.run(
         "train_run",
         data__blank_images=False,
         job__dump_folder=str(tmp_path / "images"),
         checkpoint__enable=True,
         **RUN,
     )[0]
-    blind = pool.run(
-        "train_run", data__blank_images=True, job__dump_folder=str(tmp_path / "blank"), **RUN
-    )[0]
-    with_images, without = final_loss(seeing), final_loss(blind)
+    loss, floor = final_loss(history), blind_floor()
     print(
-        f"caption loss after {STEPS} steps at cp=2: images {with_images:.3f}, blank {without:.3f}"
+        f"caption loss after {STEPS} steps at cp=2: {loss:.3f}; without the image: >= {floor:.3f}"
     )
-    # Blank images leave count, colour and shape to guess: about 0.2 nats per caption token.
-    assert without > 0.15
-    assert with_images < 0.6 * without
+    assert 0.2 < floor < 0.25  # about 20 caption tokens carry log(96) = 4.56 nats
+    assert loss < 0.6 * floor
 
     # Ask the trained model (loaded from its checkpoint) about images it has never seen: the colour
     # and the count must come from the image (chance: 1 in 6 and 1 in 4). Shape is learnt last

@@ -6,7 +6,6 @@ trainer's own expression on real meshes (exact)."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -64,26 +63,18 @@ def test_matches_the_recorded_cp_scaling_table_at_every_row():
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_matches_cp_scaling_measured_now(cp):
+def test_matches_cp_scaling_measured_now(pool, cp):
     """benchmarks/cp_scaling.py's own worker, run here on cp processes: saved-for-backward
     within 10% of the plan, bytes sent equal to it (the worker reports MiB = bytes / 2**20,
     exact in a float)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # the spawned workers import cp_scaling too
-    try:
-        import cp_scaling
-        from _group import run_group
-
-        seq_lens = (1024,)
-        configs = [(comm, s) for s in seq_lens for comm in (COMMS if cp > 1 else ("p2p",))]
-        for r in run_group(cp_scaling.worker, cp, len(configs), configs, "debug"):
-            comm = r["comm"] if cp > 1 else "p2p"
-            saved, sent = planned(cp, comm, cp_scaling_workload(r["seq_len"]))
-            measured = r["saved_mib"] * 2**20
-            print(f"cp={cp} {comm} {r['seq_len']}: saved {measured:.0f}, planned {saved}")
-            assert abs(saved / measured - 1) < 0.10
-            assert sent == r["sent_mib"] * 2**20
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    configs = [(comm, 1024) for comm in (COMMS if cp > 1 else ("p2p",))]
+    for r in pool.run("cp_scaling_measured", cp=cp, configs=configs)[0]:
+        comm = r["comm"] if cp > 1 else "p2p"
+        saved, sent = planned(cp, comm, cp_scaling_workload(r["seq_len"]))
+        measured = r["saved_mib"] * 2**20
+        print(f"cp={cp} {comm} {r['seq_len']}: saved {measured:.0f}, planned {saved}")
+        assert abs(saved / measured - 1) < 0.10
+        assert sent == r["sent_mib"] * 2**20
 
 
 @pytest.mark.parametrize("ac", ["selective", "full"])
