@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 from titan_vlm.config import JobConfig, Training
@@ -32,7 +32,7 @@ from titan_vlm.layout import LayoutCost, SeqLayout
 from titan_vlm.metrics import SavedForBackward
 from titan_vlm.models.accounting import layout_cost
 from titan_vlm.models.flavors import Rope, VLMArgs, get_flavor
-from titan_vlm.models.loading import canonical_name
+from titan_vlm.models.loading import canonical_name, local_box
 from titan_vlm.models.vlm import VLM
 from titan_vlm.optim import build_optimizer, build_scheduler
 from titan_vlm.parallel import context_parallel, tensor_parallel
@@ -69,21 +69,18 @@ def _squares(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """This rank's share of [|a - b|^2, |b|^2, |a|^2] (float64), where `a` is a parallel tensor
     (a DTensor, or a plain tensor that every rank holds) and `b` the whole reference tensor:
     summed over the world, the shares are the sums over the whole tensors. Each rank pairs its
-    local shard of `a` with the same slice of `b` (distribute_tensor without communication, so
-    the slice follows `a`'s placements, FSDP's strided shards included) and divides by the number
-    of ranks holding that shard. A replica that differs from its copies counts as a difference.
-    This replaces a full_tensor() all-gather per parameter, which cost a quarter of a 4-rank
-    parity check, by one all-reduce for all parameters (_relative_errors)."""
+    piece of `a` with the same box of `b` (loading.local_box, what loads checkpoints and Hugging
+    Face weights) and divides by the number of ranks holding that piece; a replica that differs
+    from its copies counts as a difference. This replaces a full_tensor() all-gather per
+    parameter by one all-reduce for all of them (_relative_errors)."""
     copies = dist.get_world_size()
     if isinstance(a, DTensor):
         assert not any(p.is_partial() for p in a.placements), a.placements
         mesh = a.device_mesh
-        b = distribute_tensor(b, mesh, a.placements, src_data_rank=None).to_local()
         copies //= mesh.size()
         copies *= math.prod(mesh.size(d) for d, p in enumerate(a.placements) if p.is_replicate())
-        a = a.to_local()
-    assert a.shape == b.shape, (a.shape, b.shape)
-    a, b = a.detach().double(), b.detach().double()
+    a, box = local_box(a.detach())
+    a, b = a.double(), b.detach()[box].double()
     return torch.stack([(a - b).square().sum(), b.square().sum(), a.square().sum()]) / copies
 
 
