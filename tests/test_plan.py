@@ -126,6 +126,10 @@ def test_plan_prints_every_part(capsys):
         "image embeddings (shard)",
         "fsdp all-gather (decoder)",
         "MFU",
+        # the default config's "auto" placement is not what the plan prices, and it says so
+        "cp placement priced: every row split head-tail over cp, image slots on every CP rank; "
+        "the config's cp_sample_placement='auto' and cp_image_tokens='auto' may keep samples "
+        "whole or shard images, which this plan does not price",
     ):
         assert part in out, part
 

@@ -71,7 +71,23 @@ def flops(n: float) -> str:
     return f"{n / 1e6:,.1f} MFLOP"
 
 
-def report(plan: Plan, shapes: ModelShapes, work: Workload, args_line: str) -> list[str]:
+def placement_line(cfg: JobConfig) -> str:
+    """What the plan assumes of the CP placement, and where the config asks for another (the
+    planner prices one placement: docs/limits.md)."""
+    p = cfg.parallelism
+    line = "cp placement priced: every row split head-tail over cp, image slots on every CP rank"
+    if (p.cp_sample_placement, p.cp_image_tokens) != ("split", "replicate"):
+        line += (
+            f"; the config's cp_sample_placement={p.cp_sample_placement!r} and "
+            f"cp_image_tokens={p.cp_image_tokens!r} may keep samples whole or shard images, "
+            "which this plan does not price"
+        )
+    return line
+
+
+def report(
+    plan: Plan, shapes: ModelShapes, work: Workload, args_line: str, placement: str
+) -> list[str]:
     lay, hw = plan.layout, plan.hardware
     unit = "GiB" if plan.state.total >= GIB else "MiB"
 
@@ -81,6 +97,7 @@ def report(plan: Plan, shapes: ModelShapes, work: Workload, args_line: str) -> l
     lines = [
         args_line,
         f"layout: {lay.describe()} on {lay.world} x {hw.name} ({plan.gpus_per_node} per node)",
+        *([placement] if lay.cp > 1 else []),
         "",
         f"per rank (rank 0: the largest FSDP shard), {unit}:",
         f"  parameters {gib(plan.state.params)} | gradients {gib(plan.state.grads)} | "
@@ -185,7 +202,11 @@ def main(argv: list[str] | None = None) -> None:
         print(
             "\n".join(
                 report(
-                    make_plan(shapes, layout, work, hw, gpn, opts.efficiency), shapes, work, head
+                    make_plan(shapes, layout, work, hw, gpn, opts.efficiency),
+                    shapes,
+                    work,
+                    head,
+                    placement_line(cfg),
                 )
             )
         )
