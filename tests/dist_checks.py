@@ -527,6 +527,49 @@ def cp_scaling_measured(cp: int, configs: list[tuple[str, int]]) -> list[dict]:
     return reports
 
 
+def placed_step_measured(
+    cp: int, comm: str, placement: str, image_tokens: str, seq_len: int, rows: int
+) -> dict:
+    """One forward + backward of packed rows (SyntheticCaptions, packing, up to 2 images per
+    sample) under cp_sample_placement `placement` and cp_image_tokens `image_tokens`, with the
+    family's cost model as the trainer passes it: what autograd saves and the bytes the CP
+    attention sends (benchmarks/cp_scaling.py's counter), the most over the CP ranks; and the
+    batch's slot metadata, so that the planner prices the same rows."""
+    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    from cp_scaling import count_sent_bytes
+
+    args = get_flavor("debug")
+    mesh = make_mesh(1, cp)
+    torch.manual_seed(0)
+    model = VLM(args)
+    data = SyntheticCaptions(
+        args.vision.image_size,
+        args.tokens_per_image,
+        seq_len,
+        0,
+        sentences_per_image=8,
+        images_per_sample=2,
+        packing=True,
+    )
+    batch = data.batch(0, 0, 1, rows)
+    options = CPOptions(comm, "shard", placement, image_tokens, layout_cost(args))
+    with count_sent_bytes() as sent, SavedForBackward(model.parameters()) as saved:
+        _, _, layout = forward_backward(model, batch, mesh, options)
+    stats = torch.tensor([saved.bytes, sent["bytes"]], dtype=torch.float64)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    return dict(
+        saved=int(stats[0]),
+        sent=int(stats[1]),
+        doc=batch.doc,
+        image=batch.image,
+        kept=layout.kept_samples(),
+        split=layout.split_samples(),
+        sharded=any(bool((t.image >= 0).any()) for t in layout.texts),
+    )
+
+
 def mismatched_batches(cp: int = 2) -> str:
     """CP rank 1 builds a batch that differs from rank 0's (as a data error on one rank would):
     the per-step check must raise on every rank of the group, not hang. Returns the message."""

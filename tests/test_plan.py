@@ -1,16 +1,19 @@
 """The planner (python -m titan_vlm.plan) against what runs here: its activation bytes against
-the saved-for-backward bytes benchmarks/cp_scaling.py measures (within 10%), its CP attention
+the saved-for-backward bytes benchmarks/cp_scaling.py measures (within 1%: a 10% tolerance let
+the custom op's extra saved inputs, 4-8% under allgather and a2a, pass unnoticed), its CP attention
 bytes against the bytes cp_scaling counts on the wire (exact), its model state against the
 trainer's own expression on real meshes (exact)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 
 from titan_vlm.data.synthetic import SyntheticCaptions
+from titan_vlm.models.accounting import layout_cost
 from titan_vlm.models.flavors import get_flavor
 from titan_vlm.plan.__main__ import main as plan_main
 from titan_vlm.plan.comm import cp_attention_bytes
@@ -58,14 +61,14 @@ def test_matches_the_recorded_cp_scaling_table_at_every_row():
         saved, sent = planned(
             int(cp), "p2p" if comm == "-" else comm, cp_scaling_workload(int(seq_len))
         )
-        assert abs(saved / 2**20 / float(saved_mib) - 1) < 0.10, (cp, comm, seq_len)
+        assert abs(saved / 2**20 / float(saved_mib) - 1) < 0.01, (cp, comm, seq_len)
         assert f"{sent / 2**20:.2f}" == sent_mib, (cp, comm, seq_len)
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_matches_cp_scaling_measured_now(pool, cp):
     """benchmarks/cp_scaling.py's own worker, run here on cp processes: saved-for-backward
-    within 10% of the plan, bytes sent equal to it (the worker reports MiB = bytes / 2**20,
+    within 1% of the plan, bytes sent equal to it (the worker reports MiB = bytes / 2**20,
     exact in a float)."""
     configs = [(comm, 1024) for comm in (COMMS if cp > 1 else ("p2p",))]
     for r in pool.run("cp_scaling_measured", cp=cp, configs=configs)[0]:
@@ -73,8 +76,54 @@ def test_matches_cp_scaling_measured_now(pool, cp):
         saved, sent = planned(cp, comm, cp_scaling_workload(r["seq_len"]))
         measured = r["saved_mib"] * 2**20
         print(f"cp={cp} {comm} {r['seq_len']}: saved {measured:.0f}, planned {saved}")
-        assert abs(saved / measured - 1) < 0.10
+        assert abs(saved / measured - 1) < 0.01
         assert sent == r["sent_mib"] * 2**20
+
+
+@pytest.mark.parametrize("cp, seq_len, rows", [(2, 512, 2), (4, 1024, 1)])
+def test_prices_the_trainers_placement_as_measured(pool, cp, seq_len, rows):
+    """Packed rows (SyntheticCaptions' mix, up to 2 images a sample) under every cp_comm_type,
+    placed as the trainer places them: every sample split with its images sharded, and "auto"
+    (here some samples kept whole, one split with its images sharded): the plan's CP attention
+    bytes equal the bytes sent, its saved-for-backward bytes within 3% of autograd's (the plan
+    prices the rank with the most slots; the rank that saves most may hold one sample more).
+    Negative control: priced as every sample split with replicated images (what the planner
+    assumed before), the same rows send other bytes or save other activations."""
+    for comm in COMMS:
+        for placement, tokens in (("split", "shard"), ("auto", "auto")):
+            r = pool.run(
+                "placed_step_measured",
+                cp=cp,
+                comm=comm,
+                placement=placement,
+                image_tokens=tokens,
+                seq_len=seq_len,
+                rows=rows,
+            )[0]
+            assert r["sharded"] and r["split"] >= 1
+            if placement == "auto":
+                assert min(r["kept"]) >= 1, r["kept"]
+            work = Workload(r["doc"], r["image"], cost=layout_cost(DEBUG))
+            layout = Layout(
+                cp=cp,
+                cp_comm_type=comm,
+                mixed_precision="fp32",
+                cp_sample_placement=placement,
+                cp_image_tokens=tokens,
+            )
+            saved = sum(activation_bytes(SHAPES, layout, work, "none").values())
+            sent = cp_attention_bytes(SHAPES, layout, work)
+            print(f"cp={cp} {comm} {placement}/{tokens}: saved {r['saved']}, planned {saved}")
+            assert sent == r["sent"], (comm, placement, sent, r["sent"])
+            assert abs(saved / r["saved"] - 1) < 0.03, (comm, placement, saved, r["saved"])
+            assumed = dataclasses.replace(
+                layout, cp_sample_placement="split", cp_image_tokens="replicate"
+            )
+            assumed_saved = sum(activation_bytes(SHAPES, assumed, work, "none").values())
+            assert (
+                cp_attention_bytes(SHAPES, assumed, work) != r["sent"]
+                or abs(assumed_saved / r["saved"] - 1) >= 0.03
+            ), (comm, placement)
 
 
 @pytest.mark.parametrize("ac", ["selective", "full"])
@@ -86,7 +135,7 @@ def test_activation_checkpointing_matches_what_autograd_saves(pool, ac):
         )
         saved, _ = planned(cp, comm, cp_scaling_workload(528, sentences=40), ac)
         print(f"ac={ac} cp={cp} {comm}: saved {measured}, planned {saved}")
-        assert abs(saved / measured - 1) < 0.10, (cp, comm, saved, measured)
+        assert abs(saved / measured - 1) < 0.01, (cp, comm, saved, measured)
 
 
 @pytest.mark.parametrize(
@@ -126,10 +175,11 @@ def test_plan_prints_every_part(capsys):
         "image embeddings (shard)",
         "fsdp all-gather (decoder)",
         "MFU",
-        # the default config's "auto" placement is not what the plan prices, and it says so
-        "cp placement priced: every row split head-tail over cp, image slots on every CP rank; "
-        "the config's cp_sample_placement='auto' and cp_image_tokens='auto' may keep samples "
-        "whole or shard images, which this plan does not price",
+        # the config's placement (auto: its 4 one-sample rows of 256 slots are dealt whole,
+        # two per rank; "auto" keeps 2 padding slots each of images and text)
+        "cp placement priced (parallelism.cp_sample_placement=auto, cp_image_tokens=auto; the "
+        "rows placed as one): local slots per rank [516, 516]: 2 image slots on every rank, 2 "
+        "that travel, [512, 512] kept whole",
     ):
         assert part in out, part
 

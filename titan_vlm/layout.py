@@ -415,6 +415,11 @@ class SeqLayout:
             for r in self._ranks()
         ]
 
+    def kept_work(self) -> list[int]:
+        """Query-key pairs of the samples each CP rank keeps whole (part of `rank_work`; the
+        all-to-all algorithm computes them on every head of their rank)."""
+        return [self._keys_seen(self.kept[r]) for r in self._ranks()]
+
     def whole_work(self) -> int:
         """Query-key pairs of the whole rows, as one device computes them: the split samples'
         image slots once, every rank's text and kept slots (the model FLOPs count this; the

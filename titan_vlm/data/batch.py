@@ -166,6 +166,14 @@ class Sample:
         return Sample(parts)
 
 
+def join_rows(doc: torch.Tensor) -> torch.Tensor:
+    """Rows of sample ids doc [B, S] back to back as one row [1, B x S], the ids renumbered so
+    that samples of different rows stay apart (-1 padding stays -1)."""
+    stride = int(doc.max()) + 1 if doc.numel() else 1
+    rows = torch.arange(doc.shape[0], device=doc.device)[:, None]
+    return torch.where(doc >= 0, doc + rows * stride, doc).reshape(1, -1)
+
+
 @dataclass
 class Batch:
     images: Images  # every image of the batch, rows in order, each in reading order
@@ -191,14 +199,11 @@ class Batch:
         places samples without padding every row to the longest (cp_sample_placement="auto")."""
         if self.num_rows <= 1:
             return self
-        stride = int(self.doc.max()) + 1 if self.doc.numel() else 1
-        rows = torch.arange(self.num_rows, device=self.doc.device)[:, None]
-        doc = torch.where(self.doc >= 0, self.doc + rows * stride, self.doc)
         return Batch(
             self.images,
             self.tokens.reshape(1, -1),
             self.labels.reshape(1, -1),
-            doc.reshape(1, -1),
+            join_rows(self.doc),
             self.image.reshape(1, -1),
         )
 

@@ -69,14 +69,21 @@ def vision_images_per_rank(images: Images, cp_size: int, mode: str) -> list[floa
     vit_work: an image's patches / a native-size image's; so LayoutCost.image, the cost of one
     native image, prices it): the layout's ViT cost. A batch of native-size images counts its
     images, as floats."""
-    work = vit_work(images)
+    return vit_shares(vit_work(images), _patches(images), cp_size, mode)
+
+
+def vit_shares(work: list[float], patches: list[int], cp_size: int, mode: str) -> list[float]:
+    """Each CP rank's share of the images' ViT `work` (batch order) under cp_vision `mode`:
+    every image on every rank ("replicate"), all on rank 0 ("broadcast"), or the contiguous
+    ranges `image_shard_sizes` balances by `patches` ("shard"). The planner prices its
+    native-size images through this too."""
     if mode == "replicate":
         return [sum(work)] * cp_size
     if mode == "broadcast":
         return [sum(work)] + [0.0] * (cp_size - 1)
     if mode == "shard":
         out, start = [], 0
-        for size in image_shard_sizes(_patches(images), cp_size):
+        for size in image_shard_sizes(patches, cp_size):
             out.append(sum(work[start : start + size]))
             start += size
         return out

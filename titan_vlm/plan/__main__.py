@@ -71,23 +71,22 @@ def flops(n: float) -> str:
     return f"{n / 1e6:,.1f} MFLOP"
 
 
-def placement_line(cfg: JobConfig) -> str:
-    """What the plan assumes of the CP placement, and where the config asks for another (the
-    planner prices one placement: docs/limits.md)."""
-    p = cfg.parallelism
-    line = "cp placement priced: every row split head-tail over cp, image slots on every CP rank"
-    if (p.cp_sample_placement, p.cp_image_tokens) != ("split", "replicate"):
-        line += (
-            f"; the config's cp_sample_placement={p.cp_sample_placement!r} and "
-            f"cp_image_tokens={p.cp_image_tokens!r} may keep samples whole or shard images, "
-            "which this plan does not price"
-        )
-    return line
+def placement_line(layout: Layout, work: Workload) -> str:
+    """The CP placement the plan prices: the trainer's (layout.build_layout with the config's
+    cp_sample_placement and cp_image_tokens), in the words of the trainer's "cp placement" log
+    line."""
+    g = work.placed(layout)
+    joined = "; the rows placed as one" if g.rows < work.rows else ""
+    per_rank = [g.rows * (g.image_slots + g.text_slots + w) for w in g.kept_slots]
+    return (
+        f"cp placement priced (parallelism.cp_sample_placement={layout.cp_sample_placement}, "
+        f"cp_image_tokens={layout.cp_image_tokens}{joined}): local slots per rank {per_rank}: "
+        f"{g.rows * g.image_slots} image slots on every rank, {g.rows * g.text_slots} that "
+        f"travel, {[g.rows * w for w in g.kept_slots]} kept whole"
+    )
 
 
-def report(
-    plan: Plan, shapes: ModelShapes, work: Workload, args_line: str, placement: str
-) -> list[str]:
+def report(plan: Plan, shapes: ModelShapes, work: Workload, args_line: str) -> list[str]:
     lay, hw = plan.layout, plan.hardware
     unit = "GiB" if plan.state.total >= GIB else "MiB"
 
@@ -97,14 +96,14 @@ def report(
     lines = [
         args_line,
         f"layout: {lay.describe()} on {lay.world} x {hw.name} ({plan.gpus_per_node} per node)",
-        *([placement] if lay.cp > 1 else []),
+        *([placement_line(lay, work)] if lay.cp > 1 else []),
         "",
         f"per rank (rank 0: the largest FSDP shard), {unit}:",
         f"  parameters {gib(plan.state.params)} | gradients {gib(plan.state.grads)} | "
         f"optimizer {gib(plan.state.optimizer)} | model state {plan.state.total / GIB:.3f} GiB "
         "(the trainer's 'model state per rank' line)",
         "",
-        f"activations saved for backward per rank, {unit} (image slots on every CP rank):",
+        f"activations saved for backward per rank (the busiest), {unit}:",
         f"  {'module':<30}" + "".join(f"{m:>11}" for m in AC_MODES),
     ]
     modules = list(plan.activations["none"])
@@ -162,11 +161,16 @@ def main(argv: list[str] | None = None) -> None:
         hw = get_hardware(opts.gpu)
         gpn = opts.gpus_per_node or hw.gpus_per_node
         world = world_of(opts, cfg, gpn)
-        args = get_model_spec(cfg.model.name).args(cfg)  # a flavor or a Hugging Face folder
+        spec = get_model_spec(cfg.model.name)
+        args = spec.args(cfg)  # a flavor or a Hugging Face folder
         shapes = model_shapes(args)
         t = cfg.training
         work = Workload.uniform(
-            t.seq_len, t.local_batch_size, cfg.data.images_per_sample, args.tokens_per_image
+            t.seq_len,
+            t.local_batch_size,
+            cfg.data.images_per_sample,
+            args.tokens_per_image,
+            spec.layout_cost(args),  # what cp_sample_placement = "auto" balances
         )
         head = (
             f"plan: flavor {cfg.model.flavor}, {t.local_batch_size} row(s) x {t.seq_len} slots "
@@ -206,7 +210,6 @@ def main(argv: list[str] | None = None) -> None:
                     shapes,
                     work,
                     head,
-                    placement_line(cfg),
                 )
             )
         )

@@ -3,8 +3,8 @@
 Counted as benchmarks/cp_scaling.py counts them (a ring all-gather sends P-1 pieces, a
 reduce-scatter or all-to-all (P-1)/P of its input, a point-to-point send its tensor):
 
-  cp attention (per decoder layer; kv = this rank's text K and V, 2 x rows x K/V heads x text
-  slots x head dim elements, per tp rank)
+  cp attention (per decoder layer; kv = this rank's travelling K and V, 2 x rows x K/V heads x T
+  x head dim elements, per tp rank: the split samples' share, never the slots kept whole)
     p2p         forward (P-1) kv sends, backward (P-1) kv sends + (P-1) fp32 dK/dV sends (the
                 local plan's accumulators stay home)
     allgather   forward all-gather of kv, backward reduce-scatter of fp32 dK/dV of the whole text
@@ -56,8 +56,8 @@ def cp_attention_bytes(shapes: ModelShapes, layout: Layout, work: Workload) -> i
         return 0
     d = shapes.decoder
     a, t = layout.act_bytes, layout.tp
-    g = work.geometry(p, t if layout.sequence_parallel else 1)
-    B, T, N = work.rows, g.text_slots, g.image_slots
+    g = work.placed(layout)
+    B, T, N = g.rows, g.text_slots, g.image_slots
     heads, kv_heads = d.n_heads // t, d.n_kv_heads // t
     kv = 2 * B * kv_heads * T * d.head_dim  # elements
     if layout.cp_comm_type == "p2p":
@@ -132,8 +132,8 @@ def tp_bytes(shapes: ModelShapes, layout: Layout, work: Workload) -> int:
         return 0
     d, v = shapes.decoder, shapes.vision
     a = layout.act_bytes
-    g = work.geometry(layout.cp, t if layout.sequence_parallel else 1)
-    B, L, T = work.rows, g.local_slots, g.text_slots
+    g = work.placed(layout)
+    B, L, T = g.rows, g.local_slots, g.section_slots
     n_vis = vision_images_on_rank(layout, work.num_images)
 
     def all_reduce(nbytes: int) -> int:

@@ -49,23 +49,26 @@ def link_gbps(layout: Layout, group: str, hw: Hardware, gpus_per_node: int) -> f
 
 
 def executed_flops(shapes: ModelShapes, layout: Layout, work: Workload) -> float:
-    """FLOPs the busiest rank runs per step: train_flops of its images (cp_vision), its text and
-    its attention pairs, plus the decoder's linear layers on the replicated image slots of the
-    images it did not encode, plus the recomputed forward of checkpointed blocks; over tp."""
-    g = work.geometry(layout.cp, layout.tp if layout.sequence_parallel else 1)
+    """FLOPs the busiest rank runs per step: train_flops of its images (cp_vision), its text
+    section and its attention pairs, plus the decoder's linear layers on the replicated image
+    slots of the images it did not encode, plus the recomputed forward of checkpointed blocks;
+    over tp."""
+    g = work.placed(layout)
     n_vis = vision_images_on_rank(layout, work.num_images)
     if layout.cp_comm_type == "a2a" and layout.cp > 1:
-        pairs = g.whole_pairs / layout.cp  # every rank: the whole rows on H/P heads
+        # every rank: the shared rows on H/P heads, its kept samples on every head
+        shared = (g.whole_pairs - sum(g.kept_pairs)) / layout.cp
+        pairs = shared + max(g.kept_pairs)
     else:
         pairs = max(g.pairs)
-    text = work.rows * g.text_slots
+    text = g.rows * g.section_slots
     flops = train_flops(shapes.args, n_vis, text, pairs)
     block_params = sum(  # the decoder blocks' matrices: 2 FLOPs per token forward, 6 in all
         math.prod(p.shape)
         for p in shapes.params
         if p.group == "decoder" and ".layers." in p.name and len(p.shape) > 1
     )
-    other_image_slots = work.rows * g.image_slots - n_vis * shapes.tokens_per_image
+    other_image_slots = g.rows * g.image_slots - n_vis * shapes.tokens_per_image
     flops += 6 * block_params * other_image_slots
     d = shapes.decoder
     share = checkpointed(d.n_layers, layout.ac_mode) / d.n_layers
@@ -138,7 +141,7 @@ def make_plan(
     overlapped = sum(t.seconds for t in timed if t.collective.overlapped)
     exposed = sum(t.seconds for t in timed if not t.collective.overlapped)
     step_s = max(compute_s, overlapped) + exposed
-    g = work.geometry(1)
+    g = work.whole()
     useful = layout.dp * train_flops(shapes.args, work.num_images, work.text_tokens, g.whole_pairs)
     return Plan(
         layout=layout,

@@ -4,21 +4,24 @@ per rank" line counts them), and activations by module for each activation-check
 Activations are what autograd saves for backward, tensor by tensor, as titan_vlm's modules save
 them (each storage once; checked against `metrics.SavedForBackward` by tests/test_plan.py):
 
-  decoder block, per local slot (L = image slots + this CP rank's text slots), a = bytes of the
+  decoder block, per local slot (L = N + T + W: the replicated image slots, the text slots that
+  travel and the slots kept whole, layout.SeqLayout; the busiest rank's), a = bytes of the
   compute dtype, d width, f MLP width, h / kv query / K/V head widths (per tp rank):
     two RMSNorms      4d + 4 + a.d each (the fp32 input, its rsqrt, the normalised input)
     their outputs     a.d each (saved by the projections that read them)
     attention         a.h (q) + 2 a.kv (k, v) + a.h (out) + 4 heads (log-sum-exp); the
-                      all-gather algorithm saves the gathered text K/V instead of the local
-                      ones; the all-to-all one saves q, k, v, out and lse of the whole sequence
-                      for H/P heads and a copy of its output for wo
+                      all-gather algorithm saves its keys' K/V (N + P T + W) besides the
+                      local ones; the all-to-all one saves, besides the local q, k, v and out, q, k,
+                      v, out and lse of the shared sequence (N + P T) for H/P heads and the lse
+                      of the kept slots for every head
     SwiGLU MLP        4 a.f (w1 and w3 outputs, silu output, their product)
   ViT block, per patch: two LayerNorms (a.dv + 8 each), their outputs, q, k, v, out (a.dv each,
     over tp), 4 bytes per head, the GELU's input and output (a.mlp each, over tp)
   once: the pixels, the final norms, the projector; RoPE cos/sin (fp32, shared by all layers);
     token ids; the last hidden state, the head's input and the log-softmax of the text (fp32).
 
-The replicated image slots are in L on every CP rank. Activation checkpointing keeps, for each
+The replicated image slots are in L on every CP rank; token ids, the head and the loss run on the
+text section (T + W). Activation checkpointing keeps, for each
 checkpointed block, only its input ("checkpointed block inputs") and recomputes the block in
 backward (a transient of one block's activations, `recompute_bytes`).
 """
@@ -107,10 +110,10 @@ def vision_images_on_rank(layout: Layout, num_images: int) -> int:
     return math.ceil(num_images / layout.cp)
 
 
-def decoder_block_bytes(shapes: ModelShapes, layout: Layout, g: Geometry, rows: int) -> int:
+def decoder_block_bytes(shapes: ModelShapes, layout: Layout, g: Geometry) -> int:
     d = shapes.decoder
     a, t, p = layout.act_bytes, layout.tp, layout.cp
-    L = g.local_slots
+    L, W = g.local_slots, g.kept
     h, kv = d.n_heads // t * d.head_dim, d.n_kv_heads // t * d.head_dim
     heads = d.n_heads // t
     norm_tokens = L // t if layout.sequence_parallel else L
@@ -118,14 +121,15 @@ def decoder_block_bytes(shapes: ModelShapes, layout: Layout, g: Geometry, rows: 
     if layout.cp_comm_type == "a2a" and p > 1:
         whole = g.image_slots + p * g.text_slots
         kv_heads = len(a2a_kv_heads(heads, d.n_kv_heads // t, p)[0])  # per rank
-        attn = whole * (2 * a * h // p + 2 * a * kv_heads * d.head_dim + 4 * heads // p) + L * a * (
-            heads * d.head_dim
-        )
+        shared = whole * (2 * a * h // p + 2 * a * kv_heads * d.head_dim + 4 * heads // p)
+        # the op's own q, k, v and output over L, and the kept plan's log-sum-exp on every head
+        attn = shared + L * (2 * a * h + 2 * a * kv) + W * 4 * heads
     else:
-        keys = g.image_slots + p * g.text_slots if layout.cp_comm_type == "allgather" else L
-        attn = L * (2 * a * h + 4 * heads) + keys * 2 * a * kv
+        attn = L * (2 * a * h + 4 * heads) + L * 2 * a * kv
+        if layout.cp_comm_type == "allgather" and p > 1:  # and its keys: the group's K/V
+            attn += (g.image_slots + p * g.text_slots + W) * 2 * a * kv
     mlp = 4 * a * (d.ffn_dim // t) * L
-    return rows * (norms + attn + mlp)
+    return g.rows * (norms + attn + mlp)
 
 
 def vision_block_bytes(shapes: ModelShapes, layout: Layout, images: int) -> int:
@@ -142,10 +146,10 @@ def activation_bytes(
     """Saved-for-backward bytes of one rank (the busiest) by module under AC `mode`."""
     d, v = shapes.decoder, shapes.vision
     a, t = layout.act_bytes, layout.tp
-    g = work.geometry(layout.cp, t if layout.sequence_parallel else 1)
-    B, L, T = work.rows, g.local_slots, g.text_slots
+    g = work.placed(layout)
+    B, L, T = g.rows, g.local_slots, g.section_slots
     n_vis = vision_images_on_rank(layout, work.num_images)
-    dec_block = decoder_block_bytes(shapes, layout, g, B)
+    dec_block = decoder_block_bytes(shapes, layout, g)
     vit_block = vision_block_bytes(shapes, layout, n_vis)
     dec_ckpt = checkpointed(d.n_layers, mode)
     vit_ckpt = checkpointed(v.n_layers, mode)
@@ -168,11 +172,10 @@ def recompute_bytes(shapes: ModelShapes, layout: Layout, work: Workload, mode: s
     """The transient of backward under AC: one checkpointed block's activations, recomputed."""
     if mode == "none":
         return 0
-    t = layout.tp
-    g = work.geometry(layout.cp, t if layout.sequence_parallel else 1)
+    g = work.placed(layout)
     n_vis = vision_images_on_rank(layout, work.num_images)
     return max(
-        decoder_block_bytes(shapes, layout, g, work.rows),
+        decoder_block_bytes(shapes, layout, g),
         vision_block_bytes(shapes, layout, n_vis),
     )
 
@@ -205,11 +208,11 @@ def peak_memory(shapes: ModelShapes, layout: Layout, work: Workload, mode: str) 
         sum(full(p) for p in shapes.params if p.name.startswith(f"{prefix}.layers.0."))
         for prefix in ("decoder", "vision")
     )
-    g = work.geometry(layout.cp, t if layout.sequence_parallel else 1)
-    logits = work.rows * g.text_slots * shapes.decoder.vocab_size * (a + 4 + 4)
+    g = work.placed(layout)
+    logits = g.rows * g.section_slots * shapes.decoder.vocab_size * (a + 4 + 4)
     n_vis = vision_images_on_rank(layout, work.num_images)
     one_block = max(
-        decoder_block_bytes(shapes, layout, g, work.rows), vision_block_bytes(shapes, layout, n_vis)
+        decoder_block_bytes(shapes, layout, g), vision_block_bytes(shapes, layout, n_vis)
     )
     return PeakMemory(
         state=state_bytes(shapes, layout).total,

@@ -21,7 +21,8 @@ def divisors(n: int) -> list[int]:
 
 def candidate_layouts(cfg: JobConfig, world: int, gpus_per_node: int) -> list[Layout]:
     """(dp_replicate, dp_shard, cp, tp) with product `world` and tp within a node, each with every
-    cp_comm_type and cp_vision (cp > 1) and AC mode; sequence parallelism on whenever tp > 1.
+    cp_comm_type and cp_vision (cp > 1) and AC mode; sequence parallelism on whenever tp > 1; the
+    config's cp_sample_placement and cp_image_tokens.
     Layouts the trainer would refuse (ParallelDims.validate_model: heads, a2a, ...) are left out."""
     out = []
     for tp in (t for t in divisors(world) if t <= gpus_per_node):
@@ -41,6 +42,8 @@ def candidate_layouts(cfg: JobConfig, world: int, gpus_per_node: int) -> list[La
                         ac,
                         cfg.training.mixed_precision,
                         sequence_parallel=tp > 1,
+                        cp_sample_placement=cfg.parallelism.cp_sample_placement,
+                        cp_image_tokens=cfg.parallelism.cp_image_tokens,
                     )
                     if accepted(cfg, layout):
                         out.append(layout)

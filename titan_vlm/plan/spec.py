@@ -1,6 +1,7 @@
 """What the planner prices: a parallel layout (`Layout`) and the rows one data-parallel rank
-trains on per step (`Workload`), and the per-CP-rank geometry the project's own split gives them
-(`Geometry`, from layout.build_layout: image slots replicated, text head-tail per sample)."""
+trains on per step (`Workload`), and the per-CP-rank geometry the trainer's own placement gives
+them (`Geometry`, from layout.build_layout with the layout's cp_sample_placement and
+cp_image_tokens and the family's cost model, the rows joined as shard_batch joins them)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,19 @@ from functools import cached_property
 
 import torch
 
-from titan_vlm.config import ACMode, CPCommType, CPVision, JobConfig, MixedPrecision, world_size_of
-from titan_vlm.layout import build_layout
+from titan_vlm.config import (
+    ACMode,
+    CPCommType,
+    CPImageTokens,
+    CPSamplePlacement,
+    CPVision,
+    JobConfig,
+    MixedPrecision,
+    world_size_of,
+)
+from titan_vlm.data.batch import join_rows
+from titan_vlm.layout import LayoutCost, build_layout
+from titan_vlm.parallel.context_parallel import vit_shares
 
 
 @dataclass(frozen=True)
@@ -25,6 +37,9 @@ class Layout:
     mixed_precision: MixedPrecision = "bf16"
     sequence_parallel: bool = False
     image_embed_tp_shard: bool = False
+    # what the trainer's CPOptions default to; from_config takes the config's (auto / auto)
+    cp_sample_placement: CPSamplePlacement = "split"
+    cp_image_tokens: CPImageTokens = "replicate"
 
     @property
     def world(self) -> int:
@@ -44,7 +59,8 @@ class Layout:
         return (
             f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp}"
             f"{extra} cp_comm_type={self.cp_comm_type} cp_vision={self.cp_vision} "
-            f"ac={self.ac_mode} {self.mixed_precision}"
+            f"cp_sample_placement={self.cp_sample_placement} "
+            f"cp_image_tokens={self.cp_image_tokens} ac={self.ac_mode} {self.mixed_precision}"
         )
 
     @classmethod
@@ -66,22 +82,32 @@ class Layout:
             cfg.training.mixed_precision,
             p.enable_sequence_parallel,
             p.image_embed_tp_shard,
+            p.cp_sample_placement,
+            p.cp_image_tokens,
         )
 
 
 @dataclass(frozen=True, eq=False)
 class Workload:
     """One data-parallel rank's rows of one step, as slot metadata [B, S] (layout.py: `doc` the
-    sample of each slot, -1 padding; `image` the image it belongs to, -1 text)."""
+    sample of each slot, -1 padding; `image` the image it belongs to, -1 text), and the cost
+    model cp_sample_placement = "auto" balances them by (the family's ModelSpec.layout_cost,
+    as the trainer passes it)."""
 
     doc: torch.Tensor
     image: torch.Tensor
     bidirectional_images: bool = False
-    _geometries: dict = field(default_factory=dict, repr=False)  # (cp, pad multiple) -> Geometry
+    cost: LayoutCost = field(default_factory=LayoutCost)
+    _geometries: dict = field(default_factory=dict, repr=False)  # placement -> Geometry
 
     @classmethod
     def uniform(
-        cls, seq_len: int, rows: int, images_per_row: int, tokens_per_image: int
+        cls,
+        seq_len: int,
+        rows: int,
+        images_per_row: int,
+        tokens_per_image: int,
+        cost: LayoutCost | None = None,
     ) -> Workload:
         """`rows` full rows of one sample each: `images_per_row` images first, then text (the
         LLaVA layout; packed rows of several samples cost the same linear work and less
@@ -90,7 +116,7 @@ class Workload:
         image = torch.full((rows, seq_len), -1, dtype=torch.long)
         per_row = torch.arange(n) // tokens_per_image
         image[:, :n] = per_row + images_per_row * torch.arange(rows)[:, None]
-        return cls(torch.zeros(rows, seq_len, dtype=torch.long), image)
+        return cls(torch.zeros(rows, seq_len, dtype=torch.long), image, cost=cost or LayoutCost())
 
     @property
     def rows(self) -> int:
@@ -108,35 +134,86 @@ class Workload:
     def text_tokens(self) -> int:
         return int(((self.doc >= 0) & (self.image < 0)).sum())
 
-    def geometry(self, cp: int, pad_to_multiple: int = 1) -> Geometry:
-        """One CP rank's share of these rows (made once per cp and padding multiple)."""
-        key = (cp, pad_to_multiple)
+    def placed(self, layout: Layout) -> Geometry:
+        """The CP ranks' shares of these rows under `layout`: its cp, sequence parallelism's
+        padding multiple (tp), its sample placement and image tokens, and each rank's ViT share
+        under its cp_vision, which the cost model weighs (made once per distinct placement)."""
+        pad = layout.tp if layout.sequence_parallel else 1
+        # cp_vision: each rank's ViT share weighs in the cost model "auto" balances
+        key = (
+            layout.cp,
+            pad,
+            layout.cp_sample_placement,
+            layout.cp_image_tokens,
+            layout.cp_vision,
+        )
         cache = self._geometries
         if key not in cache:
-            _, lay = build_layout(
-                self.doc, self.image, cp, 0, self.bidirectional_images, pad_to_multiple
-            )
-            _, whole = build_layout(self.doc, self.image, 1, 0, self.bidirectional_images)
-            cache[key] = Geometry(
-                image_slots=lay.num_image_tokens,
-                text_slots=len(lay.texts[0]),
-                pairs=lay.rank_work(),
-                whole_pairs=whole.rank_work()[0],
-            )
+            cache[key] = self._place(layout, pad)
         return cache[key]
+
+    def whole(self) -> Geometry:
+        """The rows on one device (no CP)."""
+        return self.placed(Layout())
+
+    def _place(self, layout: Layout, pad: int) -> Geometry:
+        cp, placement = layout.cp, layout.cp_sample_placement
+        doc, image = self.doc, self.image
+        if placement == "auto" and cp > 1:  # placed as one row, as shard_batch places them
+            doc, image = join_rows(doc), image.reshape(1, -1)
+        n = self.num_images  # native-size images, in batch order
+        _, lay = build_layout(
+            doc,
+            image,
+            cp,
+            0,
+            self.bidirectional_images,
+            pad,
+            placement,
+            self.cost,
+            vit_shares([1.0] * n, [1] * n, cp, layout.cp_vision),
+            layout.cp_image_tokens,
+        )
+        return Geometry(
+            rows=doc.shape[0],
+            image_slots=lay.num_image_tokens,
+            text_slots=lay.travel,
+            kept_slots=[len(k) for k in lay.kept],
+            pairs=lay.rank_work(),
+            kept_pairs=lay.kept_work(),
+            whole_pairs=lay.whole_work(),
+        )
 
 
 @dataclass(frozen=True)
 class Geometry:
-    """One CP rank's share of a workload's rows: every rank holds all `image_slots` and
-    `text_slots` text slots (padding included) per row; `pairs[r]` are the query-key pairs CP
-    rank r's queries compute (SeqLayout.rank_work), `whole_pairs` those of the unsharded rows."""
+    """The CP ranks' shares of a workload's rows (layout.SeqLayout), per layout row: every rank
+    holds the `image_slots` replicated image slots (N) and `text_slots` slots that travel (T:
+    its share of the split samples, their image slots among them where cp_image_tokens shards
+    them), and rank r the `kept_slots[r]` slots of the samples it keeps whole (W_r, never sent).
+    `pairs[r]` are the query-key pairs CP rank r's queries compute (SeqLayout.rank_work), of
+    which `kept_pairs[r]` its kept samples'; `whole_pairs` those of the rows on one device.
+    `rows`: the layout's rows (the workload's, or 1 where "auto" joins them)."""
 
+    rows: int
     image_slots: int
     text_slots: int
+    kept_slots: list[int]
     pairs: list[int]
+    kept_pairs: list[int]
     whole_pairs: int
 
     @property
+    def kept(self) -> int:
+        """W: the most slots a rank keeps whole (the busiest rank's)."""
+        return max(self.kept_slots)
+
+    @property
+    def section_slots(self) -> int:
+        """T + W: the busiest rank's text section (token ids, the head and the loss run on it)."""
+        return self.text_slots + self.kept
+
+    @property
     def local_slots(self) -> int:
-        return self.image_slots + self.text_slots
+        """N + T + W: the busiest rank's local slots (every decoder block runs on them)."""
+        return self.image_slots + self.section_slots
