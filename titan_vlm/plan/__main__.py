@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
             t.local_batch_size,
             cfg.data.images_per_sample,
             args.tokens_per_image,
-            spec.layout_cost(args),  # what cp_sample_placement = "auto" balances
+            cost=spec.layout_cost(args),  # what cp_sample_placement = "auto" balances
+            bidirectional_images=args.image_attention == "bidirectional",
         )
         head = (
             f"plan: flavor {cfg.model.flavor}, {t.local_batch_size} row(s) x {t.seq_len} slots "

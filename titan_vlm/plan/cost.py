@@ -50,9 +50,10 @@ def link_gbps(layout: Layout, group: str, hw: Hardware, gpus_per_node: int) -> f
 
 def executed_flops(shapes: ModelShapes, layout: Layout, work: Workload) -> float:
     """FLOPs the busiest rank runs per step: train_flops of its images (cp_vision), its text
-    section and its attention pairs, plus the decoder's linear layers on the replicated image
-    slots of the images it did not encode, plus the recomputed forward of checkpointed blocks;
-    over tp."""
+    section and its attention pairs, with the decoder's linear layers corrected from the slots
+    of the images it encoded to the replicated image slots it holds (a negative correction
+    where images are kept whole elsewhere or sharded: their slots are in some rank's text
+    section), plus the recomputed forward of checkpointed blocks; over tp."""
     g = work.placed(layout)
     n_vis = vision_images_on_rank(layout, work.num_images)
     if layout.cp_comm_type == "a2a" and layout.cp > 1:

@@ -107,16 +107,20 @@ class Workload:
         rows: int,
         images_per_row: int,
         tokens_per_image: int,
-        cost: LayoutCost | None = None,
+        *,
+        cost: LayoutCost,
+        bidirectional_images: bool,
     ) -> Workload:
         """`rows` full rows of one sample each: `images_per_row` images first, then text (the
         LLaVA layout; packed rows of several samples cost the same linear work and less
-        attention)."""
+        attention). `cost` and `bidirectional_images`: the model's, as the trainer places
+        rows with them."""
         n = images_per_row * tokens_per_image
         image = torch.full((rows, seq_len), -1, dtype=torch.long)
         per_row = torch.arange(n) // tokens_per_image
         image[:, :n] = per_row + images_per_row * torch.arange(rows)[:, None]
-        return cls(torch.zeros(rows, seq_len, dtype=torch.long), image, cost=cost or LayoutCost())
+        doc = torch.zeros(rows, seq_len, dtype=torch.long)
+        return cls(doc, image, bidirectional_images, cost)
 
     @property
     def rows(self) -> int:
@@ -137,42 +141,32 @@ class Workload:
     def placed(self, layout: Layout) -> Geometry:
         """The CP ranks' shares of these rows under `layout`: its cp, sequence parallelism's
         padding multiple (tp), its sample placement and image tokens, and each rank's ViT share
-        under its cp_vision, which the cost model weighs (made once per distinct placement)."""
+        under its cp_vision, which the cost model weighs where either is "auto" (made once per
+        distinct placement)."""
         pad = layout.tp if layout.sequence_parallel else 1
-        # cp_vision: each rank's ViT share weighs in the cost model "auto" balances
-        key = (
-            layout.cp,
-            pad,
-            layout.cp_sample_placement,
-            layout.cp_image_tokens,
-            layout.cp_vision,
-        )
+        placement, tokens = layout.cp_sample_placement, layout.cp_image_tokens
+        # each rank's ViT share weighs only in the choices "auto" makes
+        n = self.num_images  # native-size images, in batch order
+        shares = vit_shares([1.0] * n, [1] * n, layout.cp, layout.cp_vision)
+        weighed = tuple(shares) if "auto" in (placement, tokens) else ()
+        key = (layout.cp, pad, placement, tokens, weighed)
         cache = self._geometries
         if key not in cache:
-            cache[key] = self._place(layout, pad)
+            cache[key] = self._place(layout.cp, pad, placement, tokens, shares)
         return cache[key]
 
     def whole(self) -> Geometry:
         """The rows on one device (no CP)."""
         return self.placed(Layout())
 
-    def _place(self, layout: Layout, pad: int) -> Geometry:
-        cp, placement = layout.cp, layout.cp_sample_placement
+    def _place(
+        self, cp: int, pad: int, placement: str, tokens: str, shares: list[float]
+    ) -> Geometry:
         doc, image = self.doc, self.image
         if placement == "auto" and cp > 1:  # placed as one row, as shard_batch places them
             doc, image = join_rows(doc), image.reshape(1, -1)
-        n = self.num_images  # native-size images, in batch order
         _, lay = build_layout(
-            doc,
-            image,
-            cp,
-            0,
-            self.bidirectional_images,
-            pad,
-            placement,
-            self.cost,
-            vit_shares([1.0] * n, [1] * n, cp, layout.cp_vision),
-            layout.cp_image_tokens,
+            doc, image, cp, 0, self.bidirectional_images, pad, placement, self.cost, shares, tokens
         )
         return Geometry(
             rows=doc.shape[0],
