@@ -89,23 +89,35 @@ def _(
 @torch.library.custom_op("titan_vlm::attention_backward", mutates_args=())
 def _attention_backward_op(
     dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    q: torch.Tensor | None,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    geometry: list[int],
     outputs: list[torch.Tensor],
     comm: str,
     kernel: str,
     handle: LayoutHandle,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of `_attention_op`. q, k or v is None where ALGORITHMS[comm].keeps says its
+    backward does not read it (the forward saved what it needs of it); `geometry` holds the
+    sizes and strides of all three (`_geometry`), so the algorithm gets a stand-in of the same
+    shape on the meta device and each gradient comes back in its input's memory layout."""
     layout = handle.layout
-    run = select_kernel(kernel, q.device, q.dtype)
+    run = select_kernel(kernel, dout.device, dout.dtype)
     out, token, *saved = outputs
     aux = handle.take(token)
+    shapes = _shapes(geometry)
+    q, k, v = (
+        x if x is not None else torch.empty_strided(size, stride, dtype=dout.dtype, device="meta")
+        for x, (size, stride) in zip((q, k, v), shapes)
+    )
     grads = _algorithm(layout).backward(dout.contiguous(), q, k, v, out, saved, layout, run, aux)
     # each gradient in its input's memory layout, as the fake promises
     dq, dk, dv = (
-        g if g.stride() == x.stride() else torch.empty_like(x).copy_(g)
-        for g, x in zip(grads, (q, k, v))
+        g
+        if g.stride() == tuple(stride)
+        else torch.empty_strided(size, stride, dtype=g.dtype, device=g.device).copy_(g)
+        for g, (size, stride) in zip(grads, shapes)
     )
     return dq, dk, dv
 
@@ -113,27 +125,42 @@ def _attention_backward_op(
 @_attention_backward_op.register_fake
 def _(
     dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    q: torch.Tensor | None,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    geometry: list[int],
     outputs: list[torch.Tensor],
     comm: str,
     kernel: str,
     handle: LayoutHandle,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = (dout.new_empty_strided(size, stride) for size, stride in _shapes(geometry))
+    return dq, dk, dv
+
+
+def _geometry(*xs: torch.Tensor) -> list[int]:
+    """The sizes and strides of 4-d tensors, flat (the backward op's `geometry`)."""
+    return [n for x in xs for n in (*x.shape, *x.stride())]
+
+
+def _shapes(geometry: list[int]) -> list[tuple[list[int], list[int]]]:
+    return [(geometry[i : i + 4], geometry[i + 4 : i + 8]) for i in range(0, len(geometry), 8)]
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]) -> None:
     q, k, v, _, texts, comm, kernel, handle = inputs
-    ctx.save_for_backward(q, k, v, *output)
+    # only the inputs the algorithm's backward reads: a2a and allgather keep what they need in
+    # their own saved tensors, and saving q, k, v whole would cost their memory again
+    keeps = ALGORITHMS[comm].keeps
+    ctx.save_for_backward(*(x if keep else None for x, keep in zip((q, k, v), keeps)), *output)
+    ctx.geometry = _geometry(q, k, v)
     ctx.comm, ctx.kernel, ctx.handle, ctx.texts = comm, kernel, handle, len(texts)
 
 
 def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
     q, k, v, *outputs = ctx.saved_tensors
     dq, dk, dv = _attention_backward_op(
-        grads[0], q, k, v, outputs, ctx.comm, ctx.kernel, ctx.handle
+        grads[0], q, k, v, ctx.geometry, outputs, ctx.comm, ctx.kernel, ctx.handle
     )
     return dq, dk, dv, None, [None] * ctx.texts, None, None, None
 

@@ -116,11 +116,14 @@ def _wait(reqs: list[dist.Work]) -> None:
 class Algorithm:
     """One attention algorithm as a forward/backward pair without autograd (the custom op in
     attention_op.py wraps them). forward(q, k, v, layout) -> (out, saved, aux): `saved` are the
-    tensors its backward needs besides q, k, v, out (the log-sum-exp first), `aux` what the
-    kernels' backward needs that is not a tensor. `saved_like` builds `saved` from shapes alone
-    (the op's fake implementation): `n` image slots, `texts` [B, T] of every CP rank."""
+    tensors its backward needs besides out and the inputs it `keeps` (the log-sum-exp first),
+    `aux` what the kernels' backward needs that is not a tensor. `saved_like` builds `saved`
+    from shapes alone (the op's fake implementation): `n` image slots, `texts` [B, T] of every
+    CP rank. `keeps`: which of q, k, v its backward reads (the op saves only those; the others
+    reach backward as meta tensors of their shape, so it must read only their shapes)."""
 
     comm = "abstract"
+    keeps = (True, True, True)
 
     def forward(
         self,
@@ -285,9 +288,11 @@ class RingAttention(_CPAttention):
 class AllGatherAttention(_CPAttention):
     """cp_comm_type = "allgather": gather every rank's text K/V (rank-major, the "all" slots)
     and run this rank's queries against them as one plan (simple; memory grows with the
-    sequence). Backward reduce-scatters dK/dV."""
+    sequence). Backward reduce-scatters dK/dV. Its saved K/V (the gathered ones, which hold this
+    rank's) are all its backward reads of k and v."""
 
     comm = "allgather"
+    keeps = (True, False, False)
 
     def forward(
         self,
@@ -368,9 +373,12 @@ class UlyssesAttention(_CPAttention):
     counted CP-fold), and the image queries' output heads are all-gathered at the end. Each rank
     gets only the K/V heads its query heads use (`a2a_kv_heads`); the kernel maps its query
     heads to them (grouped-query, fewer K/V heads than query heads). Backward sends every K/V
-    head's gradient back to the rank that holds its text and sums the copies there."""
+    head's gradient back to the rank that holds its text and sums the copies there. It saves its
+    own head-sharded q, k, v and copies of the kept slots' q, k, v: nothing of the local q, k, v
+    beyond those (`keeps`)."""
 
     comm = "a2a"
+    keeps = (False, False, False)
 
     def _seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's text for every rank's heads, rank-major [B, P*h, T, D] -> every rank's
@@ -448,7 +456,9 @@ class UlyssesAttention(_CPAttention):
         # the slots kept whole on this rank: every head here, nothing travels
         out_kept, lse_kept, aux_kept = run_plan(kernel, qk, kk, vk, layout.packed("kept", "kept"))
         out = torch.cat([out_shared, out_kept], dim=2)
-        return out, [lse_all, q_all, k_all, v_all, out_all, lse_kept], (aux, aux_kept)
+        # what backward reads of q, k, v: the kept slots (copies: the op saves no input whole)
+        kept = [x.clone(memory_format=torch.contiguous_format) for x in (qk, kk, vk)]
+        return out, [lse_all, q_all, k_all, v_all, out_all, lse_kept, *kept], (aux, aux_kept)
 
     def backward(
         self,
@@ -462,7 +472,7 @@ class UlyssesAttention(_CPAttention):
         kernel: VarlenKernel,
         aux: Any,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        lse_all, q_all, k_all, v_all, out_all, lse_kept = saved
+        lse_all, q_all, k_all, v_all, out_all, lse_kept, qk, kk, vk = saved
         aux_all, aux_kept = aux
         n = layout.num_image_tokens
         dout_s, dout_k = _shared_and_kept(dout, layout)
@@ -489,9 +499,7 @@ class UlyssesAttention(_CPAttention):
         dq_s = self._split_backward(dq_all, q.shape[1], n, None)
         dk_s = self._split_backward(dk_all, k.shape[1], n, owned)
         dv_s = self._split_backward(dv_all, v.shape[1], n, owned)
-        (_, qk), (_, kk), (_, vk), (_, out_k) = (
-            _shared_and_kept(x, layout) for x in (q, k, v, out)
-        )
+        out_k = _shared_and_kept(out, layout)[1]
         dq_k, dk_k, dv_k = float_grads(qk, kk, vk)
         kept = layout.packed("kept", "kept")
         run_plan_backward(
@@ -512,13 +520,18 @@ class UlyssesAttention(_CPAttention):
         hk = len(a2a_kv_heads(h, k.shape[1], p)[0])
         q_all = q.new_empty(b, h // p, length, d)
         k_all = k.new_empty(b, hk, length, d)
+        w = local - n - t  # the kept slots
+        qk, kk = q.new_empty(b, h, w, d), k.new_empty(b, k.shape[1], w, d)
         return [
             _lse_like(q, h // p, length),
             q_all,
             k_all,
             torch.empty_like(k_all),
             torch.empty_like(q_all),
-            _lse_like(q, h, local - n - t),  # the kept slots'
+            _lse_like(q, h, w),
+            qk,
+            kk,
+            torch.empty_like(kk),
         ]
 
 

@@ -10,10 +10,11 @@ them (each storage once; checked against `metrics.SavedForBackward` by tests/tes
     two RMSNorms      4d + 4 + a.d each (the fp32 input, its rsqrt, the normalised input)
     their outputs     a.d each (saved by the projections that read them)
     attention         a.h (q) + 2 a.kv (k, v) + a.h (out) + 4 heads (log-sum-exp); the
-                      all-gather algorithm saves its keys' K/V (N + P T + W) besides the
-                      local ones; the all-to-all one saves, besides the local q, k, v and out, q, k,
-                      v, out and lse of the shared sequence (N + P T) for H/P heads and the lse
-                      of the kept slots for every head
+                      all-gather algorithm saves its keys' K/V (N + P T + W) instead of the
+                      local ones; the all-to-all one saves the output, q, k, v, out and lse of
+                      the shared sequence (N + P T) for H/P heads, and q, k, v and lse of the
+                      kept slots for every head (each algorithm's `keeps`: the attention op
+                      saves only the inputs its backward reads)
     SwiGLU MLP        4 a.f (w1 and w3 outputs, silu output, their product)
   ViT block, per patch: two LayerNorms (a.dv + 8 each), their outputs, q, k, v, out (a.dv each,
     over tp), 4 bytes per head, the GELU's input and output (a.mlp each, over tp)
@@ -122,12 +123,13 @@ def decoder_block_bytes(shapes: ModelShapes, layout: Layout, g: Geometry) -> int
         whole = g.image_slots + p * g.text_slots
         kv_heads = len(a2a_kv_heads(heads, d.n_kv_heads // t, p)[0])  # per rank
         shared = whole * (2 * a * h // p + 2 * a * kv_heads * d.head_dim + 4 * heads // p)
-        # the op's own q, k, v and output over L, and the kept plan's log-sum-exp on every head
-        attn = shared + L * (2 * a * h + 2 * a * kv) + W * 4 * heads
+        # the output over L; the kept slots' q, k, v and log-sum-exp on every head
+        attn = shared + L * a * h + W * (a * h + 2 * a * kv + 4 * heads)
+    elif layout.cp_comm_type == "allgather" and p > 1:
+        # q, out and lse over L; K/V of its keys (every rank's text, its own among them)
+        attn = L * (2 * a * h + 4 * heads) + (g.image_slots + p * g.text_slots + W) * 2 * a * kv
     else:
         attn = L * (2 * a * h + 4 * heads) + L * 2 * a * kv
-        if layout.cp_comm_type == "allgather" and p > 1:  # and its keys: the group's K/V
-            attn += (g.image_slots + p * g.text_slots + W) * 2 * a * kv
     mlp = 4 * a * (d.ffn_dim // t) * L
     return g.rows * (norms + attn + mlp)
 
