@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import math
 import random
 import sys
 from functools import cache
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from unittest import mock
 
 import torch
@@ -514,14 +515,18 @@ def saved_for_backward(
     return {"bytes": saved.bytes, "longest_dim": saved.longest_dim}
 
 
-def cp_scaling_measured(cp: int, configs: list[tuple[str, int]]) -> list[dict]:
-    """benchmarks/cp_scaling.py's own worker on this group (cp processes): the reports of its rank
-    0, one per (comm, seq_len) of `configs`."""
+def _cp_scaling() -> ModuleType:
+    """benchmarks/cp_scaling.py as a module (its worker and its byte counter)."""
     benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
     if benchmarks not in sys.path:
         sys.path.insert(0, benchmarks)
-    import cp_scaling
+    return importlib.import_module("cp_scaling")
 
+
+def cp_scaling_measured(cp: int, configs: list[tuple[str, int]]) -> list[dict]:
+    """benchmarks/cp_scaling.py's own worker on this group (cp processes): the reports of its rank
+    0, one per (comm, seq_len) of `configs`."""
+    cp_scaling = _cp_scaling()
     reports: list[dict] = []
     cp_scaling.worker(dist.get_rank(), cp, SimpleNamespace(put=reports.append), configs, "debug")
     return reports
@@ -535,11 +540,7 @@ def placed_step_measured(
     family's cost model as the trainer passes it: what autograd saves and the bytes the CP
     attention sends (benchmarks/cp_scaling.py's counter), the most over the CP ranks; and the
     batch's slot metadata, so that the planner prices the same rows."""
-    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
-    if benchmarks not in sys.path:
-        sys.path.insert(0, benchmarks)
-    from cp_scaling import count_sent_bytes
-
+    count_sent_bytes = _cp_scaling().count_sent_bytes
     args = get_flavor("debug")
     mesh = make_mesh(1, cp)
     torch.manual_seed(0)

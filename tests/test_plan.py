@@ -41,11 +41,16 @@ def cp_scaling_workload(seq_len: int, rows: int = 1, sentences: int | None = Non
     return Workload(batch.doc, batch.image)
 
 
-def planned(cp: int, comm: str, work: Workload, ac: str = "none") -> tuple[int, int]:
-    """(activation bytes saved for backward, CP attention bytes sent) per rank."""
-    layout = Layout(cp=cp, cp_comm_type=comm, mixed_precision="fp32", ac_mode=ac)
-    saved = sum(activation_bytes(SHAPES, layout, work, ac).values())
+def priced(layout: Layout, work: Workload) -> tuple[int, int]:
+    """(activation bytes saved for backward under layout.ac_mode, CP attention bytes sent) per
+    rank."""
+    saved = sum(activation_bytes(SHAPES, layout, work, layout.ac_mode).values())
     return saved, cp_attention_bytes(SHAPES, layout, work)
+
+
+def planned(cp: int, comm: str, work: Workload, ac: str = "none") -> tuple[int, int]:
+    """`priced` with the cp_scaling worker's options (fp32, every sample split)."""
+    return priced(Layout(cp=cp, cp_comm_type=comm, mixed_precision="fp32", ac_mode=ac), work)
 
 
 def test_matches_the_recorded_cp_scaling_table_at_every_row():
@@ -111,19 +116,18 @@ def test_prices_the_trainers_placement_as_measured(pool, cp, seq_len, rows):
                 cp_sample_placement=placement,
                 cp_image_tokens=tokens,
             )
-            saved = sum(activation_bytes(SHAPES, layout, work, "none").values())
-            sent = cp_attention_bytes(SHAPES, layout, work)
+            saved, sent = priced(layout, work)
             print(f"cp={cp} {comm} {placement}/{tokens}: saved {r['saved']}, planned {saved}")
             assert sent == r["sent"], (comm, placement, sent, r["sent"])
             assert abs(saved / r["saved"] - 1) < 0.03, (comm, placement, saved, r["saved"])
             assumed = dataclasses.replace(
                 layout, cp_sample_placement="split", cp_image_tokens="replicate"
             )
-            assumed_saved = sum(activation_bytes(SHAPES, assumed, work, "none").values())
-            assert (
-                cp_attention_bytes(SHAPES, assumed, work) != r["sent"]
-                or abs(assumed_saved / r["saved"] - 1) >= 0.03
-            ), (comm, placement)
+            assumed_saved, assumed_sent = priced(assumed, work)
+            assert assumed_sent != r["sent"] or abs(assumed_saved / r["saved"] - 1) >= 0.03, (
+                comm,
+                placement,
+            )
 
 
 @pytest.mark.parametrize("ac", ["selective", "full"])
