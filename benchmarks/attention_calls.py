@@ -31,7 +31,7 @@ from titan_vlm.data.batch import Batch, Sample, collate
 from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.kernels import KERNELS
 from titan_vlm.layout import SeqLayout, build_layout
-from titan_vlm.models.flavors import get_flavor
+from titan_vlm.models.llava.args import get_flavor
 from titan_vlm.parallel.cp_attention import CP_ATTENTION, attention_plans, kernel_launches
 
 DEFAULT_CONFIG = Path(__file__).parent.parent / "train_configs" / "vlm_cp.toml"

@@ -51,9 +51,9 @@ from titan_vlm.data.batch import Batch, Sample, collate
 from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.layout import LayoutCost, SeqLayout, build_layout
 from titan_vlm.metrics import SavedForBackward
-from titan_vlm.models.accounting import layout_cost
-from titan_vlm.models.flavors import get_flavor
-from titan_vlm.models.vlm import VLM
+from titan_vlm.models.llava.args import get_flavor
+from titan_vlm.models.llava.flops import layout_cost
+from titan_vlm.models.llava.model import VLM
 from titan_vlm.parallel.context_parallel import CPOptions, image_shard_sizes
 from titan_vlm.parallel_dims import MESH_DIMS, Mesh
 from titan_vlm.step import forward_backward

@@ -25,8 +25,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.layout import build_layout
 from titan_vlm.metrics import SavedForBackward
-from titan_vlm.models.flavors import get_flavor
-from titan_vlm.models.vlm import VLM
+from titan_vlm.models.llava.args import get_flavor
+from titan_vlm.models.llava.model import VLM
 from titan_vlm.parallel.context_parallel import CPOptions
 from titan_vlm.parallel.cp_attention import CP_ATTENTION, a2a_kv_heads
 from titan_vlm.parallel_dims import MESH_DIMS, Mesh

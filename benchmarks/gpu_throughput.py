@@ -11,7 +11,7 @@ of 8k and 32k slots with a realistic mix (samples of 0.5k-8k slots, every other 
    at >= 90% of the single call's throughput.
 2. training step: a decoder with LLaVA-7B's widths (dim 4096, 32 heads, ffn 11008, vocab 32000)
    and `--layers` layers (4 by default, so it fits), image embeddings given, AdamW, cp = 1:
-   tokens/s and MFU (model FLOPs as titan_vlm counts them, models/accounting.py) beside the peak
+   tokens/s and MFU (model FLOPs as titan_vlm counts them, models/llava/flops.py) beside the peak
    it is measured against (`--peak-tflops`, else the device's dense bf16 peak from a table).
 """
 
@@ -29,8 +29,8 @@ from titan_vlm.attention import attention
 from titan_vlm.data.batch import Batch, Sample, collate
 from titan_vlm.kernels import KERNELS
 from titan_vlm.layout import build_layout
-from titan_vlm.models.decoder import Decoder
-from titan_vlm.models.flavors import get_flavor
+from titan_vlm.models.common.decoder import Decoder
+from titan_vlm.models.llava.args import get_flavor
 from titan_vlm.parallel.cp_attention import kernel_launches
 
 IMAGE_SLOTS = 576

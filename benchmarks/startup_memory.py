@@ -77,12 +77,12 @@ def write_folder(folder: Path, layers: int, dim: int) -> None:
     from safetensors.torch import save_file
 
     from titan_vlm.models.hf_export import hf_config
-    from titan_vlm.models.registry import get_model_spec
+    from titan_vlm.models.registry import model_spec
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(llava_config(layers, dim), indent=1))
     cfg = hf_config(str(folder))
-    spec = get_model_spec(cfg.model.name)
+    spec = model_spec(cfg)
     args = spec.args(cfg)
     with torch.device("meta"):
         model = spec.build(args)
@@ -100,7 +100,7 @@ def worker(rank: int, size: int, results, folder: str, how: str) -> None:
 
     from titan_vlm.models.build import build_model
     from titan_vlm.models.hf_export import hf_config
-    from titan_vlm.models.registry import get_model_spec
+    from titan_vlm.models.registry import model_spec
     from titan_vlm.parallel_dims import Mesh
 
     root = init_device_mesh(
@@ -108,7 +108,7 @@ def worker(rank: int, size: int, results, folder: str, how: str) -> None:
     )
     mesh = Mesh.from_root(root)
     cfg = hf_config(folder)
-    spec = get_model_spec(cfg.model.name)
+    spec = model_spec(cfg)
     begin = time.perf_counter()
     if how == "sharded":
         build_model(spec, cfg, mesh, torch.device("cpu"))

@@ -22,8 +22,8 @@ from _group import run_group
 from torch.distributed.device_mesh import init_device_mesh
 
 from titan_vlm.metrics import SavedForBackward
-from titan_vlm.models.flavors import get_flavor
-from titan_vlm.models.vlm import VLM
+from titan_vlm.models.llava.args import get_flavor
+from titan_vlm.models.llava.model import VLM
 from titan_vlm.parallel.context_parallel import (
     CP_VISION_MODES,
     encode_images_over_cp,

@@ -31,10 +31,11 @@ from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.distributed import local_tensor
 from titan_vlm.layout import LayoutCost, SeqLayout
 from titan_vlm.metrics import SavedForBackward
-from titan_vlm.models.accounting import layout_cost
-from titan_vlm.models.flavors import Rope, VLMArgs, get_flavor
+from titan_vlm.models.common.text_args import Rope
+from titan_vlm.models.llava.args import VLMArgs, get_flavor
+from titan_vlm.models.llava.flops import layout_cost
+from titan_vlm.models.llava.model import VLM
 from titan_vlm.models.loading import canonical_name, local_box
-from titan_vlm.models.vlm import VLM
 from titan_vlm.optim import build_optimizer, build_scheduler
 from titan_vlm.parallel import context_parallel, tensor_parallel
 from titan_vlm.parallel.context_parallel import CPOptions, shard_batch
@@ -595,14 +596,14 @@ def built_weights(dp_shard: int, cp: int, tp: int = 1, **overrides) -> dict[str,
 
     from titan_vlm.models.build import build_model
     from titan_vlm.models.loading import canonical_parameters
-    from titan_vlm.models.registry import get_model_spec
+    from titan_vlm.models.registry import model_spec
 
     cfg = JobConfig()
     for dotted, value in overrides.items():
         section, key = dotted.split("__")
         setattr(getattr(cfg, section), key, value)
     model, _ = build_model(
-        get_model_spec(cfg.model.name), cfg, make_mesh(dp_shard, cp, 1, tp), torch.device("cpu")
+        model_spec(cfg), cfg, make_mesh(dp_shard, cp, 1, tp), torch.device("cpu")
     )
     weights = {n: _full(p.detach()).clone() for n, p in canonical_parameters(model).items()}
     # the names the weights were seeded by are keys a checkpoint stores them under (which also
@@ -706,8 +707,8 @@ def compiled_train_run(dp_shard: int, cp: int, steps: int, tp: int = 1, **overri
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.utils import counters
 
-    from titan_vlm.models.decoder import DecoderBlock
-    from titan_vlm.models.vit import ViTBlock
+    from titan_vlm.models.common.decoder import DecoderBlock
+    from titan_vlm.models.llava.vit import ViTBlock
     from titan_vlm.parallel import parallelize
 
     torch._dynamo.reset()

@@ -13,7 +13,7 @@ from titan_vlm.config import load_config
 from titan_vlm.data.batch import Sample, collate
 from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.layout import SeqLayout, Slots, build_layout, head_tail_pairs
-from titan_vlm.models.flavors import get_flavor
+from titan_vlm.models.llava.args import get_flavor
 
 N_IMAGE, TEXT = 64, 4000
 DEFAULT_CONFIG = Path(__file__).parent.parent / "train_configs" / "vlm_cp.toml"

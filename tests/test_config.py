@@ -284,7 +284,7 @@ def test_choice_literals_name_what_the_registries_hold():
     from titan_vlm.data.bad_samples import BAD_SAMPLE_MODES
     from titan_vlm.kernels import KERNELS
     from titan_vlm.layout import IMAGE_TOKEN_MODES, SAMPLE_PLACEMENTS
-    from titan_vlm.models.flavors import FLAVORS, IMAGE_ATTENTION
+    from titan_vlm.models.llava.args import FLAVORS, IMAGE_ATTENTION
     from titan_vlm.models.registry import MODEL_SPECS
     from titan_vlm.parallel import parallelize
     from titan_vlm.parallel.context_parallel import CP_VISION_MODES

@@ -40,8 +40,8 @@ from transformers import (  # noqa: E402
 
 from titan_vlm.data import build_dataset, model_inputs  # noqa: E402
 from titan_vlm.data.batch import IGNORE_INDEX  # noqa: E402
-from titan_vlm.models.hf_adapter import hf_names  # noqa: E402
 from titan_vlm.models.hf_export import hf_config  # noqa: E402
+from titan_vlm.models.llava.hf_adapter import hf_names  # noqa: E402
 from titan_vlm.models.registry import get_model_spec  # noqa: E402
 
 TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4)

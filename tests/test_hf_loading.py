@@ -16,10 +16,10 @@ from titan_vlm.config import ConfigError, JobConfig
 from titan_vlm.errors import ConfigError as LeafConfigError
 from titan_vlm.models.build import load_hf
 from titan_vlm.models.hf_export import export_hf, hf_config, load_hf_model
-from titan_vlm.models.llava import init_rule
+from titan_vlm.models.llava.model import VLM
+from titan_vlm.models.llava.spec import init_rule
 from titan_vlm.models.loading import canonical_parameters, init_from_seed
-from titan_vlm.models.registry import get_model_spec
-from titan_vlm.models.vlm import VLM
+from titan_vlm.models.registry import model_spec
 from titan_vlm.parallel.parallelize import apply_ac
 
 transformers = pytest.importorskip("transformers")
@@ -78,7 +78,7 @@ def test_activation_checkpointing_loads_the_same_weights(tmp_path):
     vision, text = towers(tmp_path)
     cfg = separate(vision, text)
     plain, args = load_hf_model(cfg)
-    spec = get_model_spec(cfg.model.name)
+    spec = model_spec(cfg)
     with torch.device("meta"):
         wrapped = VLM(args)
     apply_ac(wrapped, "selective")

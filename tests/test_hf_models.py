@@ -2,9 +2,9 @@
 compute what transformers computes.
 
 Each test builds a tiny random model from transformers' config classes (no downloads),
-save_pretrained()s it, parses its config.json (models/hf_config.py), loads its safetensors under
-the adapter's names (models/hf_adapter.py) and compares fp32 logits with transformers' own
-forward on the same prompt: the image's `image_token_index` repeated tokens_per_image times, as
+save_pretrained()s it, parses its config.json (models/llava/hf_config.py), loads its safetensors
+under the adapter's names (models/llava/hf_adapter.py) and compares fp32 logits with
+transformers' own forward on the same prompt: the image's `image_token_index` repeated tokens_per_image times, as
 LLaVA's processor expands <image>. Tolerance: max abs difference / max abs logit < 1e-5.
 """
 
@@ -38,8 +38,9 @@ from transformers import (
 from titan_vlm.config import ConfigError
 from titan_vlm.data.batch import Sample, collate
 from titan_vlm.layout import build_layout
-from titan_vlm.models.flavors import VLMArgs, get_flavor
-from titan_vlm.models.hf_adapter import (
+from titan_vlm.models.common.hf_config import text_args_from_hf
+from titan_vlm.models.llava.args import VLMArgs, get_flavor
+from titan_vlm.models.llava.hf_adapter import (
     LLAVA_HF4,
     LLAVA_HF5,
     export_names,
@@ -47,8 +48,8 @@ from titan_vlm.models.hf_adapter import (
     key_style,
     unused_hf_tensors,
 )
-from titan_vlm.models.hf_config import args_from_hf_config, text_args_from_hf, vision_args_from_hf
-from titan_vlm.models.vlm import VLM
+from titan_vlm.models.llava.hf_config import args_from_hf_config, vision_args_from_hf
+from titan_vlm.models.llava.model import VLM
 from titan_vlm.parallel.context_parallel import shard_batch
 
 TOL = 1e-5

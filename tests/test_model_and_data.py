@@ -5,9 +5,10 @@ import torch
 from titan_vlm.data.batch import IGNORE_INDEX
 from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.data.tokenizer import ByteTokenizer
-from titan_vlm.models.accounting import param_counts, state_bytes_per_rank, train_flops
-from titan_vlm.models.flavors import get_flavor
-from titan_vlm.models.vlm import VLM
+from titan_vlm.models.accounting import param_counts, state_bytes_per_rank
+from titan_vlm.models.llava.args import get_flavor
+from titan_vlm.models.llava.flops import train_flops
+from titan_vlm.models.llava.model import VLM
 from titan_vlm.parallel.context_parallel import shard_batch
 
 

@@ -39,7 +39,7 @@ def test_activation_checkpointing_and_compile_do_not_change_the_initial_weights(
 
 
 def test_initial_weights_follow_the_init_rule(pool):
-    """Spot checks of the scheme (models/llava.py init_rule) on the debug flavor."""
+    """Spot checks of the scheme (models/llava/spec.py init_rule) on the debug flavor."""
     w = pool.run("built_weights", dp_shard=2, cp=2)[0]
     assert torch.equal(w["decoder.norm.weight"], torch.ones_like(w["decoder.norm.weight"]))
     assert abs(float(w["decoder.tok_embeddings.weight"].std()) - 0.02) < 0.002

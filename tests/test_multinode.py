@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from titan_vlm.config import ConfigError, launch_shape, load_config
-from titan_vlm.models.flavors import get_flavor
+from titan_vlm.models.llava.args import get_flavor
 from titan_vlm.plan.memory import state_bytes
 from titan_vlm.plan.shapes import model_shapes
 from titan_vlm.plan.spec import Layout

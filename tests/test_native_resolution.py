@@ -34,11 +34,11 @@ from titan_vlm.data.images import NativeResolution, load_native_image
 from titan_vlm.data.jsonl import JsonlDataset
 from titan_vlm.data.tokenizer import ByteTokenizer
 from titan_vlm.generate import ask_builtin
-from titan_vlm.models.flavors import VLMArgs, get_flavor
-from titan_vlm.models.hf_adapter import hf_names
-from titan_vlm.models.hf_config import vision_args_from_hf
-from titan_vlm.models.vit import ViT
-from titan_vlm.models.vlm import VLM
+from titan_vlm.models.llava.args import VLMArgs, get_flavor
+from titan_vlm.models.llava.hf_adapter import hf_names
+from titan_vlm.models.llava.hf_config import vision_args_from_hf
+from titan_vlm.models.llava.model import VLM
+from titan_vlm.models.llava.vit import ViT
 from titan_vlm.parallel.context_parallel import shard_batch, vision_images_per_rank
 from titan_vlm.parallel_dims import ParallelDims
 

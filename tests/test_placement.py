@@ -19,8 +19,8 @@ from test_parity import COMM_TYPES, mismatches, report
 from titan_vlm.attention import attention
 from titan_vlm.data.batch import Sample, collate
 from titan_vlm.layout import LayoutCost, SeqLayout, build_layout
-from titan_vlm.models.accounting import layout_cost
-from titan_vlm.models.flavors import get_flavor
+from titan_vlm.models.llava.args import get_flavor
+from titan_vlm.models.llava.flops import layout_cost
 from titan_vlm.parallel.cp_attention import CP_ATTENTION
 from titan_vlm.varlen import PackedPlan
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from titan_vlm.data.synthetic import SyntheticCaptions
-from titan_vlm.models.accounting import layout_cost
-from titan_vlm.models.flavors import get_flavor
+from titan_vlm.models.llava.args import get_flavor
+from titan_vlm.models.llava.flops import layout_cost
 from titan_vlm.plan.__main__ import main as plan_main
 from titan_vlm.plan.comm import cp_attention_bytes
 from titan_vlm.plan.memory import activation_bytes, state_bytes

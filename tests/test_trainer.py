@@ -7,10 +7,10 @@ import torch
 
 from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.layout import build_layout
-from titan_vlm.models.accounting import batch_train_flops
-from titan_vlm.models.flavors import get_flavor
+from titan_vlm.models.llava.args import get_flavor
+from titan_vlm.models.llava.flops import batch_train_flops
+from titan_vlm.models.llava.model import VLM
 from titan_vlm.models.spec import VisionLanguageModel
-from titan_vlm.models.vlm import VLM
 from titan_vlm.parallel.context_parallel import shard_batch
 
 

@@ -352,7 +352,7 @@ def load_model_for_inference(path: str | Path) -> tuple[VisionLanguageModel, Job
     process group: DCP assembles every shard into plain tensors."""
     from titan_vlm.config import load_config
     from titan_vlm.models.build import unfilled_model
-    from titan_vlm.models.registry import get_model_spec
+    from titan_vlm.models.registry import model_spec
 
     step_dir = latest_step_dir(Path(path))
     if step_dir is None:
@@ -370,7 +370,7 @@ def load_model_for_inference(path: str | Path) -> tuple[VisionLanguageModel, Job
         [f"--model.{k}={v}" for k, v in saved["model"].items()]
         + [f"--data.dataset={saved['data']['dataset']}"]
     )
-    spec = get_model_spec(cfg.model.name)
+    spec = model_spec(cfg)
     model = unfilled_model(spec, spec.args(cfg))
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # one process without a process group is the point here

@@ -31,7 +31,7 @@ else:  # pragma: no cover
 
 # The names a choice-valued key takes; the first is not necessarily the default.
 ModelName = Literal["llava"]  # models/registry.py MODEL_SPECS
-Flavor = Literal["debug", "small", "llava7b", "hf"]  # models/flavors.py FLAVORS, plus "hf"
+Flavor = Literal["debug", "small", "llava7b", "hf"]  # models/llava/args.py FLAVORS, plus "hf"
 AttentionKernel = Literal["auto", "cpu_flash", "cuda_flash", "cuda_efficient", "cuda_cudnn"]
 ImageAttention = Literal["causal", "bidirectional"]
 MixedPrecision = Literal["fp32", "bf16"]
@@ -64,9 +64,11 @@ class Model:
     """What model is trained, where its weights and tokenizer come from, how it attends."""
 
     name: ModelName = "llava"
-    """The model family (models/registry.py): "llava" is a ViT + MLP projector + decoder."""
+    """The model family (models/registry.py): "llava" is a ViT + MLP projector + decoder. With
+    model.flavor = "hf" the family is the one whose folders have model.hf_path's config.json
+    model_type, whatever this says."""
     flavor: Flavor = "debug"
-    """A built-in size (models/flavors.py): "debug" (CPU, under a second a step), "small",
+    """A built-in size (models/llava/args.py): "debug" (CPU, under a second a step), "small",
     "llava7b" (LLaVA-1.5-7B shapes); or "hf": the architecture of model.hf_path's config.json."""
     hf_path: str = ""
     """A Hugging Face LLaVA folder (config.json, safetensors, tokenizer, processor settings) to

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     from titan_vlm.data import native_resolution
     from titan_vlm.data.tokenizer import build_tokenizer
     from titan_vlm.models.hf_export import hf_config, load_hf_model
-    from titan_vlm.models.registry import get_model_spec
+    from titan_vlm.models.registry import model_spec
 
     parser = argparse.ArgumentParser(description="Ask a model about an image (greedy decoding).")
     source = parser.add_mutually_exclusive_group(required=True)
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             if opts.raw_prompt:
                 raise ConfigError("--raw-prompt is for models from a Hugging Face folder")
-            native = native_resolution(cfg, get_model_spec(cfg.model.name).args(cfg))
+            native = native_resolution(cfg, model_spec(cfg).args(cfg))
             image = (
                 load_image(opts.image, model.image_size)
                 if native is None

@@ -23,7 +23,7 @@ from titan_vlm.errors import ConfigError
 from titan_vlm.kernels import KERNELS
 
 if TYPE_CHECKING:
-    from titan_vlm.models.flavors import VLMArgs
+    from titan_vlm.models.llava.args import VLMArgs
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
@@ -87,10 +87,10 @@ class ParallelDims:
         or changed in code, the names of the choice-valued keys: config.check_choices)."""
         from titan_vlm.data import model_inputs
         from titan_vlm.models.build import hf_files
-        from titan_vlm.models.registry import get_model_spec
+        from titan_vlm.models.registry import model_spec
 
         check_choices(cfg)
-        vlm = get_model_spec(cfg.model.name).args(cfg)  # reads and checks any HF config.json
+        vlm = model_spec(cfg).args(cfg)  # reads and checks any HF config.json
         hf_files(cfg)  # each HF source's safetensors are there
         t = cfg.training
         k = cfg.data.images_per_sample

@@ -35,7 +35,7 @@ from titan_vlm.layout import SeqLayout, Slots
 from titan_vlm.metrics import MetricsLogger, peak_memory_gib
 from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM, param_counts
 from titan_vlm.models.build import build_model
-from titan_vlm.models.registry import get_model_spec
+from titan_vlm.models.registry import model_spec
 from titan_vlm.optim import build_optimizer, build_scheduler
 from titan_vlm.parallel.context_parallel import CPOptions, shard_batch
 from titan_vlm.parallel.tensor_parallel import TPOptions
@@ -70,7 +70,7 @@ class Trainer(Stateful):
     def __init__(self, cfg: JobConfig, mesh: Mesh, device: torch.device):
         t, p = cfg.training, cfg.parallelism
         self.cfg, self.mesh, self.device = cfg, mesh, device
-        self.spec = get_model_spec(cfg.model.name)
+        self.spec = model_spec(cfg)
         self.tp = TPOptions(
             sequence_parallel=p.enable_sequence_parallel, image_embed_shard=p.image_embed_tp_shard
         )

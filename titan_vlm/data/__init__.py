@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from titan_vlm.data.hf_processor import HFProcessor
     from titan_vlm.data.images import NativeResolution
     from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
-    from titan_vlm.models.flavors import VLMArgs
+    from titan_vlm.models.llava.args import VLMArgs
 
 
 def model_inputs(cfg: JobConfig) -> tuple[ByteTokenizer | HFTokenizer, HFProcessor | None]:

@@ -19,8 +19,7 @@ import torch.nn as nn
 
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError
-from titan_vlm.models.hf_folder import SafetensorsFiles, weight_files
-from titan_vlm.models.llava import hf_sources
+from titan_vlm.models.common.hf_folder import SafetensorsFiles, hf_sources, weight_files
 from titan_vlm.models.loading import canonical_parameters, init_from_seed, load_hf_shards
 from titan_vlm.models.spec import ModelSpec, VisionLanguageModel
 

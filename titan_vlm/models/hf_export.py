@@ -25,8 +25,8 @@ import torch.nn as nn
 from titan_vlm.config import ImageAttention, JobConfig
 from titan_vlm.errors import ConfigError
 from titan_vlm.models.build import load_hf, unfilled_model
-from titan_vlm.models.hf_folder import INDEX, SINGLE, SafetensorsFiles, weight_files
-from titan_vlm.models.registry import get_model_spec
+from titan_vlm.models.common.hf_folder import INDEX, SINGLE, SafetensorsFiles, weight_files
+from titan_vlm.models.registry import model_spec
 from titan_vlm.models.spec import VisionLanguageModel
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
@@ -44,7 +44,7 @@ def hf_config(hf_path: str, image_attention: ImageAttention = "causal") -> JobCo
 def load_hf_model(cfg: JobConfig) -> tuple[VisionLanguageModel, Any]:
     """The whole model of `cfg`'s Hugging Face sources in this process (no process group):
     built on meta, allocated on the CPU, filled from the files."""
-    spec = get_model_spec(cfg.model.name)
+    spec = model_spec(cfg)
     args = spec.args(cfg)
     model = unfilled_model(spec, args)
     load_hf(model, spec, args, cfg)
@@ -92,7 +92,7 @@ def export_hf(
         raise ConfigError(
             f"--export-hf: {out} is (inside) the source folder {folder}; choose another"
         )
-    spec = get_model_spec(cfg.model.name)
+    spec = model_spec(cfg)
     params = {n: p.detach() for n, p in model.named_parameters()}
     tensors: dict[str, torch.Tensor] = {}
     with SafetensorsFiles(weight_files(source, "model.hf_path"), "model.hf_path") as st:

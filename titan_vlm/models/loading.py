@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from titan_vlm.errors import ConfigError
-from titan_vlm.models.hf_folder import SafetensorsFiles
+from titan_vlm.models.common.hf_folder import SafetensorsFiles
 
 ROW_BLOCK = 64  # rows of dim 0 drawn from one seeded generator (init_from_seed)
 # What activation checkpointing's wrapper (torch's _CHECKPOINT_PREFIX) and a torch.compile'd

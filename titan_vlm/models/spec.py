@@ -22,9 +22,10 @@ parallelism (parallel/context_parallel.py) and generate.py use on it (encode the
 text with image embeddings placed, which modules make the embeddings, and the shapes involved).
 They never reach into a family's submodules or its args.
 
-The next family (say Qwen2-VL) is a new module with its own `ModelSpec` and a model class that
-subclasses `VisionLanguageModel`, added to the one registry, `models/registry.py`, which
-`model.name` chooses from; train.py, trainer.py and context_parallel.py do not change.
+The next family (say Qwen2.5-VL) is a new folder, models/<model_type>/, with its own `ModelSpec`
+and a model class that subclasses `VisionLanguageModel`, added to the one registry,
+`models/registry.py`, which `model.name` (or a folder's model_type) chooses from; train.py,
+trainer.py and context_parallel.py do not change.
 
 Why an abstract base class and not a `Protocol` or more hooks on `ModelSpec`: the trainer needs
 the model both as an `nn.Module` (FSDP, the optimizer, DCP state dicts) and as a family's verbs,
@@ -113,6 +114,9 @@ class VisionLanguageModel(nn.Module, ABC):
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
+    # the config.json model_types whose folders are this family (model.flavor = "hf" picks the
+    # family by them: models/registry.py)
+    hf_model_types: tuple[str, ...]
     args: Callable[[JobConfig], Any]
     build: Callable[[Any], VisionLanguageModel]
     init_rule: Callable[[Any, str, torch.Tensor], Init]

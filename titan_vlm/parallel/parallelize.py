@@ -34,7 +34,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from titan_vlm.models.vlm import VLM
+from titan_vlm.models.llava.model import VLM
 from titan_vlm.parallel.tensor_parallel import TPOptions, apply_tp
 
 if TYPE_CHECKING:

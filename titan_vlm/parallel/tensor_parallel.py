@@ -61,7 +61,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titan_vlm.models.vlm import VLM
+from titan_vlm.models.llava.model import VLM
 
 
 @dataclass(frozen=True)

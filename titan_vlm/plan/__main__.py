@@ -17,7 +17,7 @@ import sys
 from typing import get_args
 
 from titan_vlm.config import ConfigError, CPCommType, JobConfig, load_config, world_size_of
-from titan_vlm.models.registry import get_model_spec
+from titan_vlm.models.registry import model_spec
 from titan_vlm.parallel_dims import ParallelDims
 from titan_vlm.plan.comm import cp_attention_bytes
 from titan_vlm.plan.cost import EFFICIENCY, Plan, make_plan, span
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         hw = get_hardware(opts.gpu)
         gpn = opts.gpus_per_node or hw.gpus_per_node
         world = world_of(opts, cfg, gpn)
-        spec = get_model_spec(cfg.model.name)
+        spec = model_spec(cfg)
         args = spec.args(cfg)  # a flavor or a Hugging Face folder
         shapes = model_shapes(args)
         t = cfg.training

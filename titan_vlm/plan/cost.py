@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from titan_vlm.models.accounting import train_flops
+from titan_vlm.models.llava.flops import train_flops
 from titan_vlm.plan.comm import Collective, collectives
 from titan_vlm.plan.hardware import Hardware
 from titan_vlm.plan.memory import (

@@ -1,4 +1,4 @@
-"""The one place the planner reads the model: its shapes (from `titan_vlm.models.flavors`) and
+"""The one place the planner reads the model: its shapes (from `titan_vlm.models.llava.args`) and
 its parameter tensors (from the model built on the meta device, so a 7B model costs nothing).
 
 Everything the planner prices is a function of these numbers, so a change to the models package
@@ -12,7 +12,7 @@ from functools import cache
 
 import torch
 
-from titan_vlm.models.flavors import VLMArgs
+from titan_vlm.models.llava.args import VLMArgs
 
 # Tensor parallelism (parallel/tensor_parallel.py, apply_tp): leaf modules split column-wise
 # (weight and bias dim 0), row-wise (weight dim 1, bias replicated) and the embedding (rows,
@@ -77,7 +77,7 @@ def _tp_dim(name: str) -> int | None:
 
 @cache
 def model_shapes(args: VLMArgs) -> ModelShapes:
-    from titan_vlm.models.vlm import VLM
+    from titan_vlm.models.llava.model import VLM
 
     with torch.device("meta"):
         model = VLM(args)

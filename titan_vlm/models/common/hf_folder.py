@@ -1,6 +1,6 @@
 """A Hugging Face model folder as `save_pretrained` writes it, read without loading its tensors.
 
-    <folder>/config.json                      the architecture (models/hf_config.py reads it)
+    <folder>/config.json                      the architecture (a family's hf_config.py reads it)
     <folder>/model.safetensors                the weights, or
     <folder>/model.safetensors.index.json     {"weight_map": {tensor name: shard file}} + the shards
 
@@ -13,12 +13,15 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from titan_vlm.errors import ConfigError
 from titan_vlm.files import read_json
+
+if TYPE_CHECKING:
+    from titan_vlm.config import JobConfig
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -46,6 +49,13 @@ def weight_files(folder: Path, key: str) -> list[Path]:
     if (folder / SINGLE).is_file():
         return [folder / SINGLE]
     raise ConfigError(f"{key}: {folder} has neither {SINGLE} nor {INDEX}")
+
+
+def hf_sources(cfg: JobConfig) -> list[tuple[str, Path]]:
+    """(config key, path) of every Hugging Face source the config names."""
+    m = cfg.model
+    keys = ("hf_path", "hf_vision_path", "hf_text_path")
+    return [(f"model.{k}", Path(getattr(m, k))) for k in keys if getattr(m, k)]
 
 
 def config_path(path: Path) -> Path:

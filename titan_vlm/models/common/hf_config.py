@@ -1,11 +1,6 @@
-"""Hugging Face config.json -> VLMArgs, for the families titan_vlm computes exactly.
-
-    args_from_hf_config(config, where)  a LlavaForConditionalGeneration folder (model_type
-                                        "llava"): a CLIP or SigLIP tower + a Llama, Mistral, Qwen2
-                                        or Qwen3 text model
-    vision_args_from_hf(config, where)  a CLIPVisionModel / SiglipVisionModel folder (or a whole
-                                        CLIPModel / SiglipModel: its vision tower)
-    text_args_from_hf(config, where)    a Llama / Mistral / Qwen2 / Qwen3 ForCausalLM folder
+"""Reading a Hugging Face config.json, shared by the families: `Section` (one dict of the file,
+read with transformers' class defaults and worded errors) and the text model every family's
+decoder is (`text_args_from_hf`: a Llama / Mistral / Qwen2 / Qwen3 config -> DecoderArgs).
 
 `config` is the parsed config.json and `where` the file it came from (for the messages). Both the
 spellings of transformers 4.x (top-level `rope_theta`, `rope_scaling` with "type" or "rope_type")
@@ -17,54 +12,25 @@ express is a ConfigError of one line naming the file and the key, never an appro
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from titan_vlm.config import ConfigError
-from titan_vlm.models.flavors import ACTIVATIONS, ROPE_TYPES, DecoderArgs, Rope, ViTArgs, VLMArgs
+from titan_vlm.errors import ConfigError
+from titan_vlm.models.common.text_args import ROPE_TYPES, DecoderArgs, Rope
 
-VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
-CONTRASTIVE_TYPES = ("clip", "siglip")  # a whole CLIPModel / SiglipModel: its vision tower
 TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-SELECT_STRATEGIES = ("default", "full")
 
 # transformers' config-class defaults (the same in 4.57 and 5.24) for the keys read here.
-_VISION_DEFAULTS: dict[str, dict[str, Any]] = {
-    "clip_vision_model": dict(
-        hidden_size=768,
-        intermediate_size=3072,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        image_size=224,
-        patch_size=32,
-        num_channels=3,
-        layer_norm_eps=1e-5,
-        hidden_act="quick_gelu",
-        attention_dropout=0.0,
-    ),
-    "siglip_vision_model": dict(
-        hidden_size=768,
-        intermediate_size=3072,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        image_size=224,
-        patch_size=16,
-        num_channels=3,
-        layer_norm_eps=1e-6,
-        hidden_act="gelu_pytorch_tanh",
-        attention_dropout=0.0,
-    ),
-}
-_TEXT_COMMON: dict[str, Any] = dict(
+TEXT_COMMON: dict[str, Any] = dict(
     hidden_act="silu",
     rms_norm_eps=1e-6,
     rope_theta=10000.0,
     tie_word_embeddings=False,
     attention_dropout=0.0,
 )
-_TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
+TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(
-        _TEXT_COMMON,
+        TEXT_COMMON,
         hidden_size=4096,
         intermediate_size=11008,
         num_hidden_layers=32,
@@ -75,7 +41,7 @@ _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
         mlp_bias=False,
     ),
     "mistral": dict(
-        _TEXT_COMMON,
+        TEXT_COMMON,
         hidden_size=4096,
         intermediate_size=14336,
         num_hidden_layers=32,
@@ -86,7 +52,7 @@ _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
         sliding_window=4096,
     ),
     "qwen2": dict(
-        _TEXT_COMMON,
+        TEXT_COMMON,
         hidden_size=4096,
         intermediate_size=22016,
         num_hidden_layers=32,
@@ -96,7 +62,7 @@ _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
         use_sliding_window=False,
     ),
     "qwen3": dict(
-        _TEXT_COMMON,
+        TEXT_COMMON,
         hidden_size=4096,
         intermediate_size=22016,
         num_hidden_layers=32,
@@ -108,18 +74,10 @@ _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
         use_sliding_window=False,
     ),
 }
-_LLAVA_DEFAULTS: dict[str, Any] = dict(
-    vision_feature_layer=-2,
-    vision_feature_select_strategy="default",
-    projector_hidden_act="gelu",
-    multimodal_projector_bias=True,
-    image_token_index=32000,
-    tie_word_embeddings=False,
-)
 
 
 @dataclass(frozen=True)
-class _Section:
+class Section:
     """One (possibly nested) dict of a config file: reads keys with the family's defaults and
     words errors as `<file>: <dotted key>...`."""
 
@@ -167,14 +125,14 @@ class _Section:
         if self.get_float("attention_dropout") != 0:
             raise self.error("attention_dropout", self.get("attention_dropout"), "no dropout")
 
-    def sub(self, name: str, defaults: dict[str, Any]) -> _Section:
+    def sub(self, name: str, defaults: dict[str, Any]) -> Section:
         value = self.cfg.get(name)
         if not isinstance(value, dict):
             raise ConfigError(f"{self.where}: {self.key(name)} is missing or not an object")
-        return _Section(value, self.where, f"{self.key(name)}.", defaults)
+        return Section(value, self.where, f"{self.key(name)}.", defaults)
 
 
-def _model_type(
+def model_type_of(
     cfg: dict, where: str, prefix: str, supported: tuple[str, ...], default: str | None = None
 ) -> str:
     value = cfg.get("model_type", default)
@@ -186,32 +144,7 @@ def _model_type(
     return value
 
 
-def _vision(s: _Section, model_type: str) -> ViTArgs:
-    """The tower as its own model computes it (every layer; `last_hidden_state`: SigLIP applies
-    its post_layernorm there, CLIP only to its pooled class token)."""
-    dim, heads = s.get_int("hidden_size"), s.get_int("num_attention_heads")
-    if dim % heads:
-        raise s.error("num_attention_heads", heads, f"it must divide hidden_size={dim}")
-    s.zero_dropout()
-    clip = model_type == "clip_vision_model"
-    return ViTArgs(
-        image_size=s.get_int("image_size"),
-        patch_size=s.get_int("patch_size"),
-        channels=s.get_int("num_channels"),
-        dim=dim,
-        n_layers=s.get_int("num_hidden_layers"),
-        n_heads=heads,
-        mlp_dim=s.get_int("intermediate_size"),
-        norm_eps=s.get_float("layer_norm_eps"),
-        act=s.one_of("hidden_act", ACTIVATIONS),
-        patch_bias=not clip,
-        class_token=clip,
-        pre_norm=clip,
-        post_norm=not clip,
-    )
-
-
-def _rope(s: _Section) -> tuple[float, Rope]:
+def _rope(s: Section) -> tuple[float, Rope]:
     """(rope_theta, scaling) from `rope_parameters` (5.x) or `rope_theta` + `rope_scaling` (4.x)."""
     params, scaling = s.cfg.get("rope_parameters"), s.cfg.get("rope_scaling")
     if params is not None and scaling is not None:
@@ -220,7 +153,7 @@ def _rope(s: _Section) -> tuple[float, Rope]:
     fields = params if params is not None else scaling or {}
     if not isinstance(fields, dict):
         raise s.error(section, fields, "an object is needed")
-    r = _Section(fields, s.where, s.key(f"{section}."), {})
+    r = Section(fields, s.where, s.key(f"{section}."), {})
     theta = r.get_float("rope_theta") if "rope_theta" in fields else s.get_float("rope_theta")
     type_key = "rope_type" if "rope_type" in fields or "type" not in fields else "type"
     rope_type = fields.get(type_key, "default")
@@ -249,13 +182,13 @@ def _rope(s: _Section) -> tuple[float, Rope]:
     )
 
 
-def _need(s: _Section, name: str) -> float:
+def _need(s: Section, name: str) -> float:
     if s.cfg.get(name) is None:
         raise ConfigError(f"{s.where}: {s.key(name)} is missing")
     return s.get_float(name)
 
 
-def _text(s: _Section, model_type: str) -> DecoderArgs:
+def text_args(s: Section, model_type: str) -> DecoderArgs:
     dim, heads = s.get_int("hidden_size"), s.get_int("num_attention_heads")
     kv_heads = s.get_int("num_key_value_heads") if s.get("num_key_value_heads") else heads
     if heads % kv_heads:
@@ -300,78 +233,8 @@ def _text(s: _Section, model_type: str) -> DecoderArgs:
     )
 
 
-def vision_args_from_hf(config: dict, where: str) -> ViTArgs:
-    """A CLIPVisionModel / SiglipVisionModel config.json, or a CLIPModel / SiglipModel one (the
-    contrastive model: its vision_config), -> the tower's `last_hidden_state`: every layer, every
-    position (CLIP's class token included), SigLIP's post_layernorm applied. (LLaVA takes other
-    features: args_from_hf_config.)"""
-    model_type = _model_type(config, where, "", (*VISION_TYPES, *CONTRASTIVE_TYPES))
-    if model_type in CONTRASTIVE_TYPES:
-        vision_cfg = config.get("vision_config") or {}
-        v_type = _model_type(
-            vision_cfg, where, "vision_config.", VISION_TYPES, f"{model_type}_vision_model"
-        )
-        top = _Section(config, where, "", {})
-        return _vision(top.sub("vision_config", _VISION_DEFAULTS[v_type]), v_type)
-    return _vision(_Section(config, where, "", _VISION_DEFAULTS[model_type]), model_type)
-
-
 def text_args_from_hf(config: dict, where: str) -> DecoderArgs:
     """A LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM config.json
     -> the decoder's args."""
-    model_type = _model_type(config, where, "", TEXT_TYPES)
-    return _text(_Section(config, where, "", _TEXT_DEFAULTS[model_type]), model_type)
-
-
-def args_from_hf_config(config: dict, where: str) -> VLMArgs:
-    """A LlavaForConditionalGeneration config.json -> VLMArgs computing what transformers does:
-    the tower's `hidden_states[vision_feature_layer]` (only that many layers are built; no post
-    norm), position 0 dropped under vision_feature_select_strategy "default", the projector, and
-    the text model with `image_token_index` standing for image slots. Tied embeddings: the
-    top-level tie_word_embeddings or the text config's (transformers 5 ties on either)."""
-    top = _Section(config, where, "", _LLAVA_DEFAULTS)
-    _model_type(config, where, "", ("llava",))
-    vision_cfg = config.get("vision_config") or {}
-    text_cfg = config.get("text_config") or {}
-    v_type = _model_type(vision_cfg, where, "vision_config.", VISION_TYPES, "clip_vision_model")
-    t_type = _model_type(text_cfg, where, "text_config.", TEXT_TYPES, "llama")
-    vision = _vision(top.sub("vision_config", _VISION_DEFAULTS[v_type]), v_type)
-    decoder = _text(top.sub("text_config", _TEXT_DEFAULTS[t_type]), t_type)
-
-    layer = top.get("vision_feature_layer")
-    n = vision.n_layers
-    if isinstance(layer, bool) or not isinstance(layer, int):
-        raise top.error("vision_feature_layer", layer, "one int layer")
-    if not -(n + 1) <= layer <= n:
-        raise top.error("vision_feature_layer", layer, f"the tower has {n} layers")
-    strategy = top.one_of("vision_feature_select_strategy", SELECT_STRATEGIES)
-    vision = replace(
-        vision,
-        n_layers=layer % (n + 1),
-        source_layers=n,
-        post_norm=False,
-        drop_first=strategy == "default",
-    )
-    image_token = _image_token(config, where)
-    tie = top.get_bool("tie_word_embeddings") or decoder.tie_embeddings
-    return VLMArgs(
-        vision=vision,
-        decoder=replace(decoder, tie_embeddings=tie),
-        projector_act=top.one_of("projector_hidden_act", ACTIVATIONS),
-        projector_bias=top.get_bool("multimodal_projector_bias"),
-        image_token_id=image_token,
-    )
-
-
-def _image_token(config: dict, where: str) -> int:
-    """`image_token_index` (what 4.x and 5.24 write) or `image_token_id` (5.x's attribute name)."""
-    values = {config[k] for k in ("image_token_index", "image_token_id") if k in config}
-    if len(values) > 1:
-        raise ConfigError(
-            f"{where}: image_token_index={config['image_token_index']!r} and "
-            f"image_token_id={config['image_token_id']!r} disagree"
-        )
-    value = values.pop() if values else _LLAVA_DEFAULTS["image_token_index"]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{where}: image_token_index={value!r} is not supported (an int)")
-    return value
+    model_type = model_type_of(config, where, "", TEXT_TYPES)
+    return text_args(Section(config, where, "", TEXT_DEFAULTS[model_type]), model_type)

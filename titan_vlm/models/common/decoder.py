@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titan_vlm.attention import SeqLayout, attention
-from titan_vlm.models.flavors import DecoderArgs, Rope
+from titan_vlm.models.common.text_args import DecoderArgs, Rope
 
 
 class RMSNorm(nn.Module):

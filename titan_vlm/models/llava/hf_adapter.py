@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titan_vlm.config import ConfigError
-from titan_vlm.models.flavors import VLMArgs
+from titan_vlm.models.llava.args import VLMArgs
 
 
 @dataclass(frozen=True)

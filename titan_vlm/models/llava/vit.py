@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from titan_vlm.attention import attention, planned_attention
 from titan_vlm.data.batch import Images
-from titan_vlm.models.activations import ACT_FNS
-from titan_vlm.models.flavors import ViTArgs
+from titan_vlm.models.common.activations import ACT_FNS
+from titan_vlm.models.llava.args import ViTArgs
 from titan_vlm.varlen import PackedPlan, pack
 
 

@@ -1,6 +1,6 @@
 """The "llava" family: a ViT (SigLIP- or CLIP-shaped) and an MLP projector feeding a decoder
 (Llama, Mistral, Qwen2 or Qwen3), as transformers' LlavaForConditionalGeneration, plus the
-built-in flavors (models/flavors.py). Its `ModelSpec` (models/spec.py) is `LLAVA`.
+built-in flavors (models/llava/args.py). Its `ModelSpec` (models/spec.py) is `LLAVA`.
 
 Where the architecture comes from (`llava_args`):
   model.hf_path = <folder>      a LLaVA folder's config.json; with model.flavor = "hf" it IS the
@@ -25,14 +25,15 @@ import torch.nn as nn
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError
 from titan_vlm.files import read_json
-from titan_vlm.models.accounting import batch_train_flops, layout_cost
-from titan_vlm.models.flavors import IMAGE_ATTENTION, VLMArgs, get_flavor
-from titan_vlm.models.hf_adapter import export_names, hf_names, key_style, unused_hf_tensors
-from titan_vlm.models.hf_config import args_from_hf_config, text_args_from_hf, vision_args_from_hf
-from titan_vlm.models.hf_folder import config_path
+from titan_vlm.models.common.hf_config import text_args_from_hf
+from titan_vlm.models.common.hf_folder import config_path, hf_sources
+from titan_vlm.models.llava.args import IMAGE_ATTENTION, VLMArgs, get_flavor
+from titan_vlm.models.llava.flops import batch_train_flops, layout_cost
+from titan_vlm.models.llava.hf_adapter import export_names, hf_names, key_style, unused_hf_tensors
+from titan_vlm.models.llava.hf_config import args_from_hf_config, vision_args_from_hf
+from titan_vlm.models.llava.model import VLM
 from titan_vlm.models.loading import Init
 from titan_vlm.models.spec import ModelSpec
-from titan_vlm.models.vlm import VLM
 from titan_vlm.parallel.parallelize import parallelize_vlm
 from titan_vlm.parallel.tensor_parallel import TPOptions
 
@@ -51,13 +52,6 @@ def _first_difference(a: object, b: object, prefix: str = "") -> str | None:
         elif x != y:
             return f"{prefix}{f.name}: {x!r} vs {y!r}"
     return None
-
-
-def hf_sources(cfg: JobConfig) -> list[tuple[str, Path]]:
-    """(config key, path) of every Hugging Face source the config names."""
-    m = cfg.model
-    keys = ("hf_path", "hf_vision_path", "hf_text_path")
-    return [(f"model.{k}", Path(getattr(m, k))) for k in keys if getattr(m, k)]
 
 
 def llava_args(cfg: JobConfig) -> VLMArgs:
@@ -191,6 +185,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: JobConfig) -> None:
 
 LLAVA = ModelSpec(
     name="llava",
+    hf_model_types=("llava",),
     args=llava_args,
     build=VLM,
     init_rule=init_rule,

@@ -25,3 +25,6 @@ ACT_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
     "silu": F.silu,
 }
+
+# The activations by their Hugging Face names (`hidden_act`, `projector_hidden_act`).
+ACTIVATIONS = tuple(ACT_FNS)

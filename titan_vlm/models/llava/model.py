@@ -7,11 +7,11 @@ import torch.nn as nn
 
 from titan_vlm.data.batch import Images
 from titan_vlm.layout import SeqLayout
-from titan_vlm.models.activations import ACT_FNS
-from titan_vlm.models.decoder import Decoder
-from titan_vlm.models.flavors import VLMArgs
+from titan_vlm.models.common.activations import ACT_FNS
+from titan_vlm.models.common.decoder import Decoder
+from titan_vlm.models.llava.args import VLMArgs
+from titan_vlm.models.llava.vit import ViT
 from titan_vlm.models.spec import VisionLanguageModel
-from titan_vlm.models.vit import ViT
 
 
 class Projector(nn.Module):
