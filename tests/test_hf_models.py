@@ -5,7 +5,8 @@ Each test builds a tiny random model from transformers' config classes (no downl
 save_pretrained()s it, parses its config.json (models/llava/hf_config.py), loads its safetensors
 under the adapter's names (models/llava/hf_adapter.py) and compares fp32 logits with
 transformers' own forward on the same prompt: the image's `image_token_index` repeated
-tokens_per_image times, as LLaVA's processor expands <image>. Tolerance: max abs difference / max abs logit < 1e-5.
+tokens_per_image times, as LLaVA's processor expands <image>. Tolerance: max abs difference /
+max abs logit < 1e-5.
 """
 
 from __future__ import annotations
