@@ -292,7 +292,9 @@ class SeqLayout:
     whole, text and images in row order (per row, then padding: they never travel). Every rank
     knows every rank's slots, so it can plan blocks against any of them and price them.
 
-    positions [B, L]: RoPE position (within its sample) of each local slot.
+    positions [B, L]: RoPE position (within its sample) of each local slot; a family whose
+    rotary positions are not that (M-RoPE's three per slot) carries its own in `slot_data`,
+    while the causal order stays each slot's row position (Slots.order): two different things.
     image_index [B, L]: each local image slot's index into the batch's image tokens
     (`place_images`; -1: text or padding). image_counts: images per row. cost / encoded: the
     cost model and each rank's ViT work, in images of the model's own size (`rank_cost`;
@@ -312,6 +314,7 @@ class SeqLayout:
     image_index: torch.Tensor | None = None  # None: made from the slots
     cost: LayoutCost = field(default_factory=LayoutCost)
     encoded: Sequence[float] | None = None
+    slot_data: dict[str, torch.Tensor] = field(default_factory=dict)
     _plans: PlanCache = field(default_factory=PlanCache, repr=False)
 
     def __post_init__(self) -> None:
@@ -345,6 +348,20 @@ class SeqLayout:
         return bool((self.kept[self.rank].image >= 0).any()) or bool(
             (self.texts[self.rank].image >= 0).any()
         )
+
+    def gather_slot_data(self, data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-slot tensors of the rows, each [..., B, S], at this rank's local slots
+        `[images, texts[rank], kept[rank]]`: [..., B, L], 0 at padding slots. The rows are the
+        ones the layout was built on (shard_batch joins them first under "auto")."""
+        order = self.slots("local").order
+        out = {}
+        for key, value in data.items():
+            index = order.to(value.device)
+            pad = index < 0
+            lead = value.shape[:-2]
+            picked = value.gather(-1, index.clamp(min=0).expand(*lead, *index.shape))
+            out[key] = picked.masked_fill(pad.expand(*lead, *index.shape), 0)
+        return out
 
     def row_image_ids(self) -> torch.Tensor:
         """[B, S]: the rows' image ids at their image slots, -1 elsewhere (from the slots the

@@ -21,7 +21,7 @@ predict a prompt token, so the loss is on the answers alone.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -181,11 +181,19 @@ class Batch:
     labels: torch.Tensor  # [B, S] next-token targets, IGNORE_INDEX where there is no loss
     doc: torch.Tensor  # [B, S] sample index within the row, -1 for padding
     image: torch.Tensor  # [B, S] index into `images` for image slots, -1 for text and padding
+    # A family's own per-slot tensors, each [..., B, S] (e.g. Qwen2.5-VL's M-RoPE positions
+    # [3, B, S]): data that goes wherever its slot goes. The CP layout gathers each at a rank's
+    # local slots (SeqLayout.slot_data, [..., B, L]); core code never reads a key.
+    slot_data: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def to(self, device: torch.device | str) -> Batch:
         return Batch(
             self.images.to(device),
-            *(t.to(device) for t in (self.tokens, self.labels, self.doc, self.image)),
+            self.tokens.to(device),
+            self.labels.to(device),
+            self.doc.to(device),
+            self.image.to(device),
+            {k: v.to(device) for k, v in self.slot_data.items()},
         )
 
     @property
@@ -205,6 +213,7 @@ class Batch:
             self.labels.reshape(1, -1),
             join_rows(self.doc),
             self.image.reshape(1, -1),
+            {k: v.flatten(-2).unsqueeze(-2) for k, v in self.slot_data.items()},
         )
 
     def rows(self, start: int, stop: int) -> Batch:
@@ -219,6 +228,7 @@ class Batch:
             self.labels[start:stop],
             self.doc[start:stop],
             torch.where(image >= 0, image - first, image),
+            {k: v[..., start:stop, :] for k, v in self.slot_data.items()},
         )
 
 

@@ -367,6 +367,7 @@ def shard_batch(
     tokens = batch.tokens.gather(1, index.clamp(min=0)).masked_fill(pad, 0)
     labels = batch.labels.gather(1, index.clamp(min=0)).masked_fill(pad, IGNORE_INDEX)
     layout.positions = layout.positions.to(device)
+    layout.slot_data = layout.gather_slot_data(batch.slot_data)
     if group is not None:
         layout.cp = CP_ATTENTION[cp.comm_type](group)
     return tokens, labels, layout
