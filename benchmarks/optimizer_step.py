@@ -29,8 +29,8 @@ from _group import run_group  # noqa: E402
 from titan_vlm.config import Training  # noqa: E402
 from titan_vlm.models.llava.args import get_flavor  # noqa: E402
 from titan_vlm.models.llava.model import VLM  # noqa: E402
+from titan_vlm.models.llava.parallelize import parallelize_vlm  # noqa: E402
 from titan_vlm.optim import build_optimizer  # noqa: E402
-from titan_vlm.parallel.parallelize import parallelize_vlm  # noqa: E402
 from titan_vlm.parallel_dims import MESH_DIMS, Mesh  # noqa: E402
 
 IMPLEMENTATIONS = {

@@ -35,11 +35,11 @@ from titan_vlm.models.common.text_args import Rope
 from titan_vlm.models.llava.args import VLMArgs, get_flavor
 from titan_vlm.models.llava.flops import layout_cost
 from titan_vlm.models.llava.model import VLM
+from titan_vlm.models.llava.parallelize import apply_ac, parallelize_vlm
 from titan_vlm.models.loading import canonical_name, local_box
 from titan_vlm.optim import build_optimizer, build_scheduler
 from titan_vlm.parallel import context_parallel, tensor_parallel
 from titan_vlm.parallel.context_parallel import CPOptions, shard_batch
-from titan_vlm.parallel.parallelize import apply_ac, parallelize_vlm
 from titan_vlm.parallel.tensor_parallel import TPOptions
 from titan_vlm.parallel_dims import MESH_DIMS, Mesh
 from titan_vlm.step import forward_backward, train_step
@@ -708,8 +708,8 @@ def compiled_train_run(dp_shard: int, cp: int, steps: int, tp: int = 1, **overri
     from torch._dynamo.utils import counters
 
     from titan_vlm.models.common.decoder import DecoderBlock
+    from titan_vlm.models.llava import parallelize
     from titan_vlm.models.llava.vit import ViTBlock
-    from titan_vlm.parallel import parallelize
 
     torch._dynamo.reset()
     torch._dynamo.config.fail_on_recompile_limit_hit = True

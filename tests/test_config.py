@@ -10,6 +10,7 @@ from titan_vlm import config
 from titan_vlm.config import ConfigError, load_config, world_size_of
 from titan_vlm.config_schema import choices, key_types
 from titan_vlm.parallel_dims import ParallelDims
+from titan_vlm.validate import validate_job
 
 DEFAULT = "train_configs/vlm_cp.toml"
 
@@ -32,7 +33,7 @@ def test_default_config_and_overrides():
     assert cfg.training.steps == 50 and cfg.training.seed == 7 and cfg.training.lr == 1e-4
     assert cfg.job.dump_folder == "out/" and cfg.metrics.enable_tensorboard is False
     assert world_size_of(cfg) == 4
-    ParallelDims.from_config(cfg, 4).validate_model(cfg)
+    validate_job(cfg, 4)
 
 
 @pytest.mark.parametrize(
@@ -121,7 +122,7 @@ def test_auto_dp_shard_takes_the_rest():
 def test_model_and_data_checks(overrides, words):
     cfg = load_config(overrides)
     with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
-        ParallelDims.from_config(cfg, 1).validate_model(cfg)
+        validate_job(cfg, 1)
 
 
 @pytest.mark.parametrize(
@@ -158,18 +159,16 @@ def test_a_choice_key_takes_one_of_its_names(overrides, message):
 def test_rows_must_fit_the_rope_table():
     """Positions restart at every sample and CP padding takes no position, so seq_len is the
     bound."""
-    ParallelDims.from_config(cfg := load_config(["--training.seq_len=65536"]), 1).validate_model(
-        cfg
-    )
+    validate_job(cfg := load_config(["--training.seq_len=65536"]), 1)
     cfg = load_config(["--training.seq_len=65537", "--parallelism.context_parallel_degree=16"])
     with pytest.raises(ConfigError, match=r"training.seq_len=65537 exceeds the RoPE table"):
-        ParallelDims.from_config(cfg, 16).validate_model(cfg)
+        validate_job(cfg, 16)
 
 
 def test_a2a_needs_heads_divisible_by_cp():
     cfg = load_config(["--parallelism.cp_comm_type=a2a", "--parallelism.context_parallel_degree=8"])
     with pytest.raises(ConfigError, match=r"cp_comm_type='a2a' needs the 4 attention heads"):
-        ParallelDims.from_config(cfg, 8).validate_model(cfg)
+        validate_job(cfg, 8)
 
 
 def test_restarts_need_checkpoints():
@@ -211,7 +210,7 @@ def test_tensor_and_sequence_parallel_keys():
     )
     assert p.enable_sequence_parallel is True and p.image_embed_tp_shard is False
     assert world_size_of(cfg) == 8
-    ParallelDims.from_config(cfg, 8).validate_model(cfg)
+    validate_job(cfg, 8)
     cfg = load_config(
         [
             "--parallelism.tensor_parallel_degree=2",
@@ -224,9 +223,7 @@ def test_tensor_and_sequence_parallel_keys():
         cfg.parallelism.image_embed_tp_shard is True
         and cfg.parallelism.enable_sequence_parallel is False
     )
-    ParallelDims.from_config(cfg, 4).validate_model(
-        cfg
-    )  # 4 heads / tp 2 = 2 per rank, split over cp 2
+    validate_job(cfg, 4)  # 4 heads / tp 2 = 2 per rank, split over cp 2
 
 
 @pytest.mark.parametrize(
@@ -272,7 +269,7 @@ def test_tensor_and_sequence_parallel_keys():
 def test_tensor_parallel_checks_name_the_key(overrides, world, words):
     with pytest.raises(ConfigError, match=words) as e:
         cfg = load_config(overrides)
-        ParallelDims.from_config(cfg, world).validate_model(cfg)
+        validate_job(cfg, world)
     assert "\n" not in str(e.value)
 
 
@@ -337,10 +334,10 @@ def test_a_choice_changed_in_code_is_checked_before_the_run():
     cfg = load_config([])
     cfg.parallelism.cp_comm_type = "ring"  # type: ignore[assignment]
     with pytest.raises(ConfigError, match="parallelism.cp_comm_type must be one of p2p, allgather"):
-        ParallelDims.from_config(cfg, 1).validate_model(cfg)
+        validate_job(cfg, 1)
 
 
 def test_the_train_configs_load():
     for path in sorted(Path("train_configs").glob("*.toml")):
         cfg = load_config(["--config", str(path)])
-        ParallelDims.from_config(cfg, world_size_of(cfg)).validate_model(cfg)
+        validate_job(cfg, world_size_of(cfg))

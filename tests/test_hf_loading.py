@@ -17,10 +17,10 @@ from titan_vlm.errors import ConfigError as LeafConfigError
 from titan_vlm.models.build import load_hf
 from titan_vlm.models.hf_export import export_hf, hf_config, load_hf_model
 from titan_vlm.models.llava.model import VLM
+from titan_vlm.models.llava.parallelize import apply_ac
 from titan_vlm.models.llava.spec import init_rule
 from titan_vlm.models.loading import canonical_parameters, init_from_seed
 from titan_vlm.models.registry import model_spec
-from titan_vlm.parallel.parallelize import apply_ac
 
 transformers = pytest.importorskip("transformers")
 

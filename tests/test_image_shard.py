@@ -19,8 +19,8 @@ import torch
 from test_parity import mismatches, report
 from test_placement import MODEL_COST, attention_errors, placed
 
-from titan_vlm import layout as layout_module
 from titan_vlm.layout import Piece, Slots, build_layout, visible
+from titan_vlm.layout import blocks as layout_module
 
 
 def random_row(seed: int, length: int = 120) -> tuple[torch.Tensor, torch.Tensor]:

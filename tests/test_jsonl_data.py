@@ -23,7 +23,7 @@ from titan_vlm.data.records import sample_frames
 from titan_vlm.data.synthetic import COLORS, draw_image
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 from titan_vlm.generate import generate
-from titan_vlm.parallel_dims import ParallelDims
+from titan_vlm.validate import validate_job
 
 TOK = ByteTokenizer()
 SEQ = 96  # debug flavor: 32 px images of 16 tokens
@@ -289,7 +289,7 @@ def test_image_root_and_the_config_keys(files, tmp_path_factory):
     cfg = load_config(
         [f"--data.dataset={path}", "--data.on_bad_sample=error", f"--data.image_root={files}"]
     )
-    ParallelDims.from_config(cfg, 1).validate_model(cfg)
+    validate_job(cfg, 1)
     for overrides, words in [
         ([f"--data.dataset={files / 'none.jsonl'}"], "data.dataset: file not found"),
         (
@@ -311,7 +311,7 @@ def test_image_root_and_the_config_keys(files, tmp_path_factory):
     ]:
         with pytest.raises(ConfigError, match=words):  # a choice fails as it is read
             cfg = load_config(overrides)
-            ParallelDims.from_config(cfg, 1).validate_model(cfg)
+            validate_job(cfg, 1)
 
 
 def test_hf_tokenizer_image_token(tmp_path):
@@ -472,7 +472,7 @@ def test_max_frames_must_be_positive(files):
     path = files / "train.jsonl"
     cfg = load_config([f"--data.dataset={path}", "--data.max_frames=0"])
     with pytest.raises(ConfigError, match=r"^data.max_frames must be >= 1, got 0$"):
-        ParallelDims.from_config(cfg, 1).validate_model(cfg)
+        validate_job(cfg, 1)
     with pytest.raises(ConfigError, match=r"^data.max_frames must be >= 1, got 0$"):
         dataset(path, max_frames=0)
 

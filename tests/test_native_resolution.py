@@ -40,7 +40,7 @@ from titan_vlm.models.llava.hf_config import vision_args_from_hf
 from titan_vlm.models.llava.model import VLM
 from titan_vlm.models.llava.vit import ViT
 from titan_vlm.parallel.context_parallel import shard_batch, vision_images_per_rank
-from titan_vlm.parallel_dims import ParallelDims
+from titan_vlm.validate import validate_job
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5  # max abs difference / max abs value, fp32
@@ -244,17 +244,17 @@ def test_native_resolution_keys(folder):
     ):
         cfg.data.native_resolution_pixels = value
         with pytest.raises(ConfigError, match=message):
-            ParallelDims.from_config(cfg, 1).validate_model(cfg)
+            validate_job(cfg, 1)
     cfg.data.native_resolution_pixels = PIXELS
-    ParallelDims.from_config(cfg, 1).validate_model(cfg)
+    validate_job(cfg, 1)
     cfg.compile.enable = True
     with pytest.raises(ConfigError, match="does not combine with compile.enable"):
-        ParallelDims.from_config(cfg, 1).validate_model(cfg)
+        validate_job(cfg, 1)
     cfg.compile.enable = False
     cfg.data.dataset = "synthetic"
     with pytest.raises(ConfigError, match="the synthetic data draws every image"):
-        ParallelDims.from_config(cfg, 1).validate_model(cfg)
-    # a Hugging Face folder's processor fixes the size (validate_model says so before any rank
+        validate_job(cfg, 1)
+    # a Hugging Face folder's processor fixes the size (validate_job says so before any rank
     # starts, for a real folder; the dataset refuses the pair too)
     with pytest.raises(ConfigError, match="does not combine with model.hf_path"):
         native_data(folder, processor=object())

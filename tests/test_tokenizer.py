@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from titan_vlm.config import ConfigError, load_config
 from titan_vlm.data.synthetic import CELLS, COLORS, COUNTS, SHAPES, SyntheticCaptions
 from titan_vlm.data.tokenizer import HFTokenizer
-from titan_vlm.parallel_dims import ParallelDims
+from titan_vlm.validate import validate_job
 
 
 def write_tokenizer(path, specials=("<pad>", "<s>", "</s>", "<unk>"), extra_words=0) -> str:
@@ -69,4 +69,4 @@ def test_bad_tokenizer_files(tmp_path):
     big = write_tokenizer(tmp_path / "c.json", extra_words=400)
     cfg = load_config([f"--model.tokenizer_path={big}"])
     with pytest.raises(ConfigError, match=r"the tokenizer has \d+ ids, flavor 'debug' embeds 264"):
-        ParallelDims.from_config(cfg, 1).validate_model(cfg)
+        validate_job(cfg, 1)

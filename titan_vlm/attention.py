@@ -6,7 +6,7 @@ Model code calls `attention(q, k, v, layout, kernel)` and knows nothing about pa
 text is sharded over a context-parallel group, `layout.cp` carries the algorithm that makes the
 attention exact across ranks (parallel/cp_attention.py).
 
-Mask rule (decoder, layout.py): a query sees the keys of its own sample at earlier row
+Mask rule (decoder, layout/): a query sees the keys of its own sample at earlier row
 positions (and itself); the tokens of one image see each other causally or, with
 model.image_attention = "bidirectional", all at once.
 
@@ -32,8 +32,8 @@ import torch
 from torch.autograd.function import FunctionCtx
 
 from titan_vlm.kernels import select_kernel
-from titan_vlm.layout import Block, LayoutHandle, SeqLayout
-from titan_vlm.parallel.cp_attention import ALGORITHMS, Algorithm, LocalAttention
+from titan_vlm.layout import Block, CPAlgorithm, LayoutHandle, SeqLayout
+from titan_vlm.parallel.cp_attention import ALGORITHMS, LocalAttention
 from titan_vlm.varlen import PackedPlan, float_grads, pack, run_plan, run_plan_backward
 
 # ----------------------------------------------------------------------------------------------
@@ -45,7 +45,7 @@ from titan_vlm.varlen import PackedPlan, float_grads, pack, run_plan, run_plan_b
 # the kernel's name (a constant of the graph).
 
 
-def _algorithm(layout: SeqLayout) -> Algorithm:
+def _algorithm(layout: SeqLayout) -> CPAlgorithm:
     return layout.cp if layout.cp is not None else LocalAttention()
 
 
@@ -244,7 +244,7 @@ def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout | None, kernel: str
 ) -> torch.Tensor:
     """q [B, H, L, D], k/v [B, Hkv, L, D] for the local slots. layout=None: bidirectional (ViT).
-    Otherwise the decoder's mask rule (layout.py) over the layout's local slots, exact across the
+    Otherwise the decoder's mask rule (layout/) over the layout's local slots, exact across the
     CP group when the text is sharded (layout.cp). `kernel`: model.attention_kernel ("auto" or a
     name of kernels.KERNELS)."""
     if layout is None:

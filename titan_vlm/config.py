@@ -39,8 +39,8 @@ OnNonfinite = Literal["stop", "skip"]
 OnBadSample = Literal["skip", "error"]
 CPCommType = Literal["p2p", "allgather", "a2a"]  # parallel/cp_attention.py CP_ATTENTION
 CPVision = Literal["replicate", "broadcast", "shard"]  # parallel/context_parallel.py
-CPSamplePlacement = Literal["split", "auto"]  # layout.py SAMPLE_PLACEMENTS
-CPImageTokens = Literal["replicate", "shard", "auto"]  # layout.py IMAGE_TOKEN_MODES
+CPSamplePlacement = Literal["split", "auto"]  # layout/placement.py SAMPLE_PLACEMENTS
+CPImageTokens = Literal["replicate", "shard", "auto"]  # layout/placement.py IMAGE_TOKEN_MODES
 ACMode = Literal["none", "selective", "full"]  # parallel/parallelize.py, plan/memory.py
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
 
@@ -189,8 +189,9 @@ class Parallelism:
     """How a row's samples are placed on the CP group: "split" (every sample's text cut head-tail
     over all ranks, its images on every rank) or "auto" (per row, the cost model keeps short
     samples whole on one rank, with their images, and splits the long ones head-tail, so that
-    the ranks' modelled costs balance; layout.py). "auto" is the default: on every workload of
-    benchmarks/cp_layouts.py its busiest rank costs less and it sends less (docs/performance.md)."""
+    the ranks' modelled costs balance; layout/placement.py). "auto" is the default: on every
+    workload of benchmarks/cp_layouts.py its busiest rank costs less and it sends less
+    (docs/performance.md)."""
     cp_image_tokens: CPImageTokens = "auto"
     """The image slots of a sample split over the CP group: "replicate" (every rank holds them,
     the seed's design: nothing extra travels, each rank works on all of them), "shard" (cut

@@ -218,9 +218,9 @@ def validate_launch(argv: list[str], env: dict[str, str]) -> tuple[JobConfig, in
     # at once
     import torch
 
-    from titan_vlm.parallel_dims import ParallelDims
+    from titan_vlm.validate import validate_job
 
-    ParallelDims.from_config(cfg, nproc * nnodes).validate_model(cfg)
+    validate_job(cfg, nproc * nnodes)
     validate_failure_keys(cfg)
 
     if torch.cuda.is_available() and nproc > torch.cuda.device_count():

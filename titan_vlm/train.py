@@ -20,8 +20,8 @@ from titan_vlm.config import JobConfig, load_config, validate_failure_keys
 from titan_vlm.distributed import init_distributed
 from titan_vlm.errors import UserError
 from titan_vlm.launch import STOP, die_with_parent, report_user_error
-from titan_vlm.parallel_dims import ParallelDims
 from titan_vlm.trainer import Trainer
+from titan_vlm.validate import validate_job
 
 logger = logging.getLogger("titan_vlm")
 
@@ -29,8 +29,7 @@ logger = logging.getLogger("titan_vlm")
 def train(cfg: JobConfig) -> None:
     """Entry point under torchrun: validate, start the process group, build the mesh, train."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    dims = ParallelDims.from_config(cfg, world_size)  # config errors surface before any collective
-    dims.validate_model(cfg)
+    dims = validate_job(cfg, world_size)  # config errors surface before any collective
     validate_failure_keys(cfg)
     device = init_distributed()
     logging.basicConfig(

@@ -16,7 +16,7 @@ file of your own (jsonl.py), chosen by data.dataset; both are a Dataset (dataset
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from titan_vlm.config import JobConfig
@@ -24,7 +24,23 @@ if TYPE_CHECKING:
     from titan_vlm.data.hf_processor import HFProcessor
     from titan_vlm.data.images import NativeResolution
     from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
-    from titan_vlm.models.llava.args import VLMArgs
+
+
+class ImageGeometry(Protocol):
+    """What the data pipeline needs of a family's images (its args provide it, e.g. llava's
+    VLMArgs): the side of its native square images, their slots, the ViT's patch size and the
+    slot rule of an image of any size."""
+
+    @property
+    def image_size(self) -> int: ...
+
+    @property
+    def tokens_per_image(self) -> int: ...
+
+    @property
+    def patch_size(self) -> int: ...
+
+    def image_tokens(self, height: int, width: int) -> int: ...
 
 
 def model_inputs(cfg: JobConfig) -> tuple[ByteTokenizer | HFTokenizer, HFProcessor | None]:
@@ -42,7 +58,7 @@ def model_inputs(cfg: JobConfig) -> tuple[ByteTokenizer | HFTokenizer, HFProcess
 
 def build_dataset(
     cfg: JobConfig,
-    args: VLMArgs,
+    args: ImageGeometry,
     tokenizer: ByteTokenizer | HFTokenizer,
     processor: HFProcessor | None = None,
     log_startup: bool = True,
@@ -61,7 +77,7 @@ def build_dataset(
     d, t = cfg.data, cfg.training
     if d.dataset == "synthetic":
         return SyntheticCaptions(
-            args.vision.image_size,
+            args.image_size,
             args.tokens_per_image,
             t.seq_len,
             t.seed,
@@ -74,7 +90,7 @@ def build_dataset(
     return JsonlDataset(
         d.dataset,
         tokenizer,
-        args.vision.image_size,
+        args.image_size,
         args.tokens_per_image,
         t.seq_len,
         t.seed,
@@ -91,13 +107,13 @@ def build_dataset(
     )
 
 
-def native_resolution(cfg: JobConfig, args: VLMArgs) -> NativeResolution | None:
+def native_resolution(cfg: JobConfig, args: ImageGeometry) -> NativeResolution | None:
     """data.native_resolution_pixels' geometry for this model (None: 0, every image at the
-    model's size): the ViT's patch size and native side, and VLMArgs.image_tokens as the one
+    model's size): the ViT's patch size and native side, and the family's image_tokens as the one
     slot rule."""
     from titan_vlm.data.images import NativeResolution
 
     n = cfg.data.native_resolution_pixels
     if not n:
         return None
-    return NativeResolution(n, args.vision.patch_size, args.vision.image_size, args.image_tokens)
+    return NativeResolution(n, args.patch_size, args.image_size, args.image_tokens)

@@ -5,7 +5,7 @@ A `Sample` is text and images in reading order. Rows of `seq_len` slots hold one
 slots, as many as the slot rule says (`SlotRule`: `tokens_per_image` for every image, or with
 data.native_resolution_pixels > 0 VLMArgs.image_tokens of the size it enters the ViT at). A
 `Batch` describes every slot of its rows (see
-layout.py for what the metadata means to attention):
+layout/ for what the metadata means to attention):
 
     slot:    [img 0 .. img 0][BOS t h r e e ...][BOS l o o k :][img 1 .. img 1][ t w o ...]......
     doc:      0 ......................... 0     1 ........................................  -1 -1

@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 def validate_data_config(data: Data) -> None:
     """The data.* keys of a dataset file, before any process group exists (the file itself is
     parsed when the dataset is built). data.on_bad_sample, a choice key, is checked with the
-    others by config.check_choices (ParallelDims.validate_model runs it first)."""
+    others by config.check_choices (validate.validate_job runs it first)."""
     if data.max_image_pixels < 1:
         raise ConfigError(f"data.max_image_pixels must be >= 1, got {data.max_image_pixels}")
     _check_max_frames(data.max_frames)

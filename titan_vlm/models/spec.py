@@ -16,6 +16,8 @@ this interface and never reach into module names:
     flops       model FLOPs of a batch, given a CP rank's layout of it (no second layout)
     layout_cost the CP cost model's weights (layout.LayoutCost: per slot, attention pair and
                 image), which the auto sample placement balances and cp_balance reports
+    validate    what the family needs of the job's shapes and mesh (heads and tp, sequence
+                length, vocabulary; validate.py runs it before any process group exists)
 
 The module `build` returns is a `VisionLanguageModel`: the few verbs the trainer, context
 parallelism (parallel/context_parallel.py) and generate.py use on it (encode the images, decode
@@ -49,7 +51,7 @@ if TYPE_CHECKING:
     from titan_vlm.data.batch import Batch, Images
     from titan_vlm.layout import LayoutCost, SeqLayout
     from titan_vlm.models.loading import Init
-    from titan_vlm.parallel_dims import Mesh
+    from titan_vlm.parallel_dims import Mesh, ParallelDims
 
 
 class VisionLanguageModel(nn.Module, ABC):
@@ -128,3 +130,5 @@ class ModelSpec:
     parallelize: Callable[[nn.Module, Mesh, JobConfig], None]
     flops: Callable[[Any, Batch, SeqLayout], float]
     layout_cost: Callable[[Any], LayoutCost]
+    # what the family needs of the job's shapes and mesh, after validate.py's generic checks
+    validate: Callable[[Any, ParallelDims, JobConfig], None]

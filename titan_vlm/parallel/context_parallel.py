@@ -4,7 +4,7 @@ A row holds one or more samples, each text and images in reading order (data/bat
 CP group of P ranks:
 
   * a sample is split or kept whole (parallelism.cp_sample_placement; "auto" asks the cost
-    model, layout.py): a split sample's text is padded to a multiple of 2P and cut into 2P
+    model, layout/placement.py): a split sample's text is padded to a multiple of 2P and cut into 2P
     chunks, and every rank keeps one head-tail pair of chunks (j, 2P-1-j) (one light and one
     heavy piece of its causal triangle; which pair goes where is dealt by cost); a whole sample
     stays on one rank, images and all. Row positions and labels go with the slots (labels are

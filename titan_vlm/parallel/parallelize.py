@@ -1,4 +1,6 @@
-"""Apply parallelism to a VLM from the outside (the model code holds none).
+"""Apply parallelism to a VLM from the outside (the model code holds none): the helpers every
+family's parallelize (models/<family>/parallelize.py, its ModelSpec.parallelize) calls with its own
+modules. Nothing here names a family's modules.
 
 Tensor (and sequence) parallelism first (parallel/tensor_parallel.py): parameters become
 DTensors on the tp mesh dim; FSDP below then shards each further over its dp mesh (2-D
@@ -22,6 +24,17 @@ of its whole gradient.
 With dp_replicate > 1 both meshes are HSDP: the gradient is also all-reduced (summed) over
 dp_replicate, whose ranks read different rows.
 Gradients are summed, never averaged: the loss is already divided by the global text-token count.
+
+The order every family applies them in: its own tensor parallelism, torch.compile of each block,
+activation checkpointing around the compiled blocks, then FSDP. Compile before AC (torchtitan
+checkpoints first and compiles the wrapper): on torch 2.13 a block compiled with its checkpoint
+inside and TP DTensors in it fails at its first forward (AOT autograd saves the DTensors'
+DeviceMesh among the tensors for backward: torch/_functorch/_aot_autograd/runtime_wrappers.py,
+_AutogradSavedState.save_from_forward, "expected all tensors_saved_with_vc_check to be
+Tensors"). Wrapped after compiling, the non-reentrant checkpoint drops what the compiled forward
+saves and reruns it in backward (its collectives included, in the same order on every rank), for
+every layout. CP itself needs no module changes: it lives in the batch sharding and the SeqLayout
+the attention receives (context_parallel.py).
 """
 
 from __future__ import annotations
@@ -33,9 +46,6 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-from titan_vlm.models.llava.model import VLM
-from titan_vlm.parallel.tensor_parallel import TPOptions, apply_tp
 
 if TYPE_CHECKING:
     from titan_vlm.parallel_dims import Mesh
@@ -55,31 +65,36 @@ def _shard(
 
 
 def apply_fsdp(
-    model: VLM, mesh: Mesh, mixed_precision: str = "fp32", cp_vision: str = "shard"
+    vision: list[nn.Module],
+    decoder: list[nn.Module],
+    mesh: Mesh,
+    mixed_precision: str = "fp32",
+    cp_vision: str = "shard",
 ) -> None:
+    """FSDP2 on a family's units, innermost first (its blocks, then the modules holding them):
+    `vision`, the modules encode_images runs (vision tower and projector), on the mesh and with
+    the divisor the module docstring gives for cp_vision; `decoder` on mesh.fsdp, summed."""
     if mixed_precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         mp = MixedPrecisionPolicy()
     vision_mesh = mesh.fsdp_no_cp if cp_vision == "broadcast" else mesh.fsdp
     vision_divide = mesh.cp.size() if cp_vision == "replicate" else 1
-    decoder_mesh = mesh.fsdp
-    for module in [*model.vision.layers, model.vision, model.projector]:
+    for module in vision:
         _shard(module, vision_mesh, mp, vision_divide)
-    for block in model.decoder.layers:
-        _shard(block, decoder_mesh, mp)
-    _shard(model.decoder, decoder_mesh, mp)
+    for module in decoder:
+        _shard(module, mesh.fsdp, mp)
 
 
-def apply_ac(model: VLM, mode: str) -> None:
-    """Activation checkpointing of the ViT and decoder blocks: "full" recomputes every block in
-    backward, "selective" every other block (half the activation memory saved for half the
-    recomputation). The recomputed forward reruns the CP attention, collectives included, in the
-    same order on every rank."""
+def apply_ac(stacks: list[nn.ModuleList], mode: str) -> None:
+    """Activation checkpointing of the blocks of each stack (a ViT's, a decoder's): "full"
+    recomputes every block in backward, "selective" every other block (half the activation
+    memory saved for half the recomputation). The recomputed forward reruns the CP attention,
+    collectives included, in the same order on every rank."""
     if mode == "none":
         return
     every = 1 if mode == "full" else 2
-    for layers in (model.vision.layers, model.decoder.layers):
+    for layers in stacks:
         for i in range(0, len(layers), every):
             layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
 
@@ -138,50 +153,21 @@ def keep_first_symbol_proxy() -> None:
     _first_symbol_proxy_installed = True
 
 
-def apply_compile(model: VLM, fullgraph: bool = True, backend: str = "inductor") -> None:
-    """torch.compile each ViT and decoder block in place (the blocks share one compiled graph).
-    The decoder's attention, local or context-parallel, is one opaque custom op
+def apply_compile(
+    stacks: list[nn.ModuleList], fullgraph: bool = True, backend: str = "inductor"
+) -> None:
+    """torch.compile each block of each stack in place (the blocks of a stack share one compiled
+    graph). The decoder's attention, local or context-parallel, is one opaque custom op
     (titan_vlm::attention, attention.py), so with `fullgraph` each block is a single graph and a
     graph break is an error. Runs before apply_ac: the checkpoint wrapper goes around the
-    compiled block (why: parallelize_vlm). Sizes stay torch's default: static at first, dynamic
-    once a batch has changed them (automatic_dynamic_shapes), so a few graphs per block cover
-    every batch (docs/parallelism.md, Compile); with TP those recompiles need
+    compiled block (why: the module docstring). Sizes stay torch's default: static at first,
+    dynamic once a batch has changed them (automatic_dynamic_shapes), so a few graphs per block
+    cover every batch (docs/parallelism.md, Compile); with TP those recompiles need
     keep_first_symbol_proxy."""
     keep_first_symbol_proxy()
     # A block past dynamo's recompile limit would otherwise run eager from then on, silently:
     # an error instead (raise torch._dynamo.config.recompile_limit if a run needs more graphs).
     torch._dynamo.config.fail_on_recompile_limit_hit = True
-    for layers in (model.vision.layers, model.decoder.layers):
+    for layers in stacks:
         for block in layers:
             block.compile(fullgraph=fullgraph, backend=backend)
-
-
-def parallelize_vlm(
-    model: VLM,
-    mesh: Mesh,
-    mixed_precision: str = "fp32",
-    cp_vision: str = "shard",
-    ac_mode: str = "none",
-    compile_blocks: bool = False,
-    tp: TPOptions = TPOptions(),
-    fullgraph: bool = True,
-    compile_backend: str = "inductor",
-) -> VLM:
-    """Everything the trainer applies to the model: tensor parallelism, torch.compile of each
-    block, activation checkpointing around the compiled blocks, then FSDP. CP itself needs no
-    module changes: it lives in the batch sharding and the SeqLayout the attention receives
-    (context_parallel.py).
-
-    Compile before AC (torchtitan checkpoints first and compiles the wrapper): on torch 2.13 a
-    block compiled with its checkpoint inside and TP DTensors in it fails at its first forward
-    (AOT autograd saves the DTensors' DeviceMesh among the tensors for backward:
-    torch/_functorch/_aot_autograd/runtime_wrappers.py, _AutogradSavedState.save_from_forward,
-    "expected all tensors_saved_with_vc_check to be Tensors"). Wrapped after compiling, the
-    non-reentrant checkpoint drops what the compiled forward saves and reruns it in backward
-    (its collectives included, in the same order on every rank), for every layout."""
-    apply_tp(model, mesh.tp, tp)
-    if compile_blocks:
-        apply_compile(model, fullgraph, compile_backend)
-    apply_ac(model, ac_mode)
-    apply_fsdp(model, mesh, mixed_precision, cp_vision)
-    return model

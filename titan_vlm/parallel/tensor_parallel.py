@@ -1,4 +1,7 @@
-"""Tensor parallelism (TP) and sequence parallelism (SP) on the tp mesh dim, applied from outside.
+"""Tensor parallelism (TP) and sequence parallelism (SP) on the tp mesh dim, applied from outside:
+the plan of one transformer block (`block_plan`) and a stack's sequence-parallel boundaries
+(`sp_stack_boundaries`), which a family's apply_tp (models/<family>/parallelize.py) applies to its
+own modules, as below for LLaVA's.
 
 TP (Megatron style, with DTensor `parallelize_module`): in every ViT and decoder block the input
 projections (q, k, v; fc1 / w1, w3) are split column-wise, so each tp rank computes whole
@@ -18,7 +21,7 @@ reduce-scatter after them replace the all-reduce). Where the sequence is cut:
 so the CP rank's local length L = image slots + local text slots must divide by tp: the layout
 pads the text with slots that attention skips (layout.build_layout, pad_to_multiple), and the
 first block checks it. The ViT is cut the same way along each image's patches (checked at
-start-up, ParallelDims.validate_model).
+start-up, the family's ModelSpec.validate).
 
 Exactness and gradient reductions: every tp rank of a (dp, cp) coordinate holds the same tokens
 and computes the same replicated loss, so gradients of activations that are replicated over tp
@@ -61,8 +64,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titan_vlm.models.llava.model import VLM
-
 
 @dataclass(frozen=True)
 class TPOptions:
@@ -85,9 +86,7 @@ def _check_divisible_seq(name: str, tp: int) -> Callable[[nn.Module, tuple], Non
     return hook
 
 
-def _sp_stack_boundaries(
-    layers: nn.ModuleList, tp_mesh: DeviceMesh, n_args: int, name: str
-) -> None:
+def sp_stack_boundaries(layers: nn.ModuleList, tp_mesh: DeviceMesh, n_args: int, name: str) -> None:
     """Cut the sequence at the first block's input, gather it at the last block's output."""
     first_in = (Replicate(),) + (None,) * (n_args - 1)
     first_want = (Shard(1),) + (None,) * (n_args - 1)
@@ -109,7 +108,7 @@ def _sp_stack_boundaries(
     )
 
 
-def _block_plan(
+def block_plan(
     attn: str,
     qkv: tuple[str, ...],
     out: str,
@@ -145,80 +144,6 @@ def _block_plan(
                 input_layouts=Shard(1)
             )  # one consumer: it gathers itself
     return plan
-
-
-def apply_tp(model: VLM, tp_mesh: DeviceMesh, options: TPOptions = TPOptions()) -> None:
-    """Tensor (and, with options.sequence_parallel, sequence) parallelism on the ViT, projector and
-    decoder over `tp_mesh`. Parameters become DTensors on tp; FSDP then shards them further on
-    the dp mesh (2-D). Parameters left alone (patch embedding, position embedding, final norms,
-    block norms without SP) are replicated: each tp rank computes their complete gradient."""
-    if tp_mesh.size() == 1:
-        return
-    sp = options.sequence_parallel
-    vit_plan = _block_plan(
-        "attn",
-        ("attn.q", "attn.k", "attn.v"),
-        "attn.proj",
-        ("norm1", "norm2"),
-        None,
-        ("fc1",),
-        "fc2",
-        n_attn_args=1,
-        sp=sp,
-    )
-    for block in model.vision.layers:
-        parallelize_module(block, tp_mesh, vit_plan)
-    dec_plan = _block_plan(
-        "attention",
-        ("attention.wq", "attention.wk", "attention.wv"),
-        "attention.wo",
-        ("attention_norm", "ffn_norm"),
-        "feed_forward",
-        ("feed_forward.w1", "feed_forward.w3"),
-        "feed_forward.w2",
-        n_attn_args=4,
-        sp=sp,
-    )  # attention(x, cos, sin, layout)
-    if model.decoder.args.qk_norm:
-        # q/k norms (Qwen3) run on [B, L, heads, head_dim] with this rank's heads: their shared
-        # weight's gradient is a partial sum over tp, reduced as the SP norms' are (heads = dim 2)
-        for norm in ("attention.q_norm", "attention.k_norm"):
-            dec_plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
-    for block in model.decoder.layers:
-        parallelize_module(block, tp_mesh, dec_plan)
-    if sp:
-        _sp_stack_boundaries(model.vision.layers, tp_mesh, 1, "ViT")
-        _sp_stack_boundaries(
-            model.decoder.layers, tp_mesh, 4, "decoder"
-        )  # block(x, cos, sin, layout)
-    # Projector: column- then row-wise. With image_embed_tp_shard its partial sums are
-    # reduce-scattered along the hidden dim instead of all-reduced: the embeddings stay sharded
-    # (and travel the CP group at 1/tp size) until gather_image_embeds_over_tp.
-    parallelize_module(
-        model.projector,
-        tp_mesh,
-        {
-            "fc1": ColwiseParallel(),
-            "fc2": RowwiseParallel(
-                output_layouts=Shard(-1) if options.image_embed_shard else Replicate()
-            ),
-        },
-    )
-    # Embedding rows and head columns split over vocabulary, both with replicated outputs (why:
-    # the module docstring).
-    parallelize_module(
-        model.decoder,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(
-                input_layouts=Replicate(), output_layouts=Replicate()
-            ),
-            "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        },
-    )
-    # Tied embeddings: each style distributed its own copy of the one weight; both are [vocab,
-    # dim] split Shard(0) over tp, so the head can take the embedding's DTensor back, exactly.
-    model.decoder.tie_weights()
 
 
 def gather_image_embeds_over_tp(embeds: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:

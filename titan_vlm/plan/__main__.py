@@ -18,7 +18,6 @@ from typing import get_args
 
 from titan_vlm.config import ConfigError, CPCommType, JobConfig, load_config, world_size_of
 from titan_vlm.models.registry import model_spec
-from titan_vlm.parallel_dims import ParallelDims
 from titan_vlm.plan.comm import cp_attention_bytes
 from titan_vlm.plan.cost import EFFICIENCY, Plan, make_plan, span
 from titan_vlm.plan.hardware import HARDWARE, get_hardware
@@ -26,6 +25,7 @@ from titan_vlm.plan.memory import AC_MODES
 from titan_vlm.plan.search import search
 from titan_vlm.plan.shapes import ModelShapes, model_shapes
 from titan_vlm.plan.spec import Layout, Workload
+from titan_vlm.validate import validate_job
 
 GIB = 2**30
 UNITS = {"GiB": 2**30, "MiB": 2**20}
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
             if not fitting:
                 print("  none: more devices, a shorter sequence or a smaller model")
             return
-        ParallelDims.from_config(cfg, world).validate_model(cfg)
+        validate_job(cfg, world)
         layout = Layout.from_config(cfg, world)
         print(
             "\n".join(

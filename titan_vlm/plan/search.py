@@ -8,11 +8,11 @@ import itertools
 from typing import get_args
 
 from titan_vlm.config import ACMode, ConfigError, CPCommType, CPVision, JobConfig
-from titan_vlm.parallel_dims import ParallelDims
 from titan_vlm.plan.cost import Plan, make_plan
 from titan_vlm.plan.hardware import Hardware
 from titan_vlm.plan.shapes import ModelShapes
 from titan_vlm.plan.spec import Layout, Workload
+from titan_vlm.validate import validate_job
 
 
 def divisors(n: int) -> list[int]:
@@ -23,7 +23,7 @@ def candidate_layouts(cfg: JobConfig, world: int, gpus_per_node: int) -> list[La
     """(dp_replicate, dp_shard, cp, tp) with product `world` and tp within a node, each with every
     cp_comm_type and cp_vision (cp > 1) and AC mode; sequence parallelism on whenever tp > 1; the
     config's cp_sample_placement and cp_image_tokens.
-    Layouts the trainer would refuse (ParallelDims.validate_model: heads, a2a, ...) are left out."""
+    Layouts the trainer would refuse (validate.validate_job: heads, a2a, ...) are left out."""
     out = []
     for tp in (t for t in divisors(world) if t <= gpus_per_node):
         for cp in divisors(world // tp):
@@ -62,7 +62,7 @@ def accepted(cfg: JobConfig, layout: Layout) -> bool:
     p.image_embed_tp_shard = False
     c.activation_checkpoint.mode = layout.ac_mode
     try:
-        ParallelDims.from_config(c, layout.world).validate_model(c)
+        validate_job(c, layout.world)
     except ConfigError:
         return False
     return True

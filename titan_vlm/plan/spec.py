@@ -89,7 +89,7 @@ class Layout:
 
 @dataclass(frozen=True, eq=False)
 class Workload:
-    """One data-parallel rank's rows of one step, as slot metadata [B, S] (layout.py: `doc` the
+    """One data-parallel rank's rows of one step, as slot metadata [B, S] (layout/: `doc` the
     sample of each slot, -1 padding; `image` the image it belongs to, -1 text), and the cost
     model cp_sample_placement = "auto" balances them by (the family's ModelSpec.layout_cost,
     as the trainer passes it)."""

@@ -87,7 +87,7 @@ class VLMArgs:
     vision: ViTArgs = field(default_factory=ViTArgs)
     decoder: DecoderArgs = field(default_factory=DecoderArgs)
     # How the tokens of one image see each other in the decoder: "causal" (in slot order, like
-    # any token) or "bidirectional" (all of them). Text is causal either way (layout.py).
+    # any token) or "bidirectional" (all of them). Text is causal either way (layout/).
     image_attention: str = "causal"
     # model.attention_kernel: "auto" or a name of kernels.KERNELS; every attention call of the
     # ViT and the decoder passes it (the kernel choice is the model's, not a module global)
@@ -109,6 +109,15 @@ class VLMArgs:
     def tokens_per_image(self) -> int:
         """Tokens one image occupies in the decoder's sequence (the ViT's output positions)."""
         return self.vision.tokens_per_image
+
+    @property
+    def image_size(self) -> int:
+        """The side of the ViT's native square images (data/__init__.py ImageGeometry)."""
+        return self.vision.image_size
+
+    @property
+    def patch_size(self) -> int:
+        return self.vision.patch_size
 
     def image_tokens(self, height: int, width: int) -> int:
         """Image slots an image of height x width pixels takes in a row (the data pipeline's

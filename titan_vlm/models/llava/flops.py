@@ -49,7 +49,7 @@ def train_flops(args: VLMArgs, num_images: int, text_tokens: int, attention_pair
 
 
 def batch_train_flops(args: VLMArgs, batch: Batch, layout: SeqLayout) -> float:
-    """`train_flops` of a batch, its attention pairs counted under the mask rule (layout.py):
+    """`train_flops` of a batch, its attention pairs counted under the mask rule (layout/):
     `layout` is any CP rank's layout of the batch (it knows every rank's text). Images of their
     own sizes (an ImageList) count their own patches (`image_train_flops`) and slots."""
     text = int(((batch.doc >= 0) & (batch.image < 0)).sum())

@@ -32,13 +32,13 @@ from titan_vlm.models.llava.flops import batch_train_flops, layout_cost
 from titan_vlm.models.llava.hf_adapter import export_names, hf_names, key_style, unused_hf_tensors
 from titan_vlm.models.llava.hf_config import args_from_hf_config, vision_args_from_hf
 from titan_vlm.models.llava.model import VLM
+from titan_vlm.models.llava.parallelize import parallelize
+from titan_vlm.models.llava.validate import validate
 from titan_vlm.models.loading import Init
 from titan_vlm.models.spec import ModelSpec
-from titan_vlm.parallel.parallelize import parallelize_vlm
-from titan_vlm.parallel.tensor_parallel import TPOptions
 
 if TYPE_CHECKING:
-    from titan_vlm.parallel_dims import Mesh
+    pass
 
 
 def _first_difference(a: object, b: object, prefix: str = "") -> str | None:
@@ -165,24 +165,6 @@ def after_to_empty(model: nn.Module) -> None:
     model.decoder.tie_weights()  # type: ignore[union-attr,operator]
 
 
-def parallelize(model: nn.Module, mesh: Mesh, cfg: JobConfig) -> None:
-    p = cfg.parallelism
-    tp = TPOptions(
-        sequence_parallel=p.enable_sequence_parallel, image_embed_shard=p.image_embed_tp_shard
-    )
-    parallelize_vlm(
-        model,  # type: ignore[arg-type]
-        mesh,
-        cfg.training.mixed_precision,
-        p.cp_vision,
-        cfg.activation_checkpoint.mode,
-        cfg.compile.enable,
-        tp,
-        fullgraph=cfg.compile.fullgraph,
-        compile_backend=cfg.compile.backend,
-    )
-
-
 LLAVA = ModelSpec(
     name="llava",
     hf_model_types=("llava",),
@@ -197,4 +179,5 @@ LLAVA = ModelSpec(
     parallelize=parallelize,
     flops=batch_train_flops,
     layout_cost=layout_cost,
+    validate=validate,
 )

@@ -1,0 +1,160 @@
+"""The "llava" family's parallelism, applied from outside (torchtitan's parallelize_*): its tensor
+parallel plan by module name (`apply_tp`), then compile, activation checkpointing and FSDP of its
+ViT and decoder blocks through the shared helpers (parallel/parallelize.py). Why each mesh and
+divisor: parallel/parallelize.py; why TP splits what it splits: parallel/tensor_parallel.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from titan_vlm.models.llava.model import VLM
+from titan_vlm.parallel import parallelize as shared
+from titan_vlm.parallel.tensor_parallel import TPOptions, block_plan, sp_stack_boundaries
+
+if TYPE_CHECKING:
+    from titan_vlm.config import JobConfig
+    from titan_vlm.parallel_dims import Mesh
+
+
+def apply_tp(model: VLM, tp_mesh: DeviceMesh, options: TPOptions = TPOptions()) -> None:
+    """Tensor (and, with options.sequence_parallel, sequence) parallelism on the ViT, projector and
+    decoder over `tp_mesh`. Parameters become DTensors on tp; FSDP then shards them further on
+    the dp mesh (2-D). Parameters left alone (patch embedding, position embedding, final norms,
+    block norms without SP) are replicated: each tp rank computes their complete gradient."""
+    if tp_mesh.size() == 1:
+        return
+    sp = options.sequence_parallel
+    vit_plan = block_plan(
+        "attn",
+        ("attn.q", "attn.k", "attn.v"),
+        "attn.proj",
+        ("norm1", "norm2"),
+        None,
+        ("fc1",),
+        "fc2",
+        n_attn_args=1,
+        sp=sp,
+    )
+    for block in model.vision.layers:
+        parallelize_module(block, tp_mesh, vit_plan)
+    dec_plan = block_plan(
+        "attention",
+        ("attention.wq", "attention.wk", "attention.wv"),
+        "attention.wo",
+        ("attention_norm", "ffn_norm"),
+        "feed_forward",
+        ("feed_forward.w1", "feed_forward.w3"),
+        "feed_forward.w2",
+        n_attn_args=4,
+        sp=sp,
+    )  # attention(x, cos, sin, layout)
+    if model.decoder.args.qk_norm:
+        # q/k norms (Qwen3) run on [B, L, heads, head_dim] with this rank's heads: their shared
+        # weight's gradient is a partial sum over tp, reduced as the SP norms' are (heads = dim 2)
+        for norm in ("attention.q_norm", "attention.k_norm"):
+            dec_plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    for block in model.decoder.layers:
+        parallelize_module(block, tp_mesh, dec_plan)
+    if sp:
+        sp_stack_boundaries(model.vision.layers, tp_mesh, 1, "ViT")
+        sp_stack_boundaries(
+            model.decoder.layers, tp_mesh, 4, "decoder"
+        )  # block(x, cos, sin, layout)
+    # Projector: column- then row-wise. With image_embed_tp_shard its partial sums are
+    # reduce-scattered along the hidden dim instead of all-reduced: the embeddings stay sharded
+    # (and travel the CP group at 1/tp size) until gather_image_embeds_over_tp.
+    parallelize_module(
+        model.projector,
+        tp_mesh,
+        {
+            "fc1": ColwiseParallel(),
+            "fc2": RowwiseParallel(
+                output_layouts=Shard(-1) if options.image_embed_shard else Replicate()
+            ),
+        },
+    )
+    # Embedding rows and head columns split over vocabulary, both with replicated outputs (why:
+    # the module docstring).
+    parallelize_module(
+        model.decoder,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Replicate()
+            ),
+            "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        },
+    )
+    # Tied embeddings: each style distributed its own copy of the one weight; both are [vocab,
+    # dim] split Shard(0) over tp, so the head can take the embedding's DTensor back, exactly.
+    model.decoder.tie_weights()
+
+
+def apply_ac(model: VLM, mode: str) -> None:
+    """Activation checkpointing of the ViT and decoder blocks (parallel/parallelize.py apply_ac)."""
+    shared.apply_ac([model.vision.layers, model.decoder.layers], mode)
+
+
+def apply_compile(model: VLM, fullgraph: bool = True, backend: str = "inductor") -> None:
+    """torch.compile of each ViT and decoder block (parallel/parallelize.py apply_compile)."""
+    shared.apply_compile([model.vision.layers, model.decoder.layers], fullgraph, backend)
+
+
+def parallelize_vlm(
+    model: VLM,
+    mesh: Mesh,
+    mixed_precision: str = "fp32",
+    cp_vision: str = "shard",
+    ac_mode: str = "none",
+    compile_blocks: bool = False,
+    tp: TPOptions = TPOptions(),
+    fullgraph: bool = True,
+    compile_backend: str = "inductor",
+) -> VLM:
+    """Everything the trainer applies to the model: tensor parallelism (`apply_tp`), then
+    torch.compile of each block, activation checkpointing around the compiled blocks and FSDP
+    (why in this order: parallel/parallelize.py)."""
+    apply_tp(model, mesh.tp, tp)
+    if compile_blocks:
+        apply_compile(model, fullgraph, compile_backend)
+    apply_ac(model, ac_mode)
+    shared.apply_fsdp(
+        [*model.vision.layers, model.vision, model.projector],
+        [*model.decoder.layers, model.decoder],
+        mesh,
+        mixed_precision,
+        cp_vision,
+    )
+    return model
+
+
+def parallelize(model: nn.Module, mesh: Mesh, cfg: JobConfig) -> None:
+    """ModelSpec.parallelize: `parallelize_vlm` with the config's choices."""
+    if not isinstance(model, VLM):
+        raise TypeError(f"the llava family parallelizes its VLM, got {type(model).__name__}")
+    p = cfg.parallelism
+    tp = TPOptions(
+        sequence_parallel=p.enable_sequence_parallel, image_embed_shard=p.image_embed_tp_shard
+    )
+    parallelize_vlm(
+        model,
+        mesh,
+        cfg.training.mixed_precision,
+        p.cp_vision,
+        cfg.activation_checkpoint.mode,
+        cfg.compile.enable,
+        tp,
+        fullgraph=cfg.compile.fullgraph,
+        compile_backend=cfg.compile.backend,
+    )

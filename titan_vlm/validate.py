@@ -1,0 +1,86 @@
+"""Everything a job's config is checked for before any process group exists (the launcher, every
+worker, the planner's search): `validate_job(cfg, world_size)`. Each finding is a one-line
+ConfigError naming the key.
+
+    the mesh degrees                  ParallelDims.from_config
+    the names of the choice keys      config.check_choices (a config built or changed in code)
+    the model family and its args     models/registry.py model_spec(cfg).args (reads and checks
+                                      any Hugging Face config.json), its safetensors files there
+    the training, data and checkpoint keys, the attention kernel   here
+    what the family needs of the shapes and the mesh (heads, tp, a2a, sequence length, vocabulary)
+                                      the family's ModelSpec.validate
+"""
+
+from __future__ import annotations
+
+import math
+
+from titan_vlm.config import JobConfig, check_choices
+from titan_vlm.errors import ConfigError
+from titan_vlm.kernels import KERNELS
+from titan_vlm.parallel_dims import ParallelDims, device_type
+
+
+def validate_job(cfg: JobConfig, world_size: int) -> ParallelDims:
+    """The mesh degrees `cfg` asks for on `world_size` ranks, after every check (module
+    docstring)."""
+    from titan_vlm.data.jsonl import validate_data_config
+    from titan_vlm.models.build import hf_files
+    from titan_vlm.models.registry import model_spec
+
+    dims = ParallelDims.from_config(cfg, world_size)
+    check_choices(cfg)
+    spec = model_spec(cfg)
+    args = spec.args(cfg)  # reads and checks any HF config.json
+    hf_files(cfg)  # each HF source's safetensors are there
+    t = cfg.training
+    k = cfg.data.images_per_sample
+    if not 0 <= k <= 64:
+        raise ConfigError(f"data.images_per_sample must be in 0..64, got {k}")
+    for key, value, ok, want in (
+        ("training.lr", t.lr, math.isfinite(t.lr) and t.lr > 0, "a positive number"),
+        (
+            "training.max_norm",
+            t.max_norm,
+            math.isfinite(t.max_norm),
+            "a number (<= 0 disables clipping)",
+        ),
+        ("training.warmup_steps", t.warmup_steps, t.warmup_steps >= 0, ">= 0"),
+        ("training.min_lr_ratio", t.min_lr_ratio, 0 <= t.min_lr_ratio <= 1, "in [0, 1]"),
+        (
+            "training.weight_decay",
+            t.weight_decay,
+            math.isfinite(t.weight_decay) and t.weight_decay >= 0,
+            ">= 0",
+        ),
+        ("metrics.log_freq", cfg.metrics.log_freq, cfg.metrics.log_freq >= 1, ">= 1"),
+    ):
+        if not ok:
+            raise ConfigError(f"{key} must be {want}, got {value}")
+    if t.local_batch_size < 1:
+        raise ConfigError(f"training.local_batch_size must be >= 1, got {t.local_batch_size}")
+    if t.steps < 1:
+        raise ConfigError(f"training.steps must be >= 1, got {t.steps}")
+    validate_data_config(cfg.data)  # data.dataset and the keys of a dataset file
+    if cfg.data.sentences_per_image < 1:
+        raise ConfigError(
+            f"data.sentences_per_image must be >= 1, got {cfg.data.sentences_per_image}"
+        )
+    if cfg.checkpoint.interval < 1:
+        raise ConfigError(f"checkpoint.interval must be >= 1, got {cfg.checkpoint.interval}")
+    kernel = cfg.model.attention_kernel
+    if kernel != "auto":
+        if KERNELS[kernel].device_type != device_type():
+            raise ConfigError(
+                f"model.attention_kernel={kernel} runs on {KERNELS[kernel].device_type}, "
+                f"this machine trains on {device_type()}"
+            )
+        if kernel in ("cuda_flash", "cuda_cudnn") and t.mixed_precision != "bf16":
+            raise ConfigError(
+                f"model.attention_kernel={kernel} needs training.mixed_precision = 'bf16'"
+            )
+    for key in ("enable_sequence_parallel", "image_embed_tp_shard"):
+        if getattr(cfg.parallelism, key) and dims.tp == 1:
+            raise ConfigError(f"parallelism.{key} needs parallelism.tensor_parallel_degree > 1")
+    spec.validate(args, dims, cfg)
+    return dims
