@@ -1,12 +1,14 @@
 """One training step on this rank: `forward_backward` and `train_step`.
 
-Read `forward_backward` for where context parallelism happens: the image embeddings are
-replicated over cp (gradient summed there), only the text is sharded, and the loss is the mean
-over the global batch's text tokens.
+Read `forward_backward` for where context parallelism happens: the model's forward_local is
+handed the rank's CPContext, which replicates the image embeddings over cp (gradient summed
+there) and shards only the text; the loss is the mean over the global batch's text tokens.
 
-    images --encode_images_over_cp--> embeds, whole on every cp rank (Replicate on cp)
-    batch  --shard_batch-------------> this cp rank's text slots, labels, SeqLayout
-    model.decode(tokens, embeds, layout) -> logits -> summed loss / global text tokens
+    model.forward_local(batch, CPContext(...)):
+      images --ctx.encode_images--> embeds, whole on every cp rank (Replicate on cp)
+      batch  --ctx.place----------> this cp rank's text slots, labels, SeqLayout
+      model.decode(tokens, embeds, layout) -> logits
+    -> summed loss / global text tokens
 """
 
 from __future__ import annotations
@@ -23,13 +25,8 @@ from titan_vlm.distributed import dist_sum
 from titan_vlm.layout import SeqLayout
 from titan_vlm.models.spec import VisionLanguageModel
 from titan_vlm.optim import clip_grad_norm_
-from titan_vlm.parallel.context_parallel import (
-    CPOptions,
-    encode_images_over_cp,
-    shard_batch,
-    sync_broadcast_vision_grads,
-)
-from titan_vlm.parallel.tensor_parallel import TPOptions, gather_image_embeds_over_tp
+from titan_vlm.parallel.context_parallel import CPContext, CPOptions, sync_broadcast_vision_grads
+from titan_vlm.parallel.tensor_parallel import TPOptions
 from titan_vlm.parallel_dims import Mesh
 
 # FSDP2 warns when a wrapped module returns a view (nn.Linear on 3-D input does); it matters only
@@ -50,26 +47,13 @@ def forward_backward(
     """Forward and backward of one batch on this rank. Returns the global loss (mean over every
     text token of the global batch, identical on all ranks), the global text-token count, and
     this rank's layout."""
-    # 1-2. The image embeddings of every image of the batch, whole on every CP rank (Replicate on
-    # cp); in backward their gradient is summed over cp before the projector and ViT. This runs
-    # even for a batch without images, so every rank enters the same collectives. With
-    # image_embed_tp_shard they are [.., dim/tp] slices until they join the text.
-    width = model.embed_dim // mesh.tp.size() if tp.image_embed_shard else None
-    embeds = encode_images_over_cp(
-        model, batch.images, mesh.cp, cp.vision, embed_width=width, tp_vision=mesh.tp.size() > 1
-    )
-    if tp.image_embed_shard:
-        embeds = gather_image_embeds_over_tp(embeds, mesh.tp)
-    # 3. The text is CP-sharded (head-tail per split sample; with cp_sample_placement = "auto" a
-    # short sample stays whole on one rank, images and all), with positions and shifted labels.
-    tokens, labels, layout = shard_batch(
-        batch,
-        mesh.cp,
-        cp,
-        model.bidirectional_images,
-        pad_to_multiple=mesh.tp.size() if tp.sequence_parallel else 1,
-    )
-    logits = model.decode(tokens, embeds, layout)
+    # 1-3. The model's forward on this rank (VisionLanguageModel.forward_local): the image
+    # embeddings of every image of the batch, whole on every CP rank (Replicate on cp; in backward
+    # their gradient is summed over cp before the projector and ViT); the text CP-sharded
+    # (head-tail per split sample; with cp_sample_placement = "auto" a short sample stays whole
+    # on one rank, images and all), with positions and shifted labels; then the decoder.
+    ctx = CPContext(mesh.cp, cp, mesh.tp, tp)
+    logits, labels, layout = model.forward_local(batch, ctx)
     # 4. Mean over the global batch's text tokens: count across dp and cp (not tp: its ranks hold
     # the same tokens), sum per rank.
     loss_group = mesh.job.get_group()

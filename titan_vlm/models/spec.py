@@ -41,7 +41,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -52,6 +52,25 @@ if TYPE_CHECKING:
     from titan_vlm.layout import LayoutCost, SeqLayout
     from titan_vlm.models.loading import Init
     from titan_vlm.parallel_dims import Mesh, ParallelDims
+
+
+class BatchContext(Protocol):
+    """What a model's `forward_local` is handed: where this rank's share of a batch comes from
+    (parallel/context_parallel.py CPContext implements it over the CP and TP groups; one
+    process: no groups). The model decides what to encode and decode; the context decides who
+    encodes which images and who holds which slots, and makes the collectives."""
+
+    def encode_images(self, model: VisionLanguageModel, images: Images) -> torch.Tensor:
+        """`model.encode_images` of every image of the batch, whole on every CP rank (their
+        gradient summed over cp before it reaches the encoder), in batch order."""
+        ...
+
+    def place(
+        self, batch: Batch, bidirectional_images: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
+        """This rank's text tokens and labels [B, T] and its SeqLayout (with the batch's
+        slot_data at its local slots)."""
+        ...
 
 
 class VisionLanguageModel(nn.Module, ABC):
@@ -68,6 +87,20 @@ class VisionLanguageModel(nn.Module, ABC):
     [tokens, D]). Between the two, context parallelism replicates the embeddings over the cp
     ranks (and sums their gradient there); single-device `forward` is
     `decode(encode_images(...))`."""
+
+    def forward_local(
+        self, batch: Batch, ctx: BatchContext
+    ) -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
+        """This rank's forward of `batch` (the rows every rank of its CP group reads): the logits
+        [B, T, vocab] of its local text section, their labels [B, T] and its layout. The images
+        are encoded where `ctx` says and their embeddings are whole on every CP rank; `ctx`
+        places the text (its CP layout); the decoder runs on this rank's slots. The one forward
+        the trainer calls (step.py); a family whose forward needs more than encode, place,
+        decode (per-slot rotary positions from layout.slot_data, features added in later decoder
+        layers) overrides it, calling `ctx` for what crosses ranks."""
+        embeds = ctx.encode_images(self, batch.images)
+        tokens, labels, layout = ctx.place(batch, self.bidirectional_images)
+        return self.decode(tokens, embeds, layout), labels, layout
 
     @abstractmethod
     def encode_images(self, images: Images) -> torch.Tensor:

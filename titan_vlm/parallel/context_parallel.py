@@ -47,6 +47,7 @@ from titan_vlm.distributed import local_tensor
 from titan_vlm.layout import LayoutCost, SeqLayout, build_layout
 from titan_vlm.models.spec import VisionLanguageModel
 from titan_vlm.parallel.cp_attention import CP_ATTENTION
+from titan_vlm.parallel.tensor_parallel import TPOptions, gather_image_embeds_over_tp
 
 CP_VISION_MODES = ("replicate", "broadcast", "shard")
 
@@ -371,3 +372,54 @@ def shard_batch(
     if group is not None:
         layout.cp = CP_ATTENTION[cp.comm_type](group)
     return tokens, labels, layout
+
+
+@dataclass(frozen=True)
+class CPContext:
+    """This rank's CP and TP groups and choices, handed to a model's forward_local
+    (models/spec.py BatchContext): who encodes which images and who holds which slots.
+    `cp_mesh` None: one process, the whole rows, every image encoded here."""
+
+    cp_mesh: DeviceMesh | None = None
+    options: CPOptions = CPOptions()
+    tp_mesh: DeviceMesh | None = None
+    tp: TPOptions = TPOptions()
+
+    def _tp_size(self) -> int:
+        return self.tp_mesh.size() if self.tp_mesh is not None else 1
+
+    def encode_images(self, model: VisionLanguageModel, images: Images) -> torch.Tensor:
+        """Every image's embeddings, whole on every CP rank (Replicate on cp); in backward their
+        gradient is summed over cp before the projector and ViT (`encode_images_over_cp`, where
+        options.vision says). This runs even for a batch without images, so every rank enters
+        the same collectives. With tp.image_embed_shard they cross the CP group as [.., dim/tp]
+        slices and are all-gathered over tp where they join the text."""
+        tp_size = self._tp_size()
+        if self.cp_mesh is None:
+            embeds = (
+                encode_images_never_empty(model, images)
+                if tp_size > 1
+                else model.encode_images(images)
+            )
+        else:
+            width = model.embed_dim // tp_size if self.tp.image_embed_shard else None
+            embeds = encode_images_over_cp(
+                model,
+                images,
+                self.cp_mesh,
+                self.options.vision,
+                embed_width=width,
+                tp_vision=tp_size > 1,
+            )
+        if self.tp.image_embed_shard and self.tp_mesh is not None:
+            embeds = gather_image_embeds_over_tp(embeds, self.tp_mesh)
+        return embeds
+
+    def place(
+        self, batch: Batch, bidirectional_images: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
+        """This rank's text tokens, labels and SeqLayout (`shard_batch`): each sample split
+        head-tail or kept whole (options.sample_placement), its slots padded to a multiple of tp
+        under sequence parallelism."""
+        multiple = self._tp_size() if self.tp.sequence_parallel else 1
+        return shard_batch(batch, self.cp_mesh, self.options, bidirectional_images, multiple)
