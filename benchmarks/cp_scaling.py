@@ -116,12 +116,16 @@ def worker(rank: int, cp: int, results, configs: list, flavor: str) -> None:
         )
         batch = data.batch(0, 0, 1, 1)
         _, layout = build_layout(batch.doc, batch.image, cp, 0)
+        # the one long sample split head-tail with its images on every rank: the layout the
+        # analytic column prices (the config's "auto" placements split it the same way but may
+        # shard its image slots: benchmarks/cp_layouts.py compares placements)
+        options = CPOptions(comm, sample_placement="split", image_tokens="replicate")
         with count_sent_bytes() as sent, SavedForBackward(model.parameters()) as saved:
-            forward_backward(model, batch, mesh, CPOptions(comm))  # warm-up, counted
+            forward_backward(model, batch, mesh, options)  # warm-up, counted
         model.zero_grad(set_to_none=True)
         dist.barrier()
         start = time.perf_counter()
-        forward_backward(model, batch, mesh, CPOptions(comm))
+        forward_backward(model, batch, mesh, options)
         elapsed = torch.tensor(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)

@@ -512,7 +512,9 @@ def saved_for_backward(
         args.vision.image_size, args.tokens_per_image, seq_len, 0, sentences_per_image=40
     )
     with SavedForBackward(model.parameters()) as saved:
-        forward_backward(model, data.batch(0, 0, 1, batch_size), mesh, CPOptions(comm_type=comm))
+        # every sample split, images replicated: the layout the memory formulas price
+        options = CPOptions(comm_type=comm, sample_placement="split", image_tokens="replicate")
+        forward_backward(model, data.batch(0, 0, 1, batch_size), mesh, options)
     return {"bytes": saved.bytes, "longest_dim": saved.longest_dim}
 
 

@@ -71,19 +71,11 @@ class Trainer(Stateful):
         t, p = cfg.training, cfg.parallelism
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.spec = model_spec(cfg)
-        self.tp = TPOptions(
-            sequence_parallel=p.enable_sequence_parallel, image_embed_shard=p.image_embed_tp_shard
-        )
+        self.tp = TPOptions.from_config(p)
         self.log_parallelism()
         self.model, self.args = build_model(self.spec, cfg, mesh, device)
         # the cost model's weights come from the architecture (ModelSpec.layout_cost)
-        self.cp = CPOptions(
-            comm_type=p.cp_comm_type,
-            vision=p.cp_vision,
-            sample_placement=p.cp_sample_placement,
-            image_tokens=p.cp_image_tokens,
-            cost=self.spec.layout_cost(self.args),
-        )
+        self.cp = CPOptions.from_config(p, self.spec.layout_cost(self.args))
         self.log_model()
         self.optimizer = build_optimizer(self.model, t)
         self.scheduler = build_scheduler(self.optimizer, t)

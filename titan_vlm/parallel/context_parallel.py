@@ -42,6 +42,7 @@ from torch.autograd.function import FunctionCtx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+from titan_vlm.config import Parallelism
 from titan_vlm.data.batch import IGNORE_INDEX, Batch, ImageList, Images, image_sizes, vit_work
 from titan_vlm.distributed import local_tensor
 from titan_vlm.layout import LayoutCost, SeqLayout, build_layout
@@ -52,17 +53,24 @@ from titan_vlm.parallel.tensor_parallel import TPOptions, gather_image_embeds_ov
 CP_VISION_MODES = ("replicate", "broadcast", "shard")
 
 
+# The config's defaults are the library's: code that builds CPOptions itself (tests, benchmarks)
+# gets what `./run_train.sh` runs unless it asks for something else.
+_DEFAULTS = Parallelism()
+
+
 @dataclass(frozen=True)
 class CPOptions:
-    comm_type: str = "p2p"  # attention across the group: "p2p" | "allgather" | "a2a"
-    vision: str = "shard"  # where the ViT runs: "replicate" | "broadcast" | "shard"
-    # "split" | "auto" (parallelism.cp_sample_placement; the trainer passes the config's, whose
-    # default is "auto"; code that builds CPOptions itself gets today's split unless it asks)
-    sample_placement: str = "split"
-    # "replicate" | "shard" | "auto": a split sample's image slots (parallelism.cp_image_tokens;
-    # the config's default is "auto", code that builds CPOptions itself replicates unless it asks)
-    image_tokens: str = "replicate"
+    """The parallelism.cp_* keys the CP code reads, with the config's defaults."""
+
+    comm_type: str = _DEFAULTS.cp_comm_type  # attention across the group: p2p | allgather | a2a
+    vision: str = _DEFAULTS.cp_vision  # where the ViT runs: replicate | broadcast | shard
+    sample_placement: str = _DEFAULTS.cp_sample_placement  # split | auto
+    image_tokens: str = _DEFAULTS.cp_image_tokens  # a split sample's image slots: replicate, ...
     cost: LayoutCost = field(default_factory=LayoutCost)  # what "auto" balances, cp_balance
+
+    @classmethod
+    def from_config(cls, p: Parallelism, cost: LayoutCost) -> CPOptions:
+        return cls(p.cp_comm_type, p.cp_vision, p.cp_sample_placement, p.cp_image_tokens, cost)
 
 
 def vision_images_per_rank(images: Images, cp_size: int, mode: str) -> list[float]:

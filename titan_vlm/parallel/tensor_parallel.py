@@ -64,11 +64,21 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from titan_vlm.config import Parallelism
+
+_DEFAULTS = Parallelism()  # the config's defaults are the library's
+
 
 @dataclass(frozen=True)
 class TPOptions:
-    sequence_parallel: bool = False  # parallelism.enable_sequence_parallel
-    image_embed_shard: bool = False  # parallelism.image_embed_tp_shard
+    """The parallelism keys tensor parallelism reads, with the config's defaults."""
+
+    sequence_parallel: bool = _DEFAULTS.enable_sequence_parallel
+    image_embed_shard: bool = _DEFAULTS.image_embed_tp_shard
+
+    @classmethod
+    def from_config(cls, p: Parallelism) -> TPOptions:
+        return cls(p.enable_sequence_parallel, p.image_embed_tp_shard)
 
 
 def _check_divisible_seq(name: str, tp: int) -> Callable[[nn.Module, tuple], None]:

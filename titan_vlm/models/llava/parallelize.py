@@ -144,9 +144,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: JobConfig) -> None:
     if not isinstance(model, VLM):
         raise TypeError(f"the llava family parallelizes its VLM, got {type(model).__name__}")
     p = cfg.parallelism
-    tp = TPOptions(
-        sequence_parallel=p.enable_sequence_parallel, image_embed_shard=p.image_embed_tp_shard
-    )
+    tp = TPOptions.from_config(p)
     parallelize_vlm(
         model,
         mesh,
