@@ -39,7 +39,7 @@ from titan_vlm.models.llava.parallelize import apply_ac, parallelize_vlm
 from titan_vlm.models.loading import canonical_name, local_box
 from titan_vlm.optim import build_optimizer, build_scheduler
 from titan_vlm.parallel import context_parallel, tensor_parallel
-from titan_vlm.parallel.context_parallel import CPOptions, shard_batch
+from titan_vlm.parallel.context_parallel import CPContext, CPOptions
 from titan_vlm.parallel.tensor_parallel import TPOptions
 from titan_vlm.parallel_dims import MESH_DIMS, Mesh
 from titan_vlm.step import forward_backward, train_step
@@ -272,10 +272,7 @@ def parity(
     # The reference: one process, the whole global batch, no sharding, torch's own clip.
     torch.manual_seed(seed)
     ref = VLM(args)
-    tokens, labels, layout = shard_batch(
-        full, None, bidirectional_images=image_attention == "bidirectional"
-    )
-    logits = ref(full.images, tokens, layout)
+    logits, labels, _ = ref.forward_local(full, CPContext())  # the family's forward, one process
     ref_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
     ref_loss.backward()
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), t.max_norm)
