@@ -8,7 +8,7 @@ on the line after the field), from which `python -m titan_vlm.config --help` and
 docs/configuration.md are generated (config_reference.py). A key that takes one of a few names
 has a `Literal` type: its names are checked where the value is read (`_coerce`), from the
 `Literal` itself, so there is one list of them. Where a runtime registry holds the same names
-(kernels, CP algorithms, ...), tests/test_config.py checks that the two agree; this module
+(kernels, CP algorithms, ...), tests/unit/test_config.py checks that the two agree; this module
 imports none of those registries (it sits below them).
 
 An unknown section or key, a value of the wrong type or name, or an impossible combination raises

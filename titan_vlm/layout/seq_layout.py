@@ -232,7 +232,7 @@ class SeqLayout:
     def rank_work(self) -> list[int]:
         """Query-key pairs each CP rank's queries (its local slots) compute against the whole
         row under the mask rule: what the ring and all-gather algorithms run on each rank
-        (tests/test_layout.py checks it against the block plans). A query sees the earlier
+        (tests/unit/test_layout.py checks it against the block plans). A query sees the earlier
         slots of its sample and itself, `position in sample + 1` keys, and with bidirectional
         images also the rest of its image: no plan is needed, so every step can afford it."""
         images = self._keys_seen(self.images)

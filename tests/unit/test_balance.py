@@ -16,7 +16,7 @@ from titan_vlm.layout import SeqLayout, Slots, build_layout, head_tail_pairs
 from titan_vlm.models.llava.args import get_flavor
 
 N_IMAGE, TEXT = 64, 4000
-DEFAULT_CONFIG = Path(__file__).parent.parent / "train_configs" / "vlm_cp.toml"
+DEFAULT_CONFIG = Path(__file__).parents[2] / "train_configs" / "vlm_cp.toml"
 
 
 def contiguous_split(doc: torch.Tensor, image: torch.Tensor, cp: int) -> SeqLayout:

@@ -8,7 +8,7 @@ families' own folders do."""
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "titan_vlm"
+PACKAGE = Path(__file__).resolve().parents[2] / "titan_vlm"
 
 
 def _module_name(path: Path) -> str:

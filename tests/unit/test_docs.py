@@ -7,7 +7,7 @@ page: under 200 lines, with the two commands a newcomer pastes."""
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 FENCE = re.compile(r"^(```|~~~)")
