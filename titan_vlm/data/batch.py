@@ -20,6 +20,7 @@ predict a prompt token, so the loss is on the answers alone.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,14 +47,54 @@ class ImageRef:
     size: tuple[int, int] | None = None
 
 
+class ImageSet(ABC):
+    """A batch's images when they are not one [n, C, S, S] tensor of the model's native square
+    size: images of their own sizes (`ImageList`), or a family's own preprocessed form (e.g.
+    Qwen2.5-VL's flattened patches with their grids). Core code (CP, the batch checks, the
+    metrics) reads only these; the family's encode_images reads the rest. In batch order
+    (rows in order, each in reading order)."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __getitem__(self, index: slice) -> Images:
+        """The images `index` selects (a contiguous range), in order."""
+
+    @abstractmethod
+    def to(self, device: torch.device | str) -> ImageSet: ...
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+    @abstractmethod
+    def sizes(self) -> list[tuple[int, int]]:
+        """(height, width) in pixels of each image as it enters the encoder (a batch's
+        fingerprint: step.check_same_batch)."""
+
+    @abstractmethod
+    def slots(self) -> list[int]:
+        """Each image's embeddings: the slots it takes in a row (encode_images' rows)."""
+
+    @abstractmethod
+    def patches(self) -> list[int]:
+        """Each image's encoder patches: what cp_vision = "shard" balances."""
+
+    @abstractmethod
+    def work(self) -> list[float]:
+        """Each image's encoder work in units of one native-size image (LayoutCost.image
+        prices one)."""
+
+
 @dataclass(frozen=True)
-class ImageList:
+class ImageList(ImageSet):
     """A batch's images when they are not all at the model's native square size
     (data.native_resolution_pixels > 0): `tensors`, each [C, h, w] (h, w multiples of the patch
     size), in batch order (rows in order, each in reading order). Never empty: an empty
     selection is the empty [0, C, S, S] tensor of the fixed-size path (`__getitem__`).
     `native`: the geometry they were fitted by; its native patch count is the unit of
-    `vit_work`."""
+    `work`."""
 
     tensors: tuple[torch.Tensor, ...]
     native: NativeResolution
@@ -77,14 +118,27 @@ class ImageList:
     def to(self, device: torch.device | str) -> ImageList:
         return ImageList(tuple(t.to(device) for t in self.tensors), self.native)
 
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
+
     def sizes(self) -> list[tuple[int, int]]:
         """(height, width) of each image, in order."""
         return [(t.shape[1], t.shape[2]) for t in self.tensors]
 
+    def slots(self) -> list[int]:
+        return [self.native.image_tokens(h, w) for h, w in self.sizes()]
+
+    def patches(self) -> list[int]:
+        return [self.native.patches(h, w) for h, w in self.sizes()]
+
+    def work(self) -> list[float]:
+        return [n / self.native.native_patches for n in self.patches()]
+
 
 # A batch's images in batch order: one [n, C, S, S] tensor when every image has the model's
-# native size S (always with data.native_resolution_pixels = 0; n may be 0), else an ImageList.
-Images = torch.Tensor | ImageList
+# native size S (always with data.native_resolution_pixels = 0; n may be 0), else an ImageSet.
+Images = torch.Tensor | ImageSet
 
 
 def num_images(images: Images) -> int:
@@ -93,9 +147,25 @@ def num_images(images: Images) -> int:
 
 def image_sizes(images: Images) -> list[tuple[int, int]]:
     """(height, width) of each image of a batch, in batch order."""
-    if isinstance(images, ImageList):
-        return images.sizes()
-    return [(images.shape[2], images.shape[3])] * images.shape[0]
+    if isinstance(images, torch.Tensor):
+        return [(images.shape[2], images.shape[3])] * images.shape[0]
+    return images.sizes()
+
+
+def image_slot_counts(images: Images, tokens_per_image: int) -> list[int]:
+    """The slots (embeddings) of each image of a batch: `tokens_per_image` each for a tensor
+    batch (the model's native size), else the ImageSet's own."""
+    if isinstance(images, torch.Tensor):
+        return [tokens_per_image] * images.shape[0]
+    return images.slots()
+
+
+def image_patches(images: Images) -> list[int]:
+    """Each image's encoder patches (what cp_vision = "shard" balances); a native-size tensor
+    batch counts 1 each (its images all have the same patches, so only the count matters)."""
+    if isinstance(images, torch.Tensor):
+        return [1] * images.shape[0]
+    return images.patches()
 
 
 def vit_work(images: Images) -> list[float]:
@@ -103,8 +173,7 @@ def vit_work(images: Images) -> list[float]:
     model's native size (1.0 for every image of a tensor batch, whose images have that size)."""
     if isinstance(images, torch.Tensor):
         return [1.0] * images.shape[0]
-    native = images.native
-    return [native.patches(h, w) / native.native_patches for h, w in images.sizes()]
+    return images.work()
 
 
 # How many slots an image takes: an int, the same for every image (each at the model's native

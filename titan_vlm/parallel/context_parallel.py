@@ -43,7 +43,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from titan_vlm.config import Parallelism
-from titan_vlm.data.batch import IGNORE_INDEX, Batch, ImageList, Images, image_sizes, vit_work
+from titan_vlm.data.batch import (
+    IGNORE_INDEX,
+    Batch,
+    Images,
+    image_patches,
+    image_slot_counts,
+    vit_work,
+)
 from titan_vlm.distributed import local_tensor
 from titan_vlm.layout import LayoutCost, SeqLayout, build_layout
 from titan_vlm.models.spec import VisionLanguageModel
@@ -78,7 +85,7 @@ def vision_images_per_rank(images: Images, cp_size: int, mode: str) -> list[floa
     vit_work: an image's patches / a native-size image's; so LayoutCost.image, the cost of one
     native image, prices it): the layout's ViT cost. A batch of native-size images counts its
     images, as floats."""
-    return vit_shares(vit_work(images), _patches(images), cp_size, mode)
+    return vit_shares(vit_work(images), image_patches(images), cp_size, mode)
 
 
 def vit_shares(work: list[float], patches: list[int], cp_size: int, mode: str) -> list[float]:
@@ -99,14 +106,6 @@ def vit_shares(work: list[float], patches: list[int], cp_size: int, mode: str) -
     raise ValueError(
         f"unknown cp_vision mode {mode!r} (expected one of {', '.join(CP_VISION_MODES)})"
     )
-
-
-def _patches(images: Images) -> list[int]:
-    """Each image's ViT patches (what "shard" balances); a native-size batch counts 1 each (its
-    images all have the same patches, so only the count matters)."""
-    if isinstance(images, ImageList):
-        return [images.native.patches(h, w) for h, w in images.sizes()]
-    return [1] * images.shape[0]
 
 
 def image_grad_placement() -> Placement:
@@ -230,8 +229,8 @@ class _BroadcastFromSource(torch.autograd.Function):
 def encode_images_never_empty(model: VisionLanguageModel, images: Images) -> torch.Tensor:
     """`model.encode_images(images)`, except that an empty batch [0, C, H, W] is encoded as one
     all-zero image whose embeddings are then dropped ([:0]): the result has the empty batch's
-    shape, and the dummy's gradient is exactly zero (nothing downstream uses it). (An ImageList
-    is never empty.)
+    shape, and the dummy's gradient is exactly zero (nothing downstream uses it). (Only a tensor
+    batch is padded so: an ImageSet reaches encode_images as it is, empty or not.)
 
     Why: under tensor parallelism torch 2.13's DTensor view rule mis-reads a reshape whose leading
     dim is 0 (torch/distributed/tensor/_ops/_view_ops.py view_groups: [0, T, D] -> [0, D] becomes
@@ -242,7 +241,7 @@ def encode_images_never_empty(model: VisionLanguageModel, images: Images) -> tor
     True"). Every tp
     rank of a (dp, cp) coordinate holds the same images, so the tp ranks all take this branch or
     none: they enter the same TP collectives, in the same order, as with any one-image batch."""
-    if isinstance(images, ImageList) or images.shape[0] > 0:
+    if not isinstance(images, torch.Tensor) or images.shape[0] > 0:
         return model.encode_images(images)
     return model.encode_images(images.new_zeros((1, *images.shape[1:])))[:0]
 
@@ -274,7 +273,7 @@ def encode_images_over_cp(
     if cp_size == 1:
         return encode(images)
     width = embed_width or model.embed_dim
-    tokens = [model.image_tokens(h, w) for h, w in image_sizes(images)]
+    tokens = image_slot_counts(images, model.tokens_per_image)
     # The cp sums below run in fp32 whatever the compute dtype (the decoder casts back).
     if mode == "replicate":
         return replicate_image_embeddings(encode(images).float(), cp_mesh)
@@ -290,15 +289,15 @@ def encode_images_over_cp(
                 if isinstance(images, torch.Tensor)
                 else (sum(tokens), width)
             )
-            device = images.device if isinstance(images, torch.Tensor) else images.tensors[0].device
-            local = torch.zeros(zeros, dtype=torch.float32, device=device).requires_grad_()
+            local = torch.zeros(zeros, dtype=torch.float32, device=images.device)
+            local.requires_grad_()
         out: torch.Tensor = _BroadcastFromSource.apply(local, group, src)
         return out
     if mode == "shard":
-        sizes = image_shard_sizes(_patches(images), cp_size)
+        sizes = image_shard_sizes(image_patches(images), cp_size)
         start = sum(sizes[:rank])
         local = encode(images[start : start + sizes[rank]]).float()  # may be empty: still runs
-        if isinstance(images, ImageList):  # uneven shares: rows of tokens, gathered by hand
+        if not isinstance(images, torch.Tensor):  # uneven shares: rows of tokens, by hand
             firsts = [sum(sizes[:r]) for r in range(cp_size)]
             counts = [sum(tokens[a : a + n]) for a, n in zip(firsts, sizes)]
             gathered: torch.Tensor = _GatherUneven.apply(

@@ -3,7 +3,9 @@ nothing)."""
 
 from __future__ import annotations
 
-from titan_vlm.data.batch import Batch, ImageList, image_sizes
+import torch
+
+from titan_vlm.data.batch import Batch, image_sizes
 from titan_vlm.layout import LayoutCost, SeqLayout
 from titan_vlm.models.llava.args import VLMArgs
 
@@ -53,7 +55,7 @@ def batch_train_flops(args: VLMArgs, batch: Batch, layout: SeqLayout) -> float:
     `layout` is any CP rank's layout of the batch (it knows every rank's text). Images of their
     own sizes (an ImageList) count their own patches (`image_train_flops`) and slots."""
     text = int(((batch.doc >= 0) & (batch.image < 0)).sum())
-    if not isinstance(batch.images, ImageList):  # native-size images
+    if isinstance(batch.images, torch.Tensor):  # native-size images
         return train_flops(args, batch.images.shape[0], text, layout.whole_work())
     # images of their own sizes: each its own ViT and projector FLOPs, and slots
     sizes = image_sizes(batch.images)

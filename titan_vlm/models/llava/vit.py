@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titan_vlm.attention import attention, planned_attention
-from titan_vlm.data.batch import Images
+from titan_vlm.data.batch import ImageList, Images
 from titan_vlm.models.common.activations import ACT_FNS
 from titan_vlm.models.llava.args import ViTArgs
 from titan_vlm.varlen import PackedPlan, pack
@@ -154,6 +154,8 @@ class ViT(nn.Module):
         if isinstance(images, torch.Tensor):
             x = self._blocks(self._embed(images), None)
             return x[:, 1:] if self.args.drop_first else x
+        if not isinstance(images, ImageList):
+            raise TypeError(f"the LLaVA ViT encodes tensors or an ImageList, not {type(images)}")
         # Images of different sizes: embedded per size (one patch convolution each), then
         # packed in batch order into one sequence [1, total, dim] that each block runs once.
         by_size: dict[tuple[int, int], list[int]] = {}
