@@ -28,9 +28,9 @@ from transformers import CLIPVisionConfig, CLIPVisionModel, SiglipVisionConfig, 
 
 from titan_vlm.config import ConfigError, JobConfig
 from titan_vlm.data import native_resolution
-from titan_vlm.data.batch import IGNORE_INDEX, ImageList, Sample, collate
+from titan_vlm.data.batch import IGNORE_INDEX, Sample, collate
 from titan_vlm.data.chat import chat_question
-from titan_vlm.data.images import NativeResolution, load_native_image
+from titan_vlm.data.images import ImageList, NativeResolution, load_native_image
 from titan_vlm.data.jsonl import JsonlDataset
 from titan_vlm.data.tokenizer import ByteTokenizer
 from titan_vlm.generate import ask_builtin

@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_vlm.data.batch import IGNORE_INDEX, Batch, image_sizes
+from titan_vlm.data.batch import IGNORE_INDEX, Batch
+from titan_vlm.data.image_batch import image_sizes
 from titan_vlm.distributed import dist_sum
 from titan_vlm.layout import SeqLayout
 from titan_vlm.models.spec import VisionLanguageModel

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from titan_vlm.checkpoint import Checkpointer
 from titan_vlm.config import JobConfig
 from titan_vlm.data import build_dataset, model_inputs
-from titan_vlm.data.batch import num_images
+from titan_vlm.data.image_batch import num_images
 from titan_vlm.distributed import dist_max, dist_sum, local_tensor
 from titan_vlm.errors import UserError
 from titan_vlm.kernels import select_kernel

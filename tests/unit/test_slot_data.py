@@ -70,3 +70,23 @@ def test_rows_and_devices_keep_slot_data():
     assert torch.equal(batch.to("cpu").slot_data["positions3"], code)
     joined = batch.as_one_row().slot_data["positions3"]
     assert torch.equal(joined, code.reshape(3, 1, -1))
+
+
+def test_collate_writes_each_samples_slot_data_at_its_slots():
+    """A family's per-sample data (collate's slot_data, e.g. M-RoPE positions computed from a
+    sample's own parts) lands at that sample's slots of its row; padding slots hold 0."""
+    from titan_vlm.data.batch import Sample, collate
+
+    def positions3(sample: Sample) -> dict[str, torch.Tensor]:
+        n = sample.num_slots(TPI)
+        first = sample.parts[0][0] if isinstance(sample.parts[0], list) else 0
+        return {"p": torch.stack([torch.arange(n) + first + k for k in range(3)])}
+
+    rows = [[Sample([[100, 1, 2]]), Sample([[200, 3]])], [Sample([[300, 4, 5, 6]])]]
+    batch = collate(rows, 8, TPI, 32, 0, slot_data=positions3)
+    p = batch.slot_data["p"]
+    assert p.shape == (3, 2, 8)
+    assert p[0, 0].tolist() == [100, 101, 102, 200, 201, 0, 0, 0]
+    assert p[2, 1].tolist() == [302, 303, 304, 305, 0, 0, 0, 0]
+    with pytest.raises(ValueError, match="slot data 'p' of 4 slots for 3"):
+        collate(rows, 8, TPI, 32, 0, slot_data=lambda s: {"p": torch.zeros(4)})

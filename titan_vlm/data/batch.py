@@ -20,15 +20,14 @@ predict a prompt token, so the loss is on the answers alone.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from typing_extensions import TypeIs
 
-from titan_vlm.data.images import NativeResolution
+from titan_vlm.data.image_batch import ImageRule, Images
 
 IGNORE_INDEX = -100
 
@@ -47,139 +46,9 @@ class ImageRef:
     size: tuple[int, int] | None = None
 
 
-class ImageSet(ABC):
-    """A batch's images when they are not one [n, C, S, S] tensor of the model's native square
-    size: images of their own sizes (`ImageList`), or a family's own preprocessed form (e.g.
-    Qwen2.5-VL's flattened patches with their grids). Core code (CP, the batch checks, the
-    metrics) reads only these; the family's encode_images reads the rest. In batch order
-    (rows in order, each in reading order)."""
-
-    @abstractmethod
-    def __len__(self) -> int: ...
-
-    @abstractmethod
-    def __getitem__(self, index: slice) -> Images:
-        """The images `index` selects (a contiguous range), in order."""
-
-    @abstractmethod
-    def to(self, device: torch.device | str) -> ImageSet: ...
-
-    @property
-    @abstractmethod
-    def device(self) -> torch.device: ...
-
-    @abstractmethod
-    def sizes(self) -> list[tuple[int, int]]:
-        """(height, width) in pixels of each image as it enters the encoder (a batch's
-        fingerprint: step.check_same_batch)."""
-
-    @abstractmethod
-    def slots(self) -> list[int]:
-        """Each image's embeddings: the slots it takes in a row (encode_images' rows)."""
-
-    @abstractmethod
-    def patches(self) -> list[int]:
-        """Each image's encoder patches: what cp_vision = "shard" balances."""
-
-    @abstractmethod
-    def work(self) -> list[float]:
-        """Each image's encoder work in units of one native-size image (LayoutCost.image
-        prices one)."""
-
-
-@dataclass(frozen=True)
-class ImageList(ImageSet):
-    """A batch's images when they are not all at the model's native square size
-    (data.native_resolution_pixels > 0): `tensors`, each [C, h, w] (h, w multiples of the patch
-    size), in batch order (rows in order, each in reading order). Never empty: an empty
-    selection is the empty [0, C, S, S] tensor of the fixed-size path (`__getitem__`).
-    `native`: the geometry they were fitted by; its native patch count is the unit of
-    `work`."""
-
-    tensors: tuple[torch.Tensor, ...]
-    native: NativeResolution
-
-    def __post_init__(self) -> None:
-        if not self.tensors:
-            raise ValueError("ImageList: no images (an empty batch is a [0, C, S, S] tensor)")
-
-    def __len__(self) -> int:
-        return len(self.tensors)
-
-    def __getitem__(self, index: slice) -> Images:
-        """The images `index` selects, in order; none: an empty [0, C, S, S] tensor (S the
-        native size) on their device."""
-        picked = self.tensors[index]
-        if picked:
-            return ImageList(picked, self.native)
-        first, s = self.tensors[0], self.native.image_size
-        return first.new_zeros((0, first.shape[0], s, s))
-
-    def to(self, device: torch.device | str) -> ImageList:
-        return ImageList(tuple(t.to(device) for t in self.tensors), self.native)
-
-    @property
-    def device(self) -> torch.device:
-        return self.tensors[0].device
-
-    def sizes(self) -> list[tuple[int, int]]:
-        """(height, width) of each image, in order."""
-        return [(t.shape[1], t.shape[2]) for t in self.tensors]
-
-    def slots(self) -> list[int]:
-        return [self.native.image_tokens(h, w) for h, w in self.sizes()]
-
-    def patches(self) -> list[int]:
-        return [self.native.patches(h, w) for h, w in self.sizes()]
-
-    def work(self) -> list[float]:
-        return [n / self.native.native_patches for n in self.patches()]
-
-
-# A batch's images in batch order: one [n, C, S, S] tensor when every image has the model's
-# native size S (always with data.native_resolution_pixels = 0; n may be 0), else an ImageSet.
-Images = torch.Tensor | ImageSet
-
-
-def num_images(images: Images) -> int:
-    return images.shape[0] if isinstance(images, torch.Tensor) else len(images)
-
-
-def image_sizes(images: Images) -> list[tuple[int, int]]:
-    """(height, width) of each image of a batch, in batch order."""
-    if isinstance(images, torch.Tensor):
-        return [(images.shape[2], images.shape[3])] * images.shape[0]
-    return images.sizes()
-
-
-def image_slot_counts(images: Images, tokens_per_image: int) -> list[int]:
-    """The slots (embeddings) of each image of a batch: `tokens_per_image` each for a tensor
-    batch (the model's native size), else the ImageSet's own."""
-    if isinstance(images, torch.Tensor):
-        return [tokens_per_image] * images.shape[0]
-    return images.slots()
-
-
-def image_patches(images: Images) -> list[int]:
-    """Each image's encoder patches (what cp_vision = "shard" balances); a native-size tensor
-    batch counts 1 each (its images all have the same patches, so only the count matters)."""
-    if isinstance(images, torch.Tensor):
-        return [1] * images.shape[0]
-    return images.patches()
-
-
-def vit_work(images: Images) -> list[float]:
-    """Each image's ViT work in native-image units: its patches / the patches of an image at the
-    model's native size (1.0 for every image of a tensor batch, whose images have that size)."""
-    if isinstance(images, torch.Tensor):
-        return [1.0] * images.shape[0]
-    return images.work()
-
-
 # How many slots an image takes: an int, the same for every image (each at the model's native
-# size), or the native-resolution geometry, whose `image_tokens` of the size the image enters the
-# ViT at (a decoded image's shape, an ImageRef's size) is the count.
-SlotRule = int | NativeResolution
+# size), or an ImageRule (data/image_batch.py) that counts each image's own.
+SlotRule = int | ImageRule
 
 
 # Token ids (a plain list is trained text, a Prompt is context), or one image: a [3, H, W] tensor
@@ -196,10 +65,14 @@ def image_slots(part: torch.Tensor | ImageRef, rule: SlotRule) -> int:
     if isinstance(rule, int):
         return rule
     if isinstance(part, torch.Tensor):
-        return rule.image_tokens(part.shape[1], part.shape[2])
+        return rule.slots(part)
     if part.size is None:
         raise ValueError(f"{part.path}: an image whose size was not read (native resolution)")
-    return rule.image_tokens(*part.size)
+    return rule.size_slots(*part.size)
+
+
+# A family's per-slot data of one sample (Batch.slot_data): each tensor [..., the sample's slots]
+SlotData = Callable[["Sample"], dict[str, torch.Tensor]]
 
 
 def part_slots(part: Part, rule: SlotRule) -> int:
@@ -308,13 +181,15 @@ def collate(
     image_size: int,
     pad_id: int,
     image_id: int | None = None,
+    slot_data: SlotData | None = None,
 ) -> Batch:
     """Rows of samples (each row's samples must fit in seq_len slots) into one Batch; each image
     takes the slots `tokens_per_image` (a SlotRule) gives it. Image slots hold `image_id`
     (default: the pad id); the decoder never reads it (the image embeddings take those slots),
     it only makes dumps readable, as LLaVA's <image> token does. The images are one
-    [n, 3, S, S] tensor when all have the native size S = `image_size` (always under an int
-    rule), else an ImageList (the rule is then a NativeResolution)."""
+    [n, 3, S, S] tensor of the native size S = `image_size` under an int rule, else what the
+    ImageRule batches them as (ImageRule.batch). `slot_data`: a family's per-slot data of each
+    sample (SlotData), written at the sample's slots of Batch.slot_data (0 at padding)."""
     n = len(rows)
     tokens = torch.full((n, seq_len), pad_id, dtype=torch.long)
     context = torch.zeros((n, seq_len), dtype=torch.bool)  # Prompt slots: never a target
@@ -322,6 +197,7 @@ def collate(
     doc = torch.full((n, seq_len), -1, dtype=torch.long)
     image = torch.full((n, seq_len), -1, dtype=torch.long)
     images: list[torch.Tensor] = []
+    extra: dict[str, torch.Tensor] = {}
     for b, samples in enumerate(rows):
         at = 0
         for d, sample in enumerate(samples):
@@ -329,6 +205,12 @@ def collate(
             if at + size > seq_len:
                 raise ValueError(f"row {b}: samples take more than seq_len={seq_len} slots")
             doc[b, at : at + size] = d
+            for key, value in (slot_data(sample) if slot_data is not None else {}).items():
+                if value.shape[-1] != size:
+                    raise ValueError(f"slot data {key!r} of {value.shape[-1]} slots for {size}")
+                if key not in extra:
+                    extra[key] = value.new_zeros((*value.shape[:-1], n, seq_len))
+                extra[key][..., b, at : at + size] = value
             for part in sample.parts:
                 if isinstance(part, torch.Tensor):
                     slots = image_slots(part, tokens_per_image)
@@ -346,11 +228,10 @@ def collate(
     is_text = (doc >= 0) & (image < 0)
     follows = is_text[:, :-1] & is_text[:, 1:] & (doc[:, :-1] == doc[:, 1:]) & ~context[:, 1:]
     labels[:, :-1] = torch.where(follows, tokens[:, 1:], IGNORE_INDEX)
-    native = all(p.shape[1:] == (image_size, image_size) for p in images)
-    if native or isinstance(tokens_per_image, int):
+    if isinstance(tokens_per_image, int):
         stacked = torch.stack(images) if images else torch.zeros(0, 3, image_size, image_size)
-        return Batch(stacked, tokens, labels, doc, image)
-    return Batch(ImageList(tuple(images), tokens_per_image), tokens, labels, doc, image)
+        return Batch(stacked, tokens, labels, doc, image, extra)
+    return Batch(tokens_per_image.batch(images), tokens, labels, doc, image, extra)
 
 
 def pack(

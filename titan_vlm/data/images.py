@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from titan_vlm.data.image_batch import ImageRule, Images, ImageSet
+
 if TYPE_CHECKING:
     from PIL import Image as PILImage
 
@@ -65,7 +67,7 @@ def load_image(path: str | Path, size: int, max_pixels: int | None = None) -> to
 
 
 @dataclass(frozen=True)
-class NativeResolution:
+class NativeResolution(ImageRule):
     """data.native_resolution_pixels = `max_pixels` > 0: each image keeps its aspect ratio and
     enters the ViT at `fit(height, width)`, a grid of whole `patch_size`-pixel patches, and takes
     `image_tokens(h, w)` slots (VLMArgs.image_tokens: the data's, the batch's and the model's one
@@ -110,6 +112,72 @@ class NativeResolution:
         with open_image(path, max_pixels) as img:
             width, height = img.size
         return self.fit(height, width)
+
+    def slots(self, image: torch.Tensor) -> int:
+        """The slots of a decoded [C, H, W] image (`image_tokens` of its size)."""
+        return self.image_tokens(image.shape[-2], image.shape[-1])
+
+    def size_slots(self, height: int, width: int, frames: int = 1) -> int:
+        if frames != 1:
+            raise ValueError("native resolution: one image a part (a video is its frames)")
+        return self.image_tokens(height, width)
+
+    def batch(self, images: list[torch.Tensor]) -> Images:
+        """One [n, 3, S, S] tensor when every image has the native size S (none: [0, 3, S, S]),
+        else an ImageList."""
+        s = self.image_size
+        if all(p.shape[1:] == (s, s) for p in images):
+            return torch.stack(images) if images else torch.zeros(0, 3, s, s)
+        return ImageList(tuple(images), self)
+
+
+@dataclass(frozen=True)
+class ImageList(ImageSet):
+    """A batch's images when they are not all at the model's native square size
+    (data.native_resolution_pixels > 0): `tensors`, each [C, h, w] (h, w multiples of the patch
+    size), in batch order (rows in order, each in reading order). Never empty: an empty
+    selection is the empty [0, C, S, S] tensor of the fixed-size path (`__getitem__`).
+    `native`: the geometry they were fitted by; its native patch count is the unit of
+    `work`."""
+
+    tensors: tuple[torch.Tensor, ...]
+    native: NativeResolution
+
+    def __post_init__(self) -> None:
+        if not self.tensors:
+            raise ValueError("ImageList: no images (an empty batch is a [0, C, S, S] tensor)")
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __getitem__(self, index: slice) -> Images:
+        """The images `index` selects, in order; none: an empty [0, C, S, S] tensor (S the
+        native size) on their device."""
+        picked = self.tensors[index]
+        if picked:
+            return ImageList(picked, self.native)
+        first, s = self.tensors[0], self.native.image_size
+        return first.new_zeros((0, first.shape[0], s, s))
+
+    def to(self, device: torch.device | str) -> ImageList:
+        return ImageList(tuple(t.to(device) for t in self.tensors), self.native)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
+
+    def sizes(self) -> list[tuple[int, int]]:
+        """(height, width) of each image, in order."""
+        return [(t.shape[1], t.shape[2]) for t in self.tensors]
+
+    def slots(self) -> list[int]:
+        return [self.native.image_tokens(h, w) for h, w in self.sizes()]
+
+    def patches(self) -> list[int]:
+        return [self.native.patches(h, w) for h, w in self.sizes()]
+
+    def work(self) -> list[float]:
+        return [n / self.native.native_patches for n in self.patches()]
 
 
 def load_native_image(

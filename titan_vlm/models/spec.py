@@ -48,7 +48,8 @@ import torch.nn as nn
 
 if TYPE_CHECKING:
     from titan_vlm.config import JobConfig
-    from titan_vlm.data.batch import Batch, Images
+    from titan_vlm.data.batch import Batch
+    from titan_vlm.data.image_batch import Images
     from titan_vlm.layout import LayoutCost, SeqLayout
     from titan_vlm.models.loading import Init
     from titan_vlm.parallel_dims import Mesh, ParallelDims

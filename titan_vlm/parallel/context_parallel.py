@@ -43,14 +43,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from titan_vlm.config import Parallelism
-from titan_vlm.data.batch import (
-    IGNORE_INDEX,
-    Batch,
-    Images,
-    image_patches,
-    image_slot_counts,
-    vit_work,
-)
+from titan_vlm.data.batch import IGNORE_INDEX, Batch
+from titan_vlm.data.image_batch import Images, image_patches, image_slot_counts, vit_work
 from titan_vlm.distributed import local_tensor
 from titan_vlm.layout import LayoutCost, SeqLayout, build_layout
 from titan_vlm.models.spec import VisionLanguageModel

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from titan_vlm.data.batch import Batch, image_sizes
+from titan_vlm.data.batch import Batch
+from titan_vlm.data.image_batch import image_sizes
 from titan_vlm.layout import LayoutCost, SeqLayout
 from titan_vlm.models.llava.args import VLMArgs
 

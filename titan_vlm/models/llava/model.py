@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from titan_vlm.data.batch import Images
+from titan_vlm.data.image_batch import Images
 from titan_vlm.layout import SeqLayout
 from titan_vlm.models.common.activations import ACT_FNS
 from titan_vlm.models.common.decoder import Decoder

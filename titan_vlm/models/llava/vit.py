@@ -17,7 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titan_vlm.attention import attention, planned_attention
-from titan_vlm.data.batch import ImageList, Images
+from titan_vlm.data.image_batch import Images
+from titan_vlm.data.images import ImageList
 from titan_vlm.models.common.activations import ACT_FNS
 from titan_vlm.models.llava.args import ViTArgs
 from titan_vlm.varlen import PackedPlan, pack
