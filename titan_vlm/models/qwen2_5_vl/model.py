@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from titan_vlm.data.image_batch import Images
 from titan_vlm.errors import ConfigError
 from titan_vlm.files import read_json
 from titan_vlm.layout import SeqLayout, build_layout
@@ -34,17 +35,19 @@ from titan_vlm.models.common.hf_folder import SafetensorsFiles, weight_files
 from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs
 from titan_vlm.models.qwen2_5_vl.hf_adapter import hf_names, hf_same
 from titan_vlm.models.qwen2_5_vl.hf_config import args_from_hf_config
+from titan_vlm.models.qwen2_5_vl.images import MROPE_POSITIONS, QwenVisuals
 from titan_vlm.models.qwen2_5_vl.mrope import mrope_cos_sin
+from titan_vlm.models.qwen2_5_vl.processor import patchify_frames
 from titan_vlm.models.qwen2_5_vl.vision import VisionTower
-
-# SeqLayout.slot_data key of the local slots' M-RoPE positions [3, B, L] (Batch.slot_data: the
-# rows' [3, B, S])
-MROPE_POSITIONS = "mrope_positions"
+from titan_vlm.models.spec import VisionLanguageModel
 
 
-class Qwen25VL(nn.Module):
+class Qwen25VL(VisionLanguageModel):
     """`vision` (tower + merger) and `decoder` (common Decoder: tok_embeddings, layers, norm,
-    output; its 1-D RoPE tables are not used)."""
+    output; its 1-D RoPE tables are not used). As the trainer, CP and generate use it
+    (models/spec.py VisionLanguageModel): `encode_images` of a batch's QwenVisuals, `decode` of a
+    rank's text section with the M-RoPE positions its layout carries (slot_data); the base
+    class's forward_local runs them."""
 
     def __init__(self, args: Qwen25VLArgs):
         super().__init__()
@@ -57,6 +60,54 @@ class Qwen25VL(nn.Module):
         """Re-initialise every parameter (and the decoder's buffers) in place."""
         self.vision.init_weights()
         self.decoder.init_weights()
+
+    def encode_images(self, images: Images) -> torch.Tensor:
+        """A batch's QwenVisuals (images.py) -> embeds [sum of their slots, dim] in batch order:
+        each image's (video's) frames patchified as transformers' processor lays them out, all
+        of them through the tower at once. None (a CP rank's empty share) -> [0, dim], the
+        tower's blocks still run (FSDP's collectives stay in step)."""
+        if not isinstance(images, QwenVisuals):
+            raise TypeError(f"Qwen2.5-VL encodes QwenVisuals, not {type(images).__name__}")
+        v = self.args.vision
+        rows, grids = [], []
+        for image in images.tensors:
+            frames = image if image.ndim == 4 else image.unsqueeze(0)
+            patches, grid = patchify_frames(
+                frames, v.patch_size, v.spatial_merge_size, v.temporal_patch_size
+            )
+            rows.append(patches)
+            grids.append(grid)
+        weight = self.vision.patch_embed.weight
+        pixels = torch.cat(rows) if rows else weight.new_zeros(0, v.patch_dim)
+        grid_thw = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
+        return self.vision(pixels.to(images.device), grid_thw)
+
+    def image_tokens(self, height: int, width: int) -> int:
+        v = self.args.vision
+        return v.tokens(1, height // v.patch_size, width // v.patch_size)
+
+    def vision_modules(self) -> list[nn.Module]:
+        return [self.vision]
+
+    @property
+    def tokens_per_image(self) -> int:
+        """Slots of the smallest image (one merge unit): images take their own (QwenRule)."""
+        return 1
+
+    @property
+    def embed_dim(self) -> int:
+        return self.args.decoder.dim
+
+    @property
+    def image_size(self) -> int:
+        """The side of the smallest image, one merge unit (images keep their own sizes)."""
+        v = self.args.vision
+        return v.patch_size * v.spatial_merge_size
+
+    @property
+    def bidirectional_images(self) -> bool:
+        """Qwen2.5-VL's image tokens are causal in the decoder, like text."""
+        return False
 
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values [sum of t*h*w, C*T*P*P], grid_thw [n, 3] -> embeds [sum of t*h*w / m^2,

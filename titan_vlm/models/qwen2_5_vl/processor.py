@@ -198,10 +198,21 @@ class VisionSettings:
 
 def patchify(frames: torch.Tensor, settings: VisionSettings) -> tuple[torch.Tensor, Grid]:
     """Processed frames [N, C, H, W] (H, W multiples of settings.factor) as transformers lays
-    them out: the last frame repeated up to a multiple of T = temporal_patch_size, then rows of
-    [t * h * w, C * T * P * P] in the order of the module docstring, and the grid (t, h, w)."""
+    them out (`patchify_frames` with the settings' patch, merge and temporal patch sizes)."""
+    return patchify_frames(
+        frames, settings.patch_size, settings.merge_size, settings.temporal_patch_size
+    )
+
+
+def patchify_frames(
+    frames: torch.Tensor, patch: int, merge: int, temporal: int
+) -> tuple[torch.Tensor, Grid]:
+    """Frames [N, C, H, W] (H, W multiples of patch * merge) as transformers lays them out: the
+    last frame repeated up to a multiple of `temporal`, then rows of [t * h * w, C * T * P * P]
+    in the order of the module docstring, and the grid (t, h, w). A reshape and a permute: it
+    runs wherever the frames are (the model patchifies on the device)."""
     n, c, height, width = frames.shape
-    p, m, tp = settings.patch_size, settings.merge_size, settings.temporal_patch_size
+    p, m, tp = patch, merge, temporal
     if height % (p * m) or width % (p * m):
         raise ValueError(f"frames of {width}x{height} pixels are not in whole {p * m}-pixel groups")
     if pad := -n % tp:

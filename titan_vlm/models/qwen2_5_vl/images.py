@@ -1,0 +1,140 @@
+"""Qwen2.5-VL's images and videos in a batch (data/image_batch.py ImageRule and ImageSet).
+
+A decoded image part is its processed pixels, float32 [C, H, W] (converted, smart_resized,
+rescaled and normalized: processor.py VisionSettings.pixels), a video's its frames
+[T, C, H, W] at one size; H and W are multiples of patch * merge. The grid (t, h, w) follows from
+the shape alone, t = ceil(frames / temporal_patch_size) (an image is one frame, repeated to
+temporal_patch_size frames as transformers repeats it), and so do its slots, t * h * w / merge^2,
+and its patches. The patches transformers' processor lays out (processor.py patchify_frames)
+are made on the device, in encode_images: a reshape and a permute of these pixels.
+
+    QwenRule     how they take slots (from a decoded part, or from a file header's size through
+                 smart_resize), how a batch holds them (QwenVisuals), and each sample's M-RoPE
+                 positions [3, slots] (`positions`: the family's per-slot data, Batch.slot_data)
+    QwenVisuals  a batch's images and videos in batch order; its `work` is in patches
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from titan_vlm.data.batch import Sample
+from titan_vlm.data.image_batch import ImageRule, Images, ImageSet
+from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs
+from titan_vlm.models.qwen2_5_vl.mrope import Grid, vision_positions
+from titan_vlm.models.qwen2_5_vl.processor import DEFAULT_FPS, smart_resize
+
+# Batch.slot_data key of the rows' M-RoPE positions [3, B, S] (the model reads the local slots'
+# [3, B, L] from SeqLayout.slot_data under the same key)
+MROPE_POSITIONS = "mrope_positions"
+
+
+@dataclass(frozen=True)
+class QwenRule(ImageRule):
+    """`args`: the model's (patch, merge and temporal patch sizes, tokens_per_second);
+    `pixel_bounds`: smart_resize's (min_pixels, max_pixels) for sizes read from file headers
+    (the folder's processor settings); `fps`: the rate a video's frames were sampled at (frames
+    given as files carry none: transformers' default, processor.DEFAULT_FPS)."""
+
+    args: Qwen25VLArgs
+    pixel_bounds: tuple[int, int] = (56 * 56, 28 * 28 * 1280)
+    fps: float = DEFAULT_FPS
+
+    @property
+    def image_size(self) -> int:  # type: ignore[override]
+        """The side of the smallest image: one merge unit."""
+        v = self.args.vision
+        return v.patch_size * v.spatial_merge_size
+
+    def grid(self, image: torch.Tensor) -> Grid:
+        """(t, h, w) in patches of a decoded image [C, H, W] or video [T, C, H, W]."""
+        v = self.args.vision
+        frames = 1 if image.ndim == 3 else image.shape[0]
+        height, width = image.shape[-2:]
+        unit = v.patch_size * v.spatial_merge_size
+        if height % unit or width % unit:
+            raise ValueError(f"an image of {width}x{height} pixels is not whole {unit}-pixel units")
+        t = -(-frames // v.temporal_patch_size)
+        return t, height // v.patch_size, width // v.patch_size
+
+    def slots(self, image: torch.Tensor) -> int:
+        return self.args.vision.tokens(*self.grid(image))
+
+    def size_slots(self, height: int, width: int, frames: int = 1) -> int:
+        v = self.args.vision
+        h, w = smart_resize(height, width, v.patch_size * v.spatial_merge_size, *self.pixel_bounds)
+        t = -(-frames // v.temporal_patch_size)
+        return v.tokens(t, h // v.patch_size, w // v.patch_size)
+
+    def batch(self, images: list[torch.Tensor]) -> Images:
+        device = images[0].device if images else torch.device("cpu")
+        return QwenVisuals(tuple(images), self, device)
+
+    def seconds_per_grid_t(self) -> float:
+        """Seconds one temporal patch of a video spans: temporal_patch_size / fps."""
+        return self.args.vision.temporal_patch_size / self.fps
+
+    def positions(self, sample: Sample) -> dict[str, torch.Tensor]:
+        """The sample's M-RoPE positions [3, its slots] (mrope.py's rule, from its parts: text
+        advances all three, an image or video takes its merged grid's (t, h, w) from where the
+        text is, text resumes after the largest), under MROPE_POSITIONS: collate's SlotData."""
+        a = self.args
+        out: list[torch.Tensor] = []
+        pos = 0
+        for part in sample.parts:
+            if isinstance(part, list):
+                out.append((torch.arange(len(part)) + pos).expand(3, -1))
+                pos += len(part)
+                continue
+            if not isinstance(part, torch.Tensor):
+                raise TypeError(f"an image that was not decoded ({part!r})")
+            video = part.ndim == 4
+            interval = a.tokens_per_second * self.seconds_per_grid_t() if video else 1
+            block = vision_positions(pos, self.grid(part), a.vision.spatial_merge_size, interval)
+            out.append(block)
+            pos = int(block.max()) + 1
+        positions = torch.cat(out, dim=1) if out else torch.zeros(3, 0, dtype=torch.long)
+        return {MROPE_POSITIONS: positions}
+
+
+@dataclass(frozen=True)
+class QwenVisuals(ImageSet):
+    """A batch's decoded images ([C, H, W]) and videos ([T, C, H, W]) in batch order (module
+    docstring), possibly none (a CP rank's empty share). `work` counts patches (the unit of
+    the family's LayoutCost.image: flops.py)."""
+
+    tensors: tuple[torch.Tensor, ...]
+    rule: QwenRule
+    where: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __getitem__(self, index: slice) -> QwenVisuals:
+        return QwenVisuals(self.tensors[index], self.rule, self.where)
+
+    def to(self, device: torch.device | str) -> QwenVisuals:
+        return QwenVisuals(
+            tuple(t.to(device) for t in self.tensors), self.rule, torch.device(device)
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.where
+
+    def grids(self) -> list[Grid]:
+        return [self.rule.grid(t) for t in self.tensors]
+
+    def sizes(self) -> list[tuple[int, int]]:
+        return [(t.shape[-2], t.shape[-1]) for t in self.tensors]
+
+    def slots(self) -> list[int]:
+        return [self.rule.args.vision.tokens(*g) for g in self.grids()]
+
+    def patches(self) -> list[int]:
+        return [t * h * w for t, h, w in self.grids()]
+
+    def work(self) -> list[float]:
+        return [float(n) for n in self.patches()]
