@@ -737,3 +737,138 @@ def compiled_train_run(dp_shard: int, cp: int, steps: int, tp: int = 1, **overri
         },
         "shapes": {name: sorted(s) for name, s in shapes.items()},
     }
+
+
+# ---- the parity harness through the family interface (models/spec.py ModelSpec) --------------
+# A family joins by adding its tiny args and its rows here: `family_parity` builds, parallelizes
+# and feeds it only through its ModelSpec (build, parallelize, data_rule, layout_cost) and its
+# forward_local, so every CP layout the trainer has is checked against one process for it.
+
+
+def _qwen_rows(args, rule, slot_data, seq_len: int, seed: int) -> Batch:
+    """Two packed rows of Qwen2.5-VL samples: images of three sizes (6, 8 and 4 slots), a
+    3-frame video (grid (2, 4, 4): 8 slots), text-only samples, one long interleaved sample (so
+    "auto" splits it) and short ones (kept whole)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def pixels(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    def text(n: int) -> list[int]:
+        return torch.randint(0, args.image_token_id, (n,), generator=g).tolist()
+
+    start, end = args.vision_start_token_id, args.vision_end_token_id
+    rows = [
+        [
+            Sample(
+                [
+                    text(4) + [start],
+                    pixels(3, 56, 84),
+                    [end] + text(9) + [start],
+                    pixels(3, 3, 56, 56),  # a video of 3 frames
+                    [end] + text(40),
+                ]
+            ),
+            Sample([text(6) + [start], pixels(3, 56, 56), [end] + text(8)]),
+        ],
+        [
+            Sample([text(12)]),
+            Sample([text(3) + [start], pixels(3, 112, 56), [end] + text(20)]),
+            Sample([text(9)]),
+        ],
+    ]
+    return collate(rows, seq_len, rule, rule.image_size, 0, slot_data=slot_data)
+
+
+FAMILIES = {"qwen2_5_vl": _qwen_rows}
+
+
+def family_parity(
+    family: str = "qwen2_5_vl",
+    dp_shard: int = 1,
+    cp: int = 2,
+    comm: str = "p2p",
+    vision: str = "shard",
+    placement: str = "split",
+    image_tokens: str = "replicate",
+    seq_len: int = 96,
+    seed: int = 3,
+    ac: str = "none",
+    compile_backend: str = "none",
+    one_d_positions: bool = False,
+    sum_image_grad: bool = True,
+) -> dict:
+    """One optimizer step of a family's parallel model against one process with the same weights
+    and global batch (FAMILIES' rows: dp * 1 rows), all through its ModelSpec. Returns both
+    losses and pre-clip grad norms, per group (its top-level modules) the worst per-parameter
+    relative gradient error, and the placement. `one_d_positions` (negative control): the
+    parallel run's rows carry plain 1-D positions in place of the family's slot data;
+    `sum_image_grad=False` (negative control): the image embeddings' gradient is not summed over
+    cp."""
+    from titan_vlm.models.registry import get_model_spec
+
+    spec = get_model_spec(family)
+    cfg = JobConfig()
+    cfg.model.name = family  # type: ignore[assignment]
+    cfg.parallelism.cp_vision = vision  # type: ignore[assignment]
+    cfg.activation_checkpoint.mode = ac  # type: ignore[assignment]
+    cfg.compile.enable = compile_backend != "none"
+    cfg.compile.backend = compile_backend  # type: ignore[assignment]
+    args = spec.args(cfg)
+    t = Training(lr=1e-3, warmup_steps=0, steps=10, max_norm=1.0, seq_len=seq_len)
+    mesh = make_mesh(dp_shard, cp)
+    dp = dp_shard
+    rule, slot_data = spec.data_rule(args, cfg)
+    full = FAMILIES[family](args, rule, slot_data, seq_len, seed)
+    assert full.num_rows == 2 and dp in (1, 2)
+    rows_per_rank = full.num_rows // dp
+
+    torch.manual_seed(seed)
+    ref = spec.build(args)
+    logits, labels, _ = ref.forward_local(full, CPContext())
+    ref_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    ref_loss.backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), t.max_norm)
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+
+    if compile_backend != "none":
+        torch._dynamo.reset()
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+    torch.manual_seed(seed)
+    model = spec.build(args)
+    spec.parallelize(model, mesh, cfg)
+    opt = build_optimizer(model, t)
+    sched = build_scheduler(opt, t)
+    dp_rank = mesh.dp.get_local_rank()
+    batch = full.rows(dp_rank * rows_per_rank, (dp_rank + 1) * rows_per_rank)
+    if one_d_positions:
+        batch.slot_data = {
+            k: torch.arange(v.shape[-1]).expand_as(v).clone() for k, v in batch.slot_data.items()
+        }
+    options = CPOptions(comm, vision, placement, image_tokens, spec.layout_cost(args))
+    with contextlib.nullcontext() if sum_image_grad else _image_grads_not_summed_over_cp():
+        stats, layout = train_step(model, opt, sched, batch, mesh, t.max_norm, options)
+    ref_params = dict(ref.named_parameters())
+    named = [(canonical_name(n), p) for n, p in model.named_parameters()]
+    pairs = [
+        (
+            p.grad if p.grad is not None else torch.zeros_like(p),
+            ref_grads.get(name, torch.zeros_like(ref_params[name])),
+        )
+        for name, p in named
+    ]
+    grad_err: dict[str, float] = {}
+    for (name, _), (rel, _) in zip(named, _relative_errors(pairs)):
+        group = name.split(".")[0]
+        grad_err[group] = max(grad_err.get(group, 0.0), rel)
+    return {
+        "loss": stats["loss"],
+        "ref_loss": ref_loss.item(),
+        "grad_norm": stats["grad_norm"],
+        "ref_grad_norm": ref_norm.item(),
+        "grad_err": grad_err,
+        "split_samples": layout.split_samples(),
+        "kept_samples": layout.kept_samples(),
+        "sharded_images": layout.sharded_images(),
+        "replicated_images": layout.replicated_images(),
+    }

@@ -30,7 +30,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 # The names a choice-valued key takes; the first is not necessarily the default.
-ModelName = Literal["llava"]  # models/registry.py MODEL_SPECS
+ModelName = Literal["llava", "qwen2_5_vl"]  # models/registry.py MODEL_SPECS
 Flavor = Literal["debug", "small", "llava7b", "hf"]  # models/llava/args.py FLAVORS, plus "hf"
 AttentionKernel = Literal["auto", "cpu_flash", "cuda_flash", "cuda_efficient", "cuda_cudnn"]
 ImageAttention = Literal["causal", "bidirectional"]
@@ -64,7 +64,8 @@ class Model:
     """What model is trained, where its weights and tokenizer come from, how it attends."""
 
     name: ModelName = "llava"
-    """The model family (models/registry.py): "llava" is a ViT + MLP projector + decoder. With
+    """The model family (models/registry.py): "llava" (a ViT + MLP projector + decoder) or
+    "qwen2_5_vl" (a windowed native-resolution ViT + merger + a Qwen2 decoder with M-RoPE). With
     model.flavor = "hf" the family is the one whose folders have model.hf_path's config.json
     model_type, whatever this says."""
     flavor: Flavor = "debug"

@@ -100,12 +100,15 @@ class Trainer(Stateful):
             self.resume(self.checkpointer)
         self.dp_rank, self.dp = mesh.dp.get_local_rank(), mesh.dp.size()
         # Start-up warnings once (rank 0); batch-time ones once per dp rank (its rows are its own).
+        rule, slot_data = self.spec.data_rule(self.args, cfg)
         self.data = build_dataset(
             cfg,
             self.args,
             *model_inputs(cfg),
             log_startup=dist.get_rank() == 0,
             log_batches=mesh.cp.get_local_rank() == 0 and mesh.tp.get_local_rank() == 0,
+            rule=rule,
+            slot_data=slot_data,
         )
         self.log_data()
         self.metrics = MetricsLogger(
@@ -301,12 +304,11 @@ class Trainer(Stateful):
         mesh = self.mesh
         counts = param_counts(self.model)
         logger.info(
-            "model %s: %s parameters (vision %s, projector %s, decoder %s)",
+            "model %s %s: %s parameters (%s)",
+            self.spec.name,
             self.cfg.model.hf_path or self.cfg.model.flavor,
             f"{sum(counts.values()):,}",
-            f"{counts['vision']:,}",
-            f"{counts['projector']:,}",
-            f"{counts['decoder']:,}",
+            ", ".join(f"{part} {n:,}" for part, n in counts.items()),
         )
         vision_fsdp = mesh.fsdp_no_cp if self.cp.vision == "broadcast" else mesh.fsdp
         tp_note = (

@@ -5,7 +5,7 @@ does not have is refused in one line naming the file, its model_type and the fam
 from __future__ import annotations
 
 import pytest
-from transformers import LlavaConfig, Qwen2_5_VLConfig
+from transformers import LlavaConfig, Qwen2_5_VLConfig, Qwen3VLConfig
 
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError
@@ -31,18 +31,20 @@ def test_a_built_in_flavor_is_the_family_model_name_says():
 
 
 def test_an_hf_folder_picks_its_family_by_model_type(tmp_path):
-    LlavaConfig().save_pretrained(tmp_path)
-    assert family_name(_cfg("hf", str(tmp_path))) == "llava"
+    LlavaConfig().save_pretrained(tmp_path / "llava")
+    assert family_name(_cfg("hf", str(tmp_path / "llava"))) == "llava"
+    Qwen2_5_VLConfig().save_pretrained(tmp_path / "qwen")
+    assert family_name(_cfg("hf", str(tmp_path / "qwen"))) == "qwen2_5_vl"
 
 
 def test_a_folder_of_another_family_is_one_line(tmp_path):
-    Qwen2_5_VLConfig().save_pretrained(tmp_path)
+    Qwen3VLConfig().save_pretrained(tmp_path)
     with pytest.raises(ConfigError) as e:
         model_spec(_cfg("hf", str(tmp_path)))
     message = str(e.value)
     assert "\n" not in message
-    assert f"{tmp_path}/config.json: model_type='qwen2_5_vl' is not a family" in message
-    assert "llava: llava" in message
+    assert f"{tmp_path}/config.json: model_type='qwen3_vl' is not a family" in message
+    assert "llava: llava; qwen2_5_vl: qwen2_5_vl" in message
 
 
 def test_a_built_in_flavor_ignores_a_folders_model_type(tmp_path):

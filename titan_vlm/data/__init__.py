@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from titan_vlm.config import JobConfig
+    from titan_vlm.data.batch import SlotData
     from titan_vlm.data.dataset import Dataset
     from titan_vlm.data.hf_processor import HFProcessor
+    from titan_vlm.data.image_batch import ImageRule
     from titan_vlm.data.images import NativeResolution
     from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -63,6 +65,8 @@ def build_dataset(
     processor: HFProcessor | None = None,
     log_startup: bool = True,
     log_batches: bool = True,
+    rule: ImageRule | None = None,
+    slot_data: SlotData | None = None,
 ) -> Dataset:
     """The dataset data.dataset names: "synthetic" or a .json / .jsonl file. Both read a batch as
     `batch(step, dp_rank, dp_size, local_batch_size)` (rows numbered globally, so the step is the
@@ -70,9 +74,13 @@ def build_dataset(
     truncated, dropped).
     `processor`: a Hugging Face folder's (`model_inputs`): a dataset file's conversations in its
     chat template and images preprocessed as it says.
-    log_startup / log_batches: which warnings this rank logs (JsonlDataset)."""
+    log_startup / log_batches: which warnings this rank logs (JsonlDataset).
+    `rule`, `slot_data`: the family's (ModelSpec.data_rule): how its images of their own sizes
+    take slots and travel (None: every image at the model's size), its per-slot data."""
+    from titan_vlm.data.images import NativeResolution
     from titan_vlm.data.jsonl import JsonlDataset
     from titan_vlm.data.synthetic import SyntheticCaptions
+    from titan_vlm.errors import ConfigError
 
     d, t = cfg.data, cfg.training
     if d.dataset == "synthetic":
@@ -86,6 +94,13 @@ def build_dataset(
             d.images_per_sample,
             tokenizer,
             packing=d.packing,
+            rule=rule,
+            slot_data=slot_data,
+        )
+    if not (rule is None or isinstance(rule, NativeResolution)) or slot_data is not None:
+        raise ConfigError(
+            f"data.dataset={d.dataset!r}: a dataset file's images for model family "
+            f"{type(rule).__name__} are not read yet (data.dataset = 'synthetic' is)"
         )
     return JsonlDataset(
         d.dataset,
@@ -103,7 +118,7 @@ def build_dataset(
         log_batches=log_batches,
         processor=processor,
         max_frames=d.max_frames,
-        native=native_resolution(cfg, args),
+        native=rule,
     )
 
 

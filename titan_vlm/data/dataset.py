@@ -17,7 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Set
 
-from titan_vlm.data.batch import Batch, Sample, SlotRule, collate
+from titan_vlm.data.batch import Batch, Sample, SlotData, SlotRule, collate
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 
 
@@ -31,8 +31,8 @@ class Dataset(ABC):
     """Rows of `seq_len` slots, read a batch at a time. Counters the trainer's metrics report:
     `bad_at_startup` (samples left out before training), `truncated` (samples cut to seq_len),
     `dropped` (the sample numbers this process left out of its batches). `slots`: how many slots
-    each image takes (data/batch.py SlotRule: `tokens_per_image`, or under native resolution the
-    geometry whose image_tokens rule sizes each image)."""
+    each image takes (data/batch.py SlotRule: `tokens_per_image`, or the family's ImageRule that
+    sizes each image); `slot_data`: the family's per-slot data of a sample, if it has any."""
 
     seq_len: int
     tokens_per_image: int
@@ -42,6 +42,7 @@ class Dataset(ABC):
     bad_at_startup: int
     truncated: int
     dropped: Set[int]
+    slot_data: SlotData | None = None  # a family's per-slot data of each sample (collate)
 
     @abstractmethod
     def read(self, rows: range) -> list[list[Sample]]:
@@ -60,4 +61,5 @@ class Dataset(ABC):
             self.image_size,
             self.tokenizer.PAD,
             self.tokenizer.IMAGE,
+            self.slot_data,
         )

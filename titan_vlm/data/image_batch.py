@@ -54,8 +54,8 @@ class ImageSet(ABC):
 
     @abstractmethod
     def work(self) -> list[float]:
-        """Each image's encoder work in units of one native-size image (LayoutCost.image
-        prices one)."""
+        """Each image's encoder work in the family's unit, the one its LayoutCost.image prices
+        (LLaVA: one native-size image; Qwen2.5-VL: one patch)."""
 
 
 class ImageRule(ABC):

@@ -21,8 +21,9 @@ import random
 
 import torch
 
-from titan_vlm.data.batch import Part, Sample, pack
+from titan_vlm.data.batch import Part, Sample, SlotData, SlotRule, pack
 from titan_vlm.data.dataset import Dataset
+from titan_vlm.data.image_batch import ImageRule
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 
 COLORS = {
@@ -118,10 +119,15 @@ class SyntheticCaptions(Dataset):
         images_per_sample: int = 1,
         tokenizer: ByteTokenizer | HFTokenizer | None = None,
         packing: bool = False,
+        rule: ImageRule | None = None,
+        slot_data: SlotData | None = None,
     ):
         self.image_size = image_size
         self.tokens_per_image = tokens_per_image
-        self.slots = tokens_per_image  # every image at the model's size
+        # every image is drawn at image_size and takes tokens_per_image slots; a family whose
+        # images travel in their own form (`rule`: its ImageRule) batches them its way
+        self.slots: SlotRule = rule if rule is not None else tokens_per_image
+        self.slot_data = slot_data
         self.seq_len = seq_len
         self.images_per_sample = images_per_sample
         if seq_len - images_per_sample * tokens_per_image < 2:

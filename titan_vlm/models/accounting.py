@@ -11,7 +11,9 @@ def count_params(module: nn.Module) -> int:
 
 
 def param_counts(model: nn.Module) -> dict[str, int]:
-    return {name: count_params(getattr(model, name)) for name in ("vision", "projector", "decoder")}
+    """Parameters of each of the model's top-level modules (a family's parts: LLaVA's vision,
+    projector and decoder; Qwen2.5-VL's vision and decoder), in their order."""
+    return {name: count_params(child) for name, child in model.named_children()}
 
 
 # fp32 parameter + fp32 gradient + AdamW's two fp32 moments

@@ -18,6 +18,8 @@ this interface and never reach into module names:
                 image), which the auto sample placement balances and cp_balance reports
     validate    what the family needs of the job's shapes and mesh (heads and tp, sequence
                 length, vocabulary; validate.py runs it before any process group exists)
+    data_rule   how its images take slots and travel in a batch, and its per-slot data (e.g.
+                M-RoPE positions): what the dataset collates with (data/image_batch.py)
 
 The module `build` returns is a `VisionLanguageModel`: the few verbs the trainer, context
 parallelism (parallel/context_parallel.py) and generate.py use on it (encode the images, decode
@@ -48,8 +50,8 @@ import torch.nn as nn
 
 if TYPE_CHECKING:
     from titan_vlm.config import JobConfig
-    from titan_vlm.data.batch import Batch
-    from titan_vlm.data.image_batch import Images
+    from titan_vlm.data.batch import Batch, SlotData
+    from titan_vlm.data.image_batch import ImageRule, Images
     from titan_vlm.layout import LayoutCost, SeqLayout
     from titan_vlm.models.loading import Init
     from titan_vlm.parallel_dims import Mesh, ParallelDims
@@ -166,3 +168,6 @@ class ModelSpec:
     layout_cost: Callable[[Any], LayoutCost]
     # what the family needs of the job's shapes and mesh, after validate.py's generic checks
     validate: Callable[[Any, ParallelDims, JobConfig], None]
+    # how the family's images take slots and travel in a batch (None: each at the model's size,
+    # tokens_per_image slots) and its per-slot data of a sample (None: none): the dataset's
+    data_rule: Callable[[Any, JobConfig], tuple[ImageRule | None, SlotData | None]]

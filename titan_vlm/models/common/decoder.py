@@ -226,8 +226,15 @@ class Decoder(nn.Module):
             h = torch.cat([image_embeds.to(h.dtype), h], dim=1)
         if n_img != layout.num_image_tokens:
             raise ValueError(f"layout says {layout.num_image_tokens} image tokens, got {n_img}")
-        cos = self.rope_cos[layout.positions].unsqueeze(1)
-        sin = self.rope_sin[layout.positions].unsqueeze(1)
+        cos, sin = self.rotary(layout)
         for layer in self.layers:
             h = layer(h, cos, sin, layout)
         return self.output(self.norm(h[:, n_img:]))
+
+    def rotary(self, layout: SeqLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, L, head_dim] of the local slots: RoPE at each slot's position in its
+        sample (layout.positions). A family whose rotary positions are its own (M-RoPE) subclasses
+        the decoder and overrides this alone."""
+        cos = self.rope_cos[layout.positions].unsqueeze(1)
+        sin = self.rope_sin[layout.positions].unsqueeze(1)
+        return cos, sin

@@ -12,6 +12,7 @@ express is a ConfigError of one line naming the file and the key, never an appro
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -238,3 +239,16 @@ def text_args_from_hf(config: dict, where: str) -> DecoderArgs:
     -> the decoder's args."""
     model_type = model_type_of(config, where, "", TEXT_TYPES)
     return text_args(Section(config, where, "", TEXT_DEFAULTS[model_type]), model_type)
+
+
+def first_difference(a: object, b: object, prefix: str = "") -> str | None:
+    """The first field (dotted) where two args dataclasses differ, or None."""
+    for f in dataclasses.fields(a):  # type: ignore[arg-type]
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if dataclasses.is_dataclass(x):
+            found = first_difference(x, y, f"{prefix}{f.name}.")
+            if found:
+                return found
+        elif x != y:
+            return f"{prefix}{f.name}: {x!r} vs {y!r}"
+    return None

@@ -23,9 +23,12 @@ import torch
 import torch.nn as nn
 
 from titan_vlm.config import JobConfig
+from titan_vlm.data import native_resolution
+from titan_vlm.data.batch import SlotData
+from titan_vlm.data.image_batch import ImageRule
 from titan_vlm.errors import ConfigError
 from titan_vlm.files import read_json
-from titan_vlm.models.common.hf_config import text_args_from_hf
+from titan_vlm.models.common.hf_config import first_difference, text_args_from_hf
 from titan_vlm.models.common.hf_folder import config_path, hf_sources
 from titan_vlm.models.llava.args import IMAGE_ATTENTION, VLMArgs, get_flavor
 from titan_vlm.models.llava.flops import batch_train_flops, layout_cost
@@ -39,19 +42,6 @@ from titan_vlm.models.spec import ModelSpec
 
 if TYPE_CHECKING:
     pass
-
-
-def _first_difference(a: object, b: object, prefix: str = "") -> str | None:
-    """The first field (dotted) where two args dataclasses differ, or None."""
-    for f in dataclasses.fields(a):  # type: ignore[arg-type]
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        if dataclasses.is_dataclass(x):
-            found = _first_difference(x, y, f"{prefix}{f.name}.")
-            if found:
-                return found
-        elif x != y:
-            return f"{prefix}{f.name}: {x!r} vs {y!r}"
-    return None
 
 
 def llava_args(cfg: JobConfig) -> VLMArgs:
@@ -96,7 +86,7 @@ def llava_args(cfg: JobConfig) -> VLMArgs:
             attention_kernel=m.attention_kernel,
         )
     if m.flavor != "hf":
-        diff = _first_difference(get_flavor(m.flavor), from_hf)
+        diff = first_difference(get_flavor(m.flavor), from_hf)
         if diff:
             where = ", ".join(str(p) for _, p in hf_sources(cfg))
             raise ConfigError(
@@ -165,6 +155,12 @@ def after_to_empty(model: nn.Module) -> None:
     model.decoder.tie_weights()  # type: ignore[union-attr,operator]
 
 
+def data_rule(args: VLMArgs, cfg: JobConfig) -> tuple[ImageRule | None, SlotData | None]:
+    """Images at the model's size, or with data.native_resolution_pixels > 0 at their own
+    (data/images.py NativeResolution); no per-slot data (1-D RoPE from the layout)."""
+    return native_resolution(cfg, args), None
+
+
 LLAVA = ModelSpec(
     name="llava",
     hf_model_types=("llava",),
@@ -180,4 +176,5 @@ LLAVA = ModelSpec(
     flops=batch_train_flops,
     layout_cost=layout_cost,
     validate=validate,
+    data_rule=data_rule,
 )

@@ -133,3 +133,25 @@ class Qwen25VLArgs:
         ids = (self.image_token_id, self.video_token_id)
         if ids[0] == ids[1]:
             raise ConfigError(f"image_token_id and video_token_id are both {ids[0]}")
+
+    # What the data pipeline needs of a family's args (data/__init__.py ImageGeometry): the
+    # built-in synthetic images are squares of one attention window (at least one merge unit).
+    @property
+    def patch_size(self) -> int:
+        return self.vision.patch_size
+
+    @property
+    def image_size(self) -> int:
+        """The side of the synthetic data's square images: one attention window."""
+        unit = self.vision.patch_size * self.vision.spatial_merge_size
+        return unit * self.vision.window_units
+
+    @property
+    def tokens_per_image(self) -> int:
+        """Slots of an image of `image_size`."""
+        return self.image_tokens(self.image_size, self.image_size)
+
+    def image_tokens(self, height: int, width: int) -> int:
+        """Slots of an image of height x width pixels (multiples of patch * merge)."""
+        p = self.vision.patch_size
+        return self.vision.tokens(1, height // p, width // p)

@@ -44,9 +44,8 @@ class QwenRule(ImageRule):
 
     @property
     def image_size(self) -> int:  # type: ignore[override]
-        """The side of the smallest image: one merge unit."""
-        v = self.args.vision
-        return v.patch_size * v.spatial_merge_size
+        """The side of the built-in data's square images (Qwen25VLArgs.image_size)."""
+        return self.args.image_size
 
     def grid(self, image: torch.Tensor) -> Grid:
         """(t, h, w) in patches of a decoded image [C, H, W] or video [T, C, H, W]."""

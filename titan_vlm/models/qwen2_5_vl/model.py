@@ -42,6 +42,30 @@ from titan_vlm.models.qwen2_5_vl.vision import VisionTower
 from titan_vlm.models.spec import VisionLanguageModel
 
 
+class MRopeDecoder(Decoder):
+    """common/decoder.py's Decoder with multimodal RoPE: each local slot's three positions come
+    from the layout's slot data (MROPE_POSITIONS, [3, B, L]); no 1-D tables are built."""
+
+    def __init__(self, args: Qwen25VLArgs):
+        self.mrope_section = args.mrope_section
+        super().__init__(args.decoder, args.attention_kernel)
+
+    def _init_rope(self) -> None:
+        """No 1-D tables (M-RoPE computes cos / sin per batch)."""
+
+    def rotary(self, layout: SeqLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        if MROPE_POSITIONS not in layout.slot_data:
+            raise ValueError(f"the layout carries no {MROPE_POSITIONS!r} slot data")
+        positions = layout.slot_data[MROPE_POSITIONS]  # [3, B, L]
+        if positions.shape[1:] != layout.positions.shape:
+            raise ValueError(
+                f"{MROPE_POSITIONS} {tuple(positions.shape)} do not match the local slots "
+                f"{tuple(layout.positions.shape)}"
+            )
+        a = self.args
+        return mrope_cos_sin(positions, a.head_dim, a.rope_theta, self.mrope_section, a.rope)
+
+
 class Qwen25VL(VisionLanguageModel):
     """`vision` (tower + merger) and `decoder` (common Decoder: tok_embeddings, layers, norm,
     output; its 1-D RoPE tables are not used). As the trainer, CP and generate use it
@@ -53,7 +77,7 @@ class Qwen25VL(VisionLanguageModel):
         super().__init__()
         self.args = args
         self.vision = VisionTower(args.vision, args.attention_kernel)
-        self.decoder = Decoder(args.decoder, args.attention_kernel)
+        self.decoder = MRopeDecoder(args)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -77,22 +101,21 @@ class Qwen25VL(VisionLanguageModel):
             )
             rows.append(patches)
             grids.append(grid)
-        weight = self.vision.patch_embed.weight
-        pixels = torch.cat(rows) if rows else weight.new_zeros(0, v.patch_dim)
+        # (not the weight's new_zeros: under FSDP it is a sharded DTensor outside the forward)
+        pixels = torch.cat(rows) if rows else torch.zeros(0, v.patch_dim, device=images.device)
         grid_thw = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
         return self.vision(pixels.to(images.device), grid_thw)
 
     def image_tokens(self, height: int, width: int) -> int:
-        v = self.args.vision
-        return v.tokens(1, height // v.patch_size, width // v.patch_size)
+        return self.args.image_tokens(height, width)
 
     def vision_modules(self) -> list[nn.Module]:
         return [self.vision]
 
     @property
     def tokens_per_image(self) -> int:
-        """Slots of the smallest image (one merge unit): images take their own (QwenRule)."""
-        return 1
+        """Slots of an image of `image_size` (images take their own: QwenRule)."""
+        return self.args.tokens_per_image
 
     @property
     def embed_dim(self) -> int:
@@ -100,9 +123,9 @@ class Qwen25VL(VisionLanguageModel):
 
     @property
     def image_size(self) -> int:
-        """The side of the smallest image, one merge unit (images keep their own sizes)."""
-        v = self.args.vision
-        return v.patch_size * v.spatial_merge_size
+        """The side of the built-in data's square images, one attention window (images keep
+        their own sizes: QwenRule)."""
+        return self.args.image_size
 
     @property
     def bidirectional_images(self) -> bool:
@@ -116,33 +139,11 @@ class Qwen25VL(VisionLanguageModel):
 
     def decode(self, tokens: torch.Tensor, embeds: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
         """tokens [B, T] (the layout's text section), embeds [image slots, dim] in image-id order
-        -> logits [B, T, vocab] of the text section."""
-        h = self.hidden(tokens, embeds, layout)
-        return self.decoder.output(self.decoder.norm(h[:, layout.num_image_tokens :]))
-
-    def hidden(self, tokens: torch.Tensor, embeds: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
-        """The last block's output [B, N + T, dim] for the local slots [image prefix, text]."""
-        if MROPE_POSITIONS not in layout.slot_data:
-            raise ValueError(f"the layout carries no {MROPE_POSITIONS!r} slot data")
-        d = self.decoder
-        h = d.tok_embeddings(tokens)  # [B, T, dim]
-        inline = layout.inline_embeds(embeds)
-        if inline is not None:
-            h = h.index_put(layout.inline_slots(h.device), inline.to(h.dtype))
-        h = torch.cat([layout.place_images(embeds).to(h.dtype), h], dim=1)  # [B, N + T, dim]
-        positions = layout.slot_data[MROPE_POSITIONS]  # [3, B, N + T]
-        if positions.shape[1:] != h.shape[:2]:
-            raise ValueError(
-                f"{MROPE_POSITIONS} {tuple(positions.shape)} do not match the local slots "
-                f"{tuple(h.shape[:2])}"
-            )
-        a = self.args.decoder
-        cos, sin = mrope_cos_sin(
-            positions, a.head_dim, a.rope_theta, self.args.mrope_section, a.rope
+        -> logits [B, T, vocab] of the text section (the decoder's forward, so FSDP's hooks on it
+        run; M-RoPE through MRopeDecoder.rotary)."""
+        return self.decoder(
+            tokens, layout.place_images(embeds), layout, layout.inline_embeds(embeds)
         )
-        for layer in d.layers:
-            h = layer(h, cos, sin, layout)
-        return h
 
     def forward(
         self,
@@ -156,7 +157,8 @@ class Qwen25VL(VisionLanguageModel):
         """Single-process forward of rows input_ids [B, L] (one sample each, no padding) whose
         image (video) tokens are the processor's runs of vision.tokens(grid) per grid of
         image_grid_thw (video_grid_thw), grids in batch order; positions [3, B, L] (mrope's
-        batch_rope_index) -> logits [B, L, vocab] of every slot."""
+        batch_rope_index) -> logits [B, L, vocab] of every text slot (zeros at image slots: no
+        loss is ever on them)."""
         embeds, image = self._vision_slots(
             input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
         )
@@ -165,9 +167,8 @@ class Qwen25VL(VisionLanguageModel):
         text, layout = build_layout(doc, image.cpu())  # text [B, T]: the text section's slots
         layout.slot_data = layout.gather_slot_data({MROPE_POSITIONS: positions})
         tokens = input_ids.gather(1, text.clamp(min=0).to(input_ids.device))
-        h = self.hidden(tokens, embeds, layout)  # [B, N + T, dim]
-        local = self.decoder.output(self.decoder.norm(h))  # [B, N + T, vocab]
-        order = layout.slots("local").order.to(local.device)  # row position of each local slot
+        local = self.decode(tokens, embeds, layout)  # [B, T, vocab]: the text slots
+        order = text.to(local.device)  # row position of each text slot
         real = order >= 0
         row = torch.arange(rows, device=local.device).view(rows, 1).expand_as(order)
         logits = local.new_zeros(rows, length, local.shape[-1])

@@ -1,0 +1,288 @@
+"""The qwen2_5_vl family's FLOPs / CP cost model (models/qwen2_5_vl/flops.py), its job checks
+(validate.py) and its parallelize's type check (parallelize.py): the decoder's weights equal the
+llava family's formula for the same DecoderArgs; the vision tower's per-patch matmuls equal its
+modules' weights; its attention pairs equal a brute-force count over the windows and frames
+that vision.py's window_geometry cuts; each refusal is one line naming its key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from titan_vlm.config import JobConfig
+from titan_vlm.data.batch import Batch, Sample, collate
+from titan_vlm.errors import ConfigError
+from titan_vlm.layout import SeqLayout, build_layout
+from titan_vlm.models.common.decoder import Decoder
+from titan_vlm.models.common.text_args import DecoderArgs
+from titan_vlm.models.llava.args import VLMArgs
+from titan_vlm.models.llava.flops import layout_cost as llava_layout_cost
+from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs, VisionArgs
+from titan_vlm.models.qwen2_5_vl.flops import (
+    batch_train_flops,
+    image_train_flops,
+    layout_cost,
+    vision_patch_flops,
+)
+from titan_vlm.models.qwen2_5_vl.images import QwenRule, QwenVisuals
+from titan_vlm.models.qwen2_5_vl.parallelize import parallelize
+from titan_vlm.models.qwen2_5_vl.validate import validate
+from titan_vlm.models.qwen2_5_vl.vision import VisionTower, window_geometry
+from titan_vlm.parallel.context_parallel import CPContext
+from titan_vlm.parallel_dims import ParallelDims
+from titan_vlm.validate import validate_job
+
+# Qwen2.5-VL-7B's shapes (its config.json), for the FLOPs only: nothing is built from them
+DECODER_7B = DecoderArgs(
+    dim=3584,
+    n_layers=28,
+    n_heads=28,
+    n_kv_heads=4,
+    ffn_dim=18944,
+    vocab_size=152064,
+    qkv_bias=True,
+)
+VISION_7B = VisionArgs(
+    depth=32,
+    hidden_size=1280,
+    num_heads=16,
+    intermediate_size=3420,
+    window_size=112,
+    fullatt_block_indexes=(7, 15, 23, 31),
+    out_hidden_size=3584,
+)
+ARGS_7B = Qwen25VLArgs(vision=VISION_7B, decoder=DECODER_7B, mrope_section=(16, 24, 24))
+# windows of 3 x 3 merge units (side not a power of 2), full attention in the first block only
+ARGS_W3 = Qwen25VLArgs(
+    vision=VisionArgs(depth=5, window_size=3 * 28, fullatt_block_indexes=(0,)),
+)
+ALL_ARGS = [Qwen25VLArgs(), ARGS_W3, ARGS_7B]
+
+# (t, h, w) in patches (h, w multiples of merge = 2): square, sides not multiples of the window,
+# one merge unit, videos, a strip
+GRIDS = [(1, 2, 2), (1, 4, 4), (1, 4, 6), (1, 8, 4), (2, 4, 8), (1, 10, 14), (3, 6, 2)]
+GRIDS += [(1, 22, 36), (4, 12, 18), (1, 2, 30)]
+
+
+def brute_force_pairs(args: Qwen25VLArgs, grid: tuple[int, int, int]) -> int:
+    """Query-key pairs of the tower's blocks on one grid from vision.py's own cut: sum of n^2
+    over its windows (window blocks) and frames (full-attention blocks)."""
+    v = args.vision
+    g = window_geometry(torch.tensor([grid]), v)
+    assert sum(g.windows) == sum(g.frames) == grid[0] * grid[1] * grid[2]
+    full = sum(1 for i in range(v.depth) if i in v.fullatt_block_indexes)
+    windows = sum(n * n for n in g.windows)
+    frames = sum(n * n for n in g.frames)
+    return (v.depth - full) * windows + full * frames
+
+
+def matmul_weights(module: nn.Module) -> int:
+    """Weights of the linear layers and convolutions in `module` (no biases, no norms)."""
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv3d)))
+
+
+@pytest.mark.parametrize("args", ALL_ARGS, ids=["debug", "window3", "7b"])
+def test_layout_cost_decoder_is_llava_s_for_the_same_decoder(args: Qwen25VLArgs) -> None:
+    cost = layout_cost(args)
+    assert cost.slot > 0 and cost.pair > 0 and cost.image > 0
+    theirs = llava_layout_cost(VLMArgs(decoder=args.decoder))
+    assert cost.slot == theirs.slot
+    assert cost.pair == theirs.pair
+
+
+def test_per_slot_and_per_patch_costs_are_the_modules_weights() -> None:
+    """6 FLOPs (forward 2, backward 4) per weight per row: a decoder slot every block's linear
+    weights; a patch the embedding's and blocks' weights and 1/m^2 of the merger's."""
+    args = ARGS_W3
+    decoder = Decoder(args.decoder, "auto")
+    assert layout_cost(args).slot == 6 * matmul_weights(decoder.layers)
+    tower = VisionTower(args.vision, "auto")
+    own = matmul_weights(tower.patch_embed) + matmul_weights(tower.layers)
+    per_patch = own + matmul_weights(tower.merger) / args.vision.merge_unit
+    assert vision_patch_flops(args.vision) == pytest.approx(6 * per_patch, rel=1e-12)
+    assert layout_cost(args).image == vision_patch_flops(args.vision)
+
+
+@pytest.mark.parametrize("args", ALL_ARGS, ids=["debug", "window3", "7b"])
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
+def test_image_train_flops_counts_window_attention_exactly(
+    args: Qwen25VLArgs, grid: tuple[int, int, int]
+) -> None:
+    t, h, w = grid
+    linear = vision_patch_flops(args.vision) * t * h * w
+    attention = 3.0 * 4 * args.vision.hidden_size * brute_force_pairs(args, grid)
+    assert image_train_flops(args, grid) == pytest.approx(linear + attention, rel=1e-12)
+
+
+def test_window_attention_is_not_a_full_frame_s() -> None:
+    """The window blocks cost less than they would attending over the whole frame, once a frame
+    is wider than one window (the count does depend on the cut)."""
+    args = ARGS_7B
+    one_window = (1, 8, 8)  # 4 x 4 merge units: exactly one window
+    assert brute_force_pairs(args, one_window) == args.vision.depth * 64**2
+    wide = (1, 16, 24)
+    assert brute_force_pairs(args, wide) < args.vision.depth * (16 * 24) ** 2
+
+
+def test_image_train_flops_grows_with_the_grid() -> None:
+    for args in ALL_ARGS:
+        for t, h, w in GRIDS:
+            flops = image_train_flops(args, (t, h, w))
+            assert flops < image_train_flops(args, (t + 1, h, w))
+            assert flops < image_train_flops(args, (t, h + 2, w))
+            assert flops < image_train_flops(args, (t, h, w + 2))
+        # frames are independent
+        assert image_train_flops(args, (2, 8, 8)) == 2 * image_train_flops(args, (1, 8, 8))
+
+
+def _pixels(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_batch_train_flops_of_a_packed_row() -> None:
+    """Two samples in one row (an image of grid (1, 4, 6), a video of (2, 4, 8), another image
+    of (1, 8, 4)) and padding: the tower on each grid, the decoder on 12 text tokens and 30
+    image slots, its attention on the layout's pairs, the head on the text."""
+    args = Qwen25VLArgs()
+    rule = QwenRule(args)
+    one = Sample(
+        [[1, 2, 3], _pixels(3, 56, 84, seed=1), [4, 5, 6, 7], _pixels(4, 3, 56, 112, seed=2)]
+    )
+    two = Sample([[8, 9], _pixels(3, 112, 56, seed=3), [10, 11, 12, 13, 14, 15]])
+    size = one.num_slots(rule) + two.num_slots(rule)
+    batch = collate([[one, two]], size + 5, rule, rule.image_size, 0, slot_data=rule.positions)
+    assert isinstance(batch.images, QwenVisuals)
+    grids = [(1, 4, 6), (2, 4, 8), (1, 8, 4)]
+    assert batch.images.grids() == grids
+    _, _, layout = CPContext().place(batch, False)
+    c, d = layout_cost(args), args.decoder
+    text, slots = 3 + 4 + 2 + 6, 6 + 16 + 8
+    want = (
+        sum(image_train_flops(args, g) for g in grids)
+        + c.slot * (text + slots)
+        + c.pair * layout.whole_work()
+        + 6.0 * d.dim * d.vocab_size * text
+    )
+    assert layout.whole_work() > 0
+    assert batch_train_flops(args, batch, layout) == pytest.approx(want, rel=1e-12)
+
+
+def test_batch_train_flops_of_a_tensor_batch() -> None:
+    """Images as one [n, C, H, W] tensor (the core's native-size form): grid (1, H/p, W/p)."""
+    args = Qwen25VLArgs()
+    side, per = args.image_size, args.tokens_per_image  # 56 px: a (1, 4, 4) grid, 4 slots
+    doc = torch.tensor([[0] * (2 * per + 3) + [-1]])
+    image = torch.tensor([[0] * per + [1] * per + [-1] * 4])
+    tokens = torch.zeros_like(doc)
+    batch = Batch(torch.zeros(2, 3, side, side), tokens, tokens, doc, image)
+    _, layout = build_layout(doc, image)
+    assert isinstance(layout, SeqLayout)
+    c, d = layout_cost(args), args.decoder
+    want = (
+        2 * image_train_flops(args, (1, 4, 4))
+        + c.slot * (3 + 2 * per)
+        + c.pair * layout.whole_work()
+        + 6.0 * d.dim * d.vocab_size * 3
+    )
+    assert batch_train_flops(args, batch, layout) == pytest.approx(want, rel=1e-12)
+
+
+# -- validate --------------------------------------------------------------------------------
+
+
+def _dims(cp: int = 1, tp: int = 1) -> ParallelDims:
+    return ParallelDims(1, 1, cp, tp, cp * tp)
+
+
+def _refusal(args: Qwen25VLArgs, dims: ParallelDims, cfg: JobConfig, key: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        validate(args, dims, cfg)
+    message = str(e.value)
+    assert "\n" not in message and key in message, message
+    return message
+
+
+def test_the_default_job_passes() -> None:
+    validate(Qwen25VLArgs(), _dims(), JobConfig())
+    cfg = JobConfig()
+    cfg.parallelism.cp_comm_type = "a2a"
+    validate(Qwen25VLArgs(), _dims(cp=2), cfg)  # 4 heads over 2 ranks
+
+
+def test_refusals_are_one_line_naming_the_key() -> None:
+    args = Qwen25VLArgs()
+    cfg = JobConfig()
+    cfg.parallelism.tensor_parallel_degree = 2
+    message = _refusal(args, _dims(tp=2), cfg, "parallelism.tensor_parallel_degree=2")
+    assert "fused qkv" in message
+    for key in ("enable_sequence_parallel", "image_embed_tp_shard"):
+        for tp in (1, 2):
+            cfg = JobConfig()
+            cfg.parallelism.tensor_parallel_degree = tp
+            setattr(cfg.parallelism, key, True)
+            _refusal(args, _dims(tp=tp), cfg, f"parallelism.{key}")
+    cfg = JobConfig()
+    cfg.model.image_attention = "bidirectional"
+    _refusal(args, _dims(), cfg, "model.image_attention")
+    cfg = JobConfig()
+    cfg.data.native_resolution_pixels = 448 * 448
+    _refusal(args, _dims(), cfg, "data.native_resolution_pixels")
+    cfg = JobConfig()
+    cfg.parallelism.cp_comm_type = "a2a"
+    _refusal(args, _dims(cp=3), cfg, "parallelism.cp_comm_type")
+    heads = DecoderArgs(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=3, ffn_dim=96, vocab_size=300, qkv_bias=True
+    )
+    _refusal(Qwen25VLArgs(decoder=heads), _dims(), JobConfig(), "n_kv_heads")
+
+
+def test_validate_job_runs_the_family_s_checks() -> None:
+    """Through validate.py's validate_job (the registry's qwen2_5_vl ModelSpec): the defaults
+    pass, tensor parallelism is refused in one line."""
+    cfg = JobConfig()
+    cfg.model.name = "qwen2_5_vl"
+    assert validate_job(cfg, 1) == _dims()
+    cfg.parallelism.tensor_parallel_degree = 2
+    with pytest.raises(ConfigError, match="tensor_parallel_degree=2 is not yet for qwen2_5_vl"):
+        validate_job(cfg, 2)
+
+
+def _write_tokenizer(path: Path, words: int) -> None:
+    """A WordLevel tokenizer.json of `words` words and Qwen's end-of-turn token."""
+    vocab = {f"w{i}": i for i in range(words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
+    tok.save(str(path))
+
+
+def test_the_tokenizer_must_fit_the_embeddings(tmp_path: Path) -> None:
+    args = Qwen25VLArgs()  # 300 embeddings
+    small, large = tmp_path / "small.json", tmp_path / "large.json"
+    _write_tokenizer(small, 200)
+    _write_tokenizer(large, 400)
+    cfg = JobConfig()
+    cfg.model.tokenizer_path = str(small)
+    validate(args, _dims(), cfg)
+    cfg.model.tokenizer_path = str(large)
+    assert "403 ids" in _refusal(args, _dims(), cfg, "model.tokenizer_path")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    cfg = JobConfig()
+    cfg.model.hf_path = str(folder)
+    validate(args, _dims(), cfg)  # no tokenizer.json in the folder: unchecked
+    _write_tokenizer(folder / "tokenizer.json", 400)
+    config = {"tokenizer_class": "TokenizersBackend", "eos_token": "<|im_end|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    _refusal(args, _dims(), cfg, "model.hf_path")
+
+
+def test_parallelize_takes_the_family_s_model() -> None:
+    with pytest.raises(TypeError, match="Qwen25VL"):
+        parallelize(nn.Linear(2, 2), None, JobConfig())  # type: ignore[arg-type]
