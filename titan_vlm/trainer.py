@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_vlm.checkpoint import Checkpointer
 from titan_vlm.config import JobConfig
-from titan_vlm.data import build_dataset, model_inputs
+from titan_vlm.data import build_dataset
 from titan_vlm.data.image_batch import num_images
 from titan_vlm.distributed import dist_max, dist_sum, local_tensor
 from titan_vlm.errors import UserError
@@ -104,7 +104,7 @@ class Trainer(Stateful):
         self.data = build_dataset(
             cfg,
             self.args,
-            *model_inputs(cfg),
+            *self.spec.inputs(cfg),
             log_startup=dist.get_rank() == 0,
             log_batches=mesh.cp.get_local_rank() == 0 and mesh.tp.get_local_rank() == 0,
             rule=rule,

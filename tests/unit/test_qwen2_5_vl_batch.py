@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_qwen2_5_vl_model import END, START, TOL, relative_error, save_qwen, text, token_types
+from hf_folders import END, START, save_qwen
+from test_qwen2_5_vl_model import TOL, relative_error, text, token_types
 
 from titan_vlm.data.batch import Sample, collate
 from titan_vlm.models.qwen2_5_vl.images import MROPE_POSITIONS, QwenRule, QwenVisuals

@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 import torch
+from hf_folders import END, IMAGE, START, VIDEO, VOCAB, save_qwen
 from safetensors import safe_open
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import Qwen2_5_VLConfig
 
 from titan_vlm.errors import ConfigError
 from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs
@@ -40,54 +41,11 @@ from titan_vlm.models.qwen2_5_vl.mrope import batch_rope_index, mrope_cos_sin, r
 from titan_vlm.models.qwen2_5_vl.vision import VisionTower, window_geometry
 
 TOL = 1e-5
-VOCAB = 300
-IMAGE, VIDEO, START, END = 290, 291, 292, 293
 PATCH_DIM = 3 * 2 * 14 * 14  # channels * temporal_patch_size * patch_size^2
 IMAGE_GRIDS = torch.tensor([[1, 4, 6], [1, 8, 4]])  # 6 and 8 merged tokens
 VIDEO_GRIDS = torch.tensor([[2, 4, 8]])  # 16 merged tokens
 # seconds per temporal patch: tokens_per_second 2 makes the frames' temporal step 2.5 -> 2
 SECONDS = torch.tensor([1.25])
-
-VISION = dict(
-    depth=4,
-    hidden_size=32,
-    num_heads=2,
-    intermediate_size=48,
-    out_hidden_size=64,
-    fullatt_block_indexes=[1, 3],
-    window_size=56,
-    tokens_per_second=2,
-)
-TEXT = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=96,
-    vocab_size=VOCAB,
-    rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
-    bos_token_id=None,
-    eos_token_id=None,
-)
-
-
-def save_qwen(folder: Path, tie: bool = False) -> Qwen2_5_VLForConditionalGeneration:
-    torch.manual_seed(0)
-    config = Qwen2_5_VLConfig(
-        vision_config=VISION,
-        text_config=TEXT,
-        image_token_id=IMAGE,
-        video_token_id=VIDEO,
-        vision_start_token_id=START,
-        vision_end_token_id=END,
-        tie_word_embeddings=tie,
-    )
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    with torch.no_grad():  # off the initial values: a bias or norm not loaded would show
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(folder)
-    return model
 
 
 @pytest.fixture(scope="module")

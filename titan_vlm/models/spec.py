@@ -20,6 +20,8 @@ this interface and never reach into module names:
                 length, vocabulary; validate.py runs it before any process group exists)
     data_rule   how its images take slots and travel in a batch, and its per-slot data (e.g.
                 M-RoPE positions): what the dataset collates with (data/image_batch.py)
+    inputs      its tokenizer and processor for the config (data/__init__.py model_inputs for a
+                LLaVA folder)
 
 The module `build` returns is a `VisionLanguageModel`: the few verbs the trainer, context
 parallelism (parallel/context_parallel.py) and generate.py use on it (encode the images, decode
@@ -51,7 +53,9 @@ import torch.nn as nn
 if TYPE_CHECKING:
     from titan_vlm.config import JobConfig
     from titan_vlm.data.batch import Batch, SlotData
+    from titan_vlm.data.hf_processor import HFProcessor
     from titan_vlm.data.image_batch import ImageRule, Images
+    from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
     from titan_vlm.layout import LayoutCost, SeqLayout
     from titan_vlm.models.loading import Init
     from titan_vlm.parallel_dims import Mesh, ParallelDims
@@ -171,3 +175,6 @@ class ModelSpec:
     # how the family's images take slots and travel in a batch (None: each at the model's size,
     # tokens_per_image slots) and its per-slot data of a sample (None: none): the dataset's
     data_rule: Callable[[Any, JobConfig], tuple[ImageRule | None, SlotData | None]]
+    # the tokenizer the job's text is encoded with, and the folder's processor (chat template,
+    # image preprocessing) where the family reads a dataset file through one (else None)
+    inputs: Callable[[JobConfig], tuple[ByteTokenizer | HFTokenizer, HFProcessor | None]]

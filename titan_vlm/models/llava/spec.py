@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from titan_vlm.config import JobConfig
-from titan_vlm.data import native_resolution
+from titan_vlm.data import model_inputs, native_resolution
 from titan_vlm.data.batch import SlotData
 from titan_vlm.data.image_batch import ImageRule
 from titan_vlm.errors import ConfigError
@@ -177,4 +177,5 @@ LLAVA = ModelSpec(
     layout_cost=layout_cost,
     validate=validate,
     data_rule=data_rule,
+    inputs=model_inputs,
 )

@@ -61,6 +61,9 @@ from titan_vlm.files import read_json
 if TYPE_CHECKING:
     from PIL import Image as PILImage
 
+    from titan_vlm.config import JobConfig
+    from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
+
 Grid = tuple[int, int, int]  # (t, h, w): frames / temporal_patch_size, patch rows, patch columns
 
 IMAGE_TOKEN = "<|image_pad|>"  # Qwen2_5_VLProcessor's placeholders where the tokenizer names none
@@ -631,3 +634,18 @@ class QwenVLProcessor:
         return expand_ids(
             ids, image_grids, video_grids, self.tokens, self.image.merge_size, self.video.merge_size
         )
+
+
+def model_inputs(cfg: JobConfig) -> tuple[ByteTokenizer | HFTokenizer, None]:
+    """The tokenizer the job's text is encoded with (ModelSpec.inputs): model.tokenizer_path's;
+    else model.hf_path's, as transformers loads it, where the folder has a tokenizer.json; else the
+    built-in byte tokenizer. No processor: the family reads no dataset file yet
+    (data.build_dataset refuses one for its images)."""
+    from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+
+    m = cfg.model
+    if m.tokenizer_path:
+        return build_tokenizer(m.tokenizer_path), None
+    if m.hf_path and (Path(m.hf_path) / "tokenizer.json").is_file():
+        return HFTokenizer.from_folder(m.hf_path), None
+    return ByteTokenizer(), None

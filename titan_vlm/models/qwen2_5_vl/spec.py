@@ -35,6 +35,7 @@ from titan_vlm.models.qwen2_5_vl.hf_config import args_from_hf_config
 from titan_vlm.models.qwen2_5_vl.images import QwenRule
 from titan_vlm.models.qwen2_5_vl.model import Qwen25VL
 from titan_vlm.models.qwen2_5_vl.parallelize import parallelize
+from titan_vlm.models.qwen2_5_vl.processor import model_inputs
 from titan_vlm.models.qwen2_5_vl.validate import validate
 from titan_vlm.models.spec import ModelSpec
 
@@ -121,4 +122,5 @@ QWEN2_5_VL = ModelSpec(
     layout_cost=layout_cost,
     validate=validate,
     data_rule=data_rule,
+    inputs=model_inputs,
 )

@@ -5,8 +5,6 @@ and the tokenizer's vocabulary. Each finding is a one-line ConfigError naming th
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError
 from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs
@@ -52,31 +50,16 @@ def validate(args: Qwen25VLArgs, dims: ParallelDims, cfg: JobConfig) -> None:
             f"'{flavor}' to divide by context_parallel_degree={dims.cp}"
         )
     vocab = tokenizer_vocab(cfg)
-    if vocab is not None and vocab > d.vocab_size:
+    if vocab > d.vocab_size:
         key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.hf_path"
         raise ConfigError(
             f"{key}: the tokenizer has {vocab} ids, flavor '{flavor}' embeds {d.vocab_size}"
         )
 
 
-def tokenizer_vocab(cfg: JobConfig) -> int | None:
-    """The vocabulary size (highest id + 1) of the tokenizer the job's text would be encoded
-    with, or None where that is not known here.
+def tokenizer_vocab(cfg: JobConfig) -> int:
+    """The vocabulary size of the tokenizer the job's text is encoded with (the family's
+    model_inputs: not data.model_inputs, whose LLaVA processor a Qwen2.5-VL folder is not)."""
+    from titan_vlm.models.qwen2_5_vl.processor import model_inputs
 
-    Not data.model_inputs, as the llava family does: for a Qwen2.5-VL folder it builds a LLaVA
-    HFProcessor, which fails (no vision_config.image_size in the config.json, no '<image>'
-    token). Instead, in model_inputs' order: model.tokenizer_path's tokenizer.json; else
-    model.hf_path's tokenizer as transformers loads it (HFTokenizer.from_folder), if the folder
-    has a tokenizer.json (without one: None, unchecked; whatever tokenizer the data path then
-    uses is its own check); else the built-in byte tokenizer."""
-    from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
-
-    m = cfg.model
-    if m.tokenizer_path:
-        return build_tokenizer(m.tokenizer_path).vocab_size
-    if m.hf_path:
-        folder = Path(m.hf_path)
-        if folder.is_dir() and (folder / "tokenizer.json").is_file():
-            return HFTokenizer.from_folder(folder).vocab_size
-        return None
-    return ByteTokenizer.vocab_size
+    return model_inputs(cfg)[0].vocab_size
