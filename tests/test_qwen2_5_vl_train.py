@@ -1,7 +1,9 @@
-"""The user's command on a Qwen2.5-VL folder that transformers wrote: ./run_train.sh with
+"""The user's commands on a Qwen2.5-VL folder that transformers wrote: ./run_train.sh with
 model.flavor = "hf" and model.hf_path trains it at CP=2 on the built-in data (images of one
 window, M-RoPE positions per sample), and its first step's loss equals one process's loss of the
-same batch, computed here from the folder through the family's ModelSpec and forward_local."""
+same batch, computed here from the folder through the family's ModelSpec and forward_local; the
+checkpoint exports (--export-hf) to a folder transformers' from_pretrained loads with no missing
+or unexpected tensor, holding the trained weights, and computing what titan_vlm computes."""
 
 import json
 import subprocess
@@ -9,8 +11,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from cli import python_m
 from hf_folders import save_qwen
+from transformers import Qwen2_5_VLForConditionalGeneration
 
+from titan_vlm.checkpoint import load_model_for_inference
 from titan_vlm.config import load_config
 from titan_vlm.data import build_dataset
 from titan_vlm.data.batch import IGNORE_INDEX
@@ -28,7 +33,6 @@ def test_cp2_trains_a_qwen_folder_from_its_first_step_on(tmp_path):
         "--model.flavor=hf",
         f"--model.hf_path={folder}",
         "--training.steps=3",
-        "--checkpoint.enable=false",
         f"--job.dump_folder={tmp_path / 'run'}",
     ]
     out = subprocess.run(
@@ -54,3 +58,23 @@ def test_cp2_trains_a_qwen_folder_from_its_first_step_on(tmp_path):
         logits, labels, _ = model.forward_local(batch, CPContext())
     want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
     assert abs(steps[0]["loss"] - want.item()) / want.item() < 1e-5, (steps[0]["loss"], want)
+
+    # the trained checkpoint, exported to the source's format, loads in transformers
+    export = tmp_path / "exported"
+    done = python_m(
+        "titan_vlm.checkpoint", "--export-hf", str(tmp_path / "run" / "checkpoint"), str(export)
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    hf, info = Qwen2_5_VLForConditionalGeneration.from_pretrained(export, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensor
+    trained, _ = load_model_for_inference(tmp_path / "run" / "checkpoint")
+    source = from_hf_folder(folder)
+    name = "decoder.layers.0.attention.wq.weight"
+    theirs = dict(hf.named_parameters())["model.language_model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(theirs, dict(trained.named_parameters())[name])
+    assert not torch.equal(theirs, dict(source.named_parameters())[name])  # it did train
+    exported = from_hf_folder(export)
+    with torch.no_grad():
+        ours, _, _ = exported.forward_local(batch, CPContext())
+        again, _, _ = trained.forward_local(batch, CPContext())
+    assert torch.equal(ours, again)
