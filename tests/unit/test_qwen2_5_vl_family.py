@@ -23,16 +23,12 @@ from titan_vlm.models.common.text_args import DecoderArgs
 from titan_vlm.models.llava.args import VLMArgs
 from titan_vlm.models.llava.flops import layout_cost as llava_layout_cost
 from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs, VisionArgs
-from titan_vlm.models.qwen2_5_vl.flops import (
-    batch_train_flops,
-    image_train_flops,
-    layout_cost,
-    vision_patch_flops,
-)
+from titan_vlm.models.qwen2_5_vl.flops import batch_train_flops, layout_cost
 from titan_vlm.models.qwen2_5_vl.images import QwenRule, QwenVisuals
 from titan_vlm.models.qwen2_5_vl.parallelize import parallelize
 from titan_vlm.models.qwen2_5_vl.validate import validate
 from titan_vlm.models.qwen2_5_vl.vision import VisionTower, window_geometry
+from titan_vlm.models.qwen2_5_vl.vision_cost import image_train_flops, vision_patch_flops
 from titan_vlm.parallel.context_parallel import CPContext
 from titan_vlm.parallel_dims import ParallelDims
 from titan_vlm.validate import validate_job
@@ -286,3 +282,23 @@ def test_the_tokenizer_must_fit_the_embeddings(tmp_path: Path) -> None:
 def test_parallelize_takes_the_family_s_model() -> None:
     with pytest.raises(TypeError, match="Qwen25VL"):
         parallelize(nn.Linear(2, 2), None, JobConfig())  # type: ignore[arg-type]
+
+
+def test_an_images_work_prices_its_attention_as_it_is() -> None:
+    """QwenVisuals.work is each image's whole tower cost in units of one patch's matmuls, so the
+    CP cost model and cp_vision = "shard" see a large frame's full attention: an image of 192
+    patches in one frame outweighs three of 64 (8x8-patch grids), and shard deals it alone,
+    where dealing by patch counts would give its rank a small image too."""
+    from titan_vlm.parallel.context_parallel import image_shard_sizes
+
+    args = Qwen25VLArgs()
+    rule = QwenRule(args)
+    big = torch.zeros(3, 224, 168)  # grid (1, 16, 12): 192 patches
+    visuals = QwenVisuals((big, *[torch.zeros(3, 112, 112)] * 4), rule)  # + 4 x 64 patches
+    unit = vision_patch_flops(args.vision)
+    assert visuals.work() == [image_train_flops(args, g) / unit for g in visuals.grids()]
+    patches = [t * h * w for t, h, w in visuals.grids()]
+    assert patches == [192, 64, 64, 64, 64]
+    assert visuals.work()[0] > 3 * visuals.work()[1]
+    assert image_shard_sizes(visuals.patches(), 2) == [1, 4]  # by cost
+    assert image_shard_sizes(patches, 2) == [2, 3]  # by patches alone: the control

@@ -12,10 +12,10 @@ softmax are left out, as in the llava family's models/llava/flops.py):
               attention per query-key pair of a block: 4 * hidden_size, over each window of a
               window block and each frame of a full-attention block (`image_train_flops`)
 
-The unit of the family's image work is the PATCH (images.py QwenVisuals.work: t * h * w per
-image or video), so `LayoutCost.image` is one patch's cost, and linear only: an image's
-attention depends on its grid's shape, not on its patch count alone, so the CP cost model does
-not price it (`image_train_flops` does, exactly).
+The unit of the family's image work is one patch's matmuls (`LayoutCost.image`), and an image's
+work (images.py QwenVisuals.work) is its whole tower cost in that unit, its window and full
+attention included (vision_cost.py image_train_flops): so the CP cost model and cp_vision =
+"shard" price each image as it is.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from titan_vlm.data.batch import Batch
 from titan_vlm.data.image_batch import Images
 from titan_vlm.layout import LayoutCost, SeqLayout
 from titan_vlm.models.common.text_args import DecoderArgs
-from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs, VisionArgs
+from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs
 from titan_vlm.models.qwen2_5_vl.images import QwenVisuals
 from titan_vlm.models.qwen2_5_vl.mrope import Grid  # (t, h, w) in patches
+from titan_vlm.models.qwen2_5_vl.vision_cost import image_train_flops, vision_patch_flops
 
 
 def decoder_slot_flops(d: DecoderArgs) -> float:
@@ -46,62 +47,6 @@ def decoder_pair_flops(d: DecoderArgs) -> float:
     return 3.0 * d.n_layers * 4 * d.n_heads * d.head_dim
 
 
-def vision_patch_flops(v: VisionArgs) -> float:
-    """Forward + backward FLOPs of the vision tower's matmuls per patch (attention excluded):
-    the patch embedding (patch_dim x hidden), in each of `depth` blocks the fused qkv
-    (hidden x 3*hidden), proj (hidden x hidden) and the gated MLP (w1, w3: hidden x
-    intermediate; w2: intermediate x hidden), and the merger's share: its fc1
-    (m^2*hidden x m^2*hidden) and fc2 (m^2*hidden x out_hidden_size) run once per merge unit of
-    m^2 patches. 2 FLOPs per weight, times 3."""
-    h, mu = v.hidden_size, v.merge_unit
-    embed = v.patch_dim * h
-    block = 3 * h * h + h * h + 3 * h * v.intermediate_size
-    wide = mu * h  # the merger's input: a unit's m^2 patches concatenated
-    merger = (wide * wide + wide * v.out_hidden_size) / mu
-    return 3.0 * 2 * (embed + v.depth * block + merger)
-
-
-def _full_blocks(v: VisionArgs) -> int:
-    """Blocks that attend over each whole frame (the rest attend over windows)."""
-    return len(set(v.fullatt_block_indexes) & set(range(v.depth)))
-
-
-def _sum_of_squares_of_cuts(units: int, side: int) -> int:
-    """sum of n^2 over the pieces of a row of `units` merge units cut into pieces of `side`
-    from its start (the last piece shorter)."""
-    full, rest = divmod(units, side)
-    return full * side * side + rest * rest
-
-
-def window_pairs(v: VisionArgs, grid: Grid) -> int:
-    """Query-key pairs of ONE window block on a grid (t, h, w) of patches: each frame's merge
-    units (h/m x w/m) cut into windows of window_units x window_units units from the frame's
-    top-left corner (the last row and column of windows smaller), a window of n patches
-    n^2 pairs. A window's unit counts are a product of its row and column cuts, so the sum over
-    windows factors: m^4 * sum(rows^2) * sum(columns^2) per frame."""
-    t, h, w = grid
-    m, side = v.spatial_merge_size, v.window_units
-    rows = _sum_of_squares_of_cuts(h // m, side)
-    cols = _sum_of_squares_of_cuts(w // m, side)
-    return t * m**4 * rows * cols
-
-
-def frame_pairs(grid: Grid) -> int:
-    """Query-key pairs of ONE full-attention block on a grid (t, h, w): each of the t frames
-    attends over itself, (h*w)^2 pairs."""
-    t, h, w = grid
-    return t * (h * w) ** 2
-
-
-def image_attention_flops(v: VisionArgs, grid: Grid) -> float:
-    """Forward + backward FLOPs of the tower's attention on one image / video of grid
-    (t, h, w): window blocks' `window_pairs`, full-attention blocks' `frame_pairs`, 4 *
-    hidden_size FLOPs a pair (QK^T and AV over all heads), times 3."""
-    full = _full_blocks(v)
-    pairs = (v.depth - full) * window_pairs(v, grid) + full * frame_pairs(grid)
-    return 3.0 * 4 * v.hidden_size * pairs
-
-
 def layout_cost(args: Qwen25VLArgs) -> LayoutCost:
     """The CP cost model's weights (layout.LayoutCost), in forward + backward FLOPs: `slot` per
     decoder slot (`decoder_slot_flops`), `pair` per decoder query-key pair
@@ -113,16 +58,6 @@ def layout_cost(args: Qwen25VLArgs) -> LayoutCost:
         pair=decoder_pair_flops(args.decoder),
         image=vision_patch_flops(args.vision),
     )
-
-
-def image_train_flops(args: Qwen25VLArgs, grid: Grid) -> float:
-    """Forward + backward FLOPs of the vision tower (patch embedding, blocks, merger) on one image
-    or video of patch grid (t, h, w): `vision_patch_flops` per patch times t*h*w, plus its
-    attention counted exactly (`image_attention_flops`). The decoder's work on its slots is not
-    included (`batch_train_flops` adds it)."""
-    t, h, w = grid
-    v = args.vision
-    return vision_patch_flops(v) * t * h * w + image_attention_flops(v, grid)
 
 
 def batch_grids(args: Qwen25VLArgs, images: Images) -> list[Grid]:

@@ -11,7 +11,8 @@ are made on the device, in encode_images: a reshape and a permute of these pixel
     QwenRule     how they take slots (from a decoded part, or from a file header's size through
                  smart_resize), how a batch holds them (QwenVisuals), and each sample's M-RoPE
                  positions [3, slots] (`positions`: the family's per-slot data, Batch.slot_data)
-    QwenVisuals  a batch's images and videos in batch order; its `work` is in patches
+    QwenVisuals  a batch's images and videos in batch order; its `work` is its tower cost in
+                 units of one patch's matmuls (attention included)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from titan_vlm.data.image_batch import ImageRule, Images, ImageSet
 from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs
 from titan_vlm.models.qwen2_5_vl.mrope import Grid, vision_positions
 from titan_vlm.models.qwen2_5_vl.processor import DEFAULT_FPS, smart_resize
+from titan_vlm.models.qwen2_5_vl.vision_cost import image_train_flops, vision_patch_flops
 
 # Batch.slot_data key of the rows' M-RoPE positions [3, B, S] (the model reads the local slots'
 # [3, B, L] from SeqLayout.slot_data under the same key)
@@ -101,8 +103,8 @@ class QwenRule(ImageRule):
 @dataclass(frozen=True)
 class QwenVisuals(ImageSet):
     """A batch's decoded images ([C, H, W]) and videos ([T, C, H, W]) in batch order (module
-    docstring), possibly none (a CP rank's empty share). `work` counts patches (the unit of
-    the family's LayoutCost.image: flops.py)."""
+    docstring), possibly none (a CP rank's empty share). `work` is in units of one patch's
+    matmuls (the family's LayoutCost.image: flops.py), attention included."""
 
     tensors: tuple[torch.Tensor, ...]
     rule: QwenRule
@@ -133,7 +135,13 @@ class QwenVisuals(ImageSet):
         return [self.rule.args.vision.tokens(*g) for g in self.grids()]
 
     def patches(self) -> list[int]:
-        return [t * h * w for t, h, w in self.grids()]
+        """What cp_vision = "shard" balances: each image's tower cost (`work`), rounded."""
+        return [round(w) for w in self.work()]
 
     def work(self) -> list[float]:
-        return [float(n) for n in self.patches()]
+        """Each image's tower cost (vision_cost.image_train_flops: its patches' matmuls and its
+        window and full attention as they are) in units of one patch's matmuls, what the
+        family's LayoutCost.image prices."""
+        a = self.rule.args
+        unit = vision_patch_flops(a.vision)
+        return [image_train_flops(a, g) / unit for g in self.grids()]
