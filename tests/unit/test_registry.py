@@ -51,3 +51,13 @@ def test_a_built_in_flavor_ignores_a_folders_model_type(tmp_path):
     # a built-in flavor names its family; the folder must then match it (llava_args checks)
     Qwen2_5_VLConfig().save_pretrained(tmp_path)
     assert family_name(_cfg("debug", str(tmp_path))) == "llava"
+
+
+def test_the_planner_refuses_a_family_it_does_not_price_in_one_line(capsys):
+    from titan_vlm.plan.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--config", "train_configs/vlm_cp.toml", "--model.name=qwen2_5_vl"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "qwen2_5_vl models are not priced yet" in err

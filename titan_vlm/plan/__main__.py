@@ -17,6 +17,7 @@ import sys
 from typing import get_args
 
 from titan_vlm.config import ConfigError, CPCommType, JobConfig, load_config, world_size_of
+from titan_vlm.models.llava.args import VLMArgs
 from titan_vlm.models.registry import model_spec
 from titan_vlm.plan.comm import cp_attention_bytes
 from titan_vlm.plan.cost import EFFICIENCY, Plan, make_plan, span
@@ -162,6 +163,11 @@ def main(argv: list[str] | None = None) -> None:
         gpn = opts.gpus_per_node or hw.gpus_per_node
         world = world_of(opts, cfg, gpn)
         spec = model_spec(cfg)
+        if not isinstance(spec.args(cfg), VLMArgs):
+            raise ConfigError(
+                f"model.name: the planner prices the llava family's shapes; {spec.name} "
+                "models are not priced yet (docs/limits.md)"
+            )
         args = spec.args(cfg)  # a flavor or a Hugging Face folder
         shapes = model_shapes(args)
         t = cfg.training
