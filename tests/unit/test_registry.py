@@ -4,6 +4,8 @@ does not have is refused in one line naming the file, its model_type and the fam
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from transformers import LlavaConfig, Qwen2_5_VLConfig, Qwen3VLConfig
 
@@ -57,7 +59,8 @@ def test_the_planner_refuses_a_family_it_does_not_price_in_one_line(capsys):
     from titan_vlm.plan.__main__ import main
 
     with pytest.raises(SystemExit) as e:
-        main(["--config", "train_configs/vlm_cp.toml", "--model.name=qwen2_5_vl"])
+        config = Path(__file__).parents[2] / "train_configs" / "vlm_cp.toml"
+        main(["--config", str(config), "--model.name=qwen2_5_vl"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "qwen2_5_vl models are not priced yet" in err
