@@ -1,5 +1,14 @@
+import sys
+from pathlib import Path
+
 import pytest
-from dist_pool import DistPools
+
+# The fast tier's modules (tests/unit) hold helpers the other tests share (packed rows, the
+# thread group of test_cp_attention, test_hf_processor's folders): importable from every test
+# whatever order pytest collects the files in.
+sys.path.insert(0, str(Path(__file__).parent / "unit"))
+
+from dist_pool import DistPools  # noqa: E402
 
 COMPILE_BACKENDS = ("none", "aot_eager", "inductor")
 
