@@ -72,11 +72,13 @@ def build_dataset(
     `batch(step, dp_rank, dp_size, local_batch_size)` (rows numbered globally, so the step is the
     data position: data/dataset.py) and carry the counters the metrics report (bad_at_startup,
     truncated, dropped).
-    `processor`: a Hugging Face folder's (`model_inputs`): a dataset file's conversations in its
-    chat template and images preprocessed as it says.
+    `processor`: a Hugging Face folder's (`model_inputs`, or the family's ModelSpec.inputs): a
+    dataset file's conversations in its chat template and images preprocessed as it says.
     log_startup / log_batches: which warnings this rank logs (JsonlDataset).
     `rule`, `slot_data`: the family's (ModelSpec.data_rule): how its images of their own sizes
-    take slots and travel (None: every image at the model's size), its per-slot data."""
+    take slots and travel (None: every image at the model's size), its per-slot data. A dataset
+    file's images under a rule that is not NativeResolution (a family that sizes its images
+    itself) are read through the folder's processor, whose images keep their own sizes."""
     from titan_vlm.data.images import NativeResolution
     from titan_vlm.data.jsonl import JsonlDataset
     from titan_vlm.data.synthetic import SyntheticCaptions
@@ -97,10 +99,12 @@ def build_dataset(
             rule=rule,
             slot_data=slot_data,
         )
-    if not (rule is None or isinstance(rule, NativeResolution)) or slot_data is not None:
+    own_sizes = rule is not None and not isinstance(rule, NativeResolution)
+    if own_sizes and (processor is None or processor.image_size is not None):
         raise ConfigError(
-            f"data.dataset={d.dataset!r}: a dataset file's images for model family "
-            f"{type(rule).__name__} are not read yet (data.dataset = 'synthetic' is)"
+            f"data.dataset={d.dataset!r}: a dataset file's images for {type(rule).__name__} are "
+            "read through model.hf_path's processor: set it to a folder with tokenizer.json and "
+            "processor settings (preprocessor_config.json or processor_config.json)"
         )
     return JsonlDataset(
         d.dataset,
@@ -118,7 +122,8 @@ def build_dataset(
         log_batches=log_batches,
         processor=processor,
         max_frames=d.max_frames,
-        native=rule,
+        rule=rule,
+        slot_data=slot_data,
     )
 
 

@@ -2,6 +2,12 @@
 the image preprocessing, each computing what transformers' processor (LlavaProcessor with a
 CLIPImageProcessor or SiglipImageProcessor) computes on the same folder.
 
+The tokenizer and chat-template half is shared by every family; the image half is pluggable
+(`FolderVision`): LLaVA's (`LlavaVision`, every image at the folder's fixed size, a video as its
+frames, each one image) is `HFProcessor.from_folder`'s; another family builds an HFProcessor with
+its own (`HFProcessor.with_vision`: e.g. models/qwen2_5_vl/processor.py `chat_processor`, images
+at their own sizes and a video as one part at its `<|video_pad|>` token).
+
     proc = HFProcessor.from_folder("llava-1.5-7b-hf")
     proc.encode("USER: <image>\\nWhat is this? ASSISTANT:")   # input ids, one <image> per image
     proc.prompt_parts("USER: <image>\\nWhat is this? ASSISTANT:", [proc.preprocess_image(path)])
@@ -9,7 +15,9 @@ CLIPImageProcessor or SiglipImageProcessor) computes on the same folder.
     proc.conversation_parts(turns, images)                     # a training sample, loss on answers
 
 Sample parts (data/batch.py) hold one image as one part; `input_ids(parts, n)` writes each image
-as n image tokens, as the processor's input_ids do (n: the model's tokens per image).
+as n image tokens, as the processor's input_ids do (n: the model's tokens per image). Where the
+image half reads videos whole, a video is one part too (data/images.py VideoRef before decoding,
+[T, 3, H, W] after), cut at the video token.
 
 Files read (a folder as `save_pretrained` writes it; a missing one is a one-line ConfigError
 naming the folder and file): tokenizer.json and tokenizer_config.json (special_tokens_map.json
@@ -32,7 +40,10 @@ instead, whose numbers differ from Pillow's by up to a few 1e-2.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,7 +52,7 @@ import torch
 
 from titan_vlm.data.batch import Part, Prompt, is_image
 from titan_vlm.data.chat import PLACEHOLDER
-from titan_vlm.data.images import ImageProcessing, open_image
+from titan_vlm.data.images import ImageProcessing, VideoRef, open_image
 from titan_vlm.data.tokenizer import HFTokenizer
 from titan_vlm.errors import ConfigError
 from titan_vlm.files import read_json
@@ -83,26 +94,117 @@ COMMON_DEFAULTS = {
 }
 
 
+VIDEO = "<video>"  # where a record's video goes (data/records.py), a {"type": "video"} item
+
+
 class ChatError(ValueError):
     """A conversation this folder's chat template cannot turn into a sample (a bad record)."""
 
 
+class FolderVision(ABC):
+    """The image half of a folder's processor, one per family: how an image (and, for a family
+    that reads videos whole, a video's frames) becomes the pixels its model takes.
+
+    `image_size`: every image's side where the processor fixes it (LLaVA), None where images keep
+    their own sizes (the family's ImageRule.fit sizes them from their headers and the pixels are
+    made at that size). `tokens_per_image`: what the settings imply, None where they do not say.
+    `video_token` / `video_token_id`: the token the chat template writes for a {"type": "video"}
+    item, where the family reads a video whole (one part, [T, 3, H, W] pixels); None: a video is
+    its frames, each one image."""
+
+    image_size: int | None = None
+    tokens_per_image: int | None = None
+    video_token: str | None = None
+    video_token_id: int | None = None
+
+    @abstractmethod
+    def image(self, image: PILImage.Image, size: tuple[int, int] | None) -> torch.Tensor:
+        """One opened image as pixels [3, H, W] float32; `size`: the (H, W) to make it (None:
+        the processor's own choice)."""
+
+    def video(self, frames: list[PILImage.Image], size: tuple[int, int] | None) -> torch.Tensor:
+        """A video's opened frames (one size) as pixels [T, 3, H, W] float32, each frame at
+        `size` (None: the processor's choice for the frames' size)."""
+        raise ValueError("this model folder's processor reads a video as its frames")
+
+
+@dataclass(frozen=True)
+class LlavaVision(FolderVision):
+    """A LLaVA folder's image half: transformers' CLIP / SigLIP image processor (data/images.py
+    ImageProcessing) makes every image `image_size` square (the model's input size, config.json
+    vision_config.image_size). `tokens_per_image`: what the folder's processor settings imply
+    (patch_size, num_additional_image_tokens, vision_feature_select_strategy), None where they
+    do not say; the model decides."""
+
+    processing: ImageProcessing
+    image_size: int
+    tokens_per_image: int | None
+
+    def image(self, image: PILImage.Image, size: tuple[int, int] | None) -> torch.Tensor:
+        return self.processing(image)
+
+
 @dataclass
 class HFProcessor:
-    """A model folder's input side (see the module docstring). `tokens_per_image`: what the
-    folder's processor settings imply (patch_size, num_additional_image_tokens,
-    vision_feature_select_strategy), None where they do not say; the model decides."""
+    """A model folder's input side (see the module docstring): the shared tokenizer and chat
+    template, and the family's image half `vision`."""
 
     folder: str
     tokenizer: HFTokenizer
     image_token: str
     image_token_id: int
-    image_processing: ImageProcessing
-    image_size: int  # the model's input size, config.json vision_config.image_size
-    tokens_per_image: int | None
     chat_template: str | None
     template_file: str  # where the chat template came from, for errors
     template_is_tokenizers: bool  # from tokenizer_config.json (see the module docstring)
+    vision: FolderVision
+
+    @property
+    def image_size(self) -> int | None:
+        """Every image's side where the processor fixes it (LLaVA's: config.json
+        vision_config.image_size), None where images keep their own sizes."""
+        return self.vision.image_size
+
+    @property
+    def tokens_per_image(self) -> int | None:
+        return self.vision.tokens_per_image
+
+    @property
+    def image_processing(self) -> ImageProcessing:
+        """A LLaVA folder's image processor settings."""
+        if not isinstance(self.vision, LlavaVision):
+            raise AttributeError(f"{self.folder}: not a LLaVA folder's image processor")
+        return self.vision.processing
+
+    @property
+    def video_token_id(self) -> int | None:
+        """The video token's id where a video is one part (FolderVision), else None."""
+        return self.vision.video_token_id
+
+    @classmethod
+    def with_vision(
+        cls,
+        path: str | Path,
+        processor: dict,
+        tokenizer: HFTokenizer,
+        image_token: str,
+        vision: FolderVision,
+    ) -> HFProcessor:
+        """A folder's processor with the image half `vision`: its chat template (found as the
+        module docstring says; `processor`: its processor_config.json, or {}), `tokenizer`
+        (HFTokenizer.from_folder with `image_token`, whose id is its IMAGE)."""
+        template, template_file = _chat_template(Path(path), processor)
+        if template is not None:
+            _compiled(template, template_file)  # a syntax error is the file's, not a sample's
+        return cls(
+            folder=str(path),
+            tokenizer=tokenizer,
+            image_token=image_token,
+            image_token_id=tokenizer.IMAGE,
+            chat_template=template,
+            template_file=template_file,
+            template_is_tokenizers=template_file.endswith("tokenizer_config.json"),
+            vision=vision,
+        )
 
     @classmethod
     def from_folder(cls, path: str) -> HFProcessor:
@@ -143,21 +245,8 @@ class HFProcessor:
                 f"{_describe_size(processing)}, config.json's vision_config.image_size is "
                 f"{image_size}"
             )
-        template, template_file = _chat_template(folder, processor)
-        if template is not None:
-            _compiled(template, template_file)  # a syntax error is the file's, not a sample's
-        return cls(
-            folder=str(path),
-            tokenizer=tokenizer,
-            image_token=image_token,
-            image_token_id=image_token_id,
-            image_processing=processing,
-            image_size=image_size,
-            tokens_per_image=_tokens_per_image(processor, image_size),
-            chat_template=template,
-            template_file=template_file,
-            template_is_tokenizers=template_file.endswith("tokenizer_config.json"),
-        )
+        vision = LlavaVision(processing, image_size, _tokens_per_image(processor, image_size))
+        return cls.with_vision(path, processor, tokenizer, image_token, vision)
 
     # -- text ------------------------------------------------------------------------------
 
@@ -216,9 +305,15 @@ class HFProcessor:
         text = self.render(messages, add_generation_prompt=True)
         return self._parts(text, images, self.add_special_tokens(text), trained=[])
 
+    @property
+    def reads_videos(self) -> bool:
+        """Whether a video is one part at the video token (else its frames, each one image)."""
+        return self.vision.video_token_id is not None
+
     def conversation_parts(self, turns: list[tuple[bool, str]], images: list[Part]) -> list[Part]:
-        """A LLaVA conversation (turns: (from the user?, text with `<image>` placeholders),
-        alternating from the user) as a training sample in the folder's chat template: the ids
+        """A LLaVA conversation (turns: (from the user?, text with `<image>` placeholders, and
+        `<video>` ones where the folder reads videos whole), alternating from the user) as a
+        training sample in the folder's chat template: the ids
         of the whole rendering (as apply_chat_template gives them), trained (plain lists) where a
         token lies entirely inside an assistant turn's span, context (Prompt) elsewhere.
 
@@ -228,7 +323,7 @@ class HFProcessor:
         each other and of the whole; a template for which they are not (one that rewrites
         earlier turns) is a ConfigError naming its file. A token that straddles a span's edge
         (e.g. a byte-level " USER" whose space ends the answer) is context."""
-        messages = [_message(from_user, text) for from_user, text in turns]
+        messages = [_message(from_user, text, self.reads_videos) for from_user, text in turns]
         full = self.render(messages, add_generation_prompt=False)
         spans: list[tuple[int, int]] = []
         for i, message in enumerate(messages):
@@ -254,15 +349,27 @@ class HFProcessor:
         add_special_tokens: bool,
         trained: list[tuple[int, int]],
     ) -> list[Part]:
-        """`text` tokenized whole, cut into parts: each image token becomes the next image,
-        tokens inside a `trained` character span plain lists, the rest Prompt."""
+        """`text` tokenized whole, cut into parts: each image token becomes the next image (of
+        `images`, the videos left out), each video token the next video, tokens inside a
+        `trained` character span plain lists, the rest Prompt."""
         enc = self.tokenizer.tok.encode(text, add_special_tokens=add_special_tokens)
-        count = enc.ids.count(self.image_token_id)
-        if count != len(images):
-            raise ChatError(
-                f"{count} image token(s) {self.image_token!r} for {len(images)} image(s)"
-            )
-        images = list(images)
+        queues: dict[int, list[Part]] = {
+            self.image_token_id: [p for p in images if not is_video(p)],
+        }
+        videos = [p for p in images if is_video(p)]
+        if self.vision.video_token_id is not None:
+            queues[self.vision.video_token_id] = videos
+        elif videos:
+            raise ChatError("a video part, and the folder's processor reads videos as frames")
+        for token_id, queue in queues.items():
+            count = enc.ids.count(token_id)
+            if count != len(queue):
+                kind, name = (
+                    ("image", self.image_token)
+                    if token_id == self.image_token_id
+                    else ("video", str(self.vision.video_token))
+                )
+                raise ChatError(f"{count} {kind} token(s) {name!r} for {len(queue)} {kind}(s)")
         parts: list[Part] = []
         run: list[int] = []
         run_trained = False
@@ -273,11 +380,11 @@ class HFProcessor:
                 run.clear()
 
         for token, (start, end) in zip(enc.ids, enc.offsets):
-            if token == self.image_token_id:
+            if token in queues:
                 if any(s <= start < e for s, e in trained):
                     raise ChatError("an image inside an assistant turn")
                 flush()
-                parts.append(images.pop(0))
+                parts.append(queues[token].pop(0))
                 continue
             is_trained = any(s <= start and end <= e for s, e in trained)
             if is_trained != run_trained:
@@ -290,14 +397,46 @@ class HFProcessor:
     # -- images ----------------------------------------------------------------------------
 
     def preprocess_image(
-        self, image: str | Path | PILImage.Image, max_pixels: int | None = None
+        self,
+        image: str | Path | PILImage.Image,
+        max_pixels: int | None = None,
+        size: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """An image file (path) or PIL image as the folder's image processor's pixel_values:
-        float32 [3, image_size, image_size]. `max_pixels`: as data/images.py open_image."""
+        float32 [3, image_size, image_size] (LLaVA), or [3, H, W] at `size` (a family whose
+        images keep their own sizes; None: the processor's choice). `max_pixels`: as
+        data/images.py open_image."""
         if isinstance(image, (str, Path)):
             with open_image(image, max_pixels) as img:
-                return self.image_processing(img)
-        return self.image_processing(image)
+                return self.vision.image(img, size)
+        return self.vision.image(image, size)
+
+    def preprocess_video(
+        self,
+        frames: Sequence[str | Path],
+        max_pixels: int | None = None,
+        size: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """A video's frame files (one size: else ValueError) as pixels [T, 3, H, W] float32,
+        each frame at `size` (None: the processor's choice), where the folder reads videos
+        whole (else ValueError). `max_pixels`: each frame's, as data/images.py open_image."""
+        if not frames:
+            raise ValueError("a video of no frames")
+        with ExitStack() as stack:
+            images = [stack.enter_context(open_image(f, max_pixels)) for f in frames]
+            for path, img in zip(frames, images):
+                if img.size != images[0].size:
+                    raise ValueError(
+                        f"a video's frames must share one size: {path} is "
+                        f"{img.size[0]}x{img.size[1]}, its first frame "
+                        f"{images[0].size[0]}x{images[0].size[1]}"
+                    )
+            return self.vision.video(images, size)
+
+
+def is_video(part: Part) -> bool:
+    """Whether a part is one video: a VideoRef before decoding, [T, 3, H, W] pixels after."""
+    return isinstance(part, VideoRef) or (isinstance(part, torch.Tensor) and part.ndim == 4)
 
 
 def chat_prompt(processor: HFProcessor, question: str, image: Part) -> list[Part]:
@@ -306,20 +445,24 @@ def chat_prompt(processor: HFProcessor, question: str, image: Part) -> list[Part
     return processor.chat_parts([_message(True, f"{PLACEHOLDER}{question}")], [image])
 
 
-def _message(from_user: bool, text: str) -> dict:
+def _message(from_user: bool, text: str, videos: bool = False) -> dict:
     """One LLaVA turn as an HF chat message. A user turn's content: each `<image>` placeholder
-    a {"type": "image"} item, the text between them (stripped of the whitespace around the
-    placeholders, e.g. LLaVA's "<image>\\n") {"type": "text"} items; the template decides where
-    images and separators go. An assistant turn: one text item."""
+    a {"type": "image"} item (with `videos`, each `<video>` a {"type": "video"} item), the text
+    between them (stripped of the whitespace around the placeholders, e.g. LLaVA's "<image>\\n")
+    {"type": "text"} items; the template decides where images and separators go. An assistant
+    turn: one text item."""
+    marks = [PLACEHOLDER, VIDEO] if videos else [PLACEHOLDER]
     if not from_user:
-        if PLACEHOLDER in text:
-            raise ChatError("an <image> placeholder in an assistant turn")
+        for mark in marks:
+            if mark in text:
+                raise ChatError(f"an {mark} placeholder in an assistant turn")
         return {"role": "assistant", "content": [{"type": "text", "text": text}]}
     content: list[dict] = []
-    for i, piece in enumerate(text.split(PLACEHOLDER)):
-        if i:
-            content.append({"type": "image"})
-        if piece.strip():
+    pieces = re.split("(" + "|".join(re.escape(m) for m in marks) + ")", text)
+    for i, piece in enumerate(pieces):
+        if i % 2:
+            content.append({"type": "image" if piece == PLACEHOLDER else "video"})
+        elif piece.strip():
             content.append({"type": "text", "text": piece.strip()})
     return {"role": "user", "content": content}
 

@@ -70,6 +70,12 @@ class ImageRule(ABC):
         for a family that reads videos)."""
 
     @abstractmethod
+    def fit(self, height: int, width: int, video: bool = False) -> tuple[int, int]:
+        """(H, W) an image of height x width pixels (from its file's header) enters the encoder
+        at (`video`: each frame of a video read whole, for a family whose videos have their own
+        bounds). ValueError for a size the family cannot take."""
+
+    @abstractmethod
     def size_slots(self, height: int, width: int, frames: int = 1) -> int:
         """The slots of an image (frames > 1: a video) that enters the encoder at height x width
         pixels, known before decoding (from a file's header)."""

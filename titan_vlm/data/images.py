@@ -4,7 +4,8 @@ Three preprocessings: `load_image` (the built-in models: SigLIP-style, square re
 size, values in [-1, 1]), `load_native_image` (the same, but each image keeps its aspect ratio at
 a size `NativeResolution.fit` chooses: data.native_resolution_pixels > 0) and `ImageProcessing`
 (a Hugging Face model folder's image processor settings, data/hf_processor.py), which computes
-what transformers' PIL image processors compute."""
+what transformers' PIL image processors compute. `VideoRef`: a video part before decoding, where
+a family reads a video whole."""
 
 from __future__ import annotations
 
@@ -18,10 +19,25 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from titan_vlm.data.batch import ImageRef
 from titan_vlm.data.image_batch import ImageRule, Images, ImageSet
 
 if TYPE_CHECKING:
     from PIL import Image as PILImage
+
+
+@dataclass(frozen=True)
+class VideoRef(ImageRef):
+    """A video part before decoding, where a folder's processor reads a video whole (one part,
+    [T, 3, H, W] pixels once decoded; data/hf_processor.py FolderVision): `frames`, its kept
+    frame files in order (`path` is the first); `frame_size`, the (H, W) each frame enters the
+    encoder at (the family's ImageRule.fit of the frames' header size, video=True), None until
+    read. `size` stays None, so that core code that counts an ImageRef's slots from one image's
+    size (data/batch.py image_slots) refuses it instead of counting one frame: its slots are
+    `rule.size_slots(*frame_size, len(frames))` (data/jsonl.py)."""
+
+    frames: tuple[Path, ...] = ()
+    frame_size: tuple[int, int] | None = None
 
 
 class ImageTooLarge(ValueError):
@@ -79,8 +95,9 @@ class NativeResolution(ImageRule):
     image_size: int
     image_tokens: Callable[[int, int], int]
 
-    def fit(self, height: int, width: int) -> tuple[int, int]:
-        """(H, W) for an image of height x width pixels: the aspect ratio kept, scaled by
+    def fit(self, height: int, width: int, video: bool = False) -> tuple[int, int]:
+        """(H, W) for an image (a video's frames are images) of height x width pixels: the
+        aspect ratio kept, scaled by
         s = min(1, sqrt(max_pixels / (height * width))), each side rounded DOWN to a multiple of
         the patch size and at least one patch. So H * W <= max_pixels always (a side clamped to
         one patch takes the other side's room: the other is cut to max_pixels // patch^2

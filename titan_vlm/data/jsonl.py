@@ -38,6 +38,14 @@ image_tokens slots. So the start-up reads every image's (and kept frame's) heade
 pixels) to size the samples, and an image whose header Pillow cannot read or that is larger than
 data.max_image_pixels is a bad sample at start-up; a batch reads the headers again (the same
 sizes, the file unchanged) and decodes at those sizes.
+
+A family's own image sizes (`rule`, an ImageRule that is not NativeResolution, e.g. Qwen2.5-VL's
+QwenRule, with its folder's `processor`): the same, with the rule's `fit` (the processor's
+smart_resize) in place of NativeResolution's, and the processor making each image's pixels at
+that size. Where the processor reads a video whole (HFProcessor.reads_videos), a record's video
+is one part (data/images.py VideoRef): all its kept frames' headers are read at start-up (frames
+of different sizes are a bad sample), the frames enter at `fit(h, w, video=True)` of their size,
+the part takes `rule.size_slots(h, w, frames)` slots, and decodes to [T, 3, H, W].
 """
 
 from __future__ import annotations
@@ -51,10 +59,18 @@ from typing import TYPE_CHECKING, BinaryIO
 import torch
 
 from titan_vlm.data.bad_samples import BadSampleLog
-from titan_vlm.data.batch import ImageRef, Part, Prompt, Sample, SlotRule
+from titan_vlm.data.batch import ImageRef, Part, Prompt, Sample, SlotData, SlotRule, part_slots
 from titan_vlm.data.dataset import Dataset, batch_rows
 from titan_vlm.data.hf_processor import HFProcessor
-from titan_vlm.data.images import ImageTooLarge, NativeResolution, load_image, load_native_image
+from titan_vlm.data.image_batch import ImageRule
+from titan_vlm.data.images import (
+    ImageTooLarge,
+    NativeResolution,
+    VideoRef,
+    load_image,
+    load_native_image,
+    open_image,
+)
 from titan_vlm.data.json_spans import FORMATS, record_spans
 from titan_vlm.data.records import BadSample, decode_record, parse_record
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
@@ -116,11 +132,14 @@ class JsonlDataset(Dataset):
     rank's first cp and tp rank).
 
     `processor`: a Hugging Face model folder's (data/hf_processor.py): conversations in its chat
-    template, images preprocessed by its image processor (its image size must be
-    `image_size`); `tokenizer` must then be `processor.tokenizer`. `max_frames`: a record's video
-    is sampled to at most this many frames (data.max_frames), each one image of the sample.
+    template, images preprocessed by its image processor (its image size, where it fixes one,
+    must be `image_size`); `tokenizer` must then be `processor.tokenizer`. `max_frames`: a
+    record's video is sampled to at most this many frames (data.max_frames), each one image of
+    the sample (or, where the processor reads videos whole, one video part).
     `native`: data.native_resolution_pixels > 0 (module docstring); None: every image is resized
-    to image_size x image_size and takes `tokens_per_image` slots."""
+    to image_size x image_size and takes `tokens_per_image` slots. `rule`: instead, a family's
+    ImageRule that sizes images itself (module docstring; it needs a `processor` whose images
+    keep their own sizes); `slot_data`: the family's per-slot data of each sample (collate)."""
 
     def __init__(
         self,
@@ -140,25 +159,35 @@ class JsonlDataset(Dataset):
         processor: HFProcessor | None = None,
         max_frames: int = 8,
         native: NativeResolution | None = None,
+        rule: ImageRule | None = None,
+        slot_data: SlotData | None = None,
     ):
         _check_max_frames(max_frames)
+        if native is not None and rule is not None and rule is not native:
+            raise ValueError("JsonlDataset: `native` or `rule`, not both")
+        rule = native if native is not None else rule
+        native = rule if isinstance(rule, NativeResolution) else None
         if native is not None and processor is not None:
             raise ConfigError(_NATIVE_WITH_PROCESSOR)
         if processor is not None and tokenizer is not processor.tokenizer:
             raise ValueError("JsonlDataset: with a processor, the tokenizer is processor.tokenizer")
-        if processor is not None and processor.image_size != image_size:
+        if processor is not None and processor.image_size is None and rule is None:
+            raise ValueError("JsonlDataset: a processor whose images keep their sizes needs a rule")
+        if processor is not None and processor.image_size not in (None, image_size):
             raise ConfigError(
                 f"model.hf_path: {processor.folder}: images of {processor.image_size} pixels, "
                 f"the model takes {image_size}"
             )
+        if processor is not None and processor.image_size is not None and rule is not None:
+            raise ValueError("JsonlDataset: a processor of fixed-size images takes no rule")
         self.processor = processor
         self.path = Path(path)
         self.name = str(path)  # as the user wrote it, for the warnings
         self.bad = BadSampleLog(self.name, on_bad_sample)
         self.tokenizer = tokenizer
         self.image_size, self.tokens_per_image, self.seq_len = image_size, tokens_per_image, seq_len
-        self.native = native
-        self.slots: SlotRule = native if native is not None else tokens_per_image
+        self.native, self.rule, self.slot_data = native, rule, slot_data
+        self.slots: SlotRule = rule if rule is not None else tokens_per_image
         self.seed, self.packing, self.shuffle = seed, packing, shuffle
         self.image_root = Path(image_root) if image_root else self.path.parent
         self.max_image_pixels, self.max_frames = max_image_pixels, max_frames
@@ -175,7 +204,7 @@ class JsonlDataset(Dataset):
         # Kept samples: where each record is, and its size in slots (after truncation).
         self.lines, self.starts, self.ends = array("q"), array("q"), array("q")
         sizes: list[int] = []
-        self.truncated = self.num_images = 0
+        self.truncated = self.num_images = self.num_videos = 0
         for line, start, end in spans:
             try:
                 record = decode_record(raw[start:end])
@@ -193,7 +222,7 @@ class JsonlDataset(Dataset):
                 self.skipped[bad.kind] += 1
                 continue
             sample = Sample(parts)
-            size = sample.num_slots(self.slots)
+            size = self._num_slots(sample)
             if size > seq_len:
                 self.bad.report(
                     line,
@@ -202,13 +231,14 @@ class JsonlDataset(Dataset):
                     action="truncated",
                 )
                 self.truncated += 1
-                sample = sample.truncated(seq_len, self.slots)
-                size = sample.num_slots(self.slots)
+                sample = self._truncated(sample)
+                size = self._num_slots(sample)
             self.lines.append(line)
             self.starts.append(start)
             self.ends.append(end)
             sizes.append(size)
             self.num_images += sample.num_images()
+            self.num_videos += sum(isinstance(p, VideoRef) for p in sample.parts)
         self.records = len(spans)
         self.bad_at_startup = sum(self.skipped.values())
         self.rows = self._pack(sizes)
@@ -218,29 +248,80 @@ class JsonlDataset(Dataset):
             )
 
     def _sized(self, parts: list[Part]) -> list[Part]:
-        """`parts` with each ImageRef's size (the one it enters the ViT at) read from its header
-        under native resolution, else as they are. BadSample if a header cannot be read or says
-        the image is larger than data.max_image_pixels."""
-        if self.native is None:
+        """`parts` with each ImageRef's size (the one it enters the encoder at: the rule's `fit`
+        of its header's size; a VideoRef's frame_size, all its frames' headers read) under a
+        rule that sizes images (native resolution, a family's own), else as they are.
+        BadSample if a header cannot be read or says the image is larger than
+        data.max_image_pixels, a video's frames differ in size, or the rule refuses the size."""
+        if self.rule is None:
             return parts
         out: list[Part] = []
         for part in parts:
-            if isinstance(part, ImageRef):
-                try:
-                    part = ImageRef(
-                        part.path, self.native.size_of(part.path, self.max_image_pixels)
+            if isinstance(part, VideoRef):
+                sizes = {self._header(path) for path in part.frames}
+                if len(sizes) > 1:
+                    raise BadSample(
+                        "video frames of different sizes",
+                        f"a video's frames must share one size: {part.path} and others differ "
+                        f"({', '.join(f'{w}x{h}' for h, w in sorted(sizes))})",
                     )
-                except ImageTooLarge as e:
-                    raise BadSample(
-                        "image too large", f"image too large: {part.path} ({e})"
-                    ) from None
-                except (OSError, SyntaxError, ValueError, EOFError) as e:  # what Pillow raises
-                    raise BadSample(
-                        "image cannot be decoded",
-                        f"image cannot be decoded: {part.path} ({type(e).__name__}: {e})",
-                    ) from None
+                (size,) = sizes
+                part = VideoRef(part.path, None, part.frames, self._fit(part.path, size, True))
+            elif isinstance(part, ImageRef):
+                part = ImageRef(part.path, self._fit(part.path, self._header(part.path), False))
             out.append(part)
         return out
+
+    def _header(self, path: Path) -> tuple[int, int]:
+        """(height, width) from an image file's header, or BadSample saying why not."""
+        try:
+            with open_image(path, self.max_image_pixels) as img:
+                width, height = img.size
+            return height, width
+        except ImageTooLarge as e:
+            raise BadSample("image too large", f"image too large: {path} ({e})") from None
+        except (OSError, SyntaxError, ValueError, EOFError) as e:  # what Pillow raises
+            raise BadSample(
+                "image cannot be decoded",
+                f"image cannot be decoded: {path} ({type(e).__name__}: {e})",
+            ) from None
+
+    def _fit(self, path: Path, size: tuple[int, int], video: bool) -> tuple[int, int]:
+        """The rule's fit of a header's size, or BadSample where the rule refuses it."""
+        assert self.rule is not None
+        try:
+            return self.rule.fit(*size, video=video)
+        except ValueError as e:
+            raise BadSample("image size", f"image size not usable: {path} ({e})") from None
+
+    def _part_slots(self, part: Part) -> int:
+        """Slots of one part: a VideoRef's from its frames' size and count (module docstring),
+        the rest as data/batch.py counts them."""
+        if isinstance(part, VideoRef):
+            if part.frame_size is None or isinstance(self.slots, int):
+                raise ValueError(f"{part.path}: a video part whose size was not read")
+            return self.slots.size_slots(*part.frame_size, len(part.frames))
+        return part_slots(part, self.slots)
+
+    def _num_slots(self, sample: Sample) -> int:
+        return sum(self._part_slots(p) for p in sample.parts)
+
+    def _truncated(self, sample: Sample) -> Sample:
+        """The first seq_len slots, as Sample.truncated cuts them (text cut; an image or video
+        that no longer fits dropped with everything after it), VideoRefs counted as
+        `_part_slots` counts them."""
+        parts: list[Part] = []
+        left = self.seq_len
+        for p in sample.parts:
+            size = self._part_slots(p)
+            if size <= left:
+                parts.append(p)
+                left -= size
+            else:
+                if isinstance(p, list) and left > 0:
+                    parts.append(type(p)(p[:left]))  # a cut Prompt stays a Prompt
+                break
+        return Sample(parts)
 
     def _pack(self, sizes: list[int]) -> list[list[int]]:
         """The packing index: rows of sample numbers in file order, none dropped."""
@@ -259,12 +340,15 @@ class JsonlDataset(Dataset):
         native = (
             f", images at native resolution up to {self.native.max_pixels} pixels"
             if self.native is not None
+            else f", images at their own sizes ({type(self.rule).__name__})"
+            if self.rule is not None
             else ""
         )
+        videos = f" and {self.num_videos} video(s)" if self.num_videos else ""
         return (
             f"{self.name}: {self.records} record(s) -> {len(self.starts)} samples with "
-            f"{self.num_images} "
-            f"image(s) in {len(self.rows)} rows of {self.seq_len} slots "
+            f"{self.num_images - self.num_videos} "
+            f"image(s){videos} in {len(self.rows)} rows of {self.seq_len} slots "
             f"({'packed' if self.packing else 'one sample per row'}"
             f"{', rows shuffled per epoch' if self.shuffle else ''}"
             f"{native}); "
@@ -292,7 +376,8 @@ class JsonlDataset(Dataset):
 
     def sample(self, i: int) -> Sample:
         """Kept sample i with its images as ImageRef (read back from the file; under native
-        resolution sized from their headers)."""
+        resolution, or a family's rule, sized from their headers; a video read whole as one
+        VideoRef, whose slots `rule.size_slots(*frame_size, len(frames))` counts)."""
         with open(self.path, "rb") as f:
             sample = self._read(f, i)
         if sample is None:
@@ -326,7 +411,7 @@ class JsonlDataset(Dataset):
             self.bad.report(self.lines[i], str(bad), self.log_batches)
             self.dropped.add(i)
             return None
-        return Sample(parts).truncated(self.seq_len, self.slots)
+        return self._truncated(Sample(parts))
 
     def _decoded(self, i: int, sample: Sample | None) -> Sample | None:
         """The sample with its images decoded, or None (reported) if one cannot be used."""
@@ -346,8 +431,12 @@ class JsonlDataset(Dataset):
         """Sample i's image `ref` decoded, or None (reported, and the sample counted as dropped)
         if it cannot be decoded or is too large."""
         try:
+            if isinstance(ref, VideoRef) and self.processor is not None:
+                return self.processor.preprocess_video(
+                    ref.frames, self.max_image_pixels, ref.frame_size
+                )
             if self.processor is not None:
-                return self.processor.preprocess_image(ref.path, self.max_image_pixels)
+                return self.processor.preprocess_image(ref.path, self.max_image_pixels, ref.size)
             if self.native is not None:
                 return load_native_image(ref.path, self.native, self.max_image_pixels)
             return load_image(ref.path, self.image_size, self.max_image_pixels)

@@ -19,7 +19,11 @@ the text said `<image>` once per kept frame there; frames not kept are not read.
 count must match too (one `<video>`, or none: then the video goes first, as one image does). A
 record may hold images and a video: each placeholder takes its own in reading order (`<image>`
 the next image, `<video>` the frames); one image and a video that both lack a placeholder is a
-bad sample (which goes first is not said). Speakers: "human" or "user", then "gpt" or
+bad sample (which goes first is not said). Where the dataset's folder processor reads a video
+whole (HFProcessor.reads_videos: Qwen2.5-VL's), the kept frames are instead ONE part, a
+`VideoRef`, at the placeholder: a conversation's `<video>` stays one placeholder (the chat
+template's {"type": "video"} item; none: `<video>\\n` opens the first user turn), a caption's
+takes the video's place as one image's would. Speakers: "human" or "user", then "gpt" or
 "assistant", alternating. Conversations are laid out in the built-in chat template
 (data/chat.py), or in a Hugging Face folder's (data/hf_processor.py) where the dataset has its
 processor; captions always as data/chat.py says.
@@ -39,10 +43,10 @@ from pathlib import Path
 
 from titan_vlm.data.batch import ImageRef, Part
 from titan_vlm.data.chat import PLACEHOLDER, assemble, caption_segments, chat_segments
-from titan_vlm.data.hf_processor import ChatError, HFProcessor
+from titan_vlm.data.hf_processor import VIDEO, ChatError, HFProcessor
+from titan_vlm.data.images import VideoRef
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 
-VIDEO = "<video>"  # where a record's video (its sampled frames) goes
 _PLACEHOLDERS = re.compile(f"({re.escape(PLACEHOLDER)}|{re.escape(VIDEO)})")
 USER_NAMES, ASSISTANT_NAMES = ("human", "user"), ("gpt", "assistant")
 
@@ -95,10 +99,11 @@ def parse_record(
     processor: HFProcessor | None = None,
     max_frames: int = 8,
 ) -> list[Part]:
-    """One record into Sample parts (images, and a video's kept frames, as ImageRef), or
-    BadSample saying why not. `check_files`: an image (or kept frame) file that does not exist
-    is a bad sample. `processor`: conversations in its chat template (else the built-in one).
-    `max_frames`: a video's frames are sampled to at most this many (data.max_frames)."""
+    """One record into Sample parts (images, and a video's kept frames, as ImageRef; the video
+    as one VideoRef where `processor` reads videos whole), or BadSample saying why not.
+    `check_files`: an image (or kept frame) file that does not exist is a bad sample.
+    `processor`: conversations in its chat template (else the built-in one). `max_frames`: a
+    video's frames are sampled to at most this many (data.max_frames)."""
     if not isinstance(record, dict):
         raise BadSample("bad record", f"expected a JSON object, got {type(record).__name__}")
     paths = _paths(record)
@@ -135,22 +140,32 @@ def parse_record(
             f"an image and a video without placeholders: mark each place with {PLACEHOLDER} "
             f"and {VIDEO}",
         )
+    whole = processor is not None and processor.reads_videos  # a video is one part
     # What lacks a placeholder goes first; then each placeholder takes its own, in reading order.
-    first = [(paths[0], "image")] if image_first else []
-    first = [(f, "frame") for f in frames or []] if video_first else first
-    placed, texts = _placed(texts, paths, frames or [])
+    first: list[tuple[list[str], str]] = [([paths[0]], "image")] if image_first else []
+    if video_first:
+        first = [(frames or [], "video")] if whole else [([f], "frame") for f in frames or []]
+    placed, texts = _placed(texts, paths, frames or [], whole)
     files = [*first, *placed]
-    refs = [ImageRef(image_root / path) for path, _ in files]  # an absolute path stays as is
-    if check_files:
-        for ref, (_, kind) in zip(refs, files):
-            if not ref.path.is_file():
-                raise BadSample("missing image file", f"{kind} file not found: {ref.path}")
+    refs: list[ImageRef] = []
+    for names, kind in files:
+        found = [image_root / name for name in names]  # an absolute path stays as is
+        if check_files:
+            for path in found:
+                if not path.is_file():
+                    what = "frame" if kind == "video" else kind
+                    raise BadSample("missing image file", f"{what} file not found: {path}")
+        refs.append(
+            VideoRef(found[0], frames=tuple(found)) if kind == "video" else ImageRef(found[0])
+        )
     images: list[Part] = list(refs)
     if not turns:
-        return assemble(caption_segments(texts[0], images, tok), tok)
+        caption = texts[0].replace(VIDEO, PLACEHOLDER)  # a whole video takes one image's place
+        return assemble(caption_segments(caption, images, tok), tok)
     turns = [(from_user, text) for (from_user, _), text in zip(turns, texts)]
     if first:  # LLaVA's convention: the image (or the video's frames) opens the first user turn
-        turns[0] = (True, PLACEHOLDER * len(first) + "\n" + turns[0][1])
+        mark = VIDEO if first[0][1] == "video" else PLACEHOLDER
+        turns[0] = (True, mark * len(first) + "\n" + turns[0][1])
     if processor is None:
         return assemble(chat_segments(turns, images, tok), tok)
     try:
@@ -231,21 +246,25 @@ def _frames(record: dict[str, Json], max_frames: int) -> list[str] | None:
 
 
 def _placed(
-    texts: list[str], paths: list[str], frames: list[str]
-) -> tuple[list[tuple[str, str]], list[str]]:
-    """The files the placeholders of `texts` take in reading order, each as (path, "image" or
-    "frame"): each `<image>` the next of `paths`, each `<video>` all `frames`; and the texts with
-    each `<video>` written as one `<image>` per frame. The caller has checked the counts."""
+    texts: list[str], paths: list[str], frames: list[str], whole: bool
+) -> tuple[list[tuple[list[str], str]], list[str]]:
+    """The files the placeholders of `texts` take in reading order, each as (paths, "image",
+    "frame" or "video"): each `<image>` the next of `paths`, each `<video>` all `frames` (one
+    "video" entry where `whole`, else one "frame" entry each); and the texts with each `<video>`
+    written as one `<image>` per frame (kept as it is where `whole`). The caller has checked the
+    counts."""
     images = iter(paths)
-    placed: list[tuple[str, str]] = []
+    placed: list[tuple[list[str], str]] = []
     written: list[str] = []
     for text in texts:
         pieces = _PLACEHOLDERS.split(text)  # text, placeholder, text, ...
         for j in range(1, len(pieces), 2):
             if pieces[j] == PLACEHOLDER:
-                placed.append((next(images), "image"))
+                placed.append(([next(images)], "image"))
+            elif whole:
+                placed.append((frames, "video"))
             else:
-                placed += [(f, "frame") for f in frames]
+                placed += [([f], "frame") for f in frames]
                 pieces[j] = PLACEHOLDER * len(frames)
         written.append("".join(pieces))
     return placed, written

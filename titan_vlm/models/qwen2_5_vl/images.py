@@ -8,9 +8,11 @@ temporal_patch_size frames as transformers repeats it), and so do its slots, t *
 and its patches. The patches transformers' processor lays out (processor.py patchify_frames)
 are made on the device, in encode_images: a reshape and a permute of these pixels.
 
-    QwenRule     how they take slots (from a decoded part, or from a file header's size through
-                 smart_resize), how a batch holds them (QwenVisuals), and each sample's M-RoPE
-                 positions [3, slots] (`positions`: the family's per-slot data, Batch.slot_data)
+    QwenRule     how they take slots (from a decoded part, or from the size a file header's size
+                 enters at: `fit`, the processor's smart_resize), how a batch holds them
+                 (QwenVisuals), and each sample's M-RoPE positions [3, slots] (`positions`: the
+                 family's per-slot data, Batch.slot_data); `folder_rule`: the rule with a model
+                 folder's processor bounds
     QwenVisuals  a batch's images and videos in batch order; its `work` is its tower cost in
                  units of one patch's matmuls (attention included)
 """
@@ -18,14 +20,23 @@ are made on the device, in encode_images: a reshape and a permute of these pixel
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from titan_vlm.data.batch import Sample
 from titan_vlm.data.image_batch import ImageRule, Images, ImageSet
+from titan_vlm.errors import ConfigError
 from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs
 from titan_vlm.models.qwen2_5_vl.mrope import Grid, vision_positions
-from titan_vlm.models.qwen2_5_vl.processor import DEFAULT_FPS, smart_resize
+from titan_vlm.models.qwen2_5_vl.processor import (
+    DEFAULT_FPS,
+    KEY,
+    VIDEO_DEFAULTS,
+    QwenVLProcessor,
+    has_processor_files,
+    smart_resize,
+)
 from titan_vlm.models.qwen2_5_vl.vision_cost import image_train_flops, vision_patch_flops
 
 # Batch.slot_data key of the rows' M-RoPE positions [3, B, S] (the model reads the local slots'
@@ -36,13 +47,19 @@ MROPE_POSITIONS = "mrope_positions"
 @dataclass(frozen=True)
 class QwenRule(ImageRule):
     """`args`: the model's (patch, merge and temporal patch sizes, tokens_per_second);
-    `pixel_bounds`: smart_resize's (min_pixels, max_pixels) for sizes read from file headers
-    (the folder's processor settings); `fps`: the rate a video's frames were sampled at (frames
-    given as files carry none: transformers' default, processor.DEFAULT_FPS)."""
+    `pixel_bounds` / `video_bounds`: smart_resize's (min_pixels, max_pixels) for images / a
+    video's frames sized from file headers (the folder's image and video processor settings;
+    None: the processor does not resize, a size must already be whole merge units); `fps`: the
+    rate a video's frames were sampled at (frames given as files carry none: transformers'
+    default, processor.DEFAULT_FPS)."""
 
     args: Qwen25VLArgs
-    pixel_bounds: tuple[int, int] = (56 * 56, 28 * 28 * 1280)
+    pixel_bounds: tuple[int, int] | None = (56 * 56, 28 * 28 * 1280)
     fps: float = DEFAULT_FPS
+    video_bounds: tuple[int, int] | None = (
+        VIDEO_DEFAULTS["size"]["shortest_edge"],
+        VIDEO_DEFAULTS["size"]["longest_edge"],
+    )
 
     @property
     def image_size(self) -> int:  # type: ignore[override]
@@ -63,11 +80,32 @@ class QwenRule(ImageRule):
     def slots(self, image: torch.Tensor) -> int:
         return self.args.vision.tokens(*self.grid(image))
 
-    def size_slots(self, height: int, width: int, frames: int = 1) -> int:
+    def fit(self, height: int, width: int, video: bool = False) -> tuple[int, int]:
+        """(H, W) an image (`video`: a video's frames) of height x width pixels is processed at:
+        smart_resize with the image (video) bounds, as the folder's processor
+        (processor.py VisionSettings.resized). ValueError where smart_resize refuses it, or
+        (no resizing) a side is not whole merge units."""
         v = self.args.vision
-        h, w = smart_resize(height, width, v.patch_size * v.spatial_merge_size, *self.pixel_bounds)
+        unit = v.patch_size * v.spatial_merge_size
+        bounds = self.video_bounds if video else self.pixel_bounds
+        if bounds is None:
+            if height % unit or width % unit:
+                raise ValueError(
+                    f"an image of {width}x{height} pixels, and the processor does not resize: "
+                    f"both sides must be multiples of {unit}"
+                )
+            return height, width
+        return smart_resize(height, width, unit, *bounds)
+
+    def size_slots(self, height: int, width: int, frames: int = 1) -> int:
+        """Slots of an image (frames > 1: a video of that many frames) that enters the tower at
+        height x width pixels (`fit` of its header's size): its merged grid's tokens."""
+        v = self.args.vision
+        unit = v.patch_size * v.spatial_merge_size
+        if height % unit or width % unit:
+            raise ValueError(f"an image of {width}x{height} pixels is not whole {unit}-pixel units")
         t = -(-frames // v.temporal_patch_size)
-        return v.tokens(t, h // v.patch_size, w // v.patch_size)
+        return v.tokens(t, height // v.patch_size, width // v.patch_size)
 
     def batch(self, images: list[torch.Tensor]) -> Images:
         device = images[0].device if images else torch.device("cpu")
@@ -98,6 +136,26 @@ class QwenRule(ImageRule):
             pos = int(block.max()) + 1
         positions = torch.cat(out, dim=1) if out else torch.zeros(3, 0, dtype=torch.long)
         return {MROPE_POSITIONS: positions}
+
+
+def folder_rule(args: Qwen25VLArgs, hf_path: str) -> QwenRule:
+    """The QwenRule of a model folder: its processor's image and video pixel bounds where the
+    folder has processor files (processor.py has_processor_files), else the class defaults.
+    A processor whose patch, merge or temporal patch size is not the model's is a ConfigError
+    naming its file."""
+    if not (hf_path and has_processor_files(Path(hf_path))):
+        return QwenRule(args)
+    proc = QwenVLProcessor.from_folder(hf_path)
+    v = args.vision
+    for settings, where in ((proc.image, proc.image_file), (proc.video, proc.video_file)):
+        ours = (settings.patch_size, settings.merge_size, settings.temporal_patch_size)
+        model = (v.patch_size, v.spatial_merge_size, v.temporal_patch_size)
+        if ours != model:
+            raise ConfigError(
+                f"{KEY}: {where}: patch_size, merge_size, temporal_patch_size {ours}, the "
+                f"model's config.json has {model}"
+            )
+    return QwenRule(args, proc.image.pixel_bounds, video_bounds=proc.video.pixel_bounds)
 
 
 @dataclass(frozen=True)

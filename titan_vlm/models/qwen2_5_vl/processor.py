@@ -39,6 +39,13 @@ Qwen2VLVideoProcessor.patchify does: the grid and the token counts are transform
 pixel values those of the PIL backend (they differ from torchvision's by up to a few 1e-2, as
 images do). Decoding a video file and choosing its frames (do_sample_frames, fps, num_frames,
 min_frames, max_frames) are the caller's: the frames given are the frames used.
+
+A dataset file's conversations (data/jsonl.py): `chat_processor` is the folder's
+data/hf_processor.py HFProcessor (its tokenizer and chat template, as for LLaVA) with this
+family's image half, `QwenVision`: an image at its own size (images.py QwenRule.fit) as
+`VisionSettings.pixels` [3, H, W], a video read whole, its frames at the size smart_resize gives
+the frames' size with the video settings, stacked [T, 3, H, W], cut at `<|video_pad|>`.
+`model_inputs` (ModelSpec.inputs) returns it for a folder with tokenizer and processor files.
 """
 
 from __future__ import annotations
@@ -53,7 +60,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from titan_vlm.data.hf_processor import KEY, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from titan_vlm.data.hf_processor import (
+    KEY,
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    FolderVision,
+    HFProcessor,
+)
 from titan_vlm.data.images import ImageProcessing, open_image
 from titan_vlm.errors import ConfigError
 from titan_vlm.files import read_json
@@ -636,16 +649,80 @@ class QwenVLProcessor:
         )
 
 
-def model_inputs(cfg: JobConfig) -> tuple[ByteTokenizer | HFTokenizer, None]:
-    """The tokenizer the job's text is encoded with (ModelSpec.inputs): model.tokenizer_path's;
-    else model.hf_path's, as transformers loads it, where the folder has a tokenizer.json; else the
-    built-in byte tokenizer. No processor: the family reads no dataset file yet
-    (data.build_dataset refuses one for its images)."""
+@dataclass(frozen=True)
+class QwenVision(FolderVision):
+    """A Qwen2.5-VL folder's image half of data/hf_processor.py HFProcessor (module docstring):
+    images keep their own sizes (image_size None), a video is one part at `video_token`."""
+
+    processor: QwenVLProcessor
+    video_token: str
+    video_token_id: int
+
+    def image(self, image: PILImage.Image, size: tuple[int, int] | None) -> torch.Tensor:
+        """[3, H, W] float32 at `size` (None: smart_resize of its own size)."""
+        return self.processor.image.pixels(image, size)
+
+    def video(self, frames: list[PILImage.Image], size: tuple[int, int] | None) -> torch.Tensor:
+        """[T, 3, H, W] float32, every frame at `size` (None: the video settings' smart_resize
+        of the frames' size), as preprocess_frames makes them before patchifying."""
+        if size is None:
+            width, height = frames[0].size
+            size = self.processor.video.resized(height, width)
+        return torch.stack([self.processor.video.pixels(frame, size) for frame in frames])
+
+
+def has_processor_files(folder: Path) -> bool:
+    """Whether a folder has image processor settings (preprocessor_config.json, or
+    processor_config.json with an "image_processor" entry)."""
+    if (folder / "preprocessor_config.json").is_file():
+        return True
+    path = folder / "processor_config.json"
+    return path.is_file() and isinstance(read_json(path, KEY).get("image_processor"), dict)
+
+
+def chat_processor(path: str | Path) -> HFProcessor:
+    """A Qwen2.5-VL folder's HFProcessor (module docstring): its tokenizer with the image token
+    as IMAGE, its chat template, QwenVision. config.json's image_token_id / video_token_id,
+    where it has them, must be the tokenizer's ids of the placeholders (a ConfigError)."""
+    from titan_vlm.data.tokenizer import HFTokenizer
+
+    folder = Path(path)
+    qwen = QwenVLProcessor.from_folder(folder)
+    tokens = qwen.tokens
+    tokenizer = HFTokenizer.from_folder(folder, tokens.image)
+    if (folder / "config.json").is_file():
+        config = read_json(folder / "config.json", KEY)
+        for key, want in (("image_token_id", tokens.image_id), ("video_token_id", tokens.video_id)):
+            if key in config and config[key] != want:
+                raise ConfigError(
+                    f"{KEY}: {folder}/config.json: {key}={config[key]} but the tokenizer's "
+                    f"{tokens.image if key.startswith('image') else tokens.video!r} is id {want}"
+                )
+    settings: dict[str, Any] = {}
+    if (folder / "processor_config.json").is_file():
+        settings = read_json(folder / "processor_config.json", KEY)
+    vision = QwenVision(qwen, tokens.video, tokens.video_id)
+    return HFProcessor.with_vision(folder, settings, tokenizer, tokens.image, vision)
+
+
+def model_inputs(cfg: JobConfig) -> tuple[ByteTokenizer | HFTokenizer, HFProcessor | None]:
+    """The tokenizer the job's text is encoded with and the folder's processor (ModelSpec.inputs):
+    for model.hf_path with a tokenizer.json and processor settings (`has_processor_files`), its
+    `chat_processor` (a dataset file's conversations in its chat template, images and videos as
+    its processor makes them), else none. The tokenizer: model.tokenizer_path's; else the
+    processor's; else model.hf_path's, as transformers loads it, where the folder has a
+    tokenizer.json; else the built-in byte tokenizer."""
     from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
     m = cfg.model
+    folder = Path(m.hf_path) if m.hf_path else None
+    processor = None
+    if folder and (folder / "tokenizer.json").is_file() and has_processor_files(folder):
+        processor = chat_processor(folder)
     if m.tokenizer_path:
-        return build_tokenizer(m.tokenizer_path), None
-    if m.hf_path and (Path(m.hf_path) / "tokenizer.json").is_file():
-        return HFTokenizer.from_folder(m.hf_path), None
+        return build_tokenizer(m.tokenizer_path), processor
+    if processor is not None:
+        return processor.tokenizer, processor
+    if folder and (folder / "tokenizer.json").is_file():
+        return HFTokenizer.from_folder(folder), None
     return ByteTokenizer(), None

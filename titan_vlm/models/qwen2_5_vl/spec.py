@@ -32,7 +32,7 @@ from titan_vlm.models.qwen2_5_vl.hf_adapter import (
     unused_hf_tensors,
 )
 from titan_vlm.models.qwen2_5_vl.hf_config import args_from_hf_config
-from titan_vlm.models.qwen2_5_vl.images import QwenRule
+from titan_vlm.models.qwen2_5_vl.images import folder_rule
 from titan_vlm.models.qwen2_5_vl.model import Qwen25VL
 from titan_vlm.models.qwen2_5_vl.parallelize import parallelize
 from titan_vlm.models.qwen2_5_vl.processor import model_inputs
@@ -101,8 +101,9 @@ def after_to_empty(model: nn.Module) -> None:
 
 
 def data_rule(args: Qwen25VLArgs, cfg: JobConfig) -> tuple[ImageRule | None, SlotData | None]:
-    """Images and videos at their own sizes (QwenRule), and each sample's M-RoPE positions."""
-    rule = QwenRule(args)
+    """Images and videos at their own sizes (QwenRule, with model.hf_path's processor bounds where
+    the folder has processor files), and each sample's M-RoPE positions."""
+    rule = folder_rule(args, cfg.model.hf_path)
     return rule, rule.positions
 
 
