@@ -373,3 +373,55 @@ def test_run_train_cp2(setup, tmp_path):
     assert [s["step"] for s in steps] == [1, 2]
     assert all(s["data_bad_samples"] == len(RECORDS) - GOOD for s in steps)
     assert "1 video(s)" in out.stdout + out.stderr
+
+
+QUESTIONS = [
+    (["tall.png"], None, "What is this?"),
+    (["wide.png", "glass.png"], None, "Compare and, please."),
+    ([], [f"clip/{i}.png" for i in range(5)], "What happens?"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(QUESTIONS)), ids=["image", "two_images", "video"])
+def test_generate_equals_transformers_greedy(setup, tmp_path, case):
+    """python -m titan_vlm.generate --hf-path on the folder, asked about one image, two images of
+    different aspect ratios, or a video's frames in its chat template: the generated ids equal
+    transformers' greedy generate on the processor's inputs for the same messages."""
+    import shutil
+
+    from cli import python_m
+
+    folder, hf, path = setup
+    asked = tmp_path / "qwen"
+    shutil.copytree(folder, asked)
+    tok = transformers.AutoTokenizer.from_pretrained(asked)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    (asked / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    images, frames, question = QUESTIONS[case]
+    argv = ["--hf-path", str(asked), "--prompt", question, "--max-new-tokens", "6", "--print-ids"]
+    for name in images:
+        argv += ["--image", str(path.parent / name)]
+    if frames:
+        argv += ["--video", *(str(path.parent / f) for f in frames)]
+    done = python_m("titan_vlm.generate", *argv)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ours = [int(i) for i in done.stdout.strip().splitlines()[-1].split()]
+
+    proc = hf_processor(hf, tok)
+    proc.chat_template = TEMPLATE
+    content = [{"type": "image"} for _ in images] + ([{"type": "video"}] if frames else [])
+    content.append({"type": "text", "text": question})
+    text = proc.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
+    inputs = proc(
+        text=[text],
+        images=[Image.open(path.parent / n) for n in images] or None,
+        videos=[[Image.open(path.parent / f) for f in frames]] if frames else None,
+        return_tensors="pt",
+    )
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(asked).eval()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=eos)
+    theirs = out[0, inputs["input_ids"].shape[1] :].tolist()
+    assert len(ours) > 1 and ours == theirs, (ours, theirs)

@@ -38,14 +38,16 @@ from pathlib import Path
 
 import torch
 
-from titan_vlm.data.batch import Part, Sample, SlotRule, collate
+from titan_vlm.config import JobConfig
+from titan_vlm.data.batch import Part, Sample, SlotData, SlotRule, collate
 from titan_vlm.data.chat import chat_question
-from titan_vlm.data.hf_processor import ChatError, HFProcessor, chat_prompt
+from titan_vlm.data.hf_processor import ChatError, chat_prompt
+from titan_vlm.data.image_batch import ImageRule
 from titan_vlm.data.images import NativeResolution, load_image, load_native_image
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 from titan_vlm.errors import ConfigError, UserError
 from titan_vlm.models.spec import VisionLanguageModel
-from titan_vlm.parallel.context_parallel import shard_batch
+from titan_vlm.parallel.context_parallel import CPContext
 
 TEMPLATES = ("auto", "caption", "chat")
 
@@ -58,22 +60,25 @@ def greedy(
     max_new_tokens: int,
     pad_id: int,
     image_id: int | None = None,
-    native: NativeResolution | None = None,
+    rule: ImageRule | None = None,
+    slot_data: SlotData | None = None,
 ) -> list[int]:
-    """The greedy continuation of `prefix` (text ids and at most one image, data/batch.py parts):
+    """The greedy continuation of `prefix` (text ids, images and videos: data/batch.py parts):
     its token ids up to and including the first id in `eos`, or `max_new_tokens` of them.
-    `native`: the image is at its native-resolution size (data.native_resolution_pixels > 0),
-    whose image_tokens give its slots; None: it has the model's size."""
-    images = [p for p in prefix if isinstance(p, torch.Tensor) and p.ndim == 3]
-    embeds = model.encode_images(torch.stack(images))  # computed once
-    slots: SlotRule = model.tokens_per_image if native is None else native
+    `rule` / `slot_data`: the family's (ModelSpec.data_rule): how its images take slots (None:
+    each at the model's size) and its per-slot data (M-RoPE positions). The images are encoded
+    once; each step decodes the whole row, one process (CPContext with no groups)."""
+    slots: SlotRule = model.tokens_per_image if rule is None else rule
+    ctx = CPContext()
+    embeds: torch.Tensor | None = None
     out: list[int] = []
     while len(out) < max_new_tokens:
         row = Sample(prefix + [list(out)] if out else prefix)
-        batch = collate([[row]], row.num_slots(slots), slots, model.image_size, pad_id, image_id)
-        tokens, _, layout = shard_batch(
-            batch, None, bidirectional_images=model.bidirectional_images
-        )
+        size = row.num_slots(slots)
+        batch = collate([[row]], size, slots, model.image_size, pad_id, image_id, slot_data)
+        if embeds is None:
+            embeds = model.encode_images(batch.images)  # computed once
+        tokens, _, layout = ctx.place(batch, model.bidirectional_images)
         logits = model.decode(tokens, embeds, layout)
         out.append(int(logits[0, -1].argmax()))
         if out[-1] in eos:
@@ -96,7 +101,7 @@ def ask_builtin(
     prefix: list[Part] = (
         chat_question(image, prompt, tok) if chat else [image, tok.encode(prompt, eos=False)]
     )
-    ids = greedy(model, prefix, {tok.EOS}, max_new_tokens, tok.PAD, native=native)
+    ids = greedy(model, prefix, {tok.EOS}, max_new_tokens, tok.PAD, rule=native)
     return tok.decode([i for i in ids if i != tok.EOS]), ids
 
 
@@ -131,18 +136,38 @@ def eos_ids(folder: Path) -> set[int]:
 
 def ask_hf(
     model: VisionLanguageModel,
-    folder: Path,
-    image_path: str,
+    cfg: JobConfig,
+    image_paths: list[str],
     prompt: str,
     raw: bool,
     max_new_tokens: int,
+    video: list[str] | None = None,
 ) -> tuple[str, list[int]]:
-    """The answer of a model from a Hugging Face folder, and its token ids (module docstring)."""
-    proc = HFProcessor.from_folder(str(folder))
-    image = proc.preprocess_image(image_path)
-    prefix = proc.prompt_parts(prompt, [image]) if raw else chat_prompt(proc, prompt, image)
+    """The answer of a model from a Hugging Face folder (cfg.model.hf_path), and its token ids
+    (module docstring): its family's processor (ModelSpec.inputs) reads the images and the video
+    (its frame files) and the prompt, its data rule sizes them."""
+    from titan_vlm.models.registry import model_spec
+
+    spec = model_spec(cfg)
+    folder = Path(cfg.model.hf_path)
+    proc = spec.inputs(cfg)[1]
+    if proc is None:
+        raise ConfigError(
+            f"model.hf_path: {folder} has no processor files (tokenizer.json and the image "
+            "processor's settings): generate cannot read its prompts"
+        )
+    rule, slot_data = spec.data_rule(spec.args(cfg), cfg)
+    parts: list[Part] = [proc.preprocess_image(path) for path in image_paths]
+    if video:
+        parts.append(proc.preprocess_video(video))
+    if raw:
+        prefix = proc.prompt_parts(prompt, parts)
+    else:
+        prefix = chat_prompt(proc, prompt, parts)
     eos = eos_ids(folder)
-    ids = greedy(model, prefix, eos, max_new_tokens, proc.tokenizer.PAD, proc.image_token_id)
+    ids = greedy(
+        model, prefix, eos, max_new_tokens, proc.tokenizer.PAD, proc.image_token_id, rule, slot_data
+    )
     return proc.tokenizer.decode([i for i in ids if i not in eos]), ids
 
 
@@ -159,7 +184,17 @@ def main(argv: list[str] | None = None) -> None:
         "--checkpoint", help="a titan_vlm checkpoint folder (with 'latest') or a step-N folder"
     )
     source.add_argument("--hf-path", help="a Hugging Face model folder (no titan checkpoint)")
-    parser.add_argument("--image", required=True)
+    parser.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        help="an image file; give it again for more images (a Hugging Face folder's model)",
+    )
+    parser.add_argument(
+        "--video",
+        nargs="+",
+        help="a video's frame files, in order (a Hugging Face folder whose processor reads videos)",
+    )
     parser.add_argument("--prompt", default="")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument(
@@ -187,21 +222,26 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.model.hf_path:
             answer, ids = ask_hf(
                 model,
-                Path(cfg.model.hf_path),
+                cfg,
                 opts.image,
                 opts.prompt,
                 opts.raw_prompt,
                 opts.max_new_tokens,
+                opts.video,
             )
             print(answer.strip())
         else:
             if opts.raw_prompt:
                 raise ConfigError("--raw-prompt is for models from a Hugging Face folder")
+            if len(opts.image) != 1 or opts.video:
+                raise ConfigError(
+                    "a built-in model is asked about one --image (no --video): give exactly one"
+                )
             native = native_resolution(cfg, model_spec(cfg).args(cfg))
             image = (
-                load_image(opts.image, model.image_size)
+                load_image(opts.image[0], model.image_size)
                 if native is None
-                else load_native_image(opts.image, native)
+                else load_native_image(opts.image[0], native)
             )
             tok = build_tokenizer(cfg.model.tokenizer_path)
             chat = opts.template == "chat" or (

@@ -316,7 +316,7 @@ def test_chat_prompt_equals_apply_chat_template(folders, tmp_path, kind):
     expected = theirs.apply_chat_template(
         msgs, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
     )
-    parts = chat_prompt(ours, "What is this?", ours.preprocess_image(path))
+    parts = chat_prompt(ours, "What is this?", [ours.preprocess_image(path)])
     assert ours.input_ids(parts, ours.tokens_per_image) == expected["input_ids"][0].tolist()
     end = ("ASSISTANT:", "<|im_start|>assistant\n")[kind == "siglip"]
     assert ours.tokenizer.tok.decode(parts[-1], skip_special_tokens=False).endswith(end)
@@ -335,7 +335,7 @@ def test_a_template_in_tokenizer_config_is_applied_as_the_tokenizer_does(folders
     ours, theirs = HFProcessor.from_folder(str(folder)), AutoTokenizer.from_pretrained(str(folder))
     msgs = messages("What is this?", image="a.png")
     expected = theirs.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-    parts = chat_prompt(ours, "What is this?", torch.zeros(3, 30, 30))
+    parts = chat_prompt(ours, "What is this?", [torch.zeros(3, 30, 30)])
     assert ours.input_ids(parts, 1) == list(expected["input_ids"])
     assert expected["input_ids"][0] != ours.tokenizer.BOS and ours.tokenizer.adds_bos
 
@@ -360,7 +360,7 @@ def test_transformers_4_layout(folders, tmp_path):
         msgs, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
     )
     image = ours.preprocess_image(path)
-    parts = chat_prompt(ours, "What is this?", image)
+    parts = chat_prompt(ours, "What is this?", [image])
     assert ours.input_ids(parts, ours.tokens_per_image) == expected["input_ids"][0].tolist()
     assert torch.equal(image, expected["pixel_values"][0])
 

@@ -11,7 +11,7 @@ at their own sizes and a video as one part at its `<|video_pad|>` token).
     proc = HFProcessor.from_folder("llava-1.5-7b-hf")
     proc.encode("USER: <image>\\nWhat is this? ASSISTANT:")   # input ids, one <image> per image
     proc.prompt_parts("USER: <image>\\nWhat is this? ASSISTANT:", [proc.preprocess_image(path)])
-    chat_prompt(proc, "What is this?", image)                 # the chat template's question
+    chat_prompt(proc, "What is this?", [image])               # the chat template's question
     proc.conversation_parts(turns, images)                     # a training sample, loss on answers
 
 Sample parts (data/batch.py) hold one image as one part; `input_ids(parts, n)` writes each image
@@ -439,10 +439,14 @@ def is_video(part: Part) -> bool:
     return isinstance(part, VideoRef) or (isinstance(part, torch.Tensor) and part.ndim == 4)
 
 
-def chat_prompt(processor: HFProcessor, question: str, image: Part) -> list[Part]:
-    """A one-turn question about one image in the folder's chat template, ending with the
-    generation prompt (what follows is the answer): Sample parts, all context."""
-    return processor.chat_parts([_message(True, f"{PLACEHOLDER}{question}")], [image])
+def chat_prompt(processor: HFProcessor, question: str, images: list[Part]) -> list[Part]:
+    """A one-turn question about images (and a video, where the folder reads videos whole) in
+    the folder's chat template, ending with the generation prompt (what follows is the answer):
+    Sample parts, all context. The images come first in the turn, in order, then the video,
+    then the question, as a message [image..., video, text] that apply_chat_template renders."""
+    marks = "".join(VIDEO if is_video(p) else PLACEHOLDER for p in images)
+    message = _message(True, f"{marks}{question}", processor.reads_videos)
+    return processor.chat_parts([message], images)
 
 
 def _message(from_user: bool, text: str, videos: bool = False) -> dict:
