@@ -379,14 +379,18 @@ QUESTIONS = [
     (["tall.png"], None, "What is this?"),
     (["wide.png", "glass.png"], None, "Compare and, please."),
     ([], [f"clip/{i}.png" for i in range(5)], "What happens?"),
+    (["wide.png"], None, "<|vision_start|><|image_pad|><|vision_end|>Say hi."),  # --raw-prompt
 ]
 
 
-@pytest.mark.parametrize("case", range(len(QUESTIONS)), ids=["image", "two_images", "video"])
+@pytest.mark.parametrize(
+    "case", range(len(QUESTIONS)), ids=["image", "two_images", "video", "raw_prompt"]
+)
 def test_generate_equals_transformers_greedy(setup, tmp_path, case):
     """python -m titan_vlm.generate --hf-path on the folder, asked about one image, two images of
-    different aspect ratios, or a video's frames in its chat template: the generated ids equal
-    transformers' greedy generate on the processor's inputs for the same messages."""
+    different aspect ratios, or a video's frames in its chat template, or with --raw-prompt (the
+    text the processor takes, each pad its image's tokens): the generated ids equal
+    transformers' greedy generate on the processor's inputs for the same text."""
     import shutil
 
     from cli import python_m
@@ -398,7 +402,9 @@ def test_generate_equals_transformers_greedy(setup, tmp_path, case):
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     (asked / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     images, frames, question = QUESTIONS[case]
+    raw = question.startswith("<|vision_start|>")
     argv = ["--hf-path", str(asked), "--prompt", question, "--max-new-tokens", "6", "--print-ids"]
+    argv += ["--raw-prompt"] if raw else []
     for name in images:
         argv += ["--image", str(path.parent / name)]
     if frames:
@@ -411,8 +417,12 @@ def test_generate_equals_transformers_greedy(setup, tmp_path, case):
     proc.chat_template = TEMPLATE
     content = [{"type": "image"} for _ in images] + ([{"type": "video"}] if frames else [])
     content.append({"type": "text", "text": question})
-    text = proc.apply_chat_template(
-        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    text = (
+        question
+        if raw
+        else proc.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
     )
     inputs = proc(
         text=[text],
