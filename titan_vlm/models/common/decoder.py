@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from titan_vlm.attention import SeqLayout, attention
 from titan_vlm.models.common.text_args import DecoderArgs, Rope
+from titan_vlm.models.loading import Init
 
 
 class RMSNorm(nn.Module):
@@ -238,3 +239,24 @@ class Decoder(nn.Module):
         cos = self.rope_cos[layout.positions].unsqueeze(1)
         sin = self.rope_sin[layout.positions].unsqueeze(1)
         return cos, sin
+
+
+def decoder_weight_init(d: DecoderArgs, name: str) -> Init:
+    """How a weight of the decoder (held as `decoder`; its biases and norms aside) starts from
+    scratch in every family: its head at dim^-0.5, its residual outputs (wo, w2) at
+    0.02/sqrt(2 * layers), the rest normal(0.02)."""
+    if name == "decoder.output.weight":
+        return Init("normal", d.dim**-0.5)
+    if name.endswith(("wo.weight", "w2.weight")):
+        return Init("normal", 0.02 / math.sqrt(2 * d.n_layers))
+    return Init("normal", 0.02)
+
+
+def after_to_empty(model: nn.Module) -> None:
+    """What `Module.to_empty` undoes of a model holding a Decoder as `decoder`: its RoPE tables
+    (buffers, left unset) and tied embeddings (to_empty gives the head a copy of its own; FSDP
+    then follows the module attribute). Every family's ModelSpec.after_to_empty."""
+    decoder = model.get_submodule("decoder")
+    assert isinstance(decoder, Decoder)
+    decoder._init_rope()
+    decoder.tie_weights()

@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titan_vlm.config import ConfigError
+from titan_vlm.models.common.hf_adapter import decoder_hf_names
 from titan_vlm.models.llava.args import VLMArgs
 
 
@@ -150,37 +151,6 @@ def _projector_names(args: VLMArgs, p: str) -> dict[str, str]:
     return {f"projector.fc{n}.{k}": f"{p}linear_{n}.{k}" for n in (1, 2) for k in kinds}
 
 
-def _text_names(args: VLMArgs, p: str, head: str) -> dict[str, str]:
-    d = args.decoder
-    names = {"decoder.tok_embeddings.weight": f"{p}embed_tokens.weight"}
-    linears = {
-        "attention.wq": ("self_attn.q_proj", d.qkv_bias),
-        "attention.wk": ("self_attn.k_proj", d.qkv_bias),
-        "attention.wv": ("self_attn.v_proj", d.qkv_bias),
-        "attention.wo": ("self_attn.o_proj", d.o_bias),
-        "feed_forward.w1": ("mlp.gate_proj", d.mlp_bias),
-        "feed_forward.w3": ("mlp.up_proj", d.mlp_bias),
-        "feed_forward.w2": ("mlp.down_proj", d.mlp_bias),
-    }
-    norms = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-    if d.qk_norm:
-        norms.update(
-            {"attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm"}
-        )
-    for i in range(d.n_layers):
-        ours, hf = f"decoder.layers.{i}.", f"{p}layers.{i}."
-        for name, (hf_name, bias) in linears.items():
-            names[f"{ours}{name}.weight"] = f"{hf}{hf_name}.weight"
-            if bias:
-                names[f"{ours}{name}.bias"] = f"{hf}{hf_name}.bias"
-        for name, hf_name in norms.items():
-            names[f"{ours}{name}.weight"] = f"{hf}{hf_name}.weight"
-    names["decoder.norm.weight"] = f"{p}norm.weight"
-    if not d.tie_embeddings:
-        names["decoder.output.weight"] = head
-    return names
-
-
 def _names(args: VLMArgs, style: KeyStyle) -> dict[str, str]:
     names: dict[str, str] = {}
     if style.vision is not None:
@@ -189,7 +159,7 @@ def _names(args: VLMArgs, style: KeyStyle) -> dict[str, str]:
         names.update(_projector_names(args, style.projector))
     if style.text is not None:
         assert style.head is not None
-        names.update(_text_names(args, style.text, style.head))
+        names.update(decoder_hf_names(args.decoder, style.text, style.head))
     return names
 
 

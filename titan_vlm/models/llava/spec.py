@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn as nn
 
 from titan_vlm.config import JobConfig
 from titan_vlm.data import model_inputs, native_resolution
@@ -28,6 +27,7 @@ from titan_vlm.data.batch import SlotData
 from titan_vlm.data.image_batch import ImageRule
 from titan_vlm.errors import ConfigError
 from titan_vlm.files import read_json
+from titan_vlm.models.common.decoder import after_to_empty, decoder_weight_init
 from titan_vlm.models.common.hf_config import first_difference, text_args_from_hf
 from titan_vlm.models.common.hf_folder import config_path, hf_sources
 from titan_vlm.models.llava.args import IMAGE_ATTENTION, VLMArgs, get_flavor
@@ -125,11 +125,7 @@ def init_rule(args: VLMArgs, name: str, param: torch.Tensor) -> Init:
     if "norm" in name:
         return Init("ones")
     if name.startswith("decoder."):
-        if name == "decoder.output.weight":
-            return Init("normal", args.decoder.dim**-0.5)
-        if name.endswith(("wo.weight", "w2.weight")):
-            return Init("normal", 0.02 / math.sqrt(2 * args.decoder.n_layers))
-        return Init("normal", 0.02)
+        return decoder_weight_init(args.decoder, name)
     if param.ndim < 2:  # position embeddings, class token
         return Init("normal", 0.02)
     if name.endswith(("pos_embed", "position_embedding.weight")):
@@ -146,13 +142,6 @@ def hf_same(args: VLMArgs, file_keys: set[str]) -> list[tuple[str, str]]:
     if style.head is None or style.head not in file_keys or style.text is None:
         return []
     return [(style.head, f"{style.text}embed_tokens.weight")]
-
-
-def after_to_empty(model: nn.Module) -> None:
-    """What `to_empty` undoes: the RoPE tables (buffers, left unset) and tied embeddings (it
-    gives the head a copy of its own; FSDP then follows the module attribute)."""
-    model.decoder._init_rope()  # type: ignore[union-attr,operator]
-    model.decoder.tie_weights()  # type: ignore[union-attr,operator]
 
 
 def data_rule(args: VLMArgs, cfg: JobConfig) -> tuple[ImageRule | None, SlotData | None]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titan_vlm.errors import ConfigError
+from titan_vlm.models.common.hf_adapter import decoder_hf_names
 from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs
 
 
@@ -94,35 +95,11 @@ def _vision_names(args: Qwen25VLArgs, p: str) -> dict[str, str]:
     return names
 
 
-def _text_names(args: Qwen25VLArgs, p: str, head: str) -> dict[str, str]:
-    d = args.decoder
-    names = {"decoder.tok_embeddings.weight": f"{p}embed_tokens.weight"}
-    linears = {
-        "attention.wq": ("self_attn.q_proj", d.qkv_bias),
-        "attention.wk": ("self_attn.k_proj", d.qkv_bias),
-        "attention.wv": ("self_attn.v_proj", d.qkv_bias),
-        "attention.wo": ("self_attn.o_proj", d.o_bias),
-        "feed_forward.w1": ("mlp.gate_proj", d.mlp_bias),
-        "feed_forward.w3": ("mlp.up_proj", d.mlp_bias),
-        "feed_forward.w2": ("mlp.down_proj", d.mlp_bias),
-    }
-    norms = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-    for i in range(d.n_layers):
-        ours, hf = f"decoder.layers.{i}.", f"{p}layers.{i}."
-        for name, (hf_name, bias) in linears.items():
-            names[f"{ours}{name}.weight"] = f"{hf}{hf_name}.weight"
-            if bias:
-                names[f"{ours}{name}.bias"] = f"{hf}{hf_name}.bias"
-        for name, hf_name in norms.items():
-            names[f"{ours}{name}.weight"] = f"{hf}{hf_name}.weight"
-    names["decoder.norm.weight"] = f"{p}norm.weight"
-    if not d.tie_embeddings:
-        names["decoder.output.weight"] = head
-    return names
-
-
 def _names(args: Qwen25VLArgs, style: KeyStyle) -> dict[str, str]:
-    return {**_vision_names(args, style.vision), **_text_names(args, style.text, style.head)}
+    return {
+        **_vision_names(args, style.vision),
+        **decoder_hf_names(args.decoder, style.text, style.head),
+    }
 
 
 def unused_hf_tensors(args: Qwen25VLArgs, file_keys: set[str]) -> dict[str, str]:

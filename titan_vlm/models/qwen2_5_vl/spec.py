@@ -13,13 +13,13 @@ import math
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 
 from titan_vlm.config import JobConfig
 from titan_vlm.data.batch import SlotData
 from titan_vlm.data.image_batch import ImageRule
 from titan_vlm.errors import ConfigError
 from titan_vlm.files import read_json
+from titan_vlm.models.common.decoder import after_to_empty, decoder_weight_init
 from titan_vlm.models.common.hf_config import first_difference
 from titan_vlm.models.common.hf_folder import config_path
 from titan_vlm.models.loading import Init
@@ -85,19 +85,8 @@ def init_rule(args: Qwen25VLArgs, name: str, param: torch.Tensor) -> Init:
     if "norm" in name:
         return Init("ones")
     if name.startswith("decoder."):
-        if name == "decoder.output.weight":
-            return Init("normal", args.decoder.dim**-0.5)
-        if name.endswith(("wo.weight", "w2.weight")):
-            return Init("normal", 0.02 / math.sqrt(2 * args.decoder.n_layers))
-        return Init("normal", 0.02)
+        return decoder_weight_init(args.decoder, name)
     return Init("uniform", 1 / math.sqrt(math.prod(param.shape[1:])))
-
-
-def after_to_empty(model: nn.Module) -> None:
-    """What `to_empty` undoes: the decoder's RoPE buffers (unused by M-RoPE but built) and tied
-    embeddings."""
-    model.decoder._init_rope()  # type: ignore[union-attr,operator]
-    model.decoder.tie_weights()  # type: ignore[union-attr,operator]
 
 
 def data_rule(args: Qwen25VLArgs, cfg: JobConfig) -> tuple[ImageRule | None, SlotData | None]:

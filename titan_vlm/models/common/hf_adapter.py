@@ -1,0 +1,39 @@
+"""Hugging Face tensor names of what families share: the Llama-shaped decoder's."""
+
+from __future__ import annotations
+
+from titan_vlm.models.common.text_args import DecoderArgs
+
+
+def decoder_hf_names(d: DecoderArgs, p: str, head: str) -> dict[str, str]:
+    """{our parameter name: Hugging Face tensor name} of a Llama-shaped decoder
+    (common/decoder.py, held as `decoder`) whose text model's tensors are under prefix `p`
+    (model.*, language_model.model.*, ...) and whose untied head is `head`: transformers' names
+    for Llama, Mistral, Qwen2 and Qwen3 text models, in any family."""
+    names = {"decoder.tok_embeddings.weight": f"{p}embed_tokens.weight"}
+    linears = {
+        "attention.wq": ("self_attn.q_proj", d.qkv_bias),
+        "attention.wk": ("self_attn.k_proj", d.qkv_bias),
+        "attention.wv": ("self_attn.v_proj", d.qkv_bias),
+        "attention.wo": ("self_attn.o_proj", d.o_bias),
+        "feed_forward.w1": ("mlp.gate_proj", d.mlp_bias),
+        "feed_forward.w3": ("mlp.up_proj", d.mlp_bias),
+        "feed_forward.w2": ("mlp.down_proj", d.mlp_bias),
+    }
+    norms = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    if d.qk_norm:
+        norms.update(
+            {"attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm"}
+        )
+    for i in range(d.n_layers):
+        ours, hf = f"decoder.layers.{i}.", f"{p}layers.{i}."
+        for name, (hf_name, bias) in linears.items():
+            names[f"{ours}{name}.weight"] = f"{hf}{hf_name}.weight"
+            if bias:
+                names[f"{ours}{name}.bias"] = f"{hf}{hf_name}.bias"
+        for name, hf_name in norms.items():
+            names[f"{ours}{name}.weight"] = f"{hf}{hf_name}.weight"
+    names["decoder.norm.weight"] = f"{p}norm.weight"
+    if not d.tie_embeddings:
+        names["decoder.output.weight"] = head
+    return names
