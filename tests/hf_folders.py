@@ -41,31 +41,18 @@ TEXT = dict(
 )
 
 
-def save_qwen(folder: Path, tie: bool = False) -> Qwen2_5_VLForConditionalGeneration:
-    torch.manual_seed(0)
-    config = Qwen2_5_VLConfig(
-        vision_config=VISION,
-        text_config=TEXT,
-        image_token_id=IMAGE,
-        video_token_id=VIDEO,
-        vision_start_token_id=START,
-        vision_end_token_id=END,
-        tie_word_embeddings=tie,
-    )
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    with torch.no_grad():  # off the initial values: a bias or norm not loaded would show
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(folder)
-    return model
-
-
-def save_qwen_vocab(
-    folder: Path, vocab: int, image: int, video: int, start: int, end: int
+def save_qwen(
+    folder: Path,
+    tie: bool = False,
+    vocab: int = VOCAB,
+    image: int = IMAGE,
+    video: int = VIDEO,
+    start: int = START,
+    end: int = END,
 ) -> Qwen2_5_VLForConditionalGeneration:
-    """save_qwen's tiny model with a vocabulary of `vocab` ids and the placeholder ids a
-    tokenizer of that folder gives <|image_pad|>, <|video_pad|>, <|vision_start|>,
-    <|vision_end|> (a folder with a real tokenizer next to the weights)."""
+    """The tiny model, saved to `folder`; `vocab` and the placeholder ids (<|image_pad|>,
+    <|video_pad|>, <|vision_start|>, <|vision_end|>) where a folder's real tokenizer gives
+    others."""
     torch.manual_seed(0)
     config = Qwen2_5_VLConfig(
         vision_config=VISION,
@@ -74,6 +61,7 @@ def save_qwen_vocab(
         video_token_id=video,
         vision_start_token_id=start,
         vision_end_token_id=end,
+        tie_word_embeddings=tie,
     )
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
     with torch.no_grad():  # off the initial values: a bias or norm not loaded would show

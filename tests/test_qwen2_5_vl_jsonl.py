@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_folders import save_qwen_vocab
+from hf_folders import save_qwen
 from PIL import Image
 from test_qwen2_5_vl_processor import hf_processor, noise_image, video_frames
 
@@ -209,13 +209,13 @@ def setup(tmp_path_factory):
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     ids = {name: tok.token_to_id(name) for name in SPECIALS}
     vocab = (tok.get_vocab_size() + 15) // 16 * 16
-    save_qwen_vocab(
+    save_qwen(
         folder,
-        vocab,
-        ids["<|image_pad|>"],
-        ids["<|video_pad|>"],
-        ids["<|vision_start|>"],
-        ids["<|vision_end|>"],
+        vocab=vocab,
+        image=ids["<|image_pad|>"],
+        video=ids["<|video_pad|>"],
+        start=ids["<|vision_start|>"],
+        end=ids["<|vision_end|>"],
     )
     (folder / "chat_template.jinja").write_text(TEMPLATE)
     hf = hf_qwen2_vl.Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from titan_vlm.errors import ConfigError
 from titan_vlm.models.common.text_args import DecoderArgs
 
 
@@ -37,3 +38,21 @@ def decoder_hf_names(d: DecoderArgs, p: str, head: str) -> dict[str, str]:
     if not d.tie_embeddings:
         names["decoder.output.weight"] = head
     return names
+
+
+def check_file_coverage(
+    names: dict[str, str], unused: set[str], file_keys: set[str], where: str, style: str
+) -> None:
+    """Every family's loading rule: each mapped tensor (`names`: ours -> theirs) is in the
+    files, and every tensor in the files is mapped or known to be unused; else a one-line
+    ConfigError naming the first tensor (and how many more), the key style and `where`."""
+    for ours, theirs in names.items():
+        if theirs not in file_keys:
+            raise ConfigError(f"{where}: tensor '{theirs}' not found (needed for {ours})")
+    stray = sorted(file_keys - set(names.values()) - unused)
+    if stray:
+        more = f" and {len(stray) - 1} more" if len(stray) > 1 else ""
+        raise ConfigError(
+            f"{where}: tensor '{stray[0]}'{more} is not used by the model "
+            f"(style {style}; check the config.json)"
+        )

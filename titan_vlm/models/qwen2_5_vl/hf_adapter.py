@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titan_vlm.errors import ConfigError
-from titan_vlm.models.common.hf_adapter import decoder_hf_names
+from titan_vlm.models.common.hf_adapter import check_file_coverage, decoder_hf_names
 from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs
 
 
@@ -123,16 +123,8 @@ def hf_names(
     the files that is neither mapped nor in `unused_hf_tensors`."""
     style = key_style(file_keys, where)
     names = _names(args, style)
-    for ours, theirs in names.items():
-        if theirs not in file_keys:
-            raise ConfigError(f"{where}: tensor '{theirs}' not found (needed for {ours})")
-    stray = sorted(file_keys - set(names.values()) - set(unused_hf_tensors(args, file_keys)))
-    if stray:
-        more = f" and {len(stray) - 1} more" if len(stray) > 1 else ""
-        raise ConfigError(
-            f"{where}: tensor '{stray[0]}'{more} is not used by the model "
-            f"(style {style.name}; check the config.json)"
-        )
+    unused = set(unused_hf_tensors(args, file_keys))
+    check_file_coverage(names, unused, file_keys, where, style.name)
     return names
 
 
