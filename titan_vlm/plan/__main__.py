@@ -163,12 +163,12 @@ def main(argv: list[str] | None = None) -> None:
         gpn = opts.gpus_per_node or hw.gpus_per_node
         world = world_of(opts, cfg, gpn)
         spec = model_spec(cfg)
-        if not isinstance(spec.args(cfg), VLMArgs):
+        args = spec.args(cfg)  # a flavor or a Hugging Face folder
+        if not isinstance(args, VLMArgs):
             raise ConfigError(
                 f"model.name: the planner prices the llava family's shapes; {spec.name} "
                 "models are not priced yet (docs/limits.md)"
             )
-        args = spec.args(cfg)  # a flavor or a Hugging Face folder
         shapes = model_shapes(args)
         t = cfg.training
         work = Workload.uniform(
