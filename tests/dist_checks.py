@@ -747,8 +747,9 @@ def compiled_train_run(dp_shard: int, cp: int, steps: int, tp: int = 1, **overri
 
 def _qwen_rows(args, rule, slot_data, seq_len: int, seed: int) -> Batch:
     """Two packed rows of Qwen2.5-VL samples: images of three sizes (6, 8 and 4 slots), a
-    3-frame video (grid (2, 4, 4): 8 slots), text-only samples, one long interleaved sample (so
-    "auto" splits it) and short ones (kept whole)."""
+    3-frame video (grid (2, 4, 4): 8 slots), an 8-frame one (grid (4, 4, 4): 16 slots, whose
+    frame groups cp_vision = "shard" deals to different ranks), text-only samples, one long
+    interleaved sample (so "auto" splits it) and short ones (kept whole)."""
     g = torch.Generator().manual_seed(seed)
 
     def pixels(*shape: int) -> torch.Tensor:
@@ -773,6 +774,8 @@ def _qwen_rows(args, rule, slot_data, seq_len: int, seed: int) -> Batch:
         ],
         [
             Sample([text(12)]),
+            # a video of 8 frames (4 frame groups): cp_vision = "shard" spreads its groups
+            Sample([text(2) + [start], pixels(8, 3, 56, 56), [end] + text(5)]),
             Sample([text(3) + [start], pixels(3, 112, 56), [end] + text(20)]),
             Sample([text(9)]),
         ],

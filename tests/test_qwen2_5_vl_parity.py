@@ -3,7 +3,8 @@ parallelized and fed only through the family's ModelSpec and forward_local): the
 gradient norm before clipping, every parameter's gradient. Packed rows of images of three sizes,
 a video and text; each slot's three M-RoPE positions travel with it (Batch.slot_data), whether
 its sample is split head-tail or kept whole, its image slots replicated or sharded, for every
-cp_comm_type and cp_vision. The negative controls show the harness can fail: 1-D positions in
+cp_comm_type and cp_vision (under "shard" the 8-frame video's frame groups go to different
+ranks: QwenVisuals.units). The negative controls show the harness can fail: 1-D positions in
 place of M-RoPE, and image gradients not summed over cp."""
 
 import pytest

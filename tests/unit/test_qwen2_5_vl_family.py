@@ -302,3 +302,35 @@ def test_an_images_work_prices_its_attention_as_it_is() -> None:
     assert visuals.work()[0] > 3 * visuals.work()[1]
     assert image_shard_sizes(visuals.patches(), 2) == [1, 4]  # by cost
     assert image_shard_sizes(patches, 2) == [2, 3]  # by patches alone: the control
+
+
+def test_a_video_s_frame_groups_encode_as_the_whole_video() -> None:
+    """cp_vision = "shard" deals QwenVisuals.units: a video's frame groups encoded in separate
+    ranges (as different CP ranks encode them) give exactly the rows of the video encoded
+    whole, and one long video is spread over the ranks, none encoding all of it. The control:
+    a cut that is not on a frame-group boundary changes the rows (the tower's temporal patches
+    would pair other frames)."""
+    from titan_vlm.models.qwen2_5_vl.model import Qwen25VL
+    from titan_vlm.parallel.context_parallel import image_shard_sizes
+
+    torch.manual_seed(0)
+    args = Qwen25VLArgs()
+    rule = QwenRule(args)
+    model = Qwen25VL(args)
+    video = _pixels(5, 3, 56, 84, seed=1)  # 5 frames: groups of 2, 2 and 1 (padded)
+    image = _pixels(3, 56, 56, seed=2)
+    visuals = QwenVisuals((image, video), rule)
+    units = visuals.units()
+    assert [tuple(t.shape[:1]) for t in units.tensors] == [(3,), (2,), (2,), (1,)]
+    assert sum(units.slots()) == sum(visuals.slots())
+    with torch.no_grad():
+        whole = model.encode_images(visuals)
+        parts = torch.cat([model.encode_images(units[:2]), model.encode_images(units[2:])])
+        wrong_cut = QwenVisuals((image, video[:3], video[3:]), rule)
+        wrong = model.encode_images(wrong_cut)
+    torch.testing.assert_close(parts, whole, rtol=1e-6, atol=1e-6)
+    assert wrong.shape == whole.shape and not torch.allclose(wrong, whole, atol=1e-3)
+
+    long_video = QwenVisuals((_pixels(8, 3, 56, 56, seed=3),), rule)  # 4 frame groups
+    assert image_shard_sizes(long_video.patches(), 4) == [1, 0, 0, 0]  # whole: one rank
+    assert image_shard_sizes(long_video.units().patches(), 4) == [1, 1, 1, 1]

@@ -57,6 +57,15 @@ class ImageSet(ABC):
         """Each image's encoder work in the family's unit, the one its LayoutCost.image prices
         (LLaVA: one native-size image; Qwen2.5-VL: one patch)."""
 
+    def units(self) -> ImageSet:
+        """The pieces the encoder encodes independently, in batch order: encoding any split of
+        them into contiguous ranges, each range on its own, and concatenating the rows gives
+        exactly the rows of encoding the whole set. What cp_vision = "shard" deals to CP ranks,
+        so a family whose encoder attends within parts of an image (Qwen2.5-VL: a video's
+        frame groups) can spread one long video over ranks. By default the images
+        themselves."""
+        return self
+
 
 class ImageRule(ABC):
     """How a family's images of their own sizes take slots in a row and travel in a batch
@@ -116,6 +125,12 @@ def image_patches(images: Images) -> list[int]:
     if isinstance(images, torch.Tensor):
         return [1] * images.shape[0]
     return images.patches()
+
+
+def vision_units(images: Images) -> Images:
+    """The pieces of a batch's images the encoder encodes independently (ImageSet.units); a
+    tensor batch's are its images."""
+    return images if isinstance(images, torch.Tensor) else images.units()
 
 
 def vit_work(images: Images) -> list[float]:

@@ -44,7 +44,13 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from titan_vlm.config import Parallelism
 from titan_vlm.data.batch import IGNORE_INDEX, Batch
-from titan_vlm.data.image_batch import Images, image_patches, image_slot_counts, vit_work
+from titan_vlm.data.image_batch import (
+    Images,
+    image_patches,
+    image_slot_counts,
+    vision_units,
+    vit_work,
+)
 from titan_vlm.distributed import local_tensor
 from titan_vlm.layout import LayoutCost, SeqLayout, build_layout
 from titan_vlm.models.spec import VisionLanguageModel
@@ -78,8 +84,10 @@ def vision_images_per_rank(images: Images, cp_size: int, mode: str) -> list[floa
     """Each CP rank's ViT work under cp_vision `mode`, in native-image units (data/batch.py
     vit_work: an image's patches / a native-size image's; so LayoutCost.image, the cost of one
     native image, prices it): the layout's ViT cost. A batch of native-size images counts its
-    images, as floats."""
-    return vit_shares(vit_work(images), image_patches(images), cp_size, mode)
+    images, as floats. Priced over the pieces "shard" deals (data/image_batch.py vision_units),
+    as `encode_images_over_cp` deals them."""
+    units = vision_units(images)
+    return vit_shares(vit_work(units), image_patches(units), cp_size, mode)
 
 
 def vit_shares(work: list[float], patches: list[int], cp_size: int, mode: str) -> list[float]:
@@ -252,7 +260,9 @@ def encode_images_over_cp(
     before it reaches the projector and ViT: [n, tokens_per_image, D] for a tensor batch (native
     size), [sum of image_tokens, D] for an ImageList (VisionLanguageModel.encode_images; batch
     order either way). `mode` is where the ViT runs (CPOptions.vision); under "shard" each rank
-    encodes a contiguous range of the images balanced by patches (`image_shard_sizes`).
+    encodes a contiguous range of the images balanced by patches (`image_shard_sizes`), or of
+    their independently encoded pieces (ImageSet.units: a video's frame groups), so one long
+    video may be encoded by several ranks, none holding all its frames' activations.
     `embed_width`: the projector's local output width D when it is not the decoder's
     (image_embed_tp_shard: D/tp). `tp_vision`: the ViT and projector are tensor-parallel
     (tensor_parallel_degree > 1), so a rank never encodes an empty batch
@@ -288,17 +298,21 @@ def encode_images_over_cp(
         out: torch.Tensor = _BroadcastFromSource.apply(local, group, src)
         return out
     if mode == "shard":
-        sizes = image_shard_sizes(image_patches(images), cp_size)
+        # the pieces the encoder encodes independently (a video's frame groups): one long video
+        # may be spread over ranks, its rows gathered back in order
+        units = vision_units(images)
+        sizes = image_shard_sizes(image_patches(units), cp_size)
         start = sum(sizes[:rank])
-        local = encode(images[start : start + sizes[rank]]).float()  # may be empty: still runs
-        if not isinstance(images, torch.Tensor):  # uneven shares: rows of tokens, by hand
+        local = encode(units[start : start + sizes[rank]]).float()  # may be empty: still runs
+        if not isinstance(units, torch.Tensor):  # uneven shares: rows of tokens, by hand
+            unit_tokens = image_slot_counts(units, model.tokens_per_image)
             firsts = [sum(sizes[:r]) for r in range(cp_size)]
-            counts = [sum(tokens[a : a + n]) for a, n in zip(firsts, sizes)]
+            counts = [sum(unit_tokens[a : a + n]) for a, n in zip(firsts, sizes)]
             gathered: torch.Tensor = _GatherUneven.apply(
                 local.reshape(-1, local.shape[-1]), cp_mesh.get_group(), counts
             )
             return gathered
-        shape = torch.Size((images.shape[0], *local.shape[1:]))
+        shape = torch.Size((units.shape[0], *local.shape[1:]))
         sharded = DTensor.from_local(
             local,
             cp_mesh,

@@ -203,3 +203,21 @@ class QwenVisuals(ImageSet):
         a = self.rule.args
         unit = vision_patch_flops(a.vision)
         return [image_train_flops(a, g) / unit for g in self.grids()]
+
+    def units(self) -> QwenVisuals:
+        """Images whole, each video cut into its frame groups ([temporal_patch_size, C, H, W],
+        the last one shorter where the frames do not fill it): the tower attends within a frame
+        group (its full-attention blocks over one group's patches, its windows inside one
+        group, the same 2-D rotary positions in every group), and patchify_frames repeats a
+        short group's last frame as it repeats the video's, so encoding the groups one by one
+        gives the video's rows in order. A video's embeddings are then the concatenation of
+        its groups' (ImageSet.units; tests/unit/test_qwen2_5_vl_family.py checks it against
+        the whole video)."""
+        step = self.rule.args.vision.temporal_patch_size
+        pieces: list[torch.Tensor] = []
+        for t in self.tensors:
+            if t.ndim == 4 and t.shape[0] > step:
+                pieces += list(t.split(step))
+            else:
+                pieces.append(t)
+        return QwenVisuals(tuple(pieces), self.rule, self.where)
