@@ -718,7 +718,11 @@ def compiled_train_run(dp_shard: int, cp: int, steps: int, tp: int = 1, **overri
 
     def apply_compile(model: VLM, *args, **kwargs) -> None:
         # the blocks' input shapes, seen from the uncompiled stacks around them
-        model.vision.register_forward_pre_hook(lambda m, a: shapes["vit"].add(tuple(a[0].shape)))
+        model.vision.register_forward_pre_hook(  # a tensor batch's shape, an ImageList's sizes
+            lambda m, a: shapes["vit"].add(
+                tuple(a[0].shape) if isinstance(a[0], torch.Tensor) else tuple(a[0].sizes())
+            )
+        )
         model.decoder.register_forward_pre_hook(
             lambda m, a: shapes["decoder"].add(
                 a[0].shape[1] + (0 if a[1] is None else a[1].shape[1])  # text + image slots

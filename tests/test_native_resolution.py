@@ -247,9 +247,8 @@ def test_native_resolution_keys(folder):
             validate_job(cfg, 1)
     cfg.data.native_resolution_pixels = PIXELS
     validate_job(cfg, 1)
-    cfg.compile.enable = True
-    with pytest.raises(ConfigError, match="does not combine with compile.enable"):
-        validate_job(cfg, 1)
+    cfg.compile.enable = True  # compiled blocks take the packed images' plan
+    validate_job(cfg, 1)
     cfg.compile.enable = False
     cfg.data.dataset = "synthetic"
     with pytest.raises(ConfigError, match="the synthetic data draws every image"):
@@ -290,6 +289,12 @@ CASES = {
     "shard-split-image-tokens-shard": dict(vision="shard", image_tokens="shard"),
     # a CLIP-shaped tower (class token, its position interpolated around, then dropped)
     "shard-auto-hf-features": dict(vision="shard", placement="auto", hf_features=True),
+    # sequence parallelism: the packed images padded to whole tp slices (ViT.sequence_multiple)
+    "tp2-sp-no-cp": dict(cp=1, tp=2, sp=True),
+    # ... with CP, every ViT and decoder block compiled (fullgraph: a graph break fails it)
+    "shard-auto-tp2-sp-compiled": dict(
+        vision="shard", placement="auto", tp=2, sp=True, compile_backend="aot_eager"
+    ),
 }
 
 
@@ -310,6 +315,50 @@ def test_negative_control_uneven_gather_needs_its_gradient_sum(pool):
     results = pool.run("parity", rows="native", seq_len=100, cp=2, sum_image_grad=False)
     for result in results:
         assert result["grad_err"]["vision"] > 0.1, mismatches(result)
+
+
+def test_negative_control_sequence_parallel_norms_need_their_reduction(pool):
+    """The SP norms' weights kept local (their gradients not summed over tp, as
+    test_tensor_parallel's control): the packed, padded ViT sequence under SP must then fail
+    parity, so the SP cases above can fail."""
+    results = pool.run("parity", rows="native", seq_len=100, cp=1, tp=2, sp=True,
+                       tp_unreduced_norms=True)  # fmt: skip
+    for result in results:
+        assert any(p.startswith("vision gradient") for p in mismatches(result)), result
+
+
+def test_compiled_sequence_parallel_over_steps_matches_eager(pool, folder, tmp_path):
+    """The trainer on the JSONL of mixed sizes and a video, TP with SP, every block compiled
+    (aot_eager, fullgraph): steps whose images differ in count and size, so the ViT blocks take
+    other packed plans; no graph break, two graphs per block, and every step's loss equal to the
+    same run eager."""
+    run = dict(
+        dp_shard=1,
+        cp=1,
+        tp=2,
+        steps=4,
+        data__dataset=str(folder / "train.jsonl"),
+        data__native_resolution_pixels=PIXELS,
+        data__shuffle=False,
+        parallelism__enable_sequence_parallel=True,
+        training__seq_len=160,
+        training__local_batch_size=2,
+        metrics__enable_tensorboard=False,
+        checkpoint__enable=False,
+    )
+    eager = pool.run("train_run", job__dump_folder=str(tmp_path / "e"), **run)[0]
+    compiled = pool.run(
+        "compiled_train_run",
+        compile__backend="aot_eager",
+        job__dump_folder=str(tmp_path / "c"),
+        **run,
+    )
+    for result in compiled:
+        assert result["graph_breaks"] == 0
+        assert len(result["shapes"]["vit"]) == 2, result["shapes"]  # two packed image sets
+        assert result["graphs"] == {"vit": 2, "decoder": 2}, result["graphs"]
+        got = [h["loss"] for h in result["history"]]
+        assert got == pytest.approx([h["loss"] for h in eager], rel=1e-5)
 
 
 # -- the real command line --------------------------------------------------------------------

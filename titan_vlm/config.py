@@ -153,8 +153,9 @@ class Data:
     multiple of the ViT's patch size (at least one patch), so H x W <= N and no image is
     upscaled except to one patch a side; its slots are the ViT's tokens of that grid, and the
     ViT's position embeddings are interpolated to it (bicubic, as transformers'
-    interpolate_pos_encoding). At least one patch (patch_size^2); not with model.hf_path (its
-    image processor fixes the size), compile.enable or sequence parallelism."""
+    interpolate_pos_encoding). At least one patch (patch_size^2); not with a LLaVA folder
+    (model.hf_path: its image processor fixes the size; a Qwen2.5-VL folder sizes its images
+    itself, so this stays 0 there)."""
     max_frames: int = 8
     """A dataset line's "video" (a list of frame files): at most this many frames, sampled
     evenly from first to last; each frame is an image of the sample, in order."""

@@ -43,9 +43,9 @@ def apply_tp(model: VLM, tp_mesh: DeviceMesh, options: TPOptions = TPOptions()) 
         None,
         ("fc1",),
         "fc2",
-        n_attn_args=1,
+        n_attn_args=2,
         sp=sp,
-    )
+    )  # attn(x, plan)
     for block in model.vision.layers:
         parallelize_module(block, tp_mesh, vit_plan)
     dec_plan = block_plan(
@@ -67,7 +67,9 @@ def apply_tp(model: VLM, tp_mesh: DeviceMesh, options: TPOptions = TPOptions()) 
     for block in model.decoder.layers:
         parallelize_module(block, tp_mesh, dec_plan)
     if sp:
-        sp_stack_boundaries(model.vision.layers, tp_mesh, 1, "ViT")
+        sp_stack_boundaries(model.vision.layers, tp_mesh, 2, "ViT")  # block(x, plan)
+        # images of different sizes: their packed sequence padded to whole tp slices
+        model.vision.sequence_multiple = tp_mesh.size()
         sp_stack_boundaries(
             model.decoder.layers, tp_mesh, 4, "decoder"
         )  # block(x, cos, sin, layout)

@@ -55,7 +55,11 @@ def validate(vlm: VLMArgs, dims: ParallelDims, cfg: JobConfig) -> None:
 
 
 def _validate_native(vlm: VLMArgs, cfg: JobConfig) -> None:
-    """data.native_resolution_pixels: images of their own sizes, whole patches of the ViT."""
+    """data.native_resolution_pixels: images of their own sizes, whole patches of the ViT. It
+    composes with compile and sequence parallelism (the ViT's packed sequence is one varlen plan,
+    padded to whole tp slices: vit.py ViT.sequence_multiple); not with a LLaVA folder, whose
+    image processor fixes every image's size (Qwen2.5-VL folders are the native-resolution
+    folders)."""
     native = cfg.data.native_resolution_pixels
     if native:
         patch = vlm.vision.patch_size
@@ -71,15 +75,6 @@ def _validate_native(vlm: VLMArgs, cfg: JobConfig) -> None:
                 f"data.native_resolution_pixels={native} is less than one {patch}x{patch} "
                 "patch of the ViT"
             )
-        for key, on in (
-            ("compile.enable", cfg.compile.enable),
-            ("parallelism.enable_sequence_parallel", cfg.parallelism.enable_sequence_parallel),
-        ):
-            if on:
-                raise ConfigError(
-                    f"data.native_resolution_pixels > 0 does not combine with {key} yet (the "
-                    "ViT packs images of different sizes into one sequence)"
-                )
 
 
 def _validate_tp(vlm: VLMArgs, dims: ParallelDims, cfg: JobConfig) -> None:

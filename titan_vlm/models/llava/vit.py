@@ -66,10 +66,10 @@ class ViTBlock(nn.Module):
         self.fc2 = nn.Linear(a.mlp_dim, a.dim)
 
     def forward(self, x: torch.Tensor, plan: PackedPlan | None = None) -> torch.Tensor:
-        # the fixed-size path calls attn with x alone: sequence parallelism's input plan for
-        # it (tensor_parallel._block_plan) names one input
+        # attn always takes (x, plan), plan None for one image a row: sequence parallelism's
+        # input plan for it (parallelize.apply_tp) names both inputs
         normed = self.norm1(x)
-        x = x + (self.attn(normed) if plan is None else self.attn(normed, plan))
+        x = x + self.attn(normed, plan)
         return x + self.fc2(self.act(self.fc1(self.norm2(x))))
 
 
@@ -97,6 +97,11 @@ class ViT(nn.Module):
         self.layers = nn.ModuleList(ViTBlock(a, attention_kernel) for _ in range(a.n_layers))
         if a.post_norm:
             self.norm = nn.LayerNorm(a.dim, eps=a.norm_eps)
+        # The packed sequence of an ImageList is padded with zero rows to a multiple of this:
+        # sequence parallelism cuts it over tp (apply_tp sets it to tp_degree). The padding rows
+        # are in no sequence of the plan (they attend to nothing and nothing attends to them)
+        # and are dropped after the blocks, so they change no output and get no gradient.
+        self.sequence_multiple = 1
         self._init_embeddings()
 
     def _init_embeddings(self) -> None:
@@ -144,9 +149,9 @@ class ViT(nn.Module):
         if self.args.pre_norm:
             x = self.pre_norm(x)
         for layer in self.layers:
-            # the fixed-size path calls each block with x alone: sequence parallelism's and
-            # activation checkpointing's wrappers of a block see the one input they plan for
-            x = layer(x) if plan is None else layer(x, plan)
+            # always (x, plan), plan None for one image a row: sequence parallelism's wrappers
+            # of a block (parallelize.apply_tp) plan for both inputs
+            x = layer(x, plan)
         if self.args.post_norm:
             x = self.norm(x)
         return x
@@ -174,8 +179,12 @@ class ViT(nn.Module):
         blocks = [
             (slice(0, 1), slice(a, a + n), slice(a, a + n), False) for a, n in zip(starts, lengths)
         ]
-        order = torch.arange(total).unsqueeze(0)
-        x = self._blocks(torch.cat(pieces).unsqueeze(0), pack(blocks, order, order))[0]
+        padded = total + -total % self.sequence_multiple
+        order = torch.arange(padded).unsqueeze(0)
+        packed = torch.cat(pieces)
+        if padded > total:
+            packed = torch.cat([packed, packed.new_zeros(padded - total, packed.shape[1])])
+        x = self._blocks(packed.unsqueeze(0), pack(blocks, order, order))[0, :total]
         if not self.args.drop_first:
             return x
         keep = torch.ones(total, dtype=torch.bool)
