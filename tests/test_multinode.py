@@ -14,8 +14,8 @@ import pytest
 
 from titan_vlm.config import ConfigError, launch_shape, load_config
 from titan_vlm.models.llava.args import get_flavor
+from titan_vlm.models.llava.shapes import plan_shapes
 from titan_vlm.plan.memory import state_bytes
-from titan_vlm.plan.shapes import model_shapes
 from titan_vlm.plan.spec import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +80,7 @@ def test_two_agents_on_loopback_train_like_one_four_process_node(tmp_path):
 
     # the planner's model state is the trainer's log line
     logged = re.search(r"model state per rank: ([\d.]+) GiB", one.stdout).group(1)
-    planned = state_bytes(model_shapes(get_flavor("debug")), Layout(dp_shard=2, cp=2)).total
+    planned = state_bytes(plan_shapes(get_flavor("debug")), Layout(dp_shard=2, cp=2)).total
     assert f"{planned / 2**30:.3f}" == logged
 
 

@@ -15,15 +15,15 @@ import pytest
 from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.models.llava.args import get_flavor
 from titan_vlm.models.llava.flops import layout_cost
+from titan_vlm.models.llava.shapes import plan_shapes
 from titan_vlm.plan.__main__ import main as plan_main
 from titan_vlm.plan.comm import cp_attention_bytes
 from titan_vlm.plan.memory import activation_bytes, state_bytes
-from titan_vlm.plan.shapes import model_shapes
 from titan_vlm.plan.spec import Layout, Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = get_flavor("debug")
-SHAPES = model_shapes(DEBUG)
+SHAPES = plan_shapes(DEBUG)
 COMMS = ("p2p", "allgather", "a2a")
 
 

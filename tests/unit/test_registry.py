@@ -63,4 +63,4 @@ def test_the_planner_refuses_a_family_it_does_not_price_in_one_line(capsys):
         main(["--config", str(config), "--model.name=qwen2_5_vl"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "qwen2_5_vl models are not priced yet" in err
+    assert "\n" not in err and "does not price qwen2_5_vl models yet" in err

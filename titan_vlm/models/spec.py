@@ -22,13 +22,16 @@ this interface and never reach into module names:
                 M-RoPE positions): what the dataset collates with (data/image_batch.py)
     inputs      its tokenizer and processor for the config (data/__init__.py model_inputs for a
                 LLaVA folder)
+    plan_shapes what the planner (python -m titan_vlm.plan) prices: its shapes, its parameters
+                with the dim its TP plan splits, its FLOPs (plan/shapes.py ModelShapes); None:
+                not priced yet (one line)
 
 The module `build` returns is a `VisionLanguageModel`: the few verbs the trainer, context
 parallelism (parallel/context_parallel.py) and generate.py use on it (encode the images, decode
 text with image embeddings placed, which modules make the embeddings, and the shapes involved).
 They never reach into a family's submodules or its args.
 
-The next family (say Qwen2.5-VL) is a new folder, models/<model_type>/, with its own `ModelSpec`
+The next family (say Qwen3-VL) is a new folder, models/<model_type>/, with its own `ModelSpec`
 and a model class that subclasses `VisionLanguageModel`, added to the one registry,
 `models/registry.py`, which `model.name` (or a folder's model_type) chooses from; train.py,
 trainer.py and context_parallel.py do not change.
@@ -59,6 +62,7 @@ if TYPE_CHECKING:
     from titan_vlm.layout import LayoutCost, SeqLayout
     from titan_vlm.models.loading import Init
     from titan_vlm.parallel_dims import Mesh, ParallelDims
+    from titan_vlm.plan.shapes import ModelShapes
 
 
 class BatchContext(Protocol):
@@ -178,3 +182,6 @@ class ModelSpec:
     # the tokenizer the job's text is encoded with, and the folder's processor (chat template,
     # image preprocessing) where the family reads a dataset file through one (else None)
     inputs: Callable[[JobConfig], tuple[ByteTokenizer | HFTokenizer, HFProcessor | None]]
+    # what the planner (titan_vlm/plan) prices of the model: shapes, parameters with their TP
+    # dims, FLOPs (None: the planner does not price this family yet, one line)
+    plan_shapes: Callable[[Any], ModelShapes] | None

@@ -17,14 +17,13 @@ import sys
 from typing import get_args
 
 from titan_vlm.config import ConfigError, CPCommType, JobConfig, load_config, world_size_of
-from titan_vlm.models.llava.args import VLMArgs
 from titan_vlm.models.registry import model_spec
 from titan_vlm.plan.comm import cp_attention_bytes
 from titan_vlm.plan.cost import EFFICIENCY, Plan, make_plan, span
 from titan_vlm.plan.hardware import HARDWARE, get_hardware
 from titan_vlm.plan.memory import AC_MODES
 from titan_vlm.plan.search import search
-from titan_vlm.plan.shapes import ModelShapes, model_shapes
+from titan_vlm.plan.shapes import ModelShapes
 from titan_vlm.plan.spec import Layout, Workload
 from titan_vlm.validate import validate_job
 
@@ -164,25 +163,24 @@ def main(argv: list[str] | None = None) -> None:
         world = world_of(opts, cfg, gpn)
         spec = model_spec(cfg)
         args = spec.args(cfg)  # a flavor or a Hugging Face folder
-        if not isinstance(args, VLMArgs):
+        if spec.plan_shapes is None:
             raise ConfigError(
-                f"model.name: the planner prices the llava family's shapes; {spec.name} "
-                "models are not priced yet (docs/limits.md)"
+                f"model.name: the planner does not price {spec.name} models yet (docs/limits.md)"
             )
-        shapes = model_shapes(args)
+        shapes = spec.plan_shapes(args)
         t = cfg.training
         work = Workload.uniform(
             t.seq_len,
             t.local_batch_size,
             cfg.data.images_per_sample,
-            args.tokens_per_image,
+            shapes.tokens_per_image,
             cost=spec.layout_cost(args),  # what cp_sample_placement = "auto" balances
-            bidirectional_images=args.image_attention == "bidirectional",
+            bidirectional_images=cfg.model.image_attention == "bidirectional",
         )
         head = (
             f"plan: flavor {cfg.model.flavor}, {t.local_batch_size} row(s) x {t.seq_len} slots "
             f"per data-parallel rank ({cfg.data.images_per_sample} image(s) of "
-            f"{args.tokens_per_image} slots per row), {t.mixed_precision}, on {hw.name} "
+            f"{shapes.tokens_per_image} slots per row), {t.mixed_precision}, on {hw.name} "
             f"(peak {flops(hw.peak_flops)}/s bf16, {hw.hbm_gib:.1f} GiB, "
             f"{hw.intra_gbps:.0f} / {hw.inter_gbps:.0f} GB/s in / between nodes)"
         )

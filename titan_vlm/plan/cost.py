@@ -6,8 +6,8 @@ group: NVLink when the group's ranks sit in one node (the mesh is dp_replicate x
 tp with tp innermost, so a group of the last k dims spans the product of their degrees in
 consecutive ranks), else the network. Ring p2p attention and FSDP overlap with compute (only what
 exceeds the compute shows); the image-embedding exchange, the all-gather and all-to-all attention
-and TP sit on the critical path. MFU counts the useful FLOPs (models.accounting.train_flops, image
-tokens once) against world x peak x step time.
+and TP sit on the critical path. MFU counts the useful FLOPs (the family's
+ModelShapes.train_flops, image tokens once) against world x peak x step time.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from titan_vlm.models.llava.flops import train_flops
 from titan_vlm.plan.comm import Collective, collectives
 from titan_vlm.plan.hardware import Hardware
 from titan_vlm.plan.memory import (
@@ -63,7 +62,7 @@ def executed_flops(shapes: ModelShapes, layout: Layout, work: Workload) -> float
     else:
         pairs = max(g.pairs)
     text = g.rows * g.section_slots
-    flops = train_flops(shapes.args, n_vis, text, pairs)
+    flops = shapes.train_flops(n_vis, text, pairs)
     block_params = sum(  # the decoder blocks' matrices: 2 FLOPs per token forward, 6 in all
         math.prod(p.shape)
         for p in shapes.params
@@ -91,7 +90,7 @@ class Plan:
     state: StateBytes
     activations: dict[str, dict[str, int]]  # AC mode -> module -> bytes
     peak: PeakMemory  # under layout.ac_mode
-    useful_flops: float  # the whole job's step (accounting.train_flops)
+    useful_flops: float  # the whole job's step (ModelShapes.train_flops)
     rank_flops: float  # the busiest rank executes
     comms: list[Timed]
     compute_s: float
@@ -143,7 +142,7 @@ def make_plan(
     exposed = sum(t.seconds for t in timed if not t.collective.overlapped)
     step_s = max(compute_s, overlapped) + exposed
     g = work.whole()
-    useful = layout.dp * train_flops(shapes.args, work.num_images, work.text_tokens, g.whole_pairs)
+    useful = layout.dp * shapes.train_flops(work.num_images, work.text_tokens, g.whole_pairs)
     return Plan(
         layout=layout,
         hardware=hw,

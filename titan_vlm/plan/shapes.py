@@ -1,25 +1,17 @@
-"""The one place the planner reads the model: its shapes (from `titan_vlm.models.llava.args`) and
-its parameter tensors (from the model built on the meta device, so a 7B model costs nothing).
+"""The one place the planner reads the model: its shapes and its parameter tensors, as a
+family's ModelSpec.plan_shapes gives them (models/<family>/shapes.py: the model built on the
+meta device, so a 7B model costs nothing, and which dim its TP plan splits of each tensor).
 
-Everything the planner prices is a function of these numbers, so a change to the models package
-(a new field, biases) touches only this file.
+Everything the planner prices is a function of these numbers, so a change to a family (a new
+field, biases) touches only its plan_shapes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
 
-import torch
-
-from titan_vlm.models.llava.args import VLMArgs
-
-# Tensor parallelism (parallel/tensor_parallel.py, apply_tp): leaf modules split column-wise
-# (weight and bias dim 0), row-wise (weight dim 1, bias replicated) and the embedding (rows,
-# dim 0). Everything else (norms, patch and position embeddings) is replicated over tp.
-TP_COLWISE = ("q", "k", "v", "fc1", "wq", "wk", "wv", "w1", "w3", "output")
-TP_ROWWISE = ("proj", "fc2", "wo", "w2")
-TP_EMBEDDING = ("tok_embeddings",)
+import torch.nn as nn
 
 
 @dataclass(frozen=True)
@@ -53,46 +45,40 @@ class Param:
 
 @dataclass(frozen=True)
 class ModelShapes:
+    """`train_flops(num_images, text_tokens, attention_pairs)`: the family's model FLOPs of
+    forward + backward (image tokens counted once), for images of the model's native size."""
+
     decoder: DecoderShape
     vision: VisionShape
     params: tuple[Param, ...]
-    args: VLMArgs
+    train_flops: Callable[[int, int, float], float]
 
     @property
     def tokens_per_image(self) -> int:
         return self.vision.patches
 
 
-def _tp_dim(name: str) -> int | None:
-    parts = name.split(".")
-    module, kind = parts[-2], parts[-1]
-    if module in TP_COLWISE:
-        return 0
-    if module in TP_ROWWISE:
-        return 1 if kind == "weight" else None
-    if module in TP_EMBEDDING:
-        return 0
-    return None
+def tp_params(
+    model: nn.Module,
+    colwise: tuple[str, ...],
+    rowwise: tuple[str, ...],
+    embedding: tuple[str, ...],
+) -> tuple[Param, ...]:
+    """Every parameter of `model` (built on the meta device) with the dim tensor parallelism
+    splits: leaf modules named in `colwise` (weight and bias dim 0), `rowwise` (weight dim 1,
+    bias replicated) and `embedding` (rows, dim 0), as the family's apply_tp splits them;
+    everything else (norms, patch and position embeddings) replicated over tp (None). A
+    parameter's group is its top-level module ("vision", "projector", "decoder", ...)."""
 
+    def tp_dim(name: str) -> int | None:
+        module, kind = name.split(".")[-2:]
+        if module in colwise or module in embedding:
+            return 0
+        if module in rowwise:
+            return 1 if kind == "weight" else None
+        return None
 
-@cache
-def model_shapes(args: VLMArgs) -> ModelShapes:
-    from titan_vlm.models.llava.model import VLM
-
-    with torch.device("meta"):
-        model = VLM(args)
-    params = tuple(
-        Param(name.split(".")[0], name, tuple(p.shape), _tp_dim(name))
+    return tuple(
+        Param(name.split(".")[0], name, tuple(p.shape), tp_dim(name))
         for name, p in model.named_parameters()
-    )
-    d, v = args.decoder, args.vision
-    return ModelShapes(
-        DecoderShape(
-            d.dim, d.n_layers, d.n_heads, d.n_kv_heads, d.head_dim, d.ffn_dim, d.vocab_size
-        ),
-        VisionShape(
-            v.dim, v.n_layers, v.n_heads, v.mlp_dim, v.num_patches, v.channels * v.image_size**2
-        ),
-        params,
-        args,
     )

@@ -36,6 +36,7 @@ from titan_vlm.models.llava.hf_adapter import export_names, hf_names, key_style,
 from titan_vlm.models.llava.hf_config import args_from_hf_config, vision_args_from_hf
 from titan_vlm.models.llava.model import VLM
 from titan_vlm.models.llava.parallelize import parallelize
+from titan_vlm.models.llava.shapes import plan_shapes
 from titan_vlm.models.llava.validate import validate
 from titan_vlm.models.loading import Init
 from titan_vlm.models.spec import ModelSpec
@@ -167,4 +168,5 @@ LLAVA = ModelSpec(
     validate=validate,
     data_rule=data_rule,
     inputs=model_inputs,
+    plan_shapes=plan_shapes,
 )
