@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import importlib
 import math
 import random
@@ -492,6 +493,61 @@ def train_run(
     except _Crash:
         trainer.metrics.close()
     return trainer.history
+
+
+def freeze_run(dp_shard: int, cp: int, steps: int, tp: int = 1, **overrides) -> dict:
+    """train_run's Trainer (training.freeze etc. in overrides), and what freezing promises: each
+    group's parameters before and after training (bit-equal or not, by PARAM_GROUPS group), the
+    parameters the optimizer holds, its param groups' rates, and how often a vision block's
+    backward ran. Returns {"history", "unchanged": {group: bool}, "optimizer_params",
+    "optimizer_lrs": {lr_name: initial lr}, "vision_backward_calls", "frozen_grads": whether
+    any frozen parameter got a gradient, "frozen_digests": {name: SHA-256 of the frozen
+    parameter's bytes before training}}."""
+    cfg = JobConfig()
+    cfg.training = dataclasses.replace(cfg.training, steps=steps)
+    for dotted, value in overrides.items():
+        section, key = dotted.split("__")
+        setattr(getattr(cfg, section), key, value)
+    trainer = Trainer(cfg, make_mesh(dp_shard, cp, 1, tp), torch.device("cpu"))
+    model, spec = trainer.model, trainer.spec
+
+    def full(p: torch.Tensor) -> torch.Tensor:
+        return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+
+    before = {n: full(p) for n, p in model.named_parameters()}
+    calls = [0]
+    for block in model.vision_modules()[0].layers:
+        block.register_full_backward_pre_hook(lambda m, g: calls.__setitem__(0, calls[0] + 1))
+    frozen_grads = [False]
+    real_step = trainer.optimizer.step
+
+    def step_and_look(*args, **kwargs):
+        frozen_grads[0] |= any(
+            p.grad is not None for p in model.parameters() if not p.requires_grad
+        )
+        return real_step(*args, **kwargs)
+
+    with mock.patch.object(trainer.optimizer, "step", step_and_look):
+        history = trainer.train()
+    unchanged: dict[str, bool] = {}
+    for n, p in model.named_parameters():
+        group = spec.group_of(n)
+        same = torch.equal(full(p), before[n])
+        unchanged[group] = unchanged.get(group, True) and same
+    return {
+        "history": history,
+        "unchanged": unchanged,
+        # the frozen parameters as they entered training (an export must hold these bytes)
+        "frozen_digests": {
+            n: hashlib.sha256(t.numpy().tobytes()).hexdigest()
+            for n, t in before.items()
+            if not dict(model.named_parameters())[n].requires_grad
+        },
+        "optimizer_params": sum(len(g["params"]) for g in trainer.optimizer.param_groups),
+        "optimizer_lrs": {g["lr_name"]: g["initial_lr"] for g in trainer.optimizer.param_groups},
+        "vision_backward_calls": calls[0],
+        "frozen_grads": frozen_grads[0],
+    }
 
 
 def saved_for_backward(

@@ -121,6 +121,17 @@ class Training:
     """A non-finite loss or gradient norm: "stop" the run (one line, exit 2, before the step
     updates anything) or "skip" the step (no update, counted). Either way it never reaches a
     checkpoint."""
+    freeze: str = ""
+    """Parameter groups that do not train, comma-separated: "vision" (the vision tower),
+    "projector" (what maps its features into the decoder: LLaVA's projector, Qwen2.5-VL's patch
+    merger), "decoder" (the language model). A frozen parameter gets no gradient, no optimizer
+    state and no gradient communication, and is saved and exported bit for bit as loaded (e.g.
+    LLaVA's first stage: "vision,decoder"). "": everything trains."""
+    vision_lr: float = 0.0
+    """Peak learning rate of the vision tower's parameters (the same warmup and decay as
+    training.lr); 0: training.lr."""
+    projector_lr: float = 0.0
+    """Peak learning rate of the projector's (merger's) parameters; 0: training.lr."""
 
 
 @dataclass

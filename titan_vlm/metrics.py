@@ -84,14 +84,21 @@ class MetricsLogger:
         if self.jsonl is None:  # not the rank that writes
             return
         if echo:
+            # a group with its own rate (training.vision_lr / projector_lr): "lr 1e-3 vision 2e-4"
+            own = "".join(
+                f" {key.removeprefix('lr_')} {value:.2e}"
+                for key, value in metrics.items()
+                if key.startswith("lr_")
+            )
             logger.info(
-                "step %5d | loss %.4f | grad_norm %.3f | lr %.2e | tokens/s %9.1f | "
+                "step %5d | loss %.4f | grad_norm %.3f | lr %.2e%s | tokens/s %9.1f | "
                 "peak mem %.2f GiB | "
                 "cp_balance %.3f | cp_padding %.3f",
                 step,
                 metrics["loss"],
                 metrics["grad_norm"],
                 metrics["lr"],
+                own,
                 metrics["tokens_per_sec"],
                 metrics["peak_memory_gib"],
                 metrics.get("cp_balance", 1.0),

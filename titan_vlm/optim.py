@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -13,23 +14,69 @@ from titan_vlm.config import Training
 from titan_vlm.distributed import dist_sum, local_tensor
 
 
-def build_optimizer(model: nn.Module, t: Training) -> torch.optim.Optimizer:
-    """One param group per (top-level module, weight decay). Each group's parameters live on one
-    mesh (foreach kernels cannot mix DTensor meshes), and the groups are the same whatever the
-    parallel layout, so optimizer state saved at one layout loads at another.
+def top_level_module(name: str) -> str:
+    """A parameter's top-level module ("vision.layers.0.q.weight" -> "vision")."""
+    return name.split(".")[0]
+
+
+def frozen_groups(t: Training) -> set[str]:
+    """The parameter groups training.freeze names (validate.py checks the names)."""
+    return {g.strip() for g in t.freeze.split(",") if g.strip()}
+
+
+def freeze(model: nn.Module, group_of: Callable[[str], str], groups: set[str]) -> int:
+    """Stop the parameters of `groups` (by `group_of` their name: ModelSpec.group_of) from
+    training: requires_grad False, so autograd computes no gradient for them, FSDP reduces none
+    and build_optimizer leaves them out. Returns how many parameters (elements) it froze."""
+    frozen = 0
+    for name, p in model.named_parameters():
+        if group_of(name) in groups:
+            p.requires_grad_(False)
+            frozen += p.numel()
+    return frozen
+
+
+def build_optimizer(
+    model: nn.Module, t: Training, group_of: Callable[[str], str] = top_level_module
+) -> torch.optim.Optimizer:
+    """One param group per (parameter group, weight decay), over the parameters that train
+    (`freeze` left the others out: no optimizer state). `group_of` names a parameter's group
+    (ModelSpec.group_of: vision, projector, decoder); the vision and projector groups take
+    training.vision_lr / projector_lr where set, else training.lr, all under one schedule. Each
+    group's parameters live on one mesh (foreach kernels cannot mix DTensor meshes), and the
+    groups are the same whatever the parallel layout, so optimizer state saved at one layout
+    loads at another. Each param group carries "lr_name", the metric its rate is logged as
+    ("lr", or "lr_vision" / "lr_projector" where that group has its own rate).
     Matrices decay; norms, biases and position embeddings do not. The fused implementation (one
     kernel per group and step, on CPU and CUDA alike) costs a third of the per-parameter loop's
     time on the debug model (docs/performance.md, "The optimizer")."""
+    own = {"vision": t.vision_lr, "projector": t.projector_lr}
     groups: dict[tuple[str, bool], list[nn.Parameter]] = defaultdict(list)
     for name, p in model.named_parameters():
         if p.requires_grad:
             decay = p.ndim >= 2 and "pos_embed" not in name
-            groups[(name.split(".")[0], decay)].append(p)
+            groups[(group_of(name), decay)].append(p)
     param_groups = [
-        {"params": ps, "weight_decay": t.weight_decay if decay else 0.0}
-        for (_, decay), ps in groups.items()
+        {
+            "params": ps,
+            "weight_decay": t.weight_decay if decay else 0.0,
+            "lr": own.get(group) or t.lr,
+            "lr_name": f"lr_{group}" if own.get(group) else "lr",
+        }
+        for (group, decay), ps in groups.items()
     ]
     return torch.optim.AdamW(param_groups, lr=t.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+
+def current_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """Each param group's current rate under its "lr_name" (build_optimizer): "lr" (training.lr's
+    groups, else the first group's rate, so the metric is always there) and "lr_vision" /
+    "lr_projector" where those groups have their own."""
+    out: dict[str, float] = {}
+    for group in optimizer.param_groups:
+        out.setdefault(group.get("lr_name", "lr"), float(group["lr"]))
+    out.setdefault("lr", float(optimizer.param_groups[0]["lr"]))
+    return out
 
 
 def build_scheduler(opt: torch.optim.Optimizer, t: Training) -> torch.optim.lr_scheduler.LambdaLR:

@@ -2,7 +2,8 @@
 with (checkpoint/step-N/config.json).
 
 Must match (else one line naming the keys, unless --checkpoint.allow_config_change):
-the model's shape and tokenizer, training.seq_len, training.seed, the global batch (dp x
+the model's shape and tokenizer, training.seq_len, training.seed, training.freeze (the
+optimizer's state covers the groups that train), the global batch (dp x
 training.local_batch_size rows: the step is the data position only for the same rows per step)
 and the data (data.* keys that pick the samples, and a dataset file's size and SHA-256).
 May change (logged): everything else: the parallel layout (the shards are resharded),
@@ -26,6 +27,7 @@ MUST_MATCH = (
     "model.hf_text_path",
     "training.seq_len",
     "training.seed",
+    "training.freeze",  # the optimizer holds state for the groups that train only
     "data.dataset",
     "data.packing",
     "data.shuffle",

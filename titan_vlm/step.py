@@ -25,7 +25,7 @@ from titan_vlm.data.image_batch import image_sizes
 from titan_vlm.distributed import dist_sum
 from titan_vlm.layout import SeqLayout
 from titan_vlm.models.spec import VisionLanguageModel
-from titan_vlm.optim import clip_grad_norm_
+from titan_vlm.optim import clip_grad_norm_, current_lrs
 from titan_vlm.parallel.context_parallel import CPContext, CPOptions, sync_broadcast_vision_grads
 from titan_vlm.parallel.tensor_parallel import TPOptions
 from titan_vlm.parallel_dims import Mesh
@@ -85,7 +85,7 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     loss, ntokens, layout = forward_backward(model, batch, mesh, cp, tp)
     grad_norm = clip_grad_norm_(list(model.parameters()), max_norm)
-    lr = float(scheduler.get_last_lr()[0])
+    lrs = current_lrs(optimizer)  # this step's rates, before the schedule advances
     finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
     if finite:
         optimizer.step()
@@ -96,7 +96,7 @@ def train_step(
         "loss": loss.item(),
         "grad_norm": grad_norm.item(),
         "ntokens": int(ntokens),
-        "lr": lr,
+        **lrs,
         "cp_balance": layout.balance(),
         "cp_padding": layout.padding(),
         "cp_split_samples": layout.split_samples(),

@@ -36,7 +36,7 @@ from titan_vlm.metrics import MetricsLogger, peak_memory_gib
 from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM, param_counts
 from titan_vlm.models.build import build_model
 from titan_vlm.models.registry import model_spec
-from titan_vlm.optim import build_optimizer, build_scheduler
+from titan_vlm.optim import build_optimizer, build_scheduler, freeze, frozen_groups
 from titan_vlm.parallel.context_parallel import CPOptions, shard_batch
 from titan_vlm.parallel.tensor_parallel import TPOptions
 from titan_vlm.parallel_dims import Mesh
@@ -76,8 +76,10 @@ class Trainer(Stateful):
         self.model, self.args = build_model(self.spec, cfg, mesh, device)
         # the cost model's weights come from the architecture (ModelSpec.layout_cost)
         self.cp = CPOptions.from_config(p, self.spec.layout_cost(self.args))
+        # training.freeze: before the optimizer, which then holds no state for them
+        freeze(self.model, self.spec.group_of, frozen_groups(t))
         self.log_model()
-        self.optimizer = build_optimizer(self.model, t)
+        self.optimizer = build_optimizer(self.model, t, self.spec.group_of)
         self.scheduler = build_scheduler(self.optimizer, t)
         # The trainer's own state (state_dict): the step (the data position), and the counters
         # the metrics report: the distinct samples any dp rank dropped while building batches
@@ -315,17 +317,27 @@ class Trainer(Stateful):
             f"; TP splits the matrices {mesh.tp.size()} ways more" if mesh.tp.size() > 1 else ""
         )
         # measured on this rank's shards (with TP, the replicated norms and ViT embeddings are
-        # not split)
-        local_params = sum(local_tensor(p).numel() for p in self.model.parameters())
+        # not split); a frozen parameter (training.freeze) holds its fp32 value only
+        params = list(self.model.parameters())
+        trained = sum(local_tensor(p).numel() for p in params if p.requires_grad)
+        frozen = sum(local_tensor(p).numel() for p in params if not p.requires_grad)
         logger.info(
             "model state per rank: %.3f GiB (fp32 params, grads and AdamW moments; "
             "decoder sharded %d ways, "
             "vision %d ways%s)",
-            STATE_BYTES_PER_PARAM * local_params / 2**30,
+            (STATE_BYTES_PER_PARAM * trained + 4 * frozen) / 2**30,
             mesh.shards(mesh.fsdp),
             mesh.shards(vision_fsdp),
             tp_note,
         )
+        groups = sorted(frozen_groups(self.cfg.training))
+        if groups:
+            total = sum(p.numel() for p in params if not p.requires_grad)
+            logger.info(
+                "frozen (training.freeze): %s, %s parameters: no gradient, no optimizer state",
+                ", ".join(groups),
+                f"{total:,}",
+            )
 
     def log_data(self) -> None:
         """The data, and who holds which slots of the first batch this run trains on."""

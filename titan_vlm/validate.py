@@ -6,7 +6,8 @@ ConfigError naming the key.
     the names of the choice keys      config.check_choices (a config built or changed in code)
     the model family and its args     models/registry.py model_spec(cfg).args (reads and checks
                                       any Hugging Face config.json), its safetensors files there
-    the training, data and checkpoint keys, the attention kernel   here
+    the training, data and checkpoint keys (training.freeze's groups among them), the
+    attention kernel                  here
     what the family needs of the shapes and the mesh (heads, tp, a2a, sequence length, vocabulary)
                                       the family's ModelSpec.validate
 """
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 import math
 
-from titan_vlm.config import JobConfig, check_choices
+from titan_vlm.config import JobConfig, Training, check_choices
 from titan_vlm.errors import ConfigError
 from titan_vlm.kernels import KERNELS
+from titan_vlm.models.spec import PARAM_GROUPS
+from titan_vlm.optim import frozen_groups
 from titan_vlm.parallel_dims import ParallelDims, device_type
 
 
@@ -57,6 +60,7 @@ def validate_job(cfg: JobConfig, world_size: int) -> ParallelDims:
     ):
         if not ok:
             raise ConfigError(f"{key} must be {want}, got {value}")
+    _validate_groups(t)
     if t.local_batch_size < 1:
         raise ConfigError(f"training.local_batch_size must be >= 1, got {t.local_batch_size}")
     if t.steps < 1:
@@ -84,3 +88,24 @@ def validate_job(cfg: JobConfig, world_size: int) -> ParallelDims:
             raise ConfigError(f"parallelism.{key} needs parallelism.tensor_parallel_degree > 1")
     spec.validate(args, dims, cfg)
     return dims
+
+
+def _validate_groups(t: Training) -> None:
+    """training.freeze names parameter groups (models/spec.py PARAM_GROUPS) and leaves one to
+    train; a group's own learning rate is a rate (>= 0, 0: training.lr) of a group that trains."""
+    frozen = frozen_groups(t)
+    unknown = sorted(frozen - set(PARAM_GROUPS))
+    if unknown:
+        raise ConfigError(
+            f"training.freeze={t.freeze!r}: {', '.join(unknown)} is not a parameter group "
+            f"(groups: {', '.join(PARAM_GROUPS)})"
+        )
+    if frozen == set(PARAM_GROUPS):
+        raise ConfigError(f"training.freeze={t.freeze!r} freezes every parameter: nothing trains")
+    for group in ("vision", "projector"):
+        key = f"training.{group}_lr"
+        lr = getattr(t, f"{group}_lr")
+        if not (math.isfinite(lr) and lr >= 0):
+            raise ConfigError(f"{key} must be >= 0 (0: training.lr), got {lr}")
+        if lr and group in frozen:
+            raise ConfigError(f"{key}={lr} is for a group training.freeze freezes ({group})")

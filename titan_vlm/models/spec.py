@@ -25,6 +25,8 @@ this interface and never reach into module names:
     plan_shapes what the planner (python -m titan_vlm.plan) prices: its shapes, its parameters
                 with the dim its TP plan splits, its FLOPs (plan/shapes.py ModelShapes); None:
                 not priced yet (one line)
+    param_groups  which of PARAM_GROUPS (vision, projector, decoder) each parameter is in, by
+                name prefix: what training.freeze and the per-group learning rates name
 
 The module `build` returns is a `VisionLanguageModel`: the few verbs the trainer, context
 parallelism (parallel/context_parallel.py) and generate.py use on it (encode the images, decode
@@ -185,3 +187,24 @@ class ModelSpec:
     # what the planner (titan_vlm/plan) prices of the model: shapes, parameters with their TP
     # dims, FLOPs (None: the planner does not price this family yet, one line)
     plan_shapes: Callable[[Any], ModelShapes] | None
+    # its parameters' groups (PARAM_GROUPS), as (name prefix, group) pairs, the longest matching
+    # prefix winning (`param_group`): what training.freeze freezes and vision_lr / projector_lr
+    # set (pairs, not a dict: a spec stays hashable)
+    param_groups: tuple[tuple[str, str], ...]
+
+    def group_of(self, name: str) -> str:
+        """The PARAM_GROUPS group of parameter `name` (a name of the built model)."""
+        return param_group(self.param_groups, name)
+
+
+# The groups every family's parameters fall in (ModelSpec.param_groups maps them).
+PARAM_GROUPS = ("vision", "projector", "decoder")
+
+
+def param_group(prefixes: tuple[tuple[str, str], ...], name: str) -> str:
+    """The group of parameter `name`: that of the longest prefix in `prefixes` it starts with.
+    A name no prefix covers is a bug in the family's table (ValueError)."""
+    matches = [(len(prefix), group) for prefix, group in prefixes if name.startswith(prefix)]
+    if not matches:
+        raise ValueError(f"parameter {name!r} is in none of the groups {prefixes}")
+    return max(matches)[1]

@@ -287,14 +287,16 @@ def encode_images_over_cp(
         src = dist.get_global_rank(group, 0)
         if rank == 0:
             local = encode(images).float()  # travels in fp32 (the receivers' dtype)
-        else:  # a leaf that wants a gradient, so this rank joins the backward reduce
+        else:  # a leaf that wants a gradient where rank 0's embeddings do (something before
+            # them trains: training.freeze), so this rank joins the backward reduce just when
+            # rank 0 does
             zeros = (
                 (images.shape[0], model.tokens_per_image, width)
                 if isinstance(images, torch.Tensor)
                 else (sum(tokens), width)
             )
             local = torch.zeros(zeros, dtype=torch.float32, device=images.device)
-            local.requires_grad_()
+            local.requires_grad_(vision_trains(model))
         out: torch.Tensor = _BroadcastFromSource.apply(local, group, src)
         return out
     if mode == "shard":
@@ -328,16 +330,25 @@ def encode_images_over_cp(
     )
 
 
+def vision_trains(model: VisionLanguageModel) -> bool:
+    """Whether any parameter of the modules that make the image embeddings trains (none does
+    when training.freeze names them all): then the embeddings want a gradient, summed over cp."""
+    return any(p.requires_grad for m in model.vision_modules() for p in m.parameters())
+
+
 @torch.no_grad()
 def sync_broadcast_vision_grads(model: VisionLanguageModel, cp_mesh: DeviceMesh) -> None:
     """ "broadcast" mode: only cp rank 0 ran the ViT and holds its (complete) gradients; hand them
-    to the other cp ranks so every replica takes the same optimizer step."""
+    to the other cp ranks so every replica takes the same optimizer step (frozen parameters
+    have none)."""
     if cp_mesh.size() == 1:
         return
     group = cp_mesh.get_group()
     src = dist.get_global_rank(group, 0)
     for module in model.vision_modules():
         for p in module.parameters():
+            if not p.requires_grad:
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.broadcast(local_tensor(p.grad), src=src, group=group)

@@ -169,4 +169,5 @@ LLAVA = ModelSpec(
     data_rule=data_rule,
     inputs=model_inputs,
     plan_shapes=plan_shapes,
+    param_groups=(("vision.", "vision"), ("projector.", "projector"), ("decoder.", "decoder")),
 )

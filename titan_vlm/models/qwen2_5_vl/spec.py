@@ -114,4 +114,6 @@ QWEN2_5_VL = ModelSpec(
     data_rule=data_rule,
     inputs=model_inputs,
     plan_shapes=None,  # the planner does not price this family yet (docs/limits.md)
+    # the patch merger maps the tower's features into the decoder: the family's projector
+    param_groups=(("vision.", "vision"), ("vision.merger.", "projector"), ("decoder.", "decoder")),
 )
