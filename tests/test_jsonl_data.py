@@ -447,7 +447,9 @@ def test_bad_videos_are_bad_samples_with_their_reasons(clip, caplog):
     path = clip / "video.jsonl"
     assert list(data.lines) == [12]
     assert [w.removeprefix(f"data: {path}:") for w in warnings_of(caplog)] == [
-        "1: 'video' must be a list of frame paths, not a file (videos are not decoded) (skipped)",
+        "1: 'video' is a file (clip.mp4): video files are decoded where the model folder's "
+        "processor reads videos whole (Qwen2.5-VL); give this model a list of frame files "
+        "(skipped)",
         "2: 'video' must be a list of frame paths (skipped)",
         "3: 'video' must be a list of frame paths (skipped)",
         "4: 'video' is a list of lists: one video a record (a list of frame paths) (skipped)",

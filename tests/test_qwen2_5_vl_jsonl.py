@@ -197,13 +197,11 @@ def write_tokenizer(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """The folder (and its transformers image processor), the JSONL file and its images."""
+def write_folder(folder: Path):
+    """The test folder (module docstring) in `folder`: tokenizer, tiny model, chat template and
+    the PIL image processor's settings; returns that image processor."""
     from tokenizers import Tokenizer
 
-    root = tmp_path_factory.mktemp("qwen_jsonl")
-    folder = root / "qwen"
     folder.mkdir()
     write_tokenizer(folder)
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -220,7 +218,15 @@ def setup(tmp_path_factory):
     (folder / "chat_template.jinja").write_text(TEMPLATE)
     hf = hf_qwen2_vl.Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
     hf.save_pretrained(folder)
+    return hf
 
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """The folder (and its transformers image processor), the JSONL file and its images."""
+    root = tmp_path_factory.mktemp("qwen_jsonl")
+    folder = root / "qwen"
+    hf = write_folder(folder)
     data = root / "data"
     (data / "clip").mkdir(parents=True)
     noise_image(37, 91, "RGB", seed=1).save(data / "tall.png")

@@ -41,7 +41,7 @@ import torch
 from titan_vlm.config import JobConfig
 from titan_vlm.data.batch import Part, Sample, SlotData, SlotRule, collate
 from titan_vlm.data.chat import chat_question
-from titan_vlm.data.hf_processor import ChatError, chat_prompt
+from titan_vlm.data.hf_processor import ChatError, chat_prompt, video_file_frames
 from titan_vlm.data.image_batch import ImageRule
 from titan_vlm.data.images import NativeResolution, load_image, load_native_image
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
@@ -134,6 +134,14 @@ def eos_ids(folder: Path) -> set[int]:
     raise ConfigError(f"{folder}: no eos_token_id in generation_config.json or config.json")
 
 
+def is_video_file(video: list[str]) -> bool:
+    """--video's paths are one video file (one path that is not an image file by its suffix),
+    else a video's frame files."""
+    from PIL import Image
+
+    return len(video) == 1 and Path(video[0]).suffix.lower() not in Image.registered_extensions()
+
+
 def ask_hf(
     model: VisionLanguageModel,
     cfg: JobConfig,
@@ -145,7 +153,8 @@ def ask_hf(
 ) -> tuple[str, list[int]]:
     """The answer of a model from a Hugging Face folder (cfg.model.hf_path), and its token ids
     (module docstring): its family's processor (ModelSpec.inputs) reads the images and the video
-    (its frame files) and the prompt, its data rule sizes them."""
+    (a video file, its frames sampled by the processor's settings, or its frame files) and the
+    prompt, its data rule sizes them."""
     from titan_vlm.models.registry import model_spec
 
     spec = model_spec(cfg)
@@ -158,7 +167,14 @@ def ask_hf(
         )
     rule, slot_data = spec.data_rule(spec.args(cfg), cfg)
     parts: list[Part] = [proc.preprocess_image(path) for path in image_paths]
-    if video:
+    if video and is_video_file(video):
+        path = Path(video[0])
+        try:  # the frames the folder's processor keeps, at the rate they were sampled
+            indices, fps, _ = video_file_frames(proc, path, None)
+            parts.append(proc.preprocess_video_file(path, indices, fps))
+        except ValueError as e:  # VideoError among them
+            raise ConfigError(f"--video: {e}") from None
+    elif video:
         parts.append(proc.preprocess_video(video))
     if raw:
         prefix = proc.prompt_parts(prompt, parts)
@@ -193,7 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--video",
         nargs="+",
-        help="a video's frame files, in order (a Hugging Face folder whose processor reads videos)",
+        help="a video file (mp4, webm, ...: pip install 'titan_vlm[video]'), or a video's frame "
+        "files in order (a Hugging Face folder whose processor reads videos)",
     )
     parser.add_argument("--prompt", default="")
     parser.add_argument("--max-new-tokens", type=int, default=64)

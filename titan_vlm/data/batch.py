@@ -46,26 +46,43 @@ class ImageRef:
     size: tuple[int, int] | None = None
 
 
+@dataclass(frozen=True)
+class VideoFrames:
+    """A decoded video file, read whole by a family's processor: its kept frames' pixels
+    [T, C, H, W] and the rate they were sampled at (kept frames / the stream's frames x its
+    frames per second), which a family's positions may read (Qwen2.5-VL's M-RoPE). In a batch
+    its pixels are one image of the ImageRule's (`frames`), like a video given as frame files."""
+
+    frames: torch.Tensor
+    fps: float
+
+
 # How many slots an image takes: an int, the same for every image (each at the model's native
 # size), or an ImageRule (data/image_batch.py) that counts each image's own.
 SlotRule = int | ImageRule
 
 
 # Token ids (a plain list is trained text, a Prompt is context), or one image: a [3, H, W] tensor
-# in [-1, 1], or before decoding its file (ImageRef).
-Part = list[int] | torch.Tensor | ImageRef
+# in [-1, 1] (a video read whole: [T, 3, H, W], or VideoFrames from a file), or before decoding
+# its file (ImageRef).
+Part = list[int] | torch.Tensor | VideoFrames | ImageRef
 
 
-def is_image(part: Part) -> TypeIs[torch.Tensor | ImageRef]:
+def is_image(part: Part) -> TypeIs[torch.Tensor | VideoFrames | ImageRef]:
     return not isinstance(part, list)
 
 
-def image_slots(part: torch.Tensor | ImageRef, rule: SlotRule) -> int:
+def pixels(part: torch.Tensor | VideoFrames) -> torch.Tensor:
+    """A decoded image part's pixels (a VideoFrames' frames)."""
+    return part.frames if isinstance(part, VideoFrames) else part
+
+
+def image_slots(part: torch.Tensor | VideoFrames | ImageRef, rule: SlotRule) -> int:
     """The slots one image part takes under `rule` (SlotRule)."""
     if isinstance(rule, int):
         return rule
-    if isinstance(part, torch.Tensor):
-        return rule.slots(part)
+    if isinstance(part, (torch.Tensor, VideoFrames)):
+        return rule.slots(pixels(part))
     if part.size is None:
         raise ValueError(f"{part.path}: an image whose size was not read (native resolution)")
     return rule.size_slots(*part.size)
@@ -212,12 +229,12 @@ def collate(
                     extra[key] = value.new_zeros((*value.shape[:-1], n, seq_len))
                 extra[key][..., b, at : at + size] = value
             for part in sample.parts:
-                if isinstance(part, torch.Tensor):
+                if isinstance(part, (torch.Tensor, VideoFrames)):
                     slots = image_slots(part, tokens_per_image)
                     image[b, at : at + slots] = len(images)
                     if image_id is not None:
                         tokens[b, at : at + slots] = image_id
-                    images.append(part)
+                    images.append(pixels(part))
                     at += slots
                 elif isinstance(part, list):
                     tokens[b, at : at + len(part)] = torch.tensor(part, dtype=torch.long)

@@ -50,10 +50,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from titan_vlm.data.batch import Part, Prompt, is_image
+from titan_vlm.data.batch import Part, Prompt, VideoFrames, is_image
 from titan_vlm.data.chat import PLACEHOLDER
-from titan_vlm.data.images import ImageProcessing, VideoRef, open_image
+from titan_vlm.data.images import ImageProcessing, ImageTooLarge, VideoRef, open_image
 from titan_vlm.data.tokenizer import HFTokenizer
+from titan_vlm.data.video import decode_video, probe_video
 from titan_vlm.errors import ConfigError
 from titan_vlm.files import read_json
 
@@ -125,6 +126,11 @@ class FolderVision(ABC):
     def video(self, frames: list[PILImage.Image], size: tuple[int, int] | None) -> torch.Tensor:
         """A video's opened frames (one size) as pixels [T, 3, H, W] float32, each frame at
         `size` (None: the processor's choice for the frames' size)."""
+        raise ValueError("this model folder's processor reads a video as its frames")
+
+    def video_indices(self, frames: int, fps: float) -> list[int]:
+        """Which frames of a video file of `frames` frames at `fps` (its header) the processor
+        keeps; ValueError where it keeps none."""
         raise ValueError("this model folder's processor reads a video as its frames")
 
 
@@ -433,10 +439,39 @@ class HFProcessor:
                     )
             return self.vision.video(images, size)
 
+    def preprocess_video_file(
+        self, path: Path, indices: Sequence[int], fps: float, size: tuple[int, int] | None = None
+    ) -> VideoFrames:
+        """A video file's kept frames (`indices`, from video_file_frames) decoded and made the
+        pixels the folder's processor makes (as `preprocess_video`), with the rate they were
+        sampled at. VideoError (data/video.py) where decoding fails."""
+        from PIL import Image
+
+        frames = [Image.fromarray(frame) for frame in decode_video(path, indices)]
+        return VideoFrames(self.vision.video(frames, size), fps)
+
+
+def video_file_frames(
+    processor: HFProcessor, path: Path, max_pixels: int | None
+) -> tuple[tuple[int, ...], float, tuple[int, int]]:
+    """A video file's header read for its sample (data/video.py probe_video): the frames the
+    folder's processor keeps, the rate they were sampled at (kept / total x the stream's rate,
+    transformers' sampled_fps) and the frames' (height, width). VideoError (data/video.py) for
+    a file that cannot be read, ImageTooLarge for frames of more than `max_pixels` pixels,
+    ValueError where the processor keeps no frame."""
+    info = probe_video(path)
+    if max_pixels is not None and info.height * info.width > max_pixels:
+        raise ImageTooLarge(f"{info.width}x{info.height} frames > {max_pixels} pixels")
+    indices = processor.vision.video_indices(info.frames, info.fps)
+    return tuple(indices), len(indices) / info.frames * info.fps, (info.height, info.width)
+
 
 def is_video(part: Part) -> bool:
-    """Whether a part is one video: a VideoRef before decoding, [T, 3, H, W] pixels after."""
-    return isinstance(part, VideoRef) or (isinstance(part, torch.Tensor) and part.ndim == 4)
+    """Whether a part is one video: a VideoRef before decoding, [T, 3, H, W] pixels or
+    VideoFrames after."""
+    return isinstance(part, (VideoRef, VideoFrames)) or (
+        isinstance(part, torch.Tensor) and part.ndim == 4
+    )
 
 
 def chat_prompt(processor: HFProcessor, question: str, images: list[Part]) -> list[Part]:

@@ -34,10 +34,27 @@ class VideoRef(ImageRef):
     encoder at (the family's ImageRule.fit of the frames' header size, video=True), None until
     read. `size` stays None, so that core code that counts an ImageRef's slots from one image's
     size (data/batch.py image_slots) refuses it instead of counting one frame: its slots are
-    `rule.size_slots(*frame_size, len(frames))` (data/jsonl.py)."""
+    `rule.size_slots(*frame_size, len(frames))` (data/jsonl.py).
+
+    A video FILE (`frames` empty, `path` the file: data/video.py) keeps, once its header is
+    read, `indices`, the stream's frames the folder's processor keeps (its frame sampling), and
+    `fps`, the rate they were sampled at (kept / total x the stream's rate: transformers'
+    sampled_fps); its slots count `indices`."""
 
     frames: tuple[Path, ...] = ()
     frame_size: tuple[int, int] | None = None
+    indices: tuple[int, ...] = ()
+    fps: float | None = None
+
+    @property
+    def is_file(self) -> bool:
+        """A video file, not a list of frame files."""
+        return not self.frames
+
+    @property
+    def num_frames(self) -> int:
+        """The frames it keeps: the sampled ones of a file, else its frame files."""
+        return len(self.indices) if self.is_file else len(self.frames)
 
 
 class ImageTooLarge(ValueError):

@@ -59,9 +59,18 @@ from typing import TYPE_CHECKING, BinaryIO
 import torch
 
 from titan_vlm.data.bad_samples import BadSampleLog
-from titan_vlm.data.batch import ImageRef, Part, Prompt, Sample, SlotData, SlotRule, part_slots
+from titan_vlm.data.batch import (
+    ImageRef,
+    Part,
+    Prompt,
+    Sample,
+    SlotData,
+    SlotRule,
+    VideoFrames,
+    part_slots,
+)
 from titan_vlm.data.dataset import Dataset, batch_rows
-from titan_vlm.data.hf_processor import HFProcessor
+from titan_vlm.data.hf_processor import HFProcessor, video_file_frames
 from titan_vlm.data.image_batch import ImageRule
 from titan_vlm.data.images import (
     ImageTooLarge,
@@ -74,6 +83,7 @@ from titan_vlm.data.images import (
 from titan_vlm.data.json_spans import FORMATS, record_spans
 from titan_vlm.data.records import BadSample, decode_record, parse_record
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
+from titan_vlm.data.video import VideoError
 from titan_vlm.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -257,7 +267,9 @@ class JsonlDataset(Dataset):
             return parts
         out: list[Part] = []
         for part in parts:
-            if isinstance(part, VideoRef):
+            if isinstance(part, VideoRef) and part.is_file:
+                part = self._video_file(part)
+            elif isinstance(part, VideoRef):
                 sizes = {self._header(path) for path in part.frames}
                 if len(sizes) > 1:
                     raise BadSample(
@@ -271,6 +283,21 @@ class JsonlDataset(Dataset):
                 part = ImageRef(part.path, self._fit(part.path, self._header(part.path), False))
             out.append(part)
         return out
+
+    def _video_file(self, ref: VideoRef) -> VideoRef:
+        """A video file's VideoRef with what its header says (hf_processor.video_file_frames:
+        the kept frames, their rate, the frames' size and the size they enter the encoder at),
+        or BadSample saying why not."""
+        assert self.processor is not None  # records.py: a video file needs one
+        try:
+            indices, fps, size = video_file_frames(self.processor, ref.path, self.max_image_pixels)
+        except VideoError as e:
+            raise BadSample("video cannot be decoded", f"video cannot be decoded: {e}") from None
+        except ImageTooLarge as e:
+            raise BadSample("image too large", f"image too large: {ref.path} ({e})") from None
+        except ValueError as e:
+            raise BadSample("video frames", f"{ref.path}: {e}") from None
+        return VideoRef(ref.path, None, (), self._fit(ref.path, size, True), indices, fps)
 
     def _header(self, path: Path) -> tuple[int, int]:
         """(height, width) from an image file's header, or BadSample saying why not."""
@@ -300,7 +327,7 @@ class JsonlDataset(Dataset):
         if isinstance(part, VideoRef):
             if part.frame_size is None or isinstance(self.slots, int):
                 raise ValueError(f"{part.path}: a video part whose size was not read")
-            return self.slots.size_slots(*part.frame_size, len(part.frames))
+            return self.slots.size_slots(*part.frame_size, part.num_frames)
         return part_slots(part, self.slots)
 
     def _num_slots(self, sample: Sample) -> int:
@@ -427,10 +454,15 @@ class JsonlDataset(Dataset):
             parts.append(part)
         return Sample(parts)
 
-    def _image(self, i: int, ref: ImageRef) -> torch.Tensor | None:
+    def _image(self, i: int, ref: ImageRef) -> torch.Tensor | VideoFrames | None:
         """Sample i's image `ref` decoded, or None (reported, and the sample counted as dropped)
         if it cannot be decoded or is too large."""
         try:
+            if isinstance(ref, VideoRef) and ref.is_file and self.processor is not None:
+                assert ref.fps is not None  # read with its header (_video_file)
+                return self.processor.preprocess_video_file(
+                    ref.path, ref.indices, ref.fps, ref.frame_size
+                )
             if isinstance(ref, VideoRef) and self.processor is not None:
                 return self.processor.preprocess_video(
                     ref.frames, self.max_image_pixels, ref.frame_size
@@ -442,6 +474,8 @@ class JsonlDataset(Dataset):
             return load_image(ref.path, self.image_size, self.max_image_pixels)
         except ImageTooLarge as e:
             reason = f"image too large: {ref.path} ({e})"
+        except VideoError as e:  # a file that changed since its header was read
+            reason = f"video cannot be decoded: {e}"
         except (OSError, SyntaxError, ValueError, EOFError) as e:  # what Pillow raises
             reason = f"image cannot be decoded: {ref.path} ({type(e).__name__}: {e})"
         self.bad.report(self.lines[i], reason, self.log_batches)

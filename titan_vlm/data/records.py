@@ -12,18 +12,21 @@ marks where an image goes, in order; their count must match the images, except t
 without a placeholder goes first (a conversation: `<image>\\n` before the first user turn,
 LLaVA's convention; a caption: before the text).
 
-`video` (a list of frame paths, relative as images are; at most one video a record, so a list
-of lists is a bad sample) is `<video>`'s: its frames, sampled to at most `max_frames`
-(`sample_frames`), become that many images of the sample at the placeholder, in order, as if
-the text said `<image>` once per kept frame there; frames not kept are not read. Its placeholder
-count must match too (one `<video>`, or none: then the video goes first, as one image does). A
-record may hold images and a video: each placeholder takes its own in reading order (`<image>`
-the next image, `<video>` the frames); one image and a video that both lack a placeholder is a
-bad sample (which goes first is not said). Where the dataset's folder processor reads a video
-whole (HFProcessor.reads_videos: Qwen2.5-VL's), the kept frames are instead ONE part, a
-`VideoRef`, at the placeholder: a conversation's `<video>` stays one placeholder (the chat
-template's {"type": "video"} item; none: `<video>\\n` opens the first user turn), a caption's
-takes the video's place as one image's would. Speakers: "human" or "user", then "gpt" or
+`video` (a list of frame paths, relative as images are, or one video file's path: mp4, webm,
+...; at most one video a record, so a list of lists is a bad sample) is `<video>`'s: its
+frames, sampled to at most `max_frames` (`sample_frames`), become that many images of the
+sample at the placeholder, in order, as if the text said `<image>` once per kept frame there;
+frames not kept are not read. Its placeholder count must match too (one `<video>`, or none:
+then the video goes first, as one image does). A record may hold images and a video: each
+placeholder takes its own in reading order (`<image>` the next image, `<video>` the frames);
+one image and a video that both lack a placeholder is a bad sample (which goes first is not
+said). Where the dataset's folder processor reads a video whole (HFProcessor.reads_videos:
+Qwen2.5-VL's), the kept frames are instead ONE part, a `VideoRef`, at the placeholder: a
+conversation's `<video>` stays one placeholder (the chat template's {"type": "video"} item;
+none: `<video>\\n` opens the first user turn), a caption's takes the video's place as one image's
+would. A video FILE is only for such a processor (a bad sample otherwise): one VideoRef whose
+frames the processor's own sampling picks when its header is read (data/jsonl.py,
+data/video.py); max_frames is for frame lists. Speakers: "human" or "user", then "gpt" or
 "assistant", alternating. Conversations are laid out in the built-in chat template
 (data/chat.py), or in a Hugging Face folder's (data/hf_processor.py) where the dataset has its
 processor; captions always as data/chat.py says.
@@ -107,7 +110,16 @@ def parse_record(
     if not isinstance(record, dict):
         raise BadSample("bad record", f"expected a JSON object, got {type(record).__name__}")
     paths = _paths(record)
-    frames = _frames(record, max_frames)  # None: no video
+    video = _video(record, max_frames)  # None: no video; a str: a video file
+    whole = processor is not None and processor.reads_videos  # a video is one part
+    video_file = isinstance(video, str)
+    if video_file and not whole:
+        raise BadSample(
+            "bad record",
+            f"'video' is a file ({video}): video files are decoded where the model folder's "
+            "processor reads videos whole (Qwen2.5-VL); give this model a list of frame files",
+        )
+    frames = [video] if isinstance(video, str) else video
     turns: list[tuple[bool, str]] = []
     if "conversations" in record:
         turns = _turns(record["conversations"])
@@ -140,7 +152,6 @@ def parse_record(
             f"an image and a video without placeholders: mark each place with {PLACEHOLDER} "
             f"and {VIDEO}",
         )
-    whole = processor is not None and processor.reads_videos  # a video is one part
     # What lacks a placeholder goes first; then each placeholder takes its own, in reading order.
     first: list[tuple[list[str], str]] = [([paths[0]], "image")] if image_first else []
     if video_first:
@@ -154,10 +165,12 @@ def parse_record(
             for path in found:
                 if not path.is_file():
                     what = "frame" if kind == "video" else kind
+                    what = "video" if video_file and kind == "video" else what
                     raise BadSample("missing image file", f"{what} file not found: {path}")
-        refs.append(
-            VideoRef(found[0], frames=tuple(found)) if kind == "video" else ImageRef(found[0])
-        )
+        if kind == "video":  # a file: its frames are chosen when its header is read (jsonl.py)
+            refs.append(VideoRef(found[0], frames=() if video_file else tuple(found)))
+        else:
+            refs.append(ImageRef(found[0]))
     images: list[Part] = list(refs)
     if not turns:
         caption = texts[0].replace(VIDEO, PLACEHOLDER)  # a whole video takes one image's place
@@ -203,7 +216,7 @@ def _turns(conversations: Json) -> list[tuple[bool, str]]:
 
 _NOT_TURNS = '\'conversations\' must be a list of {"from": ..., "value": ...}'
 _NOT_PATHS = "'image' / 'images' must be a path or a list of paths"
-_NOT_FRAMES = "'video' must be a list of frame paths"
+_NOT_FRAMES = "'video' must be a list of frame paths"  # or a video file's path
 
 
 def _paths(record: dict[str, Json]) -> list[str]:
@@ -222,8 +235,9 @@ def _paths(record: dict[str, Json]) -> list[str]:
     return paths
 
 
-def _frames(record: dict[str, Json], max_frames: int) -> list[str] | None:
-    """The record's video: its kept frame paths, in order (`sample_frames`); None: no video."""
+def _video(record: dict[str, Json], max_frames: int) -> list[str] | str | None:
+    """The record's video: a video file's path (a str), or its kept frame paths in order
+    (`sample_frames`); None: no video."""
     if "video" not in record:
         return None
     value = record["video"]
@@ -232,7 +246,9 @@ def _frames(record: dict[str, Json], max_frames: int) -> list[str] | None:
             "bad record", "'video' is a list of lists: one video a record (a list of frame paths)"
         )
     if isinstance(value, str):
-        raise BadSample("bad record", f"{_NOT_FRAMES}, not a file (videos are not decoded)")
+        if not value:
+            raise BadSample("bad record", f"{_NOT_FRAMES}, or a video file's path")
+        return value
     if not isinstance(value, list):
         raise BadSample("bad record", _NOT_FRAMES)
     if not value:

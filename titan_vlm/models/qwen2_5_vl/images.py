@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from titan_vlm.data.batch import Sample
+from titan_vlm.data.batch import Sample, VideoFrames
 from titan_vlm.data.image_batch import ImageRule, Images, ImageSet
 from titan_vlm.errors import ConfigError
 from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs
@@ -50,8 +50,9 @@ class QwenRule(ImageRule):
     `pixel_bounds` / `video_bounds`: smart_resize's (min_pixels, max_pixels) for images / a
     video's frames sized from file headers (the folder's image and video processor settings;
     None: the processor does not resize, a size must already be whole merge units); `fps`: the
-    rate a video's frames were sampled at (frames given as files carry none: transformers'
-    default, processor.DEFAULT_FPS)."""
+    rate a video's frames were sampled at where the part does not say (frames given as files
+    carry none: transformers' default, processor.DEFAULT_FPS; a decoded video file, VideoFrames,
+    carries its own)."""
 
     args: Qwen25VLArgs
     pixel_bounds: tuple[int, int] | None = (56 * 56, 28 * 28 * 1280)
@@ -111,9 +112,10 @@ class QwenRule(ImageRule):
         device = images[0].device if images else torch.device("cpu")
         return QwenVisuals(tuple(images), self, device)
 
-    def seconds_per_grid_t(self) -> float:
-        """Seconds one temporal patch of a video spans: temporal_patch_size / fps."""
-        return self.args.vision.temporal_patch_size / self.fps
+    def seconds_per_grid_t(self, fps: float | None = None) -> float:
+        """Seconds one temporal patch of a video spans: temporal_patch_size / fps, the rate its
+        frames were sampled at (None: `fps`, frame files' default)."""
+        return self.args.vision.temporal_patch_size / (fps or self.fps)
 
     def positions(self, sample: Sample) -> dict[str, torch.Tensor]:
         """The sample's M-RoPE positions [3, its slots] (mrope.py's rule, from its parts: text
@@ -127,10 +129,14 @@ class QwenRule(ImageRule):
                 out.append((torch.arange(len(part)) + pos).expand(3, -1))
                 pos += len(part)
                 continue
-            if not isinstance(part, torch.Tensor):
+            if isinstance(part, VideoFrames):  # a video file: the rate its frames were kept at
+                fps, part = part.fps, part.frames
+            elif isinstance(part, torch.Tensor):
+                fps = self.fps
+            else:
                 raise TypeError(f"an image that was not decoded ({part!r})")
             video = part.ndim == 4
-            interval = a.tokens_per_second * self.seconds_per_grid_t() if video else 1
+            interval = a.tokens_per_second * self.seconds_per_grid_t(fps) if video else 1
             block = vision_positions(pos, self.grid(part), a.vision.spatial_merge_size, interval)
             out.append(block)
             pos = int(block.max()) + 1

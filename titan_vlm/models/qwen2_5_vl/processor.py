@@ -284,6 +284,85 @@ def _as_image(frame: PILImage.Image | np.ndarray) -> PILImage.Image:
     return frame
 
 
+# Qwen2VLVideoProcessor's frame sampling defaults (transformers 5.25): no sampling (every frame)
+SAMPLING_DEFAULTS: dict[str, Any] = {
+    "do_sample_frames": False,
+    "fps": None,
+    "num_frames": None,
+    "min_frames": 4,
+    "max_frames": 768,
+}
+
+
+@dataclass(frozen=True)
+class FrameSampling:
+    """Which frames of a video file Qwen2VLVideoProcessor keeps (its sample_frames, with the
+    folder's video settings: `frame_sampling`): every frame without do_sample_frames; else
+    num_frames rounded to a multiple of temporal_patch_size, or, by fps, the video's duration
+    x fps within [min_frames, max_frames] and the frame count, rounded down to a multiple of
+    temporal_patch_size; the indices torch.arange(0, total, total / n) as int, as transformers
+    takes them."""
+
+    do_sample_frames: bool
+    fps: float | None
+    num_frames: int | None
+    min_frames: int
+    max_frames: int
+    temporal_patch_size: int
+
+    def indices(self, total: int, video_fps: float) -> list[int]:
+        """The kept frames' indices of a video of `total` frames at `video_fps` (its header).
+        ValueError where transformers' rule keeps none, or more than the video has."""
+        if not self.do_sample_frames:
+            return list(range(total))
+        t = self.temporal_patch_size
+        if self.num_frames is not None:
+            n: float = round(self.num_frames / t) * t
+        elif self.fps is not None:
+            most = math.floor(min(self.max_frames, total) / t) * t
+            n = min(max(total / video_fps * self.fps, self.min_frames), most, total)
+            n = math.floor(n / t) * t
+        else:
+            return list(range(total))
+        if n > total:
+            raise ValueError(f"{n} frames to sample from a video of {total}")
+        if n <= 0:
+            raise ValueError(
+                f"a video of {total} frames keeps none under the folder's frame sampling "
+                f"(fps {self.fps}, temporal_patch_size {t})"
+            )
+        return torch.arange(0, total, total / n).int().tolist()
+
+
+def frame_sampling(settings: dict[str, Any], where: str, temporal_patch_size: int) -> FrameSampling:
+    """A video processor file's frame sampling settings over SAMPLING_DEFAULTS; fps and
+    num_frames together (transformers refuses them when it samples) or a value of the wrong
+    kind is a one-line ConfigError naming `where` and the key."""
+    s = {**SAMPLING_DEFAULTS, **{k: v for k, v in settings.items() if k in SAMPLING_DEFAULTS}}
+    if not isinstance(s["do_sample_frames"], bool):
+        raise ConfigError(
+            f"{KEY}: {where}: do_sample_frames must be true or false, got {s['do_sample_frames']!r}"
+        )
+    for key in ("fps", "num_frames", "min_frames", "max_frames"):
+        value = s[key]
+        ok = value is None and key in ("fps", "num_frames")
+        ok |= not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0
+        if not ok or (key != "fps" and value is not None and not isinstance(value, int)):
+            raise ConfigError(f"{KEY}: {where}: {key} must be a positive number, got {value!r}")
+    if s["do_sample_frames"] and s["fps"] is not None and s["num_frames"] is not None:
+        raise ConfigError(
+            f"{KEY}: {where}: fps and num_frames are both set (transformers takes one of them)"
+        )
+    return FrameSampling(
+        s["do_sample_frames"],
+        None if s["fps"] is None else float(s["fps"]),
+        s["num_frames"],
+        s["min_frames"],
+        s["max_frames"],
+        temporal_patch_size,
+    )
+
+
 def second_per_grid_t(fps: float, temporal_patch_size: int) -> float:
     """Seconds one temporal patch spans, as Qwen2_5_VLProcessor computes second_per_grid_ts:
     temporal_patch_size / fps, fps the frames' sampled rate (transformers' metadata.sampled_fps:
@@ -569,6 +648,7 @@ class QwenVLProcessor:
     tokens: VisionTokens
     image_file: str  # where the image settings came from, for errors
     video_file: str
+    sampling: FrameSampling  # which frames of a video file are kept (the video settings')
 
     @classmethod
     def from_folder(cls, path: str | Path) -> QwenVLProcessor:
@@ -587,13 +667,15 @@ class QwenVLProcessor:
             "video_processor",
             ("video_preprocessor_config.json", "preprocessor_config.json"),
         )
+        video_settings = vision_settings(video, video_file, video=True)
         return cls(
             folder=str(path),
             image=vision_settings(image, image_file, video=False),
-            video=vision_settings(video, video_file, video=True),
+            video=video_settings,
             tokens=VisionTokens.from_folder(folder),
             image_file=image_file,
             video_file=video_file,
+            sampling=frame_sampling(video, video_file, video_settings.temporal_patch_size),
         )
 
     def image_grid(self, path: str | Path, max_pixels: int | None = None) -> Grid:
@@ -669,6 +751,11 @@ class QwenVision(FolderVision):
             width, height = frames[0].size
             size = self.processor.video.resized(height, width)
         return torch.stack([self.processor.video.pixels(frame, size) for frame in frames])
+
+    def video_indices(self, frames: int, fps: float) -> list[int]:
+        """The frames of a video file Qwen2VLVideoProcessor keeps (FrameSampling.indices with
+        the folder's video settings)."""
+        return self.processor.sampling.indices(frames, fps)
 
 
 def has_processor_files(folder: Path) -> bool:
