@@ -860,6 +860,9 @@ def family_parity(
     compile_backend: str = "none",
     one_d_positions: bool = False,
     sum_image_grad: bool = True,
+    tp: int = 1,
+    sp: bool = False,
+    tp_unreduced_norms: bool = False,
 ) -> dict:
     """One optimizer step of a family's parallel model against one process with the same weights
     and global batch (FAMILIES' rows: dp * 1 rows), all through its ModelSpec. Returns both
@@ -867,19 +870,22 @@ def family_parity(
     relative gradient error, and the placement. `one_d_positions` (negative control): the
     parallel run's rows carry plain 1-D positions in place of the family's slot data;
     `sum_image_grad=False` (negative control): the image embeddings' gradient is not summed over
-    cp."""
+    cp. `tp`, `sp`: tensor (and sequence) parallelism as parallelism.* sets them;
+    `tp_unreduced_norms` (negative control): the SP norms' weight gradients not summed over tp."""
     from titan_vlm.models.registry import get_model_spec
 
     spec = get_model_spec(family)
     cfg = JobConfig()
     cfg.model.name = family  # type: ignore[assignment]
     cfg.parallelism.cp_vision = vision  # type: ignore[assignment]
+    cfg.parallelism.tensor_parallel_degree = tp
+    cfg.parallelism.enable_sequence_parallel = sp
     cfg.activation_checkpoint.mode = ac  # type: ignore[assignment]
     cfg.compile.enable = compile_backend != "none"
     cfg.compile.backend = compile_backend  # type: ignore[assignment]
     args = spec.args(cfg)
     t = Training(lr=1e-3, warmup_steps=0, steps=10, max_norm=1.0, seq_len=seq_len)
-    mesh = make_mesh(dp_shard, cp)
+    mesh = make_mesh(dp_shard, cp, tp=tp)
     dp = dp_shard
     rule, slot_data = spec.data_rule(args, cfg)
     full = FAMILIES[family](args, rule, slot_data, seq_len, seed)
@@ -899,7 +905,8 @@ def family_parity(
         torch._dynamo.config.fail_on_recompile_limit_hit = True
     torch.manual_seed(seed)
     model = spec.build(args)
-    spec.parallelize(model, mesh, cfg)
+    with _sp_norms_with_local_weights() if tp_unreduced_norms else contextlib.nullcontext():
+        spec.parallelize(model, mesh, cfg)
     opt = build_optimizer(model, t)
     sched = build_scheduler(opt, t)
     dp_rank = mesh.dp.get_local_rank()
@@ -909,8 +916,9 @@ def family_parity(
             k: torch.arange(v.shape[-1]).expand_as(v).clone() for k, v in batch.slot_data.items()
         }
     options = CPOptions(comm, vision, placement, image_tokens, spec.layout_cost(args))
+    tp_options = TPOptions.from_config(cfg.parallelism)
     with contextlib.nullcontext() if sum_image_grad else _image_grads_not_summed_over_cp():
-        stats, layout = train_step(model, opt, sched, batch, mesh, t.max_norm, options)
+        stats, layout = train_step(model, opt, sched, batch, mesh, t.max_norm, options, tp_options)
     ref_params = dict(ref.named_parameters())
     named = [(canonical_name(n), p) for n, p in model.named_parameters()]
     pairs = [

@@ -63,3 +63,26 @@ def test_negative_controls_fail(pool):
     assert any("loss" in line for line in check(one_d))
     unsummed = pool.run("family_parity", cp=2, sum_image_grad=False)[0]
     assert any(line.startswith("vision grad") for line in check(unsummed)), check(unsummed)
+
+
+TP_CASES = {
+    "tp2": dict(cp=1, tp=2),
+    "tp2_sp": dict(cp=1, tp=2, sp=True),
+    "cp2xtp2_sp_auto": dict(cp=2, tp=2, sp=True, placement="auto", image_tokens="auto"),
+    "tp2_sp_compiled": dict(cp=1, tp=2, sp=True, compile_backend="aot_eager"),
+}
+
+
+@pytest.mark.parametrize("case", list(TP_CASES))
+def test_tensor_parallel_matches_one_process(pool, case):
+    """The decoder tensor-parallel (and sequence-parallel), the vision tower whole on every tp
+    rank (models/qwen2_5_vl/parallelize.py): every parameter's gradient as one process's."""
+    results = pool.run("family_parity", **TP_CASES[case])
+    for rank, result in enumerate(results):
+        assert not check(result), f"rank {rank}: {check(result)}"
+
+
+def test_tensor_parallel_negative_control_fails(pool):
+    """The SP norms' weight gradients left unsummed over tp: the decoder's gradient is wrong."""
+    result = pool.run("family_parity", cp=1, tp=2, sp=True, tp_unreduced_norms=True)[0]
+    assert any(line.startswith("decoder grad") for line in check(result)), check(result)

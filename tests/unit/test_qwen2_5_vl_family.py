@@ -214,14 +214,19 @@ def test_refusals_are_one_line_naming_the_key() -> None:
     args = Qwen25VLArgs()
     cfg = JobConfig()
     cfg.parallelism.tensor_parallel_degree = 2
-    message = _refusal(args, _dims(tp=2), cfg, "parallelism.tensor_parallel_degree=2")
-    assert "fused qkv" in message
-    for key in ("enable_sequence_parallel", "image_embed_tp_shard"):
-        for tp in (1, 2):
-            cfg = JobConfig()
-            cfg.parallelism.tensor_parallel_degree = tp
-            setattr(cfg.parallelism, key, True)
-            _refusal(args, _dims(tp=tp), cfg, f"parallelism.{key}")
+    cfg.parallelism.enable_sequence_parallel = True
+    validate(args, _dims(tp=2), cfg)  # the decoder splits in two
+    cfg.parallelism.tensor_parallel_degree = 3
+    message = _refusal(args, _dims(tp=3), cfg, "parallelism.tensor_parallel_degree=3")
+    assert "decoder n_heads (4)" in message
+    for tp in (1, 2):  # the vision tower is whole on every tp rank: no embedding slices
+        cfg = JobConfig()
+        cfg.parallelism.tensor_parallel_degree = tp
+        cfg.parallelism.image_embed_tp_shard = True
+        _refusal(args, _dims(tp=tp), cfg, "parallelism.image_embed_tp_shard")
+    cfg = JobConfig()
+    cfg.parallelism.cp_comm_type = "a2a"  # 4 heads, 2 per tp rank, over cp = 4
+    _refusal(args, _dims(cp=4, tp=2), cfg, "2 attention heads (per tp rank)")
     cfg = JobConfig()
     cfg.model.image_attention = "bidirectional"
     _refusal(args, _dims(), cfg, "model.image_attention")
@@ -239,13 +244,15 @@ def test_refusals_are_one_line_naming_the_key() -> None:
 
 def test_validate_job_runs_the_family_s_checks() -> None:
     """Through validate.py's validate_job (the registry's qwen2_5_vl ModelSpec): the defaults
-    pass, tensor parallelism is refused in one line."""
+    pass, so does tp = 2; a tp that does not split the decoder is one line."""
     cfg = JobConfig()
     cfg.model.name = "qwen2_5_vl"
     assert validate_job(cfg, 1) == _dims()
     cfg.parallelism.tensor_parallel_degree = 2
-    with pytest.raises(ConfigError, match="tensor_parallel_degree=2 is not yet for qwen2_5_vl"):
-        validate_job(cfg, 2)
+    assert validate_job(cfg, 2) == _dims(tp=2)
+    cfg.parallelism.tensor_parallel_degree = 3
+    with pytest.raises(ConfigError, match="tensor_parallel_degree=3 does not divide the decoder"):
+        validate_job(cfg, 3)
 
 
 def _write_tokenizer(path: Path, words: int) -> None:

@@ -1,7 +1,7 @@
 """Tensor parallelism (TP) and sequence parallelism (SP) on the tp mesh dim, applied from outside:
-the plan of one transformer block (`block_plan`) and a stack's sequence-parallel boundaries
-(`sp_stack_boundaries`), which a family's apply_tp (models/<family>/parallelize.py) applies to its
-own modules, as below for LLaVA's.
+the plan of one transformer block (`block_plan`), a stack's sequence-parallel boundaries
+(`sp_stack_boundaries`) and the shared decoder's whole plan (`apply_decoder_tp`), which a family's
+apply_tp (models/<family>/parallelize.py) applies to its own modules, as below for LLaVA's.
 
 TP (Megatron style, with DTensor `parallelize_module`): in every ViT and decoder block the input
 projections (q, k, v; fc1 / w1, w3) are split column-wise, so each tp rank computes whole
@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -65,6 +66,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titan_vlm.config import Parallelism
+
+if TYPE_CHECKING:
+    from titan_vlm.models.common.decoder import Decoder
 
 _DEFAULTS = Parallelism()  # the config's defaults are the library's
 
@@ -154,6 +158,47 @@ def block_plan(
                 input_layouts=Shard(1)
             )  # one consumer: it gathers itself
     return plan
+
+
+def apply_decoder_tp(decoder: Decoder, tp_mesh: DeviceMesh, sp: bool) -> None:
+    """The shared Llama-shaped decoder (models/common/decoder.py) of any family, over `tp_mesh`:
+    every block's plan (`block_plan`; q/k norms reduced as SP norms are), with `sp` the
+    sequence cut at the first block and gathered after the last, and the embedding rows and
+    head columns split over the vocabulary, both with replicated outputs (why: the module
+    docstring); tied embeddings then share the embedding's DTensor."""
+    plan = block_plan(
+        "attention",
+        ("attention.wq", "attention.wk", "attention.wv"),
+        "attention.wo",
+        ("attention_norm", "ffn_norm"),
+        "feed_forward",
+        ("feed_forward.w1", "feed_forward.w3"),
+        "feed_forward.w2",
+        n_attn_args=4,
+        sp=sp,
+    )  # attention(x, cos, sin, layout)
+    if decoder.args.qk_norm:
+        # q/k norms (Qwen3) run on [B, L, heads, head_dim] with this rank's heads: their shared
+        # weight's gradient is a partial sum over tp, reduced as the SP norms' are (heads = dim 2)
+        for norm in ("attention.q_norm", "attention.k_norm"):
+            plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    for block in decoder.layers:
+        parallelize_module(block, tp_mesh, plan)
+    if sp:
+        sp_stack_boundaries(decoder.layers, tp_mesh, 4, "decoder")  # block(x, cos, sin, layout)
+    parallelize_module(
+        decoder,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Replicate()
+            ),
+            "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        },
+    )
+    # Tied embeddings: each style distributed its own copy of the one weight; both are [vocab,
+    # dim] split Shard(0) over tp, so the head can take the embedding's DTensor back, exactly.
+    decoder.tie_weights()
 
 
 def gather_image_embeds_over_tp(embeds: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:

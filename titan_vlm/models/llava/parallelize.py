@@ -14,13 +14,17 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
-    SequenceParallel,
     parallelize_module,
 )
 
 from titan_vlm.models.llava.model import VLM
 from titan_vlm.parallel import parallelize as shared
-from titan_vlm.parallel.tensor_parallel import TPOptions, block_plan, sp_stack_boundaries
+from titan_vlm.parallel.tensor_parallel import (
+    TPOptions,
+    apply_decoder_tp,
+    block_plan,
+    sp_stack_boundaries,
+)
 
 if TYPE_CHECKING:
     from titan_vlm.config import JobConfig
@@ -48,31 +52,11 @@ def apply_tp(model: VLM, tp_mesh: DeviceMesh, options: TPOptions = TPOptions()) 
     )  # attn(x, plan)
     for block in model.vision.layers:
         parallelize_module(block, tp_mesh, vit_plan)
-    dec_plan = block_plan(
-        "attention",
-        ("attention.wq", "attention.wk", "attention.wv"),
-        "attention.wo",
-        ("attention_norm", "ffn_norm"),
-        "feed_forward",
-        ("feed_forward.w1", "feed_forward.w3"),
-        "feed_forward.w2",
-        n_attn_args=4,
-        sp=sp,
-    )  # attention(x, cos, sin, layout)
-    if model.decoder.args.qk_norm:
-        # q/k norms (Qwen3) run on [B, L, heads, head_dim] with this rank's heads: their shared
-        # weight's gradient is a partial sum over tp, reduced as the SP norms' are (heads = dim 2)
-        for norm in ("attention.q_norm", "attention.k_norm"):
-            dec_plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
-    for block in model.decoder.layers:
-        parallelize_module(block, tp_mesh, dec_plan)
     if sp:
         sp_stack_boundaries(model.vision.layers, tp_mesh, 2, "ViT")  # block(x, plan)
         # images of different sizes: their packed sequence padded to whole tp slices
         model.vision.sequence_multiple = tp_mesh.size()
-        sp_stack_boundaries(
-            model.decoder.layers, tp_mesh, 4, "decoder"
-        )  # block(x, cos, sin, layout)
+    apply_decoder_tp(model.decoder, tp_mesh, sp)
     # Projector: column- then row-wise. With image_embed_tp_shard its partial sums are
     # reduce-scattered along the hidden dim instead of all-reduced: the embeddings stay sharded
     # (and travel the CP group at 1/tp size) until gather_image_embeds_over_tp.
@@ -86,21 +70,6 @@ def apply_tp(model: VLM, tp_mesh: DeviceMesh, options: TPOptions = TPOptions()) 
             ),
         },
     )
-    # Embedding rows and head columns split over vocabulary, both with replicated outputs (why:
-    # the module docstring).
-    parallelize_module(
-        model.decoder,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(
-                input_layouts=Replicate(), output_layouts=Replicate()
-            ),
-            "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        },
-    )
-    # Tied embeddings: each style distributed its own copy of the one weight; both are [vocab,
-    # dim] split Shard(0) over tp, so the head can take the embedding's DTensor back, exactly.
-    model.decoder.tie_weights()
 
 
 def apply_ac(model: VLM, mode: str) -> None:

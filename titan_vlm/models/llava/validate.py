@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError
+from titan_vlm.models.common.validate import check_tp_divides, decoder_tp_sizes
 from titan_vlm.models.llava.args import VLMArgs
 from titan_vlm.parallel_dims import ParallelDims
 
@@ -84,20 +85,8 @@ def _validate_tp(vlm: VLMArgs, dims: ParallelDims, cfg: JobConfig) -> None:
     if tp == 1:
         return
     dec, vit = vlm.decoder, vlm.vision
-    for what, value in (
-        ("decoder n_heads", dec.n_heads),
-        ("decoder n_kv_heads", dec.n_kv_heads),
-        ("decoder ffn_dim", dec.ffn_dim),
-        ("decoder dim", dec.dim),
-        ("decoder vocab_size", dec.vocab_size),
-        ("ViT n_heads", vit.n_heads),
-        ("ViT mlp_dim", vit.mlp_dim),
-    ):
-        if value % tp:
-            raise ConfigError(
-                f"parallelism.tensor_parallel_degree={tp} does not divide the {what} ({value}) "
-                f"of flavor '{cfg.model.flavor}'"
-            )
+    vit_sizes = [("ViT n_heads", vit.n_heads), ("ViT mlp_dim", vit.mlp_dim)]
+    check_tp_divides(tp, cfg.model.flavor, decoder_tp_sizes(dec) + vit_sizes)
     if (
         p.enable_sequence_parallel
     ):  # the decoder's local slots are padded to a multiple of tp (layout/)

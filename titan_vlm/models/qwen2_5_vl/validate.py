@@ -1,5 +1,6 @@
 """What the "qwen2_5_vl" family needs of the job's shapes and mesh (its ModelSpec.validate, called
-by validate.py validate_job after the generic checks): no tensor or sequence parallelism yet,
+by validate.py validate_job after the generic checks): a decoder that tensor parallelism splits
+into whole pieces (the vision tower stays whole on every tp rank, so no image_embed_tp_shard),
 causal image slots, the family's own image sizing, the decoder's heads, the all-to-all's heads
 and the tokenizer's vocabulary. Each finding is a one-line ConfigError naming the key."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError
+from titan_vlm.models.common.validate import check_tp_divides, decoder_tp_sizes
 from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs
 from titan_vlm.parallel_dims import ParallelDims
 
@@ -16,18 +18,13 @@ def validate(args: Qwen25VLArgs, dims: ParallelDims, cfg: JobConfig) -> None:
     raised."""
     flavor = cfg.model.flavor
     p = cfg.parallelism
-    # validate_job refuses these two with tp == 1; named here too, so that a job with tp > 1
-    # (refused just below) hears of them, and a direct call sees them
-    for key in ("enable_sequence_parallel", "image_embed_tp_shard"):
-        if getattr(p, key):
-            raise ConfigError(
-                f"parallelism.{key} is not yet for qwen2_5_vl: it has no tensor parallelism"
-            )
-    if dims.tp > 1:
+    if p.image_embed_tp_shard:
         raise ConfigError(
-            f"parallelism.tensor_parallel_degree={dims.tp} is not yet for qwen2_5_vl: its vision "
-            "attention's fused qkv needs its own plan (set it to 1)"
+            "parallelism.image_embed_tp_shard is not for qwen2_5_vl: its vision tower and merger "
+            "are whole on every tp rank (parallelize.py), so the embeddings are not tp slices"
         )
+    if dims.tp > 1:
+        check_tp_divides(dims.tp, flavor, decoder_tp_sizes(args.decoder))
     if cfg.model.image_attention != "causal":
         raise ConfigError(
             f"model.image_attention={cfg.model.image_attention!r}: Qwen2.5-VL's image slots are "
@@ -44,10 +41,11 @@ def validate(args: Qwen25VLArgs, dims: ParallelDims, cfg: JobConfig) -> None:
             f"model.flavor={flavor}: the decoder's n_heads {d.n_heads} is not divisible by "
             f"n_kv_heads {d.n_kv_heads}"
         )
-    if p.cp_comm_type == "a2a" and d.n_heads % dims.cp:
+    local_heads = d.n_heads // dims.tp  # after TP: the heads the a2a splits over cp
+    if p.cp_comm_type == "a2a" and local_heads % dims.cp:
         raise ConfigError(
-            f"parallelism.cp_comm_type='a2a' needs the {d.n_heads} attention heads of flavor "
-            f"'{flavor}' to divide by context_parallel_degree={dims.cp}"
+            f"parallelism.cp_comm_type='a2a' needs the {local_heads} attention heads (per tp "
+            f"rank) of flavor '{flavor}' to divide by context_parallel_degree={dims.cp}"
         )
     vocab = tokenizer_vocab(cfg)
     if vocab > d.vocab_size:
