@@ -4,7 +4,7 @@ equals transformers' loss on the same rows, `--export-hf` gives a folder transfo
 no missing or unexpected tensor and the same logits, and `generate` answers what transformers'
 `generate` answers, from the folder and from a trained checkpoint.
 
-Four folders (KINDS): LLaVA-1.5's CLIP tower (cut at layer -2, the class token dropped, BOS,
+Four folders (LLAVA_FOLDERS): LLaVA-1.5's CLIP tower (cut at layer -2, the class token dropped, BOS,
 LLaVA's template) with a Llama 3.1-RoPE or a Mistral decoder, and a SigLIP tower (every
 position, a ChatML template, no BOS) with a Qwen2 (q/k/v biases, tied embeddings) or a Qwen3
 (q/k norms) decoder.
@@ -15,27 +15,19 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from hf_folders import LLAVA_FOLDERS, save_llava_folder
 from safetensors import safe_open
-from test_hf_models import LLAMA3, TEXT, perturb
-from test_hf_processor import build_folder, draw_png
+from test_hf_processor import draw_png
 
 transformers = pytest.importorskip("transformers")
 
 from transformers import (  # noqa: E402
     AutoProcessor,
-    CLIPVisionConfig,
-    LlamaConfig,
-    LlavaConfig,
     LlavaForConditionalGeneration,
-    MistralConfig,
-    Qwen2Config,
-    Qwen3Config,
-    SiglipVisionConfig,
 )
 
 from titan_vlm.data import build_dataset, model_inputs  # noqa: E402
@@ -44,7 +36,6 @@ from titan_vlm.models.hf_export import hf_config  # noqa: E402
 from titan_vlm.models.llava.hf_adapter import hf_names  # noqa: E402
 from titan_vlm.models.registry import get_model_spec  # noqa: E402
 
-TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4)
 RUN = dict(
     steps=1,
     model__flavor="hf",
@@ -56,58 +47,9 @@ RUN = dict(
 )
 
 
-# folder kind -> (processor files of test_hf_processor, decoder)
-KINDS = {
-    "clip_llama3": ("clip", "llama3"),  # LLaVA-1.5's tower with Llama 3.1's RoPE scaling
-    "siglip_qwen2_tied": ("siglip", "qwen2"),  # q/k/v biases, tied embeddings, ChatML
-    "siglip_qwen3": ("siglip", "qwen3"),  # q/k norms, head_dim != hidden / heads
-    "clip_mistral": ("clip", "mistral"),  # linear RoPE scaling, no projector bias
-}
-
-
-def write_llava_folder(path: Path, kind: str) -> Path:
-    """The processor files of test_hf_processor's folder, then a tiny random LLaVA model whose
-    config matches them (image size and patch, vocabulary, special token ids)."""
-    processor, decoder = KINDS[kind]
-    build_folder(path, processor)
-    tok = json.loads((path / "tokenizer.json").read_text())
-    vocab = {t["content"]: t["id"] for t in tok["added_tokens"]}
-    text = dict(TEXT, vocab_size=len(tok["model"]["vocab"]))
-    text.update(pad_token_id=vocab["<pad>"], bos_token_id=vocab["<s>"])
-    text["eos_token_id"] = vocab["</s>" if processor == "clip" else "<|im_end|>"]
-    top: dict = {}
-    if decoder == "llama3":
-        text_config = LlamaConfig(**text, rope_parameters=LLAMA3)
-    elif decoder == "mistral":
-        linear = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
-        text_config = MistralConfig(**text, sliding_window=None, rope_parameters=linear)
-        top = dict(multimodal_projector_bias=False)
-    elif decoder == "qwen2":
-        text_config = Qwen2Config(**text, tie_word_embeddings=True)
-        top = dict(tie_word_embeddings=True, projector_hidden_act="gelu_pytorch_tanh")
-    else:
-        text_config = Qwen3Config(**text, head_dim=16)
-    if processor == "clip":
-        vision = CLIPVisionConfig(**TOWER, image_size=30, patch_size=5)
-    else:
-        vision = SiglipVisionConfig(**TOWER, image_size=28, patch_size=7)
-        top.update(vision_feature_layer=-1, vision_feature_select_strategy="full")
-    config = LlavaConfig(
-        vision_config=vision,
-        text_config=text_config,
-        image_token_index=vocab["<image>"],
-        **top,
-    )
-    torch.manual_seed(0)
-    model = LlavaForConditionalGeneration(config).eval()
-    perturb(model)
-    model.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module", params=list(KINDS))
+@pytest.fixture(scope="module", params=list(LLAVA_FOLDERS))
 def folder(request, tmp_path_factory) -> Path:
-    return write_llava_folder(tmp_path_factory.mktemp(request.param), request.param)
+    return save_llava_folder(tmp_path_factory.mktemp(request.param), request.param)
 
 
 def hf_model(path: Path) -> LlavaForConditionalGeneration:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_folders import LLAMA3, LLAVA_IMAGE, LLAVA_VOCAB, TEXT, TOWER, save_llava, save_model
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import (
@@ -54,33 +55,7 @@ from titan_vlm.models.llava.model import VLM
 from titan_vlm.parallel.context_parallel import shard_batch
 
 TOL = 1e-5
-VOCAB = 96
-IMAGE_TOKEN = VOCAB - 1
-TOWER = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    image_size=16,
-    patch_size=4,
-)
-TEXT = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=VOCAB,
-)
-LLAMA3 = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    # small, so that the tiny head_dim's wavelengths fall in all three bands of the formula
-    "original_max_position_embeddings": 16,
-}
+VOCAB, IMAGE_TOKEN = LLAVA_VOCAB, LLAVA_IMAGE
 
 FAMILIES = {
     # LLaVA-1.5: CLIP tower at layer -2, class token dropped; Llama 3.1-style RoPE
@@ -124,25 +99,6 @@ FAMILIES = {
         projector_hidden_act="silu",
     ),
 }
-
-
-def perturb(model: torch.nn.Module) -> None:
-    """transformers initialises biases to 0 and norm weights to 1, which would hide a bias or a
-    norm that is not loaded: move every parameter off its initial value."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-
-
-def save_llava(folder: Path, vision, text, **top) -> LlavaForConditionalGeneration:
-    torch.manual_seed(0)
-    config = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN, **top
-    )
-    model = LlavaForConditionalGeneration(config).eval()
-    perturb(model)
-    model.save_pretrained(folder)
-    return model
 
 
 def file_keys(folder: Path) -> set[str]:
@@ -295,9 +251,7 @@ def test_vision_tower_folders_match_last_hidden_state(tmp_path):
         ("clip", CLIPVisionModel, CLIPVisionConfig(**TOWER)),
     ):
         torch.manual_seed(0)
-        hf = cls(config).eval()
-        perturb(hf)
-        hf.save_pretrained(tmp_path / name)
+        hf = save_model(tmp_path / name, cls(config))
         v = vision_args_from_hf(json.loads((tmp_path / name / "config.json").read_text()), name)
         ours = VLM(VLMArgs(vision=v)).eval()
         keys = file_keys(tmp_path / name)
@@ -321,9 +275,7 @@ def test_contrastive_model_folders_give_their_vision_tower(tmp_path):
         ("clip", CLIPModel, CLIPConfig(text_config=text, vision_config=TOWER)),
     ):
         torch.manual_seed(0)
-        hf = cls(config).eval()
-        perturb(hf)
-        hf.save_pretrained(tmp_path / name)
+        hf = save_model(tmp_path / name, cls(config))
         v = vision_args_from_hf(json.loads((tmp_path / name / "config.json").read_text()), name)
         ours = VLM(VLMArgs(vision=v)).eval()
         keys = file_keys(tmp_path / name)
@@ -337,9 +289,8 @@ def test_contrastive_model_folders_give_their_vision_tower(tmp_path):
 
 def test_causal_lm_folder_matches_transformers(tmp_path):
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(**TEXT, rope_parameters=LLAMA3, tie_word_embeddings=True))
-    perturb(hf)
-    hf.eval().save_pretrained(tmp_path)
+    config = LlamaConfig(**TEXT, rope_parameters=LLAMA3, tie_word_embeddings=True)
+    hf = save_model(tmp_path, LlamaForCausalLM(config))
     keys = file_keys(tmp_path)
     assert keys == {k for k in keys if k.startswith("model.")}  # tied: no lm_head
     d = text_args_from_hf(json.loads((tmp_path / "config.json").read_text()), "config.json")

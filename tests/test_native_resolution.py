@@ -21,8 +21,8 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
+from hf_folders import TOWER as HF_TOWER
 from PIL import Image
-from test_hf_models import TOWER as HF_TOWER
 from test_parity import mismatches, report
 from transformers import CLIPVisionConfig, CLIPVisionModel, SiglipVisionConfig, SiglipVisionModel
 

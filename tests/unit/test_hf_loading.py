@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_folders import save_towers
 from safetensors import safe_open
-from test_hf_models import TEXT, TOWER, perturb
-from transformers import LlamaForCausalLM, SiglipVisionModel
 
 from titan_vlm.config import ConfigError, JobConfig
 from titan_vlm.errors import ConfigError as LeafConfigError
@@ -23,18 +22,6 @@ from titan_vlm.models.loading import canonical_parameters, init_from_seed
 from titan_vlm.models.registry import model_spec
 
 transformers = pytest.importorskip("transformers")
-
-
-def towers(tmp_path: Path) -> tuple[Path, Path]:
-    from transformers import LlamaConfig, SiglipVisionConfig
-
-    torch.manual_seed(0)
-    vision = SiglipVisionModel(SiglipVisionConfig(**TOWER))
-    text = LlamaForCausalLM(LlamaConfig(**TEXT))
-    for model, name in ((vision, "siglip"), (text, "llama")):
-        perturb(model)
-        model.save_pretrained(tmp_path / name)
-    return tmp_path / "siglip", tmp_path / "llama"
 
 
 def tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -50,7 +37,7 @@ def separate(vision: Path, text: Path, flavor: str = "hf") -> JobConfig:
 
 
 def test_separate_towers_load_and_the_projector_starts_from_the_seed(tmp_path):
-    vision, text = towers(tmp_path)
+    vision, text = save_towers(tmp_path)
     cfg = separate(vision, text)
     model, args = load_hf_model(cfg)
     params = dict(model.named_parameters())
@@ -75,7 +62,7 @@ def test_activation_checkpointing_loads_the_same_weights(tmp_path):
     """The checkpoint wrapper renames the blocks' parameters (`_checkpoint_wrapped_module.`);
     the adapter's names are the unwrapped ones (models/loading.py canonical_name). Before: a
     KeyError for the first wrapped parameter."""
-    vision, text = towers(tmp_path)
+    vision, text = save_towers(tmp_path)
     cfg = separate(vision, text)
     plain, args = load_hf_model(cfg)
     spec = model_spec(cfg)
@@ -91,7 +78,7 @@ def test_activation_checkpointing_loads_the_same_weights(tmp_path):
 
 
 def test_a_built_in_flavor_must_match_the_folder(tmp_path):
-    vision, text = towers(tmp_path)
+    vision, text = save_towers(tmp_path)
     with pytest.raises(
         ConfigError, match=r"model.flavor='debug' does not match .* set model.flavor = 'hf'"
     ):
@@ -100,7 +87,7 @@ def test_a_built_in_flavor_must_match_the_folder(tmp_path):
 
 
 def test_broken_folders_are_one_line_errors(tmp_path):
-    vision, text = towers(tmp_path)
+    vision, text = save_towers(tmp_path)
     cfg = separate(vision, text)
     weights = text / "model.safetensors"
     data = weights.read_bytes()
@@ -126,7 +113,7 @@ def test_broken_folders_are_one_line_errors(tmp_path):
 
 
 def test_a_tensor_of_the_wrong_shape_is_named(tmp_path):
-    vision, text = towers(tmp_path)
+    vision, text = save_towers(tmp_path)
     config = json.loads((text / "config.json").read_text())
     config["intermediate_size"] = 2 * config["intermediate_size"]
     (text / "config.json").write_text(json.dumps(config))

@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from hf_folders import CORPUS, LLAVA_SPECIALS, PROCESSORS, save_llava_processor
 from PIL import Image, ImageDraw
 
 from titan_vlm.config import ConfigError
@@ -19,113 +20,11 @@ from titan_vlm.data.tokenizer import HFTokenizer
 
 transformers = pytest.importorskip("transformers")
 
-SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<image>", "<|im_start|>", "<|im_end|>"]
-CORPUS = [
-    "USER: What is this? ASSISTANT: A red circle. Are you sure? yes.",
-    "system You are a helpful assistant. user assistant",
-    "What colour is the square? It is blue, and the triangle is green.",
-]
-# llava-hf/llava-1.5-7b-hf's template: images first, no end token after an answer
-LLAVA_TEMPLATE = (
-    "{% for message in messages %}{% if message['role'] != 'system' %}"
-    "{{ message['role'].upper() + ': '}}{% endif %}"
-    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
-    "{{ '<image>\n' }}{% endfor %}"
-    "{% if message['role'] != 'assistant' %}"
-    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
-    "{{ content['text'] + ' '}}{% endfor %}"
-    "{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
-    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
-)
-# Qwen2-VL's ChatML template, with LLaVA's image token
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
-    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' %}<image>{% elif content['type'] == 'text' %}"
-    "{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-# LLaVA-1.5: CLIP tower (class token; "default" drops it), BOS added by the tokenizer.
-# SigLIP + ChatML (Qwen2-style): no BOS token at all.
-FOLDERS = {
-    "clip": dict(template=LLAVA_TEMPLATE, bos="<s>", size=30, patch=5),
-    "siglip": dict(template=CHATML_TEMPLATE, bos=None, size=28, patch=7),
-}
-
-
-def build_folder(path, kind: str) -> str:
-    """A folder as transformers writes it for a LlavaProcessor (plus a LlavaConfig)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import (
-        CLIPImageProcessor,
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaProcessor,
-        PreTrainedTokenizerFast,
-        SiglipImageProcessor,
-        SiglipVisionConfig,
-    )
-
-    spec = FOLDERS[kind]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(
-        CORPUS,
-        trainers.BpeTrainer(
-            vocab_size=300,
-            special_tokens=SPECIALS,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        ),
-    )
-    if spec["bos"]:
-        tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
-        )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=spec["bos"],
-        eos_token="</s>" if kind == "clip" else "<|im_end|>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-        extra_special_tokens=["<image>", "<|im_start|>", "<|im_end|>"],
-    )
-    size, patch = spec["size"], spec["patch"]
-    if kind == "clip":
-        images = CLIPImageProcessor(
-            size={"shortest_edge": size}, crop_size={"height": size, "width": size}
-        )
-        vision = CLIPVisionConfig(image_size=size, patch_size=patch)
-    else:
-        images = SiglipImageProcessor(size={"height": size, "width": size})
-        vision = SiglipVisionConfig(image_size=size, patch_size=patch)
-    processor = LlavaProcessor(
-        image_processor=images,
-        tokenizer=fast,
-        patch_size=patch,
-        vision_feature_select_strategy="default" if kind == "clip" else "full",
-        # the class token position (llava-1.5-hf's processor_config.json says 1)
-        num_additional_image_tokens=1 if kind == "clip" else 0,
-        chat_template=spec["template"],
-    )
-    processor.save_pretrained(str(path))
-    config = LlavaConfig(
-        vision_config=vision,
-        text_config=LlamaConfig(vocab_size=len(fast)),
-        image_token_index=fast.convert_tokens_to_ids("<image>"),
-    )
-    config.save_pretrained(str(path))
-    return str(path)
-
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {kind: build_folder(root / kind, kind) for kind in FOLDERS}
+    return {kind: save_llava_processor(root / kind, kind) for kind in PROCESSORS}
 
 
 def hf_processor(folder):
@@ -158,7 +57,7 @@ def messages(*turns, image: str) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("kind", sorted(FOLDERS))
+@pytest.mark.parametrize("kind", sorted(PROCESSORS))
 def test_folder_settings_and_tokenizer(folders, kind):
     ours, theirs = HFProcessor.from_folder(folders[kind]), hf_processor(folders[kind])
     assert ours.image_token_id == theirs.image_token_id
@@ -169,7 +68,7 @@ def test_folder_settings_and_tokenizer(folders, kind):
         theirs.tokenizer.pad_token_id,
     )
     assert ours.tokenizer.adds_bos == (kind == "clip")
-    patches = (FOLDERS[kind]["size"] // FOLDERS[kind]["patch"]) ** 2
+    patches = (PROCESSORS[kind]["size"] // PROCESSORS[kind]["patch"]) ** 2
     # CLIP: the class token and then the first position dropped ("default"), as LLaVA-1.5's 576
     assert ours.tokens_per_image == patches
     for text in ["What is this?", " A red circle.\n", "<s>yes <image><|im_end|>\nno", ""]:
@@ -208,7 +107,7 @@ def sentencepiece_style_tokenizer(path) -> None:
     )
     bytes_ = [f"<0x{i:02X}>" for i in range(256)]
     tok.train_from_iterator(
-        CORPUS, trainers.BpeTrainer(vocab_size=500, special_tokens=SPECIALS + bytes_)
+        CORPUS, trainers.BpeTrainer(vocab_size=500, special_tokens=LLAVA_SPECIALS + bytes_)
     )
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
@@ -273,7 +172,7 @@ def test_tokenizer_class_as_transformers_loads_it(folders, tmp_path):
         HFTokenizer.from_folder(bert)
 
 
-@pytest.mark.parametrize("kind", sorted(FOLDERS))
+@pytest.mark.parametrize("kind", sorted(PROCESSORS))
 @pytest.mark.parametrize("size,mode", [((45, 31), "RGB"), ((23, 50), "RGBA"), ((28, 28), "L")])
 def test_pixel_values_equal_the_image_processor(folders, tmp_path, kind, size, mode):
     """Wide, tall (with transparency) and grey square images: bit for bit transformers'."""
@@ -287,7 +186,7 @@ def test_pixel_values_equal_the_image_processor(folders, tmp_path, kind, size, m
     assert torch.equal(ours.preprocess_image(Image.open(path)), expected)
 
 
-@pytest.mark.parametrize("kind", sorted(FOLDERS))
+@pytest.mark.parametrize("kind", sorted(PROCESSORS))
 def test_raw_prompt_with_image(folders, tmp_path, kind):
     """Each <image> becomes the image's tokens, the tokenizer's own BOS first: LlavaProcessor."""
     path = draw_png(tmp_path / "a.png")
@@ -306,7 +205,7 @@ def test_raw_prompt_with_image(folders, tmp_path, kind):
         ours.prompt_parts(text, [image, image])
 
 
-@pytest.mark.parametrize("kind", sorted(FOLDERS))
+@pytest.mark.parametrize("kind", sorted(PROCESSORS))
 def test_chat_prompt_equals_apply_chat_template(folders, tmp_path, kind):
     path = draw_png(tmp_path / "a.png")
     ours, theirs = HFProcessor.from_folder(folders[kind]), hf_processor(folders[kind])
@@ -368,7 +267,7 @@ def test_transformers_4_layout(folders, tmp_path):
 ANSWERS = ("A red circle.", "yes.")
 
 
-@pytest.mark.parametrize("kind", sorted(FOLDERS))
+@pytest.mark.parametrize("kind", sorted(PROCESSORS))
 def test_two_turn_conversation_trains_on_the_answers(folders, tmp_path, kind):
     """The whole rendering's ids are apply_chat_template's; the trained targets decode to exactly
     the answers with what the template writes after them (ChatML: <|im_end|> and a newline; the
