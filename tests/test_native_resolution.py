@@ -291,10 +291,8 @@ CASES = {
     "shard-auto-hf-features": dict(vision="shard", placement="auto", hf_features=True),
     # sequence parallelism: the packed images padded to whole tp slices (ViT.sequence_multiple)
     "tp2-sp-no-cp": dict(cp=1, tp=2, sp=True),
-    # ... with CP, every ViT and decoder block compiled (fullgraph: a graph break fails it)
-    "shard-auto-tp2-sp-compiled": dict(
-        vision="shard", placement="auto", tp=2, sp=True, compile_backend="aot_eager"
-    ),
+    # ... with CP (compiled: test_compiled_sequence_parallel_over_steps_matches_eager)
+    "shard-auto-cp2xtp2-sp": dict(vision="shard", placement="auto", tp=2, sp=True),
 }
 
 

@@ -69,8 +69,9 @@ TP_CASES = {
     "tp2": dict(cp=1, tp=2),
     "tp2_sp": dict(cp=1, tp=2, sp=True),
     "cp2xtp2_sp_auto": dict(cp=2, tp=2, sp=True, placement="auto", image_tokens="auto"),
-    "tp2_sp_compiled": dict(cp=1, tp=2, sp=True, compile_backend="aot_eager"),
 }
+# (compiled: the decoder's TP plan is the shared one, compiled in tests/test_compile.py; this
+# family's blocks compiled at cp=2 in test_compiled_cp2_matches_one_process)
 
 
 @pytest.mark.parametrize("case", list(TP_CASES))
