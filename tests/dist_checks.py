@@ -310,7 +310,9 @@ def parity(
         contextlib.nullcontext() if sum_image_grad else _image_grads_not_summed_over_cp(),
         contextlib.nullcontext() if kept_images_placed else _kept_images_not_placed(),
     ):
-        stats, layout = train_step(model, opt, sched, batch, mesh, t.max_norm, options, tp_options)
+        stats, (layout,) = train_step(
+            model, opt, sched, batch, mesh, t.max_norm, options, tp_options
+        )
 
     grad_err = dict.fromkeys(GROUPS, 0.0)
     param_err = dict.fromkeys(GROUPS, 0.0)
@@ -493,6 +495,38 @@ def train_run(
     except _Crash:
         trainer.metrics.close()
     return trainer.history
+
+
+def accumulation_run(
+    dp_shard: int, cp: int, steps: int, microbatch_normaliser: bool = False, **overrides
+) -> dict:
+    """train_run's Trainer, returning {"history", "params": {name: the parameter after
+    training, whole}}. `microbatch_normaliser` (negative control): each microbatch's loss over
+    its own loss tokens instead of the step's (a mean of means)."""
+    import titan_vlm.step as step_module
+
+    cfg = JobConfig()
+    cfg.training = dataclasses.replace(cfg.training, steps=steps)
+    for dotted, value in overrides.items():
+        section, key = dotted.split("__")
+        setattr(getattr(cfg, section), key, value)
+    trainer = Trainer(cfg, make_mesh(dp_shard, cp), torch.device("cpu"))
+    real = step_module.forward_backward
+
+    def own_tokens(model, batch, mesh, cp, tp, ntokens=None, accumulating=False):
+        return real(model, batch, mesh, cp, tp, None, accumulating)
+
+    with (
+        mock.patch.object(step_module, "forward_backward", own_tokens)
+        if microbatch_normaliser
+        else contextlib.nullcontext()
+    ):
+        history = trainer.train()
+    params = {
+        canonical_name(n): (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in trainer.model.named_parameters()
+    }
+    return {"history": history, "params": params}
 
 
 def freeze_run(dp_shard: int, cp: int, steps: int, tp: int = 1, **overrides) -> dict:
@@ -918,7 +952,9 @@ def family_parity(
     options = CPOptions(comm, vision, placement, image_tokens, spec.layout_cost(args))
     tp_options = TPOptions.from_config(cfg.parallelism)
     with contextlib.nullcontext() if sum_image_grad else _image_grads_not_summed_over_cp():
-        stats, layout = train_step(model, opt, sched, batch, mesh, t.max_norm, options, tp_options)
+        stats, (layout,) = train_step(
+            model, opt, sched, batch, mesh, t.max_norm, options, tp_options
+        )
     ref_params = dict(ref.named_parameters())
     named = [(canonical_name(n), p) for n, p in model.named_parameters()]
     pairs = [

@@ -104,7 +104,14 @@ class Training:
     seq_len: int = 256
     """Slots per row (tokens): image tokens + text tokens; at most the flavor's RoPE table."""
     local_batch_size: int = 4
-    """Rows per data-parallel rank and step; the CP and TP ranks of one group share them."""
+    """Rows per data-parallel rank and forward pass; the CP and TP ranks of one group share
+    them."""
+    global_batch_size: int = 0
+    """Rows per optimizer step over the whole job; 0: local_batch_size x the data-parallel
+    degree. A multiple of that accumulates gradients over global_batch_size / (local_batch_size
+    x dp) microbatches of local_batch_size rows each: the loss is normalised over the whole
+    step's loss tokens and FSDP reduces the gradients once per step, so the step is the one
+    those rows would take at once, in the memory of local_batch_size."""
     lr: float = 1e-3
     """Peak learning rate of AdamW, reached after training.warmup_steps."""
     min_lr_ratio: float = 0.1

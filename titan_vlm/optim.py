@@ -19,6 +19,12 @@ def top_level_module(name: str) -> str:
     return name.split(".")[0]
 
 
+def accumulation_steps(t: Training, dp: int) -> int:
+    """Microbatches per optimizer step: training.global_batch_size / (local_batch_size x dp),
+    1 where global_batch_size is 0 (validate.py checks that it divides)."""
+    return t.global_batch_size // (t.local_batch_size * dp) if t.global_batch_size else 1
+
+
 def frozen_groups(t: Training) -> set[str]:
     """The parameter groups training.freeze names (validate.py checks the names)."""
     return {g.strip() for g in t.freeze.split(",") if g.strip()}

@@ -5,8 +5,9 @@ Which mesh each piece of the model and the data uses:
     flattened (dp_shard, cp) dims or over dp_shard alone, as HSDP (replicated over dp_replicate,
     sharded over the rest) when dp_replicate > 1; which one, and why, is in parallel/parallelize.py;
   - the batch: one row set per (dp_replicate, dp_shard) coordinate, shared by the cp and tp ranks;
-  - the loss normaliser (global text-token count): summed over (dp_replicate, dp_shard, cp), not
-    tp: the tp ranks of a coordinate hold the same tokens.
+  - the loss normaliser (global text-token count): counted on each dp coordinate's whole rows
+    (every microbatch of the step) and summed over (dp_replicate, dp_shard), not cp or tp: the
+    cp and tp ranks of a coordinate read the same rows (step.py loss_tokens).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class Mesh:
         DeviceMesh  # every dim flattened: all ranks of this job (checkpoints, worst-rank metrics)
     )
     dp: DeviceMesh  # flattened (dp_replicate, dp_shard): which rows a rank reads
-    job: DeviceMesh  # flattened (dp_replicate, dp_shard, cp): loss normaliser, checkpoints, metrics
+    job: DeviceMesh  # flattened (dp_replicate, dp_shard, cp): the loss's sum, checkpoints, metrics
     # (dp_shard x cp) flattened, HSDP's (dp_replicate, dp_shard x cp) when dp_replicate > 1
     fsdp: DeviceMesh
     fsdp_no_cp: DeviceMesh  # the same without cp: dp_shard, or (dp_replicate, dp_shard)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from titan_vlm.data.batch import IGNORE_INDEX, Batch
 from titan_vlm.data.image_batch import image_sizes
@@ -38,34 +39,48 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a vi
 warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
 
 
+def loss_tokens(batches: list[Batch], mesh: Mesh) -> torch.Tensor:
+    """The loss normaliser of one optimizer step: the text tokens that carry a loss in every
+    microbatch of the global batch. Counted on the whole rows a rank reads (before CP cuts them:
+    a rank's CP share holds each of its rows' labels once) and summed over dp (the CP and TP
+    ranks of a dp rank read the same rows), so it is known before any forward."""
+    local = sum(int((b.labels != IGNORE_INDEX).sum()) for b in batches)
+    device = batches[0].labels.device
+    return dist_sum(torch.tensor(local, dtype=torch.long, device=device), mesh.dp.get_group())
+
+
 def forward_backward(
     model: VisionLanguageModel,
     batch: Batch,
     mesh: Mesh,
     cp: CPOptions = CPOptions(),
     tp: TPOptions = TPOptions(),
+    ntokens: torch.Tensor | None = None,
+    accumulating: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
-    """Forward and backward of one batch on this rank. Returns the global loss (mean over every
-    text token of the global batch, identical on all ranks), the global text-token count, and
-    this rank's layout."""
+    """Forward and backward of one batch (or microbatch) on this rank. Returns its share of the
+    global loss (its loss tokens' summed loss over `ntokens`, the step's loss tokens:
+    `loss_tokens`; None: this batch's own), summed over the job (identical on all ranks), the
+    normaliser, and this rank's layout. `accumulating`: another microbatch of this step follows,
+    so cp_vision = "broadcast"'s copy of the vision gradients waits for the last."""
     # 1-3. The model's forward on this rank (VisionLanguageModel.forward_local): the image
     # embeddings of every image of the batch, whole on every CP rank (Replicate on cp; in backward
     # their gradient is summed over cp before the projector and ViT); the text CP-sharded
     # (head-tail per split sample; with cp_sample_placement = "auto" a short sample stays whole
     # on one rank, images and all), with positions and shifted labels; then the decoder.
+    if ntokens is None:
+        ntokens = loss_tokens([batch], mesh)
     ctx = CPContext(mesh.cp, cp, mesh.tp, tp)
     logits, labels, layout = model.forward_local(batch, ctx)
-    # 4. Mean over the global batch's text tokens: count across dp and cp (not tp: its ranks hold
-    # the same tokens), sum per rank.
-    loss_group = mesh.job.get_group()
-    ntokens = dist_sum((labels != IGNORE_INDEX).sum(), loss_group)
+    # 4. Summed over this rank's text tokens, over the step's tokens (dp and cp; not tp: its ranks
+    # hold the same tokens).
     loss = F.cross_entropy(
         logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     ) / ntokens.clamp(min=1)
     loss.backward()
-    if cp.vision == "broadcast":
+    if cp.vision == "broadcast" and not accumulating:
         sync_broadcast_vision_grads(model, mesh.cp)
-    return dist_sum(loss.detach(), loss_group), ntokens, layout
+    return dist_sum(loss.detach(), mesh.job.get_group()), ntokens, layout
 
 
 def train_step(
@@ -77,13 +92,34 @@ def train_step(
     max_norm: float,
     cp: CPOptions = CPOptions(),
     tp: TPOptions = TPOptions(),
-) -> tuple[dict[str, float], SeqLayout]:
-    """One optimizer step; returns its stats and this rank's layout of the batch. A non-finite
-    loss or gradient norm (the same on every rank: both are reduced over the job) updates
-    nothing: the optimizer does not step and "nonfinite" is 1; the caller stops or goes on
-    (training.on_nonfinite). The lr schedule advances either way."""
+    microbatches: int = 1,
+) -> tuple[dict[str, float], list[SeqLayout]]:
+    """One optimizer step over `batch`, in `microbatches` equal groups of its rows (gradient
+    accumulation: training.global_batch_size): each microbatch's loss over the whole step's loss
+    tokens, FSDP's gradient reduction once, after the last, so the step is the one the whole
+    batch would take at once. Returns its stats and this rank's layout of each microbatch
+    (the CP stats are the last one's). A non-finite loss or gradient norm (the same on every
+    rank: both are reduced over the job) updates nothing: the optimizer does not step and
+    "nonfinite" is 1; the caller stops or goes on (training.on_nonfinite). The lr schedule
+    advances either way."""
+    rows = batch.num_rows // microbatches
+    if rows * microbatches != batch.num_rows:
+        raise ValueError(f"{batch.num_rows} rows do not split into {microbatches} microbatches")
+    parts = [batch.rows(k * rows, (k + 1) * rows) for k in range(microbatches)]
     optimizer.zero_grad(set_to_none=True)
-    loss, ntokens, layout = forward_backward(model, batch, mesh, cp, tp)
+    ntokens = loss_tokens(parts, mesh)
+    fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    loss = torch.zeros((), device=batch.tokens.device)
+    layouts: list[SeqLayout] = []
+    for k, part in enumerate(parts):
+        last = k == microbatches - 1
+        for module in fsdp:  # reduce-scatter the summed gradients once, after the last
+            module.set_requires_gradient_sync(last, recurse=False)
+        part_loss, _, layout = forward_backward(
+            model, part, mesh, cp, tp, ntokens, accumulating=not last
+        )
+        loss = loss + part_loss
+        layouts.append(layout)
     grad_norm = clip_grad_norm_(list(model.parameters()), max_norm)
     lrs = current_lrs(optimizer)  # this step's rates, before the schedule advances
     finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
@@ -92,6 +128,7 @@ def train_step(
     else:
         optimizer.zero_grad(set_to_none=True)
     scheduler.step()
+    layout = layouts[-1]
     stats = {
         "loss": loss.item(),
         "grad_norm": grad_norm.item(),
@@ -105,7 +142,7 @@ def train_step(
         "cp_sharded_images": layout.sharded_images(),
         "nonfinite": int(not finite),
     }
-    return stats, layout
+    return stats, layouts
 
 
 def check_same_batch(batch: Batch, rows_mesh: DeviceMesh, step: int) -> None:

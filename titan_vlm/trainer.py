@@ -36,7 +36,13 @@ from titan_vlm.metrics import MetricsLogger, peak_memory_gib
 from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM, param_counts
 from titan_vlm.models.build import build_model
 from titan_vlm.models.registry import model_spec
-from titan_vlm.optim import build_optimizer, build_scheduler, freeze, frozen_groups
+from titan_vlm.optim import (
+    accumulation_steps,
+    build_optimizer,
+    build_scheduler,
+    freeze,
+    frozen_groups,
+)
 from titan_vlm.parallel.context_parallel import CPOptions, shard_batch
 from titan_vlm.parallel.tensor_parallel import TPOptions
 from titan_vlm.parallel_dims import Mesh
@@ -70,6 +76,8 @@ class Trainer(Stateful):
     def __init__(self, cfg: JobConfig, mesh: Mesh, device: torch.device):
         t, p = cfg.training, cfg.parallelism
         self.cfg, self.mesh, self.device = cfg, mesh, device
+        # microbatches of local_batch_size rows per step (training.global_batch_size)
+        self.accumulation = accumulation_steps(t, mesh.dp.size())
         self.spec = model_spec(cfg)
         self.tp = TPOptions.from_config(p)
         self.log_parallelism()
@@ -97,7 +105,7 @@ class Trainer(Stateful):
                 self.optimizer,
                 self,
                 mesh.world.get_group(),
-                global_rows=mesh.dp.size() * t.local_batch_size,
+                global_rows=mesh.dp.size() * t.local_batch_size * self.accumulation,
             )
             self.resume(self.checkpointer)
         self.dp_rank, self.dp = mesh.dp.get_local_rank(), mesh.dp.size()
@@ -125,11 +133,18 @@ class Trainer(Stateful):
         """Train from the resumed step to training.steps, or until a signal; returns the metrics
         of the steps it ran."""
         t = self.cfg.training
+        accumulate = (
+            f" ({self.accumulation} microbatches of {t.local_batch_size} rows per dp rank, "
+            "gradients accumulated)"
+            if self.accumulation > 1
+            else ""
+        )
         logger.info(
-            "training %d steps, %d rows x %d slots per step; metrics -> %s",
+            "training %d steps, %d rows x %d slots per step%s; metrics -> %s",
             t.steps,
-            self.dp * t.local_batch_size,
+            self.dp * t.local_batch_size * self.accumulation,
             t.seq_len,
+            accumulate,
             self.cfg.job.dump_folder,
         )
         for step in range(self.step + 1, t.steps + 1):
@@ -153,11 +168,13 @@ class Trainer(Stateful):
         (world)."""
         t = self.cfg.training
         begin = time.perf_counter()
-        host = self.data.batch(step - 1, self.dp_rank, self.dp, t.local_batch_size)
+        # the step's rows on this dp rank: `accumulation` microbatches of local_batch_size rows
+        rows, micro = t.local_batch_size * self.accumulation, t.local_batch_size
+        host = self.data.batch(step - 1, self.dp_rank, self.dp, rows)
         new_drops = sorted(self.data.dropped - self.dropped)  # this rank's, new to the job
         batch = host.to(self.device)
         check_same_batch(batch, self.mesh.rows, step)
-        stats, layout = train_step(
+        stats, layouts = train_step(
             self.model,
             self.optimizer,
             self.scheduler,
@@ -166,13 +183,14 @@ class Trainer(Stateful):
             t.max_norm,
             self.cp,
             self.tp,
+            self.accumulation,
+        )
+        flops = sum(
+            self.spec.flops(self.args, host.rows(k * micro, (k + 1) * micro), layout)
+            for k, layout in enumerate(layouts)
         )
         # The global batch's model FLOPs and new drops: one all-reduce (exact as float64).
-        sums = torch.tensor(
-            [self.spec.flops(self.args, host, layout), len(new_drops)],
-            dtype=torch.float64,
-            device=self.device,
-        )
+        sums = torch.tensor([flops, len(new_drops)], dtype=torch.float64, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - begin
@@ -214,7 +232,11 @@ class Trainer(Stateful):
         t = self.cfg.training
         record = {
             **result.stats,
-            "tokens_per_sec": self.dp * t.local_batch_size * t.seq_len / result.elapsed_s,
+            "tokens_per_sec": self.dp
+            * t.local_batch_size
+            * self.accumulation
+            * t.seq_len
+            / result.elapsed_s,
             "tflops_per_sec": result.flops / result.elapsed_s / 1e12,
             "step_time_s": result.elapsed_s,
             "peak_memory_gib": result.peak_memory_gib,

@@ -63,6 +63,12 @@ def validate_job(cfg: JobConfig, world_size: int) -> ParallelDims:
     _validate_groups(t)
     if t.local_batch_size < 1:
         raise ConfigError(f"training.local_batch_size must be >= 1, got {t.local_batch_size}")
+    per_pass = t.local_batch_size * dims.dp_replicate * dims.dp_shard
+    if t.global_batch_size < 0 or t.global_batch_size % per_pass:
+        raise ConfigError(
+            f"training.global_batch_size={t.global_batch_size} must be 0 or a multiple of "
+            f"training.local_batch_size x the data-parallel degree ({per_pass})"
+        )
     if t.steps < 1:
         raise ConfigError(f"training.steps must be >= 1, got {t.steps}")
     validate_data_config(cfg.data)  # data.dataset and the keys of a dataset file
