@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from test_qwen2_5_vl_processor import StandInVideoProcessor, hf_frames, hf_proce
 
 from titan_vlm.data.batch import VideoFrames
 from titan_vlm.data.jsonl import JsonlDataset
+from titan_vlm.errors import ConfigError
 from titan_vlm.models.qwen2_5_vl.hf_config import args_from_hf_config
 from titan_vlm.models.qwen2_5_vl.images import MROPE_POSITIONS, folder_rule
 from titan_vlm.models.qwen2_5_vl.processor import FrameSampling, chat_processor, patchify_frames
@@ -129,9 +131,8 @@ def reference(hf, folder: Path, frames, meta, text: str):
     return proc(text=[text], videos=[frames], return_tensors="pt")
 
 
-def test_video_file_sample_equals_transformers(setup):
-    folder, hf, path, frames, meta = setup
-    assert len(frames) == 4 and meta.sampled_fps == 4 / FRAMES * RATE == 2.0
+def dataset(folder: Path, path: Path):
+    """The JSONL file read through the folder's processor and data rule, and that rule."""
     args = args_from_hf_config(json.loads((folder / "config.json").read_text()), "config.json")
     rule = folder_rule(args, str(folder))
     proc = chat_processor(folder)
@@ -139,6 +140,13 @@ def test_video_file_sample_equals_transformers(setup):
         str(path), proc.tokenizer, args.image_size, args.tokens_per_image, 512, 0,
         shuffle=False, processor=proc, rule=rule, slot_data=rule.positions,
     )  # fmt: skip
+    return data, rule
+
+
+def test_video_file_sample_equals_transformers(setup):
+    folder, hf, path, frames, meta = setup
+    assert len(frames) == 4 and meta.sampled_fps == 4 / FRAMES * RATE == 2.0
+    data, rule = dataset(folder, path)
     assert data.bad_at_startup == 2, data.skipped
     assert set(data.skipped) == {"video cannot be decoded", "missing image file"}
     ((sample,),) = data.read(range(1))
@@ -176,6 +184,17 @@ def test_video_file_sample_equals_transformers(setup):
         type(sample)([video.frames if p is video else p for p in sample.parts])
     )
     assert not torch.equal(as_frames[MROPE_POSITIONS], ours)
+
+
+def test_without_pyav_a_video_file_stops_the_run_in_one_line(setup, monkeypatch):
+    """A missing package is the job's problem, not the record's: start-up stops with one line
+    naming the file and the install, instead of skipping every video record."""
+    folder, _, path, _, _ = setup
+    monkeypatch.setitem(sys.modules, "av", None)  # PyAV not installed
+    with pytest.raises(ConfigError) as e:
+        dataset(folder, path)
+    assert "clip.mp4" in str(e.value) and "pip install 'titan_vlm[video]'" in str(e.value)
+    assert "\n" not in str(e.value)
 
 
 def test_generate_about_a_video_file_equals_transformers_greedy(setup):

@@ -2,8 +2,8 @@
 FrameSampling) against transformers: the header and the decoded frames equal
 transformers.video_utils.read_video_pyav's on an mp4 written here; the kept frames equal
 Qwen2VLVideoProcessor.sample_frames (compiled from transformers' source: the class needs
-torchvision to be built) over durations, rates and settings; a damaged file, a header without a
-frame count and a missing PyAV are one line."""
+torchvision to be built) over durations, rates and settings; a header without a frame count
+(mkv, webm) has its packets counted; a damaged file and a missing PyAV are one line."""
 
 from __future__ import annotations
 
@@ -28,11 +28,13 @@ av = pytest.importorskip("av")
 video_utils = pytest.importorskip("transformers.video_utils")
 
 
-def write_mp4(path: Path, frames: int, fps: int = 4, width: int = 84, height: int = 56) -> Path:
-    """An mpeg4 file of `frames` noise frames at `fps` (lossy: both readers decode the same
-    file, so they must agree bit for bit all the same)."""
+def write_mp4(
+    path: Path, frames: int, fps: int = 4, width: int = 84, height: int = 56, codec: str = "mpeg4"
+) -> Path:
+    """A video file of `frames` noise frames at `fps`, its container by the path's suffix
+    (lossy: both readers decode the same file, so they must agree bit for bit all the same)."""
     container = av.open(str(path), "w")
-    stream = container.add_stream("mpeg4", rate=fps)
+    stream = container.add_stream(codec, rate=fps)
     stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
     rng = np.random.default_rng(0)
     for _ in range(frames):
@@ -61,6 +63,25 @@ def test_header_and_frames_equal_transformers_pyav_reader(tmp_path):
     ours = decode_video(path, indices)
     assert len(ours) == len(theirs) and all(np.array_equal(a, b) for a, b in zip(ours, theirs))
     assert not np.array_equal(ours[0], ours[1])  # the control: frames differ
+
+
+@pytest.mark.parametrize("name, codec", [("clip.mkv", "mpeg4"), ("clip.webm", "libvpx")])
+def test_a_header_without_a_frame_count_has_its_packets_counted(tmp_path, name, codec):
+    """Matroska / WebM headers say no frame count: the count is the stream's packets (what
+    torchcodec's scan counts), which is the frames PyAV decodes; the frames are transformers'
+    PyAV reader's at the same indices."""
+    path = write_mp4(tmp_path / name, 13, fps=4, codec=codec)
+    with av.open(str(path)) as container:
+        assert container.streams.video[0].frames == 0  # the case
+        decoded = sum(1 for _ in container.decode(video=0))
+    info = probe_video(path)
+    assert (info.frames, info.fps, info.height, info.width) == (decoded, 4.0, 56, 84)
+    indices = [0, 6, 12]
+    theirs, _ = video_utils.read_video_pyav(
+        str(path), sample_indices_fn=lambda metadata, **_: np.array(indices)
+    )
+    ours = decode_video(path, indices)
+    assert all(np.array_equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
 def test_damaged_files_are_one_line(tmp_path, monkeypatch):

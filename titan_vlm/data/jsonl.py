@@ -287,10 +287,13 @@ class JsonlDataset(Dataset):
     def _video_file(self, ref: VideoRef) -> VideoRef:
         """A video file's VideoRef with what its header says (hf_processor.video_file_frames:
         the kept frames, their rate, the frames' size and the size they enter the encoder at),
-        or BadSample saying why not."""
+        or BadSample saying why not. Without PyAV, the ConfigError saying how to install it stops
+        the run (the job's problem, not the record's: skipping would drop every video)."""
         assert self.processor is not None  # records.py: a video file needs one
         try:
             indices, fps, size = video_file_frames(self.processor, ref.path, self.max_image_pixels)
+        except ConfigError:  # a ValueError too, but no bad sample
+            raise
         except VideoError as e:
             raise BadSample("video cannot be decoded", f"video cannot be decoded: {e}") from None
         except ImageTooLarge as e:

@@ -2,15 +2,21 @@
 `pip install 'titan_vlm[video]'`, as transformers' pyav backend reads them
 (transformers.video_utils.read_video_pyav):
 
-    info = probe_video(path)             from the container's header alone: the video stream's
-                                         frame count (`frames`) and rate (`average_rate`), its
-                                         height and width
+    info = probe_video(path)             from the container's header: the video stream's frame
+                                         count (`frames`) and rate (`average_rate`), its height
+                                         and width; nothing decoded
     frames = decode_video(path, [0, 5])  the frames at those indices (increasing), decoded in
                                          order from the start as RGB uint8 [H, W, 3] arrays
 
+Matroska and WebM files (.mkv, .webm) carry no frame count in their header: their frames are
+counted once by reading the stream's packets without decoding them (`count_packets`), as
+transformers' default reader (torchcodec, seek_mode="exact") counts them by its scan (its PyAV
+reader takes the header's 0 and fails). The count is the one frames are sampled from; should a
+stream decode to fewer frames than an index asked for, decode_video says so (VideoError).
+
 Which frames a model keeps (and so the rate they were sampled at) is the family's rule (e.g.
 models/qwen2_5_vl/processor.py FrameSampling, from the folder's video processor settings).
-Anything PyAV cannot open or decode, or a header without a frame count or rate, is a
+Anything PyAV cannot open or decode, a stream without frames or a header without a rate, is a
 VideoError naming the file; without PyAV, a ConfigError saying how to install it.
 """
 
@@ -64,18 +70,32 @@ def _open(path: str | Path) -> Any:
 
 
 def probe_video(path: str | Path) -> VideoInfo:
-    """The first video stream's header (nothing decoded). VideoError where the container does not
-    say its frame count or rate (transformers would sample from a count of 0)."""
+    """The first video stream's header (nothing decoded); where it gives no frame count (mkv,
+    webm), the count of its packets (`count_packets`). VideoError where the stream has no frames
+    or the header no rate."""
     with _open(path) as container:
         stream = container.streams.video[0]
         frames, rate = int(stream.frames), stream.average_rate
         height, width = int(stream.height), int(stream.width)
+        if frames <= 0 and rate:
+            frames = count_packets(path, container)
     if frames <= 0 or not rate:
         raise VideoError(
-            f"{path}: its header gives no frame count or rate (frames={frames}, "
+            f"{path}: its video stream has no frames or its header no rate (frames={frames}, "
             f"average_rate={rate}); re-encode it (e.g. ffmpeg -i IN -c:v libx264 OUT.mp4)"
         )
     return VideoInfo(frames, float(rate), height, width)
+
+
+def count_packets(path: str | Path, container: Any) -> int:
+    """The first video stream's frames, counted as its packets that hold data and are not marked
+    discard (read, not decoded: one frame each, as torchcodec counts them when it scans a file;
+    transformers' default reader takes that count). VideoError where reading fails."""
+    av = _av(path)
+    try:
+        return sum(1 for p in container.demux(video=0) if p.size and not p.is_discard)
+    except av.error.FFmpegError as e:
+        raise VideoError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
 
 
 def decode_video(path: str | Path, indices: Sequence[int]) -> list[np.ndarray]:
