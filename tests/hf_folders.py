@@ -6,18 +6,24 @@ values so that a bias or norm that is not loaded shows (`perturb`).
     save_qwen(folder, tie=False)   a tiny Qwen2_5_VLForConditionalGeneration: window_size 56 with
                                    14-pixel patches and 2x2 merging (windows of 2x2 merge units),
                                    blocks 1 and 3 attending whole frames, mrope_section (2, 3, 3)
-    save_llava(folder, vision, text, **top)
+    save_llava(folder, vision, text, image_token_index=LLAVA_IMAGE, **top)
                                    a tiny LlavaForConditionalGeneration of the given vision and
-                                   text configs (LLAVA_VOCAB ids, image token LLAVA_IMAGE)
+                                   text configs (CLIP or SigLIP tower; tied or not and the
+                                   projector and feature keys in `top`): every LLaVA model the
+                                   tests write
     save_model(folder, model)      any transformers model (a vision tower, a causal LM, a CLIP
                                    or SigLIP model), perturbed and saved
-    save_llava_processor(folder, kind)
+    save_towers(folder)            a SigLIP vision tower and a Llama causal LM, separate folders
+    save_llava_processor(folder, kind, transformers4=False)
                                    a LlavaProcessor's files (a byte-level BPE tokenizer trained
                                    here, a chat template, a CLIP or SigLIP image processor:
-                                   PROCESSORS) and a LlavaConfig matching them
+                                   PROCESSORS) and a LlavaConfig matching them; transformers4:
+                                   in the layout transformers 4.x writes
     save_llava_folder(folder, kind)
-                                   save_llava_processor's files and a tiny random LLaVA model
-                                   matching them (LLAVA_FOLDERS: four tower x decoder pairs)
+                                   save_llava_processor's files and a save_llava model matching
+                                   them (LLAVA_FOLDERS: four tower x decoder pairs)
+    save_sentencepiece_tokenizer(folder)
+                                   a Llama 2-style tokenizer.json (byte-fallback BPE) alone
 """
 
 from __future__ import annotations
@@ -141,11 +147,15 @@ def save_model(folder: Path, model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def save_llava(folder: Path, vision, text, **top) -> LlavaForConditionalGeneration:
-    """The tiny LLaVA of `vision` and `text` configs (top-level LlavaConfig keys in `top`)."""
+def save_llava(
+    folder: Path, vision, text, image_token_index: int = LLAVA_IMAGE, **top
+) -> LlavaForConditionalGeneration:
+    """The tiny LLaVA of `vision` and `text` configs (top-level LlavaConfig keys in `top`:
+    tied or not, projector, feature layer and strategy), seeded 0: the same folder for the same
+    arguments. Every LLaVA model the tests write is written here."""
     torch.manual_seed(0)
     config = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=LLAVA_IMAGE, **top
+        vision_config=vision, text_config=text, image_token_index=image_token_index, **top
     )
     model = LlavaForConditionalGeneration(config).eval()
     perturb(model)
@@ -203,8 +213,9 @@ PROCESSORS = {
 }
 
 
-def save_llava_processor(path: Path, kind: str) -> str:
-    """A folder as transformers writes it for a LlavaProcessor (plus a LlavaConfig)."""
+def save_llava_processor(path: Path, kind: str, transformers4: bool = False) -> str:
+    """A folder as transformers writes it for a LlavaProcessor (plus a LlavaConfig).
+    `transformers4`: the layout transformers 4.x writes instead (transformers_4_layout)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import (
         CLIPImageProcessor,
@@ -262,7 +273,46 @@ def save_llava_processor(path: Path, kind: str) -> str:
         image_token_index=fast.convert_tokens_to_ids("<image>"),
     )
     config.save_pretrained(str(path))
+    if transformers4:
+        transformers_4_layout(path)
     return str(path)
+
+
+def transformers_4_layout(path: Path) -> None:
+    """Rewrite a processor folder of transformers 5 into the layout transformers 4.x writes: the
+    image processor in preprocessor_config.json, the template in chat_template.json,
+    special_tokens_map.json (the pad token) beside tokenizer_config.json (without it)."""
+    config = json.loads((path / "processor_config.json").read_text())
+    (path / "preprocessor_config.json").write_text(json.dumps(config.pop("image_processor")))
+    (path / "processor_config.json").write_text(json.dumps(config))
+    template = (path / "chat_template.jinja").read_text()
+    (path / "chat_template.jinja").unlink()
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    tokenizer = json.loads((path / "tokenizer_config.json").read_text())
+    pad = tokenizer.pop("pad_token")
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer))
+    (path / "special_tokens_map.json").write_text(json.dumps({"pad_token": pad}))
+
+
+def save_sentencepiece_tokenizer(path: Path) -> None:
+    """A tokenizer.json as transformers 4.x writes Llama 2's: byte-fallback BPE behind a
+    "Prepend ▁" normalizer (which prepends after every special token too), BOS added; trained
+    on CORPUS with LLAVA_SPECIALS and the 256 byte tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+    tok.train_from_iterator(
+        CORPUS, trainers.BpeTrainer(vocab_size=500, special_tokens=LLAVA_SPECIALS + bytes_)
+    )
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    tok.save(str(path / "tokenizer.json"))
 
 
 # folder kind -> (its processor files: PROCESSORS, its decoder)
@@ -301,14 +351,5 @@ def save_llava_folder(path: Path, kind: str) -> Path:
     else:
         vision = SiglipVisionConfig(**{**TOWER, "image_size": 28, "patch_size": 7})
         top.update(vision_feature_layer=-1, vision_feature_select_strategy="full")
-    config = LlavaConfig(
-        vision_config=vision,
-        text_config=text_config,
-        image_token_index=vocab["<image>"],
-        **top,
-    )
-    torch.manual_seed(0)
-    model = LlavaForConditionalGeneration(config).eval()
-    perturb(model)
-    model.save_pretrained(path)
+    save_llava(path, vision, text_config, image_token_index=vocab["<image>"], **top)
     return path

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from hf_folders import CORPUS, LLAVA_SPECIALS, PROCESSORS, save_llava_processor
+from hf_folders import PROCESSORS, save_llava_processor, save_sentencepiece_tokenizer
 from PIL import Image, ImageDraw
 
 from titan_vlm.config import ConfigError
@@ -95,26 +95,6 @@ def test_add_bos_token_is_the_tokenizer_json_s(folders, tmp_path):
     assert (guessed.BOS, guessed.EOS, guessed.IMAGE) == (1, 2, 4)
 
 
-def sentencepiece_style_tokenizer(path) -> None:
-    """A tokenizer.json as transformers 4.x writes Llama 2's: byte-fallback BPE behind a
-    "Prepend ▁" normalizer (which prepends after every special token too), BOS added."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    )
-    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
-    tok.train_from_iterator(
-        CORPUS, trainers.BpeTrainer(vocab_size=500, special_tokens=LLAVA_SPECIALS + bytes_)
-    )
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
-    )
-    tok.save(str(path / "tokenizer.json"))
-
-
 TEXTS = [
     "USER: <image>\nWhat is this? ASSISTANT:",
     " A red circle.",
@@ -133,7 +113,7 @@ def test_tokenizer_class_as_transformers_loads_it(folders, tmp_path):
         path = tmp_path / name
         path.mkdir()
         if source is None:
-            sentencepiece_style_tokenizer(path)
+            save_sentencepiece_tokenizer(path)
         else:
             shutil.copy(source, path / "tokenizer.json")
         special = dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>")
@@ -239,18 +219,11 @@ def test_a_template_in_tokenizer_config_is_applied_as_the_tokenizer_does(folders
     assert expected["input_ids"][0] != ours.tokenizer.BOS and ours.tokenizer.adds_bos
 
 
-def test_transformers_4_layout(folders, tmp_path):
+def test_transformers_4_layout(tmp_path):
     """The layout transformers 4.x writes: the image processor in preprocessor_config.json, the
     template in chat_template.json, special_tokens_map.json beside tokenizer_config.json."""
-    folder = shutil.copytree(folders["clip"], tmp_path / "f")
-    config = json.loads((folder / "processor_config.json").read_text())
-    (folder / "preprocessor_config.json").write_text(json.dumps(config.pop("image_processor")))
-    (folder / "processor_config.json").write_text(json.dumps(config))
-    template = (folder / "chat_template.jinja").read_text()
-    (folder / "chat_template.jinja").unlink()
-    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
-    edit_json(folder, "tokenizer_config.json", pad_token=None)
-    (folder / "special_tokens_map.json").write_text(json.dumps({"pad_token": "<pad>"}))
+    folder = tmp_path / "f"
+    save_llava_processor(folder, "clip", transformers4=True)
     path = draw_png(tmp_path / "a.png")
     ours, theirs = HFProcessor.from_folder(str(folder)), hf_processor(str(folder))
     assert ours.template_file.endswith("chat_template.json") and ours.tokenizer.PAD == 3
