@@ -6,8 +6,9 @@ titan_vlm's `VisionTower` (titan_vlm/models/qwen2_5_vl/vision.py) and transforme
 `Qwen2_5_VisionTransformerPretrainedModel` (what `Qwen2_5_VLForConditionalGeneration.model.visual`
 is; its CPU default attention, "sdpa") with the same weights (transformers' model built from a
 config and perturbed off its initial values, its tensors copied into ours under the names of
-titan_vlm/models/qwen2_5_vl/hf_adapter.py `export_names`), on the same pixel_values and grid_thw:
-three images and one video packed into one sequence (GRIDS, in patches), random pixels, fp32, CPU.
+titan_vlm/models/qwen2_5_vl/hf_adapter.py `export_names`, its fused qkv cut into our q, k, v), on
+the same pixel_values and grid_thw: three images and one video packed into one sequence (GRIDS,
+in patches), random pixels, fp32, CPU.
 
 Per configuration and implementation:
 
@@ -56,6 +57,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 
 from titan_vlm import attention as titan_attention
 from titan_vlm.kernels import CpuFlash
+from titan_vlm.models.common.hf_adapter import hf_tensor_parts
 from titan_vlm.models.common.text_args import DecoderArgs
 from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs, VisionArgs
 from titan_vlm.models.qwen2_5_vl.hf_adapter import export_names
@@ -111,6 +113,16 @@ def vision_names(a: VisionArgs) -> dict[str, str]:
     }
 
 
+def ours_from_theirs(
+    state: dict[str, torch.Tensor], names: dict[str, str]
+) -> dict[str, torch.Tensor]:
+    """Our tensors from transformers' (a fused qkv cut into our q, k, v: hf_tensor_parts)."""
+    out = {}
+    for theirs, parts in hf_tensor_parts(names).items():
+        out.update(zip(parts, state[theirs].chunk(len(parts))))
+    return out
+
+
 def build(a: VisionArgs, seed: int = 0) -> tuple[VisionTower, nn.Module, dict[str, str]]:
     """transformers' tower (perturbed off its initial values, so that a bias or norm not loaded
     shows) and ours with its weights."""
@@ -125,7 +137,7 @@ def build(a: VisionArgs, seed: int = 0) -> tuple[VisionTower, nn.Module, dict[st
     state = theirs.state_dict()
     assert set(names.values()) == set(state), set(names.values()) ^ set(state)
     ours = VisionTower(a, "auto")
-    ours.load_state_dict({o: state[t] for o, t in names.items()}, strict=True)
+    ours.load_state_dict(ours_from_theirs(state, names), strict=True)
     return ours.train(), theirs.train(), names
 
 
@@ -272,10 +284,15 @@ def check_exact(
         (out * dout.to(out.dtype)).sum().backward()
         params = dict(model.named_parameters())
         outs[name] = out.detach().double()
-        grads[name] = {o: params[o if model is ours else t].grad.double() for o, t in names.items()}
+        grads[name] = {  # by transformers' tensor (ours: its parts concatenated)
+            t: torch.cat([params[o].grad for o in parts]).double()
+            if model is ours
+            else params[t].grad.double()
+            for t, parts in hf_tensor_parts(names).items()
+        }
 
     def diff(a: str, b: str) -> tuple[float, float]:
-        grad = max(rel(grads[a][n], grads[b][n]) for n in names)
+        grad = max(rel(grads[a][t], grads[b][t]) for t in grads[a])
         return rel(outs[a], outs[b]), grad
 
     return {

@@ -38,6 +38,7 @@ from titan_vlm.models.llava.flops import layout_cost
 from titan_vlm.models.llava.model import VLM
 from titan_vlm.models.llava.parallelize import apply_ac, parallelize_vlm
 from titan_vlm.models.loading import canonical_name, local_box
+from titan_vlm.models.qwen2_5_vl import vision as qwen_vision
 from titan_vlm.optim import build_optimizer, build_scheduler
 from titan_vlm.parallel import context_parallel, tensor_parallel
 from titan_vlm.parallel.context_parallel import CPContext, CPOptions
@@ -897,6 +898,7 @@ def family_parity(
     tp: int = 1,
     sp: bool = False,
     tp_unreduced_norms: bool = False,
+    embed_shard: bool = False,
 ) -> dict:
     """One optimizer step of a family's parallel model against one process with the same weights
     and global batch (FAMILIES' rows: dp * 1 rows), all through its ModelSpec. Returns both
@@ -904,8 +906,9 @@ def family_parity(
     relative gradient error, and the placement. `one_d_positions` (negative control): the
     parallel run's rows carry plain 1-D positions in place of the family's slot data;
     `sum_image_grad=False` (negative control): the image embeddings' gradient is not summed over
-    cp. `tp`, `sp`: tensor (and sequence) parallelism as parallelism.* sets them;
-    `tp_unreduced_norms` (negative control): the SP norms' weight gradients not summed over tp."""
+    cp. `tp`, `sp`, `embed_shard`: tensor (and sequence) parallelism as parallelism.* sets them
+    (embed_shard: image_embed_tp_shard); `tp_unreduced_norms` (negative control): the SP norms'
+    weight gradients not summed over tp."""
     from titan_vlm.models.registry import get_model_spec
 
     spec = get_model_spec(family)
@@ -914,6 +917,7 @@ def family_parity(
     cfg.parallelism.cp_vision = vision  # type: ignore[assignment]
     cfg.parallelism.tensor_parallel_degree = tp
     cfg.parallelism.enable_sequence_parallel = sp
+    cfg.parallelism.image_embed_tp_shard = embed_shard
     cfg.activation_checkpoint.mode = ac  # type: ignore[assignment]
     cfg.compile.enable = compile_backend != "none"
     cfg.compile.backend = compile_backend  # type: ignore[assignment]
@@ -979,3 +983,37 @@ def family_parity(
         "sharded_images": layout.sharded_images(),
         "replicated_images": layout.replicated_images(),
     }
+
+
+class _FusedQKVAttention(qwen_vision.VisionAttention):
+    """Qwen2.5-VL's vision attention as transformers holds it: one fused qkv Linear [3 * dim, dim]
+    whose output's thirds are q, k, v (the negative control below)."""
+
+    def __init__(self, a, attention_kernel: str):
+        super().__init__(a, attention_kernel)
+        del self.q, self.k, self.v
+        self.qkv = torch.nn.Linear(a.hidden_size, 3 * a.hidden_size)
+
+    def forward(self, x, cos, sin, plan):
+        qkv = self.qkv(x).unflatten(-1, (3, -1, self.head_dim))  # [1, N, 3, H, D]
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = qwen_vision.apply_rope(q, cos, sin), qwen_vision.apply_rope(k, cos, sin)
+        out = qwen_vision.planned_attention(q, k, v, plan, self.attention_kernel)
+        return self.proj(out.transpose(1, 2).flatten(2))
+
+
+def qwen_fused_qkv_parity(cp: int = 1, tp: int = 2, **kwargs) -> dict:
+    """TP negative control of Qwen2.5-VL's vision attention: `family_parity` of a tower that keeps
+    the fused qkv, split column-wise as one tensor by the plan, so a tp rank's q, k, v are a mix
+    of q, k and v rows (why vision.py holds three projections). The one-process reference has
+    the same fused tower, so only the split can break parity."""
+    from titan_vlm.models.qwen2_5_vl import parallelize as qwen_parallelize
+
+    def fused_plan(attn, qkv, *rest, **kw):
+        return tensor_parallel.block_plan(attn, ("attn.qkv",), *rest, **kw)
+
+    with (
+        mock.patch.object(qwen_vision, "VisionAttention", _FusedQKVAttention),
+        mock.patch.object(qwen_parallelize, "block_plan", fused_plan),
+    ):
+        return family_parity("qwen2_5_vl", cp=cp, tp=tp, **kwargs)

@@ -4,8 +4,10 @@ gradient norm before clipping, every parameter's gradient. Packed rows of images
 a video and text; each slot's three M-RoPE positions travel with it (Batch.slot_data), whether
 its sample is split head-tail or kept whole, its image slots replicated or sharded, for every
 cp_comm_type and cp_vision (under "shard" the 8-frame video's frame groups go to different
-ranks: QwenVisuals.units). The negative controls show the harness can fail: 1-D positions in
-place of M-RoPE, and image gradients not summed over cp."""
+ranks: QwenVisuals.units). Tensor and sequence parallelism, alone and with CP, with
+image_embed_tp_shard. The negative controls show the harness can fail: 1-D positions in place of
+M-RoPE, image gradients not summed over cp, SP norms not summed over tp, and the vision
+attention's fused qkv split as one tensor."""
 
 import pytest
 
@@ -70,20 +72,42 @@ TP_CASES = {
     "tp2_sp": dict(cp=1, tp=2, sp=True),
     "cp2xtp2_sp_auto": dict(cp=2, tp=2, sp=True, placement="auto", image_tokens="auto"),
 }
-# (compiled: the decoder's TP plan is the shared one, compiled in tests/test_compile.py; this
-# family's blocks compiled at cp=2 in test_compiled_cp2_matches_one_process)
+# (compiled: not in this suite, for its time; the decoder's TP plan is the shared one, compiled
+# in tests/test_compile.py, and this family's blocks are compiled at cp=2 in
+# test_compiled_cp2_matches_one_process)
 
 
 @pytest.mark.parametrize("case", list(TP_CASES))
 def test_tensor_parallel_matches_one_process(pool, case):
-    """The decoder tensor-parallel (and sequence-parallel), the vision tower whole on every tp
-    rank (models/qwen2_5_vl/parallelize.py): every parameter's gradient as one process's."""
+    """The vision tower, the merger and the decoder tensor-parallel (and sequence-parallel: the
+    packed patch sequence padded to whole tp slices), models/qwen2_5_vl/parallelize.py: every
+    parameter's gradient as one process's."""
     results = pool.run("family_parity", **TP_CASES[case])
     for rank, result in enumerate(results):
         assert not check(result), f"rank {rank}: {check(result)}"
 
 
-def test_tensor_parallel_negative_control_fails(pool):
-    """The SP norms' weight gradients left unsummed over tp: the decoder's gradient is wrong."""
+# cp = 2 x tp = 2 without SP and with it, under each cp_vision and cp_comm_type, and
+# image_embed_tp_shard (the merger's output crosses the CP group as dim/tp columns)
+CP_TP_CASES = (
+    dict(cp=2, tp=2, embed_shard=True),
+    dict(cp=2, tp=2, sp=True, embed_shard=True, vision="broadcast", comm="a2a"),
+    dict(cp=2, tp=2, vision="replicate", comm="allgather", image_tokens="shard"),
+)
+
+
+def test_cp_by_tp_and_image_embed_tp_shard_match_one_process(pool):
+    for kw in CP_TP_CASES:
+        for rank, result in enumerate(pool.run("family_parity", **kw)):
+            assert not check(result), f"{kw} rank {rank}: {check(result)}"
+
+
+def test_tensor_parallel_negative_controls_fail(pool):
+    """The SP norms' weight gradients left unsummed over tp: the tower's and the decoder's
+    gradients are wrong. The tower's fused qkv split column-wise as one tensor (each tp rank's
+    q, k, v a mix of q, k and v rows): the tower's gradient is wrong (and the loss)."""
     result = pool.run("family_parity", cp=1, tp=2, sp=True, tp_unreduced_norms=True)[0]
-    assert any(line.startswith("decoder grad") for line in check(result)), check(result)
+    for group in ("vision", "decoder"):
+        assert any(line.startswith(f"{group} grad") for line in check(result)), check(result)
+    fused = pool.run("qwen_fused_qkv_parity", cp=1, tp=2)[0]
+    assert any(line.startswith("vision grad") for line in check(fused)), check(fused)

@@ -73,6 +73,9 @@ def test_cp2_trains_a_qwen_folder_from_its_first_step_on(tmp_path):
     theirs = dict(hf.named_parameters())["model.language_model.layers.0.self_attn.q_proj.weight"]
     assert torch.equal(theirs, dict(trained.named_parameters())[name])
     assert not torch.equal(theirs, dict(source.named_parameters())[name])  # it did train
+    qkv = dict(hf.named_parameters())["model.visual.blocks.0.attn.qkv.weight"]  # q, k, v fused
+    parts = [dict(trained.named_parameters())[f"vision.layers.0.attn.{n}.weight"] for n in "qkv"]
+    assert torch.equal(qkv, torch.cat(parts))
     exported = from_hf_folder(export)
     with torch.no_grad():
         ours, _, _ = exported.forward_local(batch, CPContext())

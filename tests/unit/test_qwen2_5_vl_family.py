@@ -215,15 +215,23 @@ def test_refusals_are_one_line_naming_the_key() -> None:
     cfg = JobConfig()
     cfg.parallelism.tensor_parallel_degree = 2
     cfg.parallelism.enable_sequence_parallel = True
-    validate(args, _dims(tp=2), cfg)  # the decoder splits in two
+    cfg.parallelism.image_embed_tp_shard = True
+    validate(args, _dims(tp=2), cfg)  # the tower, the merger and the decoder split in two
     cfg.parallelism.tensor_parallel_degree = 3
     message = _refusal(args, _dims(tp=3), cfg, "parallelism.tensor_parallel_degree=3")
-    assert "decoder n_heads (4)" in message
-    for tp in (1, 2):  # the vision tower is whole on every tp rank: no embedding slices
-        cfg = JobConfig()
-        cfg.parallelism.tensor_parallel_degree = tp
-        cfg.parallelism.image_embed_tp_shard = True
-        _refusal(args, _dims(tp=tp), cfg, "parallelism.image_embed_tp_shard")
+    assert "vision num_heads (2)" in message
+    vision = args.vision
+    for bad, what in (
+        (VisionArgs(hidden_size=64, num_heads=1, intermediate_size=64), "vision num_heads (1)"),
+        (VisionArgs(intermediate_size=63), "vision intermediate_size (63)"),
+    ):
+        assert bad.out_hidden_size == args.decoder.dim and vision != bad
+        message = _refusal(Qwen25VLArgs(vision=bad), _dims(tp=2), cfg, what)
+        assert "parallelism.tensor_parallel_degree=2" in message
+    decoder = DecoderArgs(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=1, ffn_dim=96, vocab_size=300, qkv_bias=True
+    )
+    _refusal(Qwen25VLArgs(decoder=decoder), _dims(tp=2), cfg, "decoder n_kv_heads (1)")
     cfg = JobConfig()
     cfg.parallelism.cp_comm_type = "a2a"  # 4 heads, 2 per tp rank, over cp = 4
     _refusal(args, _dims(cp=4, tp=2), cfg, "2 attention heads (per tp rank)")
@@ -244,14 +252,14 @@ def test_refusals_are_one_line_naming_the_key() -> None:
 
 def test_validate_job_runs_the_family_s_checks() -> None:
     """Through validate.py's validate_job (the registry's qwen2_5_vl ModelSpec): the defaults
-    pass, so does tp = 2; a tp that does not split the decoder is one line."""
+    pass, so does tp = 2; a tp that does not split the vision tower is one line."""
     cfg = JobConfig()
     cfg.model.name = "qwen2_5_vl"
     assert validate_job(cfg, 1) == _dims()
     cfg.parallelism.tensor_parallel_degree = 2
     assert validate_job(cfg, 2) == _dims(tp=2)
     cfg.parallelism.tensor_parallel_degree = 3
-    with pytest.raises(ConfigError, match="tensor_parallel_degree=3 does not divide the decoder"):
+    with pytest.raises(ConfigError, match="tensor_parallel_degree=3 does not divide the vision"):
         validate_job(cfg, 3)
 
 

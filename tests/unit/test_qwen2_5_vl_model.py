@@ -148,6 +148,32 @@ def test_gradients_reach_every_parameter() -> None:
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
 
 
+def test_padded_sequence_changes_nothing() -> None:
+    """Sequence parallelism pads the packed patch sequence with zero rows to a multiple of tp
+    (VisionTower.sequence_multiple): the rows attend to nothing and are dropped, so the
+    embeddings and every parameter's gradient are those of the unpadded tower (here 28 patches
+    padded to 32, as tp = 8 would)."""
+    torch.manual_seed(0)
+    grids = torch.tensor([[1, 4, 6], [1, 2, 2]])  # 24 + 4 patches
+    x = pixels(grids, seed=8)
+    towers = [VisionTower(Qwen25VLArgs().vision, "auto") for _ in range(2)]
+    towers[1].load_state_dict(towers[0].state_dict())
+    towers[1].sequence_multiple = 8
+    lengths: list[int] = []
+    towers[1].layers[0].register_forward_pre_hook(lambda _, a: lengths.append(a[0].shape[1]))
+    g = torch.randn(7, 64, generator=torch.Generator().manual_seed(9))
+    outs = []
+    for tower in towers:
+        out = tower(x, grids)
+        (out * g).sum().backward()
+        outs.append(out.detach())
+    assert lengths == [32]
+    assert relative_error(outs[1], outs[0]) < 1e-6
+    grads = [dict(t.named_parameters()) for t in towers]
+    for name, p in grads[0].items():
+        assert relative_error(grads[1][name].grad, p.grad) < 1e-5, name
+
+
 def test_rope_index_matches_transformers(pair: tuple[Any, Qwen25VL, Path]) -> None:
     """rope_index of one sample equals get_rope_index: text, an image, text, an image, text; and
     text, a video with second_per_grid_ts (temporal step 2.5 truncated), text."""
@@ -294,6 +320,47 @@ def test_hf_names_map_every_parameter(pair: tuple[Any, Qwen25VL, Path]) -> None:
     assert hf_names(tied, keys - {"lm_head.weight"}) == export_names(tied)
     with pytest.raises(ConfigError, match="'lm_head.weight' not found"):
         hf_names(ours.args, keys - {"lm_head.weight"})
+
+
+def test_fused_qkv_splits_on_load_and_fuses_on_export(
+    pair: tuple[Any, Qwen25VL, Path], tmp_path: Path
+) -> None:
+    """The tower's q, k, v are the thirds of transformers' fused attn.qkv (its weight and bias,
+    every block), and --export-hf fuses them back: the folder from_pretrained loads from the
+    export holds every tensor of the original bit for bit. A qkv of the wrong shape is one line
+    naming the file's tensor and all three parameters."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from titan_vlm.models.hf_export import export_hf, hf_config
+
+    hf, ours, folder = pair
+    for block, theirs in zip(ours.vision.layers, hf.model.visual.blocks):
+        for kind in ("weight", "bias"):
+            thirds = getattr(theirs.attn.qkv, kind).chunk(3)
+            parts = [getattr(getattr(block.attn, name), kind) for name in ("q", "k", "v")]
+            assert all(torch.equal(a, b) for a, b in zip(parts, thirds, strict=True))
+    export_hf(ours, hf_config(str(folder)), tmp_path / "out")
+    back, info = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        tmp_path / "out", output_loading_info=True
+    )
+    assert not any(info.values()), info
+    want, got = hf.state_dict(), back.state_dict()
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[n], got[n]) for n in want)
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["visual.blocks.0.attn.qkv.weight"] = tensors["visual.blocks.0.attn.qkv.weight"][:-1]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((folder / "config.json").read_text())
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(ConfigError) as e:
+        from_hf_folder(bad)
+    message = str(e.value)
+    assert "'visual.blocks.0.attn.qkv.weight' has shape (95, 32)" in message, message
+    assert "vision.layers.0.attn.q.weight + vision.layers.0.attn.k.weight + " in message
+    assert "need (96, 32)" in message and "\n" not in message
 
 
 # A config.json as transformers 4.x and the hub's Qwen/Qwen2.5-VL-* folders write it: text keys

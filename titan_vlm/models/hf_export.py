@@ -25,6 +25,7 @@ import torch.nn as nn
 from titan_vlm.config import ImageAttention, JobConfig
 from titan_vlm.errors import ConfigError
 from titan_vlm.models.build import load_hf, unfilled_model
+from titan_vlm.models.common.hf_adapter import hf_tensor_parts
 from titan_vlm.models.common.hf_folder import INDEX, SINGLE, SafetensorsFiles, weight_files
 from titan_vlm.models.registry import model_spec
 from titan_vlm.models.spec import VisionLanguageModel
@@ -98,9 +99,10 @@ def export_hf(
     with SafetensorsFiles(weight_files(source, "model.hf_path"), "model.hf_path") as st:
         keys = st.keys()
         names = spec.hf_names(model.args, keys, str(source))
-        for ours, theirs in names.items():
-            if ours in params:
-                tensors[theirs] = params[ours].to(st.dtype(theirs)).contiguous()
+        for theirs, parts in hf_tensor_parts(names).items():  # a fused tensor: its parts, in order
+            if all(ours in params for ours in parts):
+                whole = torch.cat([params[o] for o in parts]) if parts[1:] else params[parts[0]]
+                tensors[theirs] = whole.to(st.dtype(theirs)).contiguous()
         for theirs in spec.hf_unused(model.args, keys):
             if theirs not in tensors:
                 tensors[theirs] = st.read(theirs)

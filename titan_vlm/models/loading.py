@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from titan_vlm.errors import ConfigError
+from titan_vlm.models.common.hf_adapter import hf_tensor_parts
 from titan_vlm.models.common.hf_folder import SafetensorsFiles
 
 ROW_BLOCK = 64  # rows of dim 0 drawn from one seeded generator (init_from_seed)
@@ -71,23 +72,31 @@ def load_hf_shards(
     params: Mapping[str, torch.Tensor], files: SafetensorsFiles, names: dict[str, str], where: str
 ) -> int:
     """Copy each parameter's local box from the file tensor `names[param name]`, whose full
-    shape must be the parameter's (the error names both). Returns the bytes this rank read."""
+    shape must be the parameter's (the error names both); a file tensor several parameters name
+    is their dim-0 concatenation (common/hf_adapter.py hf_tensor_parts), each read from its own
+    rows. Returns the bytes this rank read."""
     read = 0
-    for ours, theirs in names.items():
+    for theirs, parts in hf_tensor_parts(names).items():
         if theirs not in files.keys():
-            raise ConfigError(f"{where}: tensor '{theirs}' not found (needed for {ours})")
-        param = params[ours]
-        if files.shape(theirs) != tuple(param.shape):
+            raise ConfigError(f"{where}: tensor '{theirs}' not found (needed for {parts[0]})")
+        shapes = [tuple(params[ours].shape) for ours in parts]
+        whole = shapes[0] if len(parts) == 1 else (sum(s[0] for s in shapes), *shapes[0][1:])
+        if files.shape(theirs) != whole or any(s[1:] != whole[1:] for s in shapes):
+            needs = f"{parts[0]} needs" if len(parts) == 1 else f"{' + '.join(parts)} need"
             raise ConfigError(
-                f"{where}: tensor '{theirs}' has shape {files.shape(theirs)}, {ours} needs "
-                f"{tuple(param.shape)} (check the config.json beside it)"
+                f"{where}: tensor '{theirs}' has shape {files.shape(theirs)}, {needs} {whole} "
+                "(check the config.json beside it)"
             )
-        local, box = local_box(param)
-        if local.numel() == 0:
-            continue
-        piece = files.read(theirs, box)
-        local.copy_(piece.to(local.dtype))
-        read += piece.numel() * piece.element_size()
+        first = 0  # the parameter's first row in the file tensor
+        for ours, shape in zip(parts, shapes):
+            local, box = local_box(params[ours])
+            if local.numel() > 0:
+                if first:
+                    box = (slice(box[0].start + first, box[0].stop + first), *box[1:])
+                piece = files.read(theirs, box)
+                local.copy_(piece.to(local.dtype))
+                read += piece.numel() * piece.element_size()
+            first += shape[0] if shape else 0
     return read
 
 

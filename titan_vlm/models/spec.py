@@ -11,7 +11,9 @@ this interface and never reach into module names:
     after_to_empty  redo what `Module.to_empty` undoes: buffers (RoPE tables), tied weights
     hf_names / hf_unused / hf_same / hf_export_names
                 the Hugging Face state-dict adapter, both directions (hf_same: file tensors the
-                model holds once, e.g. a tied head, which must equal the one it loads)
+                model holds once, e.g. a tied head, which must equal the one it loads;
+                parameters that name one file tensor are its dim-0 pieces in the mapping's
+                order, e.g. a fused qkv: common/hf_adapter.py hf_tensor_parts)
     parallelize TP, activation checkpointing, compile and FSDP, applied from outside
     flops       model FLOPs of a batch, given a CP rank's layout of it (no second layout)
     layout_cost the CP cost model's weights (layout.LayoutCost: per slot, attention pair and

@@ -20,8 +20,10 @@ reduce-scatter after them replace the all-reduce). Where the sequence is cut:
 
 so the CP rank's local length L = image slots + local text slots must divide by tp: the layout
 pads the text with slots that attention skips (layout.build_layout, pad_to_multiple), and the
-first block checks it. The ViT is cut the same way along each image's patches (checked at
-start-up, the family's ModelSpec.validate).
+first block checks it. The ViT is cut the same way along its patches: a packed sequence of
+images of different sizes is padded with zero rows no image attends to (LLaVA's native
+resolution, Qwen2.5-VL's tower), a batch of one size must divide (checked at start-up, the
+family's ModelSpec.validate).
 
 Exactness and gradient reductions: every tp rank of a (dp, cp) coordinate holds the same tokens
 and computes the same replicated loss, so gradients of activations that are replicated over tp

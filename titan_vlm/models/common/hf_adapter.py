@@ -1,6 +1,9 @@
-"""Hugging Face tensor names of what families share: the Llama-shaped decoder's."""
+"""Hugging Face tensor names of what families share: the Llama-shaped decoder's; and the rule
+every family's mapping follows (`check_file_coverage`, `hf_tensor_parts`)."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from titan_vlm.errors import ConfigError
 from titan_vlm.models.common.text_args import DecoderArgs
@@ -56,3 +59,15 @@ def check_file_coverage(
             f"{where}: tensor '{stray[0]}'{more} is not used by the model "
             f"(style {style}; check the config.json)"
         )
+
+
+def hf_tensor_parts(names: Mapping[str, str]) -> dict[str, list[str]]:
+    """{Hugging Face tensor: our parameters in it} of a mapping `names` (ours -> theirs). A tensor
+    named by one parameter is that parameter; a tensor named by several (a fused tensor, e.g.
+    Qwen2.5-VL's vision attn.qkv, our q, k and v) is their concatenation along dim 0, in the
+    order `names` lists them: what loading reads each of them from (models/loading.py) and what
+    an export writes (models/hf_export.py)."""
+    parts: dict[str, list[str]] = {}
+    for ours, theirs in names.items():
+        parts.setdefault(theirs, []).append(ours)
+    return parts

@@ -2,7 +2,10 @@
 directions. Pure functions of the args and the names in the files: no tensors, no IO.
 
 Every parameter has the shape of its Hugging Face tensor (the patch embedding the Conv3d weight
-[dim, C, T, P, P], the vision attention's fused qkv [3 * dim, dim]), so loading is a rename.
+[dim, C, T, P, P]), so loading is a rename, except the vision attention's fused qkv [3 * dim,
+dim]: our q, k and v (vision.py) all name it, in that order, and so are its dim-0 thirds (the
+fused-tensor rule of ModelSpec.hf_names, common/hf_adapter.py `hf_tensor_parts`: loading reads
+each third, export concatenates them).
 
 Key styles, resolved from the names present (`key_style`):
 
@@ -77,7 +80,9 @@ def _vision_names(args: Qwen25VLArgs, p: str) -> dict[str, str]:
         **{
             f"{ours}.{k}": f"{hf}.{k}"
             for ours, hf in (
-                ("attn.qkv", "attn.qkv"),
+                ("attn.q", "attn.qkv"),  # q, k, v: attn.qkv's dim-0 thirds, in order
+                ("attn.k", "attn.qkv"),
+                ("attn.v", "attn.qkv"),
                 ("attn.proj", "attn.proj"),
                 ("mlp.w1", "mlp.gate_proj"),
                 ("mlp.w3", "mlp.up_proj"),

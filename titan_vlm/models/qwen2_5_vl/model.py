@@ -32,6 +32,7 @@ from titan_vlm.files import read_json
 from titan_vlm.layout import SeqLayout, build_layout
 from titan_vlm.models.common.decoder import Decoder
 from titan_vlm.models.common.hf_folder import SafetensorsFiles, weight_files
+from titan_vlm.models.loading import load_hf_shards
 from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs
 from titan_vlm.models.qwen2_5_vl.hf_adapter import hf_names, hf_same
 from titan_vlm.models.qwen2_5_vl.hf_config import args_from_hf_config
@@ -222,7 +223,8 @@ class Qwen25VL(VisionLanguageModel):
 
 def load_state_from_hf_folder(model: Qwen25VL, folder: Path) -> None:
     """Copy every parameter from a transformers-saved Qwen2.5-VL folder (hf_adapter names; a
-    missing or stray tensor, or one of another shape, is a ConfigError)."""
+    missing or stray tensor, or one of another shape, is a ConfigError). One process, no
+    parallelism: each parameter is its whole box (models/loading.py load_hf_shards)."""
     where = str(folder)
     with SafetensorsFiles(weight_files(folder, where), where) as files:
         names = hf_names(model.args, files.keys(), where)
@@ -231,15 +233,8 @@ def load_state_from_hf_folder(model: Qwen25VL, folder: Path) -> None:
                 raise ConfigError(
                     f"{where}: '{copy}' differs from '{original}' but the embeddings are tied"
                 )
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for ours, theirs in names.items():
-                if files.shape(theirs) != tuple(params[ours].shape):
-                    raise ConfigError(
-                        f"{where}: tensor '{theirs}' has shape {files.shape(theirs)}, "
-                        f"{ours} needs {tuple(params[ours].shape)}"
-                    )
-                params[ours].copy_(files.read(theirs))
+        # the trainer's loader, whole tensors (q, k, v from the fused qkv's thirds: hf_adapter)
+        load_hf_shards(dict(model.named_parameters()), files, names, where)
 
 
 def from_hf_folder(folder: Path) -> Qwen25VL:

@@ -1,18 +1,34 @@
 """The "qwen2_5_vl" family's parallelism, applied from outside (torchtitan's parallelize_*):
-tensor (and sequence) parallelism on its decoder (`apply_tp`: the shared decoder's plan,
-parallel/tensor_parallel.py apply_decoder_tp), then torch.compile, activation checkpointing and
-FSDP of its vision blocks and decoder blocks through the shared helpers (parallel/parallelize.py,
-which says why each mesh and divisor, and why in this order).
+tensor (and sequence) parallelism on its vision tower, patch merger and decoder (`apply_tp`),
+then torch.compile, activation checkpointing and FSDP of its vision blocks and decoder blocks
+through the shared helpers (parallel/parallelize.py, which says why each mesh and divisor, and
+why in this order; parallel/tensor_parallel.py says why TP splits what it splits).
 
-The vision tower and its merger are whole on every tp rank: each tp rank of a (dp, cp)
-coordinate encodes the same images with the same weights (FSDP shards them over dp and cp
-only), which is exact: the decoder's first block takes the image embeddings replicated over tp,
-so their gradient reaches every tp rank complete (all-reduced by the column-wise inputs'
-backward, or all-gathered from SP's sequence slices), and every tp rank computes the same
-vision gradient. Why not split it too: its attention's fused qkv [3 * dim, dim] splits
-column-wise into a mix of q, k and v rows, so it needs a plan of its own (a strided shard, or
-separate q, k, v loaded from slices of the file's tensor); the decoder holds most of the
-parameters and the activations of a long row.
+The plan, over the tp mesh dim:
+  vision blocks  the shared block plan (`block_plan`): q, k, v and the gated MLP's w1, w3
+                 column-wise (whole heads per rank: transformers' fused qkv [3 * dim, dim] is
+                 held as three projections, vision.py, since a column split of the fused tensor
+                 would give a rank a mix of q, k and v rows; the HF adapter reads and writes
+                 the fused tensor's thirds), proj and w2 row-wise;
+  merger         fc1 column-wise, fc2 row-wise: its output is all-reduced to every tp rank, or
+                 with image_embed_tp_shard reduce-scattered along the hidden dim (each rank's
+                 dim/tp columns cross the CP group and are all-gathered where they join the text:
+                 parallel/context_parallel.py CPContext.encode_images); its norm (ln_q), the
+                 patch embedding and the block norms without SP are whole on every tp rank;
+  decoder        the shared decoder's plan (`apply_decoder_tp`: blocks, vocabulary-split
+                 embedding and head).
+
+Sequence parallelism cuts both stacks' residual streams over tp: the decoder's local slots,
+which the layout pads to a multiple of tp (CPContext.place), and the tower's packed patch
+sequence, which the tower pads with zero rows to a multiple of tp (VisionTower.sequence_multiple:
+rows in no attention block, dropped before the merger, so exact), gathered after the last block
+(the merger's units are groups of consecutive rows, so it runs on the whole sequence).
+
+Exactness: every tp rank of a (dp, cp) coordinate encodes the same images and holds the same
+slots, so a replicated activation's gradient is complete on every tp rank; the partial sums are
+summed by DTensor, each once (row-wise outputs in forward, column-wise inputs' gradients in
+backward, SP norm weights' gradients); the image embeddings enter the decoder replicated over
+tp, and the decoder's first block makes their gradient complete on each tp rank.
 """
 
 from __future__ import annotations
@@ -21,10 +37,17 @@ from typing import TYPE_CHECKING
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from titan_vlm.models.qwen2_5_vl.model import Qwen25VL
 from titan_vlm.parallel import parallelize as shared
-from titan_vlm.parallel.tensor_parallel import TPOptions, apply_decoder_tp
+from titan_vlm.parallel.tensor_parallel import (
+    TPOptions,
+    apply_decoder_tp,
+    block_plan,
+    sp_stack_boundaries,
+)
 
 if TYPE_CHECKING:
     from titan_vlm.config import JobConfig
@@ -32,10 +55,35 @@ if TYPE_CHECKING:
 
 
 def apply_tp(model: Qwen25VL, tp_mesh: DeviceMesh, options: TPOptions = TPOptions()) -> None:
-    """Tensor (and, with options.sequence_parallel, sequence) parallelism on the decoder over
-    `tp_mesh` (module docstring: the vision tower stays whole)."""
-    if tp_mesh.size() > 1:
-        apply_decoder_tp(model.decoder, tp_mesh, options.sequence_parallel)
+    """Tensor (and, with options.sequence_parallel, sequence) parallelism on the vision tower,
+    the patch merger and the decoder over `tp_mesh` (the module docstring). Parameters become
+    DTensors on tp; FSDP then shards them further on its dp mesh."""
+    if tp_mesh.size() == 1:
+        return
+    sp = options.sequence_parallel
+    vision_plan = block_plan(
+        "attn",
+        ("attn.q", "attn.k", "attn.v"),
+        "attn.proj",
+        ("norm1", "norm2"),
+        "mlp",
+        ("mlp.w1", "mlp.w3"),
+        "mlp.w2",
+        n_attn_args=4,
+        sp=sp,
+    )  # attn(x, cos, sin, plan)
+    for block in model.vision.layers:
+        parallelize_module(block, tp_mesh, vision_plan)
+    if sp:
+        sp_stack_boundaries(model.vision.layers, tp_mesh, 4, "vision")  # block(x, cos, sin, plan)
+        model.vision.sequence_multiple = tp_mesh.size()
+    merged = Shard(-1) if options.image_embed_shard else Replicate()
+    parallelize_module(
+        model.vision.merger,
+        tp_mesh,
+        {"fc1": ColwiseParallel(), "fc2": RowwiseParallel(output_layouts=merged)},
+    )
+    apply_decoder_tp(model.decoder, tp_mesh, sp)
 
 
 def apply_ac(model: Qwen25VL, mode: str) -> None:
@@ -60,8 +108,8 @@ def parallelize_qwen(
     fullgraph: bool = True,
     compile_backend: str = "inductor",
 ) -> Qwen25VL:
-    """Everything the trainer applies to the model: tensor parallelism on the decoder
-    (`apply_tp`), torch.compile of each block, activation checkpointing around the compiled
+    """Everything the trainer applies to the model: tensor parallelism (`apply_tp`),
+    torch.compile of each block, activation checkpointing around the compiled
     blocks, then FSDP with the vision units (each block, then
     the tower: patch embedding and merger) on cp_vision's mesh and the decoder units (each block,
     then the decoder: embeddings, final norm, head) on mesh.fsdp."""

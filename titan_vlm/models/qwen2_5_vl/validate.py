@@ -1,8 +1,8 @@
 """What the "qwen2_5_vl" family needs of the job's shapes and mesh (its ModelSpec.validate, called
-by validate.py validate_job after the generic checks): a decoder that tensor parallelism splits
-into whole pieces (the vision tower stays whole on every tp rank, so no image_embed_tp_shard),
-causal image slots, the family's own image sizing, the decoder's heads, the all-to-all's heads
-and the tokenizer's vocabulary. Each finding is a one-line ConfigError naming the key."""
+by validate.py validate_job after the generic checks): a vision tower, patch merger and decoder
+that tensor parallelism splits into whole pieces (parallelize.py), causal image slots, the
+family's own image sizing, the decoder's heads, the all-to-all's heads and the tokenizer's
+vocabulary. Each finding is a one-line ConfigError naming the key."""
 
 from __future__ import annotations
 
@@ -18,13 +18,8 @@ def validate(args: Qwen25VLArgs, dims: ParallelDims, cfg: JobConfig) -> None:
     raised."""
     flavor = cfg.model.flavor
     p = cfg.parallelism
-    if p.image_embed_tp_shard:
-        raise ConfigError(
-            "parallelism.image_embed_tp_shard is not for qwen2_5_vl: its vision tower and merger "
-            "are whole on every tp rank (parallelize.py), so the embeddings are not tp slices"
-        )
     if dims.tp > 1:
-        check_tp_divides(dims.tp, flavor, decoder_tp_sizes(args.decoder))
+        check_tp_divides(dims.tp, flavor, vision_tp_sizes(args) + decoder_tp_sizes(args.decoder))
     if cfg.model.image_attention != "causal":
         raise ConfigError(
             f"model.image_attention={cfg.model.image_attention!r}: Qwen2.5-VL's image slots are "
@@ -53,6 +48,16 @@ def validate(args: Qwen25VLArgs, dims: ParallelDims, cfg: JobConfig) -> None:
         raise ConfigError(
             f"{key}: the tokenizer has {vocab} ids, flavor '{flavor}' embeds {d.vocab_size}"
         )
+
+
+def vision_tp_sizes(args: Qwen25VLArgs) -> list[tuple[str, int]]:
+    """What tensor parallelism splits of the vision tower (parallelize.py apply_tp), for
+    `check_tp_divides`: the heads of q, k, v and the gated MLP's columns. The merger's hidden
+    columns (hidden_size * spatial_merge_size^2) then divide too, its output is the decoder's
+    dim (checked with the decoder's sizes), and the packed patch sequence needs nothing:
+    sequence parallelism pads it (vision.py)."""
+    v = args.vision
+    return [("vision num_heads", v.num_heads), ("vision intermediate_size", v.intermediate_size)]
 
 
 def tokenizer_vocab(cfg: JobConfig) -> int:

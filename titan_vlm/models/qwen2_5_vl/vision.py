@@ -18,7 +18,14 @@ rotate-half copies) by its row and the next head_dim / 4 by its column in the fr
 and the window permutation is undone at the end.
 
 Parameters have the Hugging Face tensors' shapes (the patch embedding is the Conv3d weight
-[dim, C, T, P, P], the attention's q/k/v one fused qkv), so loading is a rename.
+[dim, C, T, P, P]), except the attention's fused qkv [3 * dim, dim], held as three projections q,
+k, v ([dim, dim] each, its dim-0 thirds in that order: hf_adapter.py maps all three to it), so
+that tensor parallelism splits each column-wise into whole heads (parallelize.py).
+
+Padding (`sequence_multiple`, set by sequence parallelism to tp): the packed sequence is padded
+with zero rows to a multiple of it; they lie in no attention block (they attend to nothing and
+nothing attends to them), every other op of a block is per row, and they are dropped before the
+merger, so they change no output and get no gradient.
 """
 
 from __future__ import annotations
@@ -105,35 +112,42 @@ def window_geometry(grid_thw: torch.Tensor, a: VisionArgs) -> WindowGeometry:
     )
 
 
-def dense_plan(lengths: list[int]) -> PackedPlan:
-    """The packed plan of one sequence [1, sum(lengths)] cut into consecutive dense blocks of
-    `lengths` (each attends to itself only)."""
+def dense_plan(lengths: list[int], total: int | None = None) -> PackedPlan:
+    """The packed plan of one sequence [1, total] (by default sum(lengths)) whose first
+    sum(lengths) slots are cut into consecutive dense blocks of `lengths` (each attends to
+    itself only); slots past them (padding) are in no block."""
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     blocks = [
         (slice(0, 1), slice(a, a + n), slice(a, a + n), False) for a, n in zip(starts, lengths)
     ]
-    order = torch.arange(sum(lengths)).unsqueeze(0)
+    order = torch.arange(sum(lengths) if total is None else total).unsqueeze(0)
     return pack(blocks, order, order)
 
 
 class VisionAttention(nn.Module):
-    """Bidirectional attention under a packed plan; the fused qkv [3 * dim] is q, k, v, each
-    num_heads heads of head_dim (transformers' layout). Head counts are inferred from the last
-    dim (-1), so a tensor-parallel rank's local share works unchanged."""
+    """Bidirectional attention under a packed plan; q, k, v each num_heads heads of head_dim
+    (transformers' fused qkv, cut in three: the module docstring). Head counts are inferred
+    from the last dim (-1), so a tensor-parallel rank's local share works unchanged."""
 
     def __init__(self, a: VisionArgs, attention_kernel: str):
         super().__init__()
         self.attention_kernel = attention_kernel
         self.head_dim = a.head_dim
-        self.qkv = nn.Linear(a.hidden_size, 3 * a.hidden_size)
+        self.q = nn.Linear(a.hidden_size, a.hidden_size)
+        self.k = nn.Linear(a.hidden_size, a.hidden_size)
+        self.v = nn.Linear(a.hidden_size, a.hidden_size)
         self.proj = nn.Linear(a.hidden_size, a.hidden_size)
+
+    def _heads(self, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """[1, N, dim] -> [1, H, N, D] (H: this rank's heads)."""
+        out: torch.Tensor = proj(x)
+        return out.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: PackedPlan
     ) -> torch.Tensor:
         """x [1, N, dim], cos / sin [1, 1, N, head_dim] -> [1, N, dim]."""
-        qkv = self.qkv(x).unflatten(-1, (3, -1, self.head_dim))  # [1, N, 3, H, D]
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [1, H, N, D]
+        q, k, v = (self._heads(proj, x) for proj in (self.q, self.k, self.v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = planned_attention(q, k, v, plan, self.attention_kernel)  # [1, H, N, D]
         return self.proj(out.transpose(1, 2).flatten(2))
@@ -201,6 +215,9 @@ class VisionTower(nn.Module):
         )
         self.layers = nn.ModuleList(VisionBlock(a, attention_kernel) for _ in range(a.depth))
         self.merger = PatchMerger(a)
+        # the packed sequence is padded with zero rows to a multiple of this (the module
+        # docstring): sequence parallelism cuts it over tp (parallelize.py sets it to tp)
+        self.sequence_multiple = 1
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -227,10 +244,17 @@ class VisionTower(nn.Module):
             )
         weight = self.patch_embed.weight  # [dim, C, T, P, P]
         x = F.linear(pixel_values.to(weight.dtype), weight.flatten(1))  # [N, dim]
-        x = x[g.patch_order.to(x.device)].unsqueeze(0)  # [1, N, dim], window order
-        cos, sin = self.rotary(g.hw, x.device)
-        windows, frames = dense_plan(g.windows), dense_plan(g.frames)
+        n = len(g.patch_order)
+        padded = n + -n % self.sequence_multiple
+        x = x[g.patch_order.to(x.device)]  # [N, dim], window order
+        hw = g.hw
+        if padded > n:  # zero rows in no attention block (the module docstring)
+            x = torch.cat([x, x.new_zeros(padded - n, x.shape[1])])
+            hw = torch.cat([hw, hw.new_zeros(padded - n, 2)])
+        cos, sin = self.rotary(hw, x.device)
+        windows, frames = dense_plan(g.windows, padded), dense_plan(g.frames, padded)
+        x = x.unsqueeze(0)  # [1, padded, dim]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, frames if i in a.fullatt_block_indexes else windows)
-        units = self.merger(x[0])  # [U, out], window order
+        units = self.merger(x[0, :n])  # [U, out], window order
         return units[g.unit_inverse.to(units.device)]
