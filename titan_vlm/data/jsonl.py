@@ -215,6 +215,9 @@ class JsonlDataset(Dataset):
         self.lines, self.starts, self.ends = array("q"), array("q"), array("q")
         sizes: list[int] = []
         self.truncated = self.num_images = self.num_videos = 0
+        # a video file's sized VideoRef, read once (its header: a Matroska file's packets are
+        # counted, a scan of the file) and reused each time its record is read back
+        self._video_files: dict[Path, VideoRef] = {}
         for line, start, end in spans:
             try:
                 record = decode_record(raw[start:end])
@@ -290,6 +293,8 @@ class JsonlDataset(Dataset):
         or BadSample saying why not. Without PyAV, the ConfigError saying how to install it stops
         the run (the job's problem, not the record's: skipping would drop every video)."""
         assert self.processor is not None  # records.py: a video file needs one
+        if ref.path in self._video_files:
+            return self._video_files[ref.path]
         try:
             indices, fps, size = video_file_frames(self.processor, ref.path, self.max_image_pixels)
         except ConfigError:  # a ValueError too, but no bad sample
@@ -300,7 +305,9 @@ class JsonlDataset(Dataset):
             raise BadSample("image too large", f"image too large: {ref.path} ({e})") from None
         except ValueError as e:
             raise BadSample("video frames", f"{ref.path}: {e}") from None
-        return VideoRef(ref.path, None, (), self._fit(ref.path, size, True), indices, fps)
+        sized = VideoRef(ref.path, None, (), self._fit(ref.path, size, True), indices, fps)
+        self._video_files[ref.path] = sized
+        return sized
 
     def _header(self, path: Path) -> tuple[int, int]:
         """(height, width) from an image file's header, or BadSample saying why not."""
