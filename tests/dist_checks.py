@@ -12,6 +12,7 @@ import importlib
 import math
 import random
 import sys
+import time
 from functools import cache
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -20,6 +21,8 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -32,6 +35,7 @@ from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.distributed import local_tensor
 from titan_vlm.layout import LayoutCost, SeqLayout
 from titan_vlm.metrics import SavedForBackward
+from titan_vlm.models.build import unfilled_model
 from titan_vlm.models.common.text_args import Rope
 from titan_vlm.models.llava.args import VLMArgs, get_flavor
 from titan_vlm.models.llava.flops import layout_cost
@@ -456,6 +460,16 @@ def _image_grads_not_summed_over_cp():
         yield
 
 
+def _job_config(steps: int, **overrides) -> JobConfig:
+    """A JobConfig of `steps` steps with section__key=value overrides."""
+    cfg = JobConfig()
+    cfg.training = dataclasses.replace(cfg.training, steps=steps)
+    for dotted, value in overrides.items():
+        section, key = dotted.split("__")
+        setattr(getattr(cfg, section), key, value)
+    return cfg
+
+
 class _Crash(Exception):
     """A run dying right after a step (and its checkpoint, if one was due)."""
 
@@ -467,22 +481,36 @@ def train_run(
     stop_after: int | None = None,
     dp_replicate: int = 1,
     tp: int = 1,
+    slow_write_s: float = 0.0,
+    uncopied_async_state: bool = False,
     **overrides,
 ) -> list[dict]:
     """The real training loop (Trainer) on a test mesh; overrides are section__key=value.
     Each copy of the mesh in the world writes under <job.dump_folder>/copy<i>. `stop_after`:
-    the run dies after that step, as a crash would (no checkpoint beyond the cadence's)."""
-    cfg = JobConfig()
-    cfg.training = dataclasses.replace(cfg.training, steps=steps)
-    for dotted, value in overrides.items():
-        section, key = dotted.split("__")
-        setattr(getattr(cfg, section), key, value)
+    the run dies after that step, as a crash would (no checkpoint beyond the cadence's; an
+    async save's writer thread, which a crash would end, is let finish writing its files but
+    nothing commits them). `slow_write_s`: each checkpoint write starts that much later (the
+    steps after an async save go on meanwhile). `uncopied_async_state` (negative control): an
+    async save writes the live tensors instead of their copy at the step."""
+    cfg = _job_config(steps, **overrides)
     cfg.job.dump_folder = (
         f"{cfg.job.dump_folder}/copy{dist.get_rank() // (dp_replicate * dp_shard * cp * tp)}"
     )
     trainer = Trainer(cfg, make_mesh(dp_shard, cp, dp_replicate, tp), torch.device("cpu"))
+    write = _FileSystemWriter.write_data
+
+    def slow_write(self, *args, **kwargs):
+        time.sleep(slow_write_s)
+        return write(self, *args, **kwargs)
+
+    writes = contextlib.ExitStack()
+    if slow_write_s:
+        writes.enter_context(mock.patch.object(_FileSystemWriter, "write_data", slow_write))
+    if uncopied_async_state:
+        writes.enter_context(mock.patch.object(DefaultStager, "stage", lambda self, sd, **kw: sd))
     if stop_after is None:
-        return trainer.train()
+        with writes:
+            return trainer.train()
     checkpoint_if_due = trainer.checkpoint_if_due
 
     def then_crash(step: int, stop: bool) -> None:
@@ -491,11 +519,96 @@ def train_run(
             raise _Crash
 
     try:
-        with mock.patch.object(trainer, "checkpoint_if_due", then_crash):
+        with mock.patch.object(trainer, "checkpoint_if_due", then_crash), writes:
             trainer.train()
     except _Crash:
+        pending = trainer.checkpointer.pending if trainer.checkpointer else None
+        if pending is not None:
+            pending[2].result()
         trainer.metrics.close()
     return trainer.history
+
+
+def validation_run(dp_shard: int, cp: int, steps: int, **overrides) -> dict:
+    """train_run's Trainer with validation at its last step (validation.freq = steps), and a
+    single-process evaluation of the same held-out rows with the trained weights (gathered
+    whole into an unsharded model, the family's forward with a one-rank CPContext, one mean over
+    every loss token). Negative controls: the same evaluation of the training data's first rows,
+    and the mean of each dp rank's own mean (a wrong normaliser)."""
+    cfg = _job_config(steps, **overrides)
+    cfg.validation.enable, cfg.validation.freq = True, steps
+    trainer = Trainer(cfg, make_mesh(dp_shard, cp), torch.device("cpu"))
+    history = trainer.train()
+    whole = {canonical_name(n): _full(p).detach() for n, p in trainer.model.named_parameters()}
+    ref = unfilled_model(trainer.spec, trainer.args)
+    with torch.no_grad():
+        for name, param in ref.named_parameters():
+            param.copy_(whole[name])
+    rows, dp = cfg.training.local_batch_size, dp_shard
+
+    def evaluate(data, per_rank: bool = False) -> float:
+        sums = []
+        for k in range(cfg.validation.steps):
+            full = data.batch(k, 0, 1, rows * dp)  # the global batch: every dp rank's rows
+            for part in (
+                [full.rows(r * rows, (r + 1) * rows) for r in range(dp)] if per_rank else [full]
+            ):
+                logits, labels, _ = ref.forward_local(part, CPContext())
+                loss = F.cross_entropy(
+                    logits.flatten(0, 1).double(),
+                    labels.flatten(),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="sum",
+                )
+                sums.append((float(loss), int((labels != IGNORE_INDEX).sum())))
+        if per_rank:  # each dp rank's mean, then their mean
+            means = [loss / n for loss, n in sums]
+            return sum(means) / len(means)
+        return sum(loss for loss, _ in sums) / sum(n for _, n in sums)
+
+    with torch.no_grad():
+        return {
+            "history": history,
+            "validation_loss": history[-1]["validation_loss"],
+            "reference": evaluate(trainer.validation),
+            "mean_of_means": evaluate(trainer.validation, per_rank=True),
+            "training_rows": evaluate(trainer.data),
+        }
+
+
+def config_run(argv: list[str], dp_shard: int = 1, cp: int = 1) -> dict:
+    """The job `argv` (--config FILE --section.key=value ...) describes, as train.py runs it
+    (load_config, validate_job, the mesh of its degrees: dp_shard x cp, which size this pool),
+    without torchrun. Returns {"history", "before", "after", "groups"}: every parameter, whole,
+    after the Trainer's set-up (its weights loaded) and after training, and its group
+    (vision, projector, decoder: the family's ModelSpec.group_of)."""
+    from titan_vlm.config import load_config
+    from titan_vlm.validate import validate_job
+
+    cfg = load_config(argv)
+    dims = validate_job(cfg, dist.get_world_size())
+    assert (dims.dp_shard, dims.cp) == (dp_shard, cp), (dims, dp_shard, cp)
+    trainer = Trainer(cfg, dims.build_mesh("cpu"), torch.device("cpu"))
+
+    def whole() -> dict[str, torch.Tensor]:
+        return {
+            canonical_name(n): _full(p).detach().clone()
+            for n, p in trainer.model.named_parameters()
+        }
+
+    before = whole()
+    history = trainer.train()
+    groups = {name: trainer.spec.group_of(name) for name in before}
+    return {"history": history, "before": before, "after": whole(), "groups": groups}
+
+
+def wandb_run(steps: int, **overrides) -> list[dict]:
+    """train_run (one process) with W&B logging offline, its files under the dump folder."""
+    import os
+
+    os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    cfg = _job_config(steps, metrics__enable_wandb=True, **overrides)
+    return Trainer(cfg, make_mesh(1, 1), torch.device("cpu")).train()
 
 
 def accumulation_run(
@@ -506,11 +619,7 @@ def accumulation_run(
     its own loss tokens instead of the step's (a mean of means)."""
     import titan_vlm.step as step_module
 
-    cfg = JobConfig()
-    cfg.training = dataclasses.replace(cfg.training, steps=steps)
-    for dotted, value in overrides.items():
-        section, key = dotted.split("__")
-        setattr(getattr(cfg, section), key, value)
+    cfg = _job_config(steps, **overrides)
     trainer = Trainer(cfg, make_mesh(dp_shard, cp), torch.device("cpu"))
     real = step_module.forward_backward
 
@@ -538,11 +647,7 @@ def freeze_run(dp_shard: int, cp: int, steps: int, tp: int = 1, **overrides) -> 
     "optimizer_lrs": {lr_name: initial lr}, "vision_backward_calls", "frozen_grads": whether
     any frozen parameter got a gradient, "frozen_digests": {name: SHA-256 of the frozen
     parameter's bytes before training}}."""
-    cfg = JobConfig()
-    cfg.training = dataclasses.replace(cfg.training, steps=steps)
-    for dotted, value in overrides.items():
-        section, key = dotted.split("__")
-        setattr(getattr(cfg, section), key, value)
+    cfg = _job_config(steps, **overrides)
     trainer = Trainer(cfg, make_mesh(dp_shard, cp, 1, tp), torch.device("cpu"))
     model, spec = trainer.model, trainer.spec
 

@@ -44,6 +44,44 @@ def test_kill_and_resume_is_bit_exact(pool, tmp_path, uninterrupted):
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6]  # step 4 once, redone
 
 
+@pytest.mark.parametrize("copied", [True, False], ids=["copied", "control_uncopied"])
+def test_async_checkpoint_resume_is_bit_exact(pool, tmp_path, uninterrupted, copied):
+    """checkpoint.async_mode='async': step 2's save is written while steps 3 and 4 train (each
+    write starts 1 s late), so the files hold step 2's state only if it was copied at step 2
+    (the negative control writes the live tensors); the run dies after step 4, its own save
+    written but not committed. The resume passes over step-4 and redoes steps 3-6 from step-2,
+    equal to the uninterrupted synchronous run."""
+    ckpt = dict(
+        checkpoint__enable=True,
+        checkpoint__interval=2,
+        checkpoint__async_mode="async",
+        job__dump_folder=str(tmp_path),
+        **RUN,
+    )
+    first = pool.run(
+        "train_run",
+        dp_shard=1,
+        cp=2,
+        stop_after=4,
+        slow_write_s=1.0,
+        uncopied_async_state=not copied,
+        **ckpt,
+    )[0]
+    assert sorted(losses(first)) == [1, 2, 3, 4]
+    folder = tmp_path / "copy0" / "checkpoint"
+    assert latest_step_dir(folder).name == "step-2"  # committed when step 4's save began
+    assert (folder / "step-4" / ".metadata").is_file()  # written ...
+    assert not (folder / "step-4" / "manifest.json").exists()  # ... never committed
+    second = losses(pool.run("train_run", dp_shard=1, cp=2, **ckpt)[0])
+    assert sorted(second) == [3, 4, 5, 6]
+    if not copied:  # step-2 holds a later step's weights
+        assert second[3] != pytest.approx(uninterrupted[3], rel=1e-3)
+        return
+    for step, loss in second.items():
+        assert loss == uninterrupted[step], (step, loss, uninterrupted[step])
+    assert latest_step_dir(folder).name == "step-6"  # the last save, finished before the end
+
+
 def test_resume_at_another_cp_degree(pool, tmp_path, uninterrupted):
     ckpt = dict(
         checkpoint__enable=True, checkpoint__interval=3, job__dump_folder=str(tmp_path), **RUN

@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from test_recipes import RECIPES
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = "vlm_cp.toml"
@@ -72,10 +73,11 @@ def test_nproc_that_does_not_match_the_degrees_fails_in_one_line(tmp_path):
     assert out.stderr.strip().count("\n") == 0, out.stderr  # before torchrun: no per-rank traces
 
 
-# Every config but two whose runs are other tests' (each config is launched once): the default,
+# Every config but those whose runs are other tests' (each config is launched once): the default,
 # test_default_config_trains_and_writes_metrics; vlm_fsdp_cp.toml, test_multinode.py's one-node
-# run.
-RUN_ELSEWHERE = (DEFAULT_CONFIG, "vlm_fsdp_cp.toml")
+# run; the recipes, which name Hugging Face folders and dataset files, test_recipes.py on tiny
+# folders.
+RUN_ELSEWHERE = (DEFAULT_CONFIG, "vlm_fsdp_cp.toml", *RECIPES)
 OTHER_CONFIGS = sorted(
     p.name for p in (ROOT / "train_configs").glob("*.toml") if p.name not in RUN_ELSEWHERE
 )

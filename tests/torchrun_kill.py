@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from titan_vlm.launch import children
@@ -98,14 +99,36 @@ def kill_worker_and_resume(
     """Start a job with job.max_restarts=1; once metrics.jsonl shows step `kill_after`, SIGKILL
     the worker of `local_rank`; wait for torchrun to restart and finish. Returns (exit code,
     stdout, stderr)."""
-    proc = start(dump, steps, "--job.max_restarts=1")
+    return kill_worker_when(
+        dump,
+        steps,
+        lambda: max(logged_steps(dump), default=0) >= kill_after,
+        f"step {kill_after}",
+        local_rank=local_rank,
+        timeout=timeout,
+    )
+
+
+def kill_worker_when(
+    dump: Path,
+    steps: int,
+    ready: Callable[[], bool],
+    what: str,
+    *extra: str,
+    local_rank: int = 1,
+    timeout: float = 300,
+) -> tuple[int, str, str]:
+    """Start a job with job.max_restarts=1 (and `extra` arguments); as soon as `ready()` (polled
+    every 10 ms; `what` names it in errors), SIGKILL the worker of `local_rank`; wait for torchrun
+    to restart and finish. Returns (exit code, stdout, stderr)."""
+    proc = start(dump, steps, "--job.max_restarts=1", *extra)
     deadline = time.monotonic() + timeout
     try:
-        while max(logged_steps(dump), default=0) < kill_after:
+        while not ready():
             if proc.poll() is not None or time.monotonic() > deadline:
                 out, err = proc.communicate()
-                raise RuntimeError(f"job ended before step {kill_after}: {err[-2000:]}")
-            time.sleep(0.05)
+                raise RuntimeError(f"job ended before {what}: {err[-2000:]}")
+            time.sleep(0.01)
         victim = worker_of(proc.pid, local_rank)
         if victim is None:
             raise RuntimeError(f"no worker with LOCAL_RANK={local_rank} under pid {proc.pid}")

@@ -15,6 +15,16 @@ newest checkpoint's files against its manifest; a checkpoint that fails (a missi
 overwritten file, no manifest, a garbage `latest`) is passed over with a one-line warning for the
 newest one that verifies, and when none does the run stops with one line (`CheckpointError`).
 After each save only the newest `checkpoint.keep` complete checkpoints are kept.
+
+checkpoint.async_mode = "async" (or "async_with_pinned_mem") writes the same folder with DCP's
+async save: the state is copied to host memory at the step, a background thread writes the files
+(its collectives on a gloo group of its own) while training goes on, and the checkpoint is
+committed exactly as a synchronous one (config.json, facts.json, manifest.json, then `latest`),
+by every rank together at the first step boundary after every rank's files are written
+(`poll`), before the next save starts, or when the run ends (`wait`). A crash before the commit
+leaves a step folder without a manifest, which a resume passes over, and `latest` where it was.
+checkpoint.initial_load_path starts a run with no checkpoint of its own from another run's model
+weights (`load_initial_weights`).
 The data is a pure function of the step (data/synthetic.py), so the step is the data position.
 DCP stores DTensor shards with their global shapes, so a checkpoint written at one CP / DP layout
 loads into another.
@@ -37,13 +47,15 @@ import shutil
 import sys
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -161,6 +173,58 @@ def verify_step_dir(step_dir: Path) -> str | None:
     return None
 
 
+def verify_on_group(step_dir: Path, group: dist.ProcessGroup) -> str | None:
+    """verify_step_dir, the files' digests split over the ranks of `group`; the same answer on
+    all."""
+    try:
+        files = read_manifest(step_dir)
+    except ValueError as e:
+        return str(e)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    names = sorted(files)[rank::world]
+    mine = next((p for n in names if (p := file_problem(step_dir, n, files[n]))), None)
+    everyone: list[str | None] = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    return next((p for p in everyone if p), None)
+
+
+def load_initial_weights(model: torch.nn.Module, path: str, group: dist.ProcessGroup) -> Path:
+    """checkpoint.initial_load_path: the model weights of another run's checkpoint (a checkpoint
+    folder or a step dir), verified as a resume verifies, into `model` on every rank of `group`
+    (DCP reshards them to this run's layout); the optimizer and the step are not read. The
+    saved model must have this model's parameters and global shapes: one line naming the first
+    that differs. Returns the step dir read."""
+    key = f"checkpoint.initial_load_path={path!r}"
+    try:
+        step_dir = latest_step_dir(Path(path))
+    except (FileNotFoundError, CheckpointError) as e:
+        raise CheckpointError(f"{key}: {e}") from None
+    if step_dir is None:
+        raise CheckpointError(f"{key}: no checkpoint there (no 'latest' file or step-N folder)")
+    problem = verify_on_group(step_dir, group)
+    if problem:
+        raise CheckpointError(f"{key}: checkpoint {step_dir} is unusable: {problem}")
+    metadata = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    saved = {
+        name.removeprefix("model."): tuple(meta.size)
+        for name, meta in metadata.items()
+        if name.startswith("model.") and hasattr(meta, "size")
+    }
+    state = {"model": get_model_state_dict(model)}
+    mine = {name: tuple(cast(torch.Tensor, t).shape) for name, t in state["model"].items()}
+    for name in sorted(mine.keys() | saved.keys()):
+        if saved.get(name) != mine.get(name):
+            there = "absent" if name not in saved else f"{list(saved[name])}"
+            here = "absent" if name not in mine else f"{list(mine[name])}"
+            raise CheckpointError(
+                f"{key}: {step_dir} holds another model: {name} is {there} there, {here} in "
+                "this run's"
+            )
+    dcp.load(state, checkpoint_id=str(step_dir), process_group=group)
+    set_model_state_dict(model, state["model"])
+    return step_dir
+
+
 class Checkpointer:
     """Saves and restores the model, the optimizer and the trainer's own state (a DCP
     `Stateful`: step, lr scheduler, RNG, counters) on a process group (the ranks of one training
@@ -187,6 +251,28 @@ class Checkpointer:
         box: list[dict[str, Any] | None] = [run_facts(cfg, global_rows) if self.rank0 else None]
         dist.broadcast_object_list(box, group=group, group_src=0)
         self.facts = cast(dict[str, Any], box[0])  # rank 0's, on every rank
+        # checkpoint.async_mode: the save being written in the background (step, its folder,
+        # DCP's future), and the gloo group its collectives use: DCP's async save needs a CPU
+        # backend, and a group of its own keeps them from interleaving with the training's
+        self.pending: tuple[int, Path, Future[Any]] | None = None
+        self.async_group: dist.ProcessGroup | None = None
+        self.stager: DefaultStager | None = None
+        if cfg.checkpoint.async_mode != "disabled":
+            self.async_group = dist.new_group(
+                ranks=dist.get_process_group_ranks(group),
+                backend="gloo",
+                use_local_synchronization=True,
+            )
+        if cfg.checkpoint.async_mode == "async_with_pinned_mem":
+            # host copies in pinned memory, kept from one save to the next
+            self.stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=True,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=False,
+                )
+            )
 
     # Optimizer state keyed by parameter name, not by param group: the groups follow the meshes,
     # which change with the layout (cp_vision) a run resumes into.
@@ -206,24 +292,79 @@ class Checkpointer:
         dist.all_gather_object(everyone, mine, group=self.group)
         return everyone
 
-    def save(self, step: int) -> Path:
-        """Write step-<step>/ and move `latest` onto it. A write that fails (a full disk, a
-        quota) is a UserError on every rank, naming the file; `latest` stays where it was."""
+    def save(self, step: int) -> Path | None:
+        """Write step-<step>/ and move `latest` onto it; returns the folder. With
+        checkpoint.async_mode, an earlier save still being written is finished first, and this
+        one is started and left to the background: None (`poll` or `wait` commit it). A write
+        that fails (a full disk, a quota) is a UserError on every rank, naming the file;
+        `latest` stays where it was."""
+        self.wait()
         step_dir = self.folder / f"step-{step}"
         if self.rank0 and step_dir.exists():  # a save that died, or a damaged step resumed past
             shutil.rmtree(step_dir)
         dist.barrier(group=self.group)
+        if self.async_group is not None:
+            # the state is copied to host memory (self.stager's, or DCP's default) before this
+            # returns, so the next steps may change the parameters while the thread writes
+            future = dcp.async_save(
+                self._state(),
+                checkpoint_id=str(step_dir),
+                process_group=self.async_group,
+                async_stager=self.stager,
+            )
+            self.pending = (step, step_dir, cast(Future[Any], future))
+            return None
         try:
             dcp.save(self._state(), checkpoint_id=str(step_dir), process_group=self.group)
         except CheckpointException as e:  # raised on every rank, with every rank's failure
-            # A failed write in DCP is an OSError, or torch.save's RuntimeError ("unexpected
-            # pos 704 vs 598" on a full disk)
-            rank, (exc, _) = min(e.failures.items())
-            # rank 0's line on every rank: the free space each rank would measure differs while
-            # anything else writes to the disk
-            box = [str(self._write_error(exc, f"{step_dir} (rank {rank})"))]
-            dist.broadcast_object_list(box, group=self.group, group_src=0)
-            raise UserError(box[0]) from None
+            self._write_failed(e, step_dir)
+        self._commit(step, step_dir)
+        return step_dir
+
+    def poll(self) -> Path | None:
+        """At a step boundary: commit the save being written in the background if every rank
+        has written its files (the same answer on every rank); returns its folder, else None."""
+        if self.pending is None:
+            return None
+        if not all(self._gather(self.pending[2].done())):
+            return None
+        return self.wait()
+
+    def wait(self) -> Path | None:
+        """Finish the save being written in the background, if any (blocks until every rank's
+        files are written) and commit it; returns its folder (None: there was none)."""
+        if self.pending is None:
+            return None
+        step, step_dir, future = self.pending
+        self.pending = None
+        try:
+            future.result()
+        except CheckpointException as e:
+            self._write_failed(e, step_dir)
+        self._commit(step, step_dir)
+        return step_dir
+
+    def close(self) -> None:
+        """Finish any background save and free what async saves hold (the pinned buffers)."""
+        self.wait()
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
+
+    def _write_failed(self, e: CheckpointException, step_dir: Path) -> NoReturn:
+        """DCP's failure (raised on every rank, with every rank's) as one UserError line."""
+        # A failed write in DCP is an OSError, or torch.save's RuntimeError ("unexpected
+        # pos 704 vs 598" on a full disk)
+        rank, (exc, _) = min(e.failures.items())
+        # rank 0's line on every rank: the free space each rank would measure differs while
+        # anything else writes to the disk
+        box = [str(self._write_error(exc, f"{step_dir} (rank {rank})"))]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        raise UserError(box[0]) from None
+
+    def _commit(self, step: int, step_dir: Path) -> None:
+        """After every rank's shards are on disk: the JSON files, every file's digest (split over
+        the ranks), manifest.json, then `latest`, then pruning."""
 
         def write_json() -> list[str]:
             (step_dir / CONFIG).write_text(json.dumps(dataclasses.asdict(self.cfg), indent=1))
@@ -245,7 +386,6 @@ class Checkpointer:
             self._prune(step)
 
         self._on_rank0(commit)
-        return step_dir
 
     def _write_error(self, e: BaseException, where: str) -> UserError:
         why = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
@@ -286,14 +426,7 @@ class Checkpointer:
                 shutil.rmtree(d)
 
     def _problem(self, step_dir: Path) -> str | None:
-        """verify_step_dir, the files' digests split over the ranks; the same answer on all."""
-        try:
-            files = read_manifest(step_dir)
-        except ValueError as e:
-            return str(e)
-        names = sorted(files)[self.rank :: self.world]
-        mine = next((p for n in names if (p := file_problem(step_dir, n, files[n]))), None)
-        return next((p for p in self._gather(mine) if p), None)
+        return verify_on_group(step_dir, self.group)
 
     def _usable(self) -> Path | None:
         """The newest checkpoint that verifies, after a warning for each newer one that does not;

@@ -43,6 +43,7 @@ CPSamplePlacement = Literal["split", "auto"]  # layout/placement.py SAMPLE_PLACE
 CPImageTokens = Literal["replicate", "shard", "auto"]  # layout/placement.py IMAGE_TOKEN_MODES
 ACMode = Literal["none", "selective", "full"]  # parallel/parallelize.py, plan/memory.py
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
+AsyncMode = Literal["disabled", "async", "async_with_pinned_mem"]  # checkpoint.py
 
 
 @dataclass
@@ -261,6 +262,52 @@ class Metrics:
     get every step."""
     enable_tensorboard: bool = True
     """Write TensorBoard event files under job.dump_folder/tb."""
+    enable_wandb: bool = False
+    """Log the same metrics to Weights & Biases (the optional extra titan_vlm[wandb]); the run's
+    files go under job.dump_folder/wandb. wandb's own environment variables apply: WANDB_PROJECT
+    (default "titan_vlm"), WANDB_MODE=offline (no network; `wandb sync` uploads later),
+    WANDB_API_KEY."""
+
+
+@dataclass
+class Validation:
+    """A held-out loss during training: forward only, no gradients, the training's parallel
+    layout and rows per step."""
+
+    enable: bool = False
+    """Evaluate every validation.freq steps; the result is validation_loss in the log,
+    metrics.jsonl, TensorBoard and W&B."""
+    dataset: str = "synthetic"
+    """"synthetic": the built-in data drawn with seed training.seed + 1 (held out: a run with
+    that seed trains on it, this one does not); or a .json / .jsonl file of the same formats as
+    data.dataset, read in file order (not shuffled)."""
+    freq: int = 100
+    """Steps between evaluations (at the steps that are multiples of it)."""
+    steps: int = 10
+    """Batches per evaluation, each of local_batch_size rows per data-parallel rank: the same
+    validation.steps x local_batch_size x dp rows every time (a file shorter than that wraps
+    around). The loss is the mean over all their loss tokens."""
+
+
+@dataclass
+class Profiling:
+    """torch.profiler traces and CUDA memory snapshots of a window of steps."""
+
+    enable_profiling: bool = False
+    """Trace a step every profiling.profile_freq steps with torch.profiler (CPU, and CUDA
+    kernels on a GPU): job.dump_folder/<save_traces_folder>/iteration_<step>/rank<r>_trace.json,
+    for chrome://tracing or Perfetto."""
+    save_traces_folder: str = "profile_traces"
+    """Folder of the traces, under job.dump_folder."""
+    profile_freq: int = 10
+    """Steps between traces: each trace is the step at a multiple of it, after up to 3 warm-up
+    steps the profiler sees but does not keep."""
+    enable_memory_snapshot: bool = False
+    """Record the CUDA allocator's history and dump it every profiling.profile_freq steps:
+    job.dump_folder/<save_memory_snapshot_folder>/iteration_<step>/rank<r>_memory_snapshot.pickle
+    (for pytorch.org/memory_viz). CUDA only: on a CPU it records nothing (one line says so)."""
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Folder of the memory snapshots, under job.dump_folder."""
 
 
 @dataclass
@@ -278,6 +325,19 @@ class Checkpoint:
     allow_config_change: bool = False
     """Resume even if a key that must match the checkpoint's config (resume_config.MUST_MATCH)
     changed: a warning instead of an error."""
+    async_mode: AsyncMode = "disabled"
+    """How a checkpoint is written: "disabled" (the step waits for the files), "async" (the state
+    is copied to CPU memory, then written by a background thread while training goes on; the
+    checkpoint is complete, and `latest` moves to it, at the first step after every rank's
+    files are on disk) or "async_with_pinned_mem" (the same, the copy into reused pinned host
+    memory: faster off a GPU; CUDA only). A checkpoint still being written when the run ends is
+    finished before it exits."""
+    initial_load_path: str = ""
+    """A checkpoint (a checkpoint folder or a step-N folder of another run) whose model weights
+    start this run when checkpoint.folder holds no checkpoint yet: the optimizer, the lr
+    schedule and the step start fresh (e.g. LLaVA's second stage from its first stage's
+    projector). Its model architecture must be this run's. "": none (a Hugging Face folder or
+    training.seed)."""
 
 
 @dataclass
@@ -292,6 +352,8 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)
+    profiling: Profiling = field(default_factory=Profiling)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
 
 

@@ -1,4 +1,5 @@
-"""Per-step metrics to stdout, TensorBoard (<dump_folder>/tb/) and <dump_folder>/metrics.jsonl."""
+"""Per-step metrics to stdout, <dump_folder>/metrics.jsonl, TensorBoard (<dump_folder>/tb/) and
+Weights & Biases (metrics.enable_wandb: <dump_folder>/wandb/)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import resource
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,17 +47,37 @@ def read_metrics_lines(path: Path) -> list[tuple[int, str]]:
     return out
 
 
+WANDB_MISSING = (
+    "metrics.enable_wandb needs the wandb package: pip install 'titan_vlm[wandb]' (or set "
+    "metrics.enable_wandb = false)"
+)
+
+
+def wandb_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("wandb") is not None
+
+
 class MetricsLogger:
     """Writes only on the rank given `enabled=True` (rank 0); the others call it as a no-op."""
 
     def __init__(
-        self, dump_folder: str, enable_tensorboard: bool, enabled: bool, resume_after: int = 0
+        self,
+        dump_folder: str,
+        enable_tensorboard: bool,
+        enabled: bool,
+        resume_after: int = 0,
+        wandb_config: dict[str, Any] | None = None,
     ):
         """resume_after: a run resumed after that step keeps the earlier run's metrics.jsonl lines
-        up to it (the steps redone after the checkpoint are written again, once)."""
+        up to it (the steps redone after the checkpoint are written again, once).
+        wandb_config: log to a new W&B run too, with this as its config (None: no W&B); a resumed
+        run is a new W&B run whose first step is resume_after + 1."""
         self.enabled = enabled
         self.jsonl = None
         self.tb = None
+        self.wandb: Any = None
         if not enabled:
             return
         folder = Path(dump_folder)
@@ -79,6 +101,17 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=str(folder / "tb"))
+        if wandb_config is not None:
+            if not wandb_installed():
+                raise UserError(WANDB_MISSING)
+            import wandb
+
+            self.wandb = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "titan_vlm"),
+                dir=str(folder),
+                config=wandb_config,
+            )
+            logger.info("W&B run %s (%s) in %s", self.wandb.name, self.wandb.id, folder / "wandb")
 
     def log(self, step: int, metrics: dict[str, float], echo: bool = True) -> None:
         if self.jsonl is None:  # not the rank that writes
@@ -108,12 +141,17 @@ class MetricsLogger:
         if self.tb is not None:
             for key, value in metrics.items():
                 self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
 
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
 
 
 class SavedForBackward:

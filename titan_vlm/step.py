@@ -145,6 +145,27 @@ def train_step(
     return stats, layouts
 
 
+@torch.no_grad()
+def validation_sums(
+    model: VisionLanguageModel,
+    batch: Batch,
+    mesh: Mesh,
+    cp: CPOptions = CPOptions(),
+    tp: TPOptions = TPOptions(),
+) -> torch.Tensor:
+    """The forward of one validation batch (no gradients, the training's layout): [summed loss
+    of the job's loss tokens in it, their number], float64, the same on every rank. The mean
+    over several batches is the ratio of their sums (validation_loss)."""
+    logits, labels, _ = model.forward_local(batch, CPContext(mesh.cp, cp, mesh.tp, tp))
+    loss = F.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    # the summed loss over this rank's text tokens (dp and cp; not tp: its ranks hold the same
+    # tokens), the count over the whole rows each dp rank reads (loss_tokens)
+    total = dist_sum(loss.double(), mesh.job.get_group())
+    return torch.stack([total, loss_tokens([batch], mesh).double()])
+
+
 def check_same_batch(batch: Batch, rows_mesh: DeviceMesh, step: int) -> None:
     """The CP and TP ranks of a dp group read the same rows and must build the same batch. If a
     data error struck some of them only (say a transient read error on one image), they would

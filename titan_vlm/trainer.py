@@ -4,8 +4,9 @@
                                            own shards), optimizer, lr schedule, checkpointer
                                            (resumes from the newest usable checkpoint), data,
                                            metrics; logs the setup
-    trainer.train()                        the loop: step, non-finite policy, metrics, empty
-                                           batches, checkpoint cadence, signals
+    trainer.train()                        the loop: step, non-finite policy, validation,
+                                           metrics, empty batches, checkpoint cadence (and
+                                           async saves' commits), profiler, signals
 
 The trainer is DCP `Stateful`: `state_dict()` holds what it needs to go on beyond the model and
 the optimizer (the step, which is the data position; the lr schedule; the RNG; the counters the
@@ -14,19 +15,23 @@ metrics report), and the checkpointer saves it through DCP with them (checkpoint
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titan_vlm.checkpoint import Checkpointer
+from titan_vlm.checkpoint import Checkpointer, load_initial_weights
 from titan_vlm.config import JobConfig
 from titan_vlm.data import build_dataset
-from titan_vlm.data.image_batch import num_images
+from titan_vlm.data.batch import SlotData
+from titan_vlm.data.dataset import Dataset
+from titan_vlm.data.image_batch import ImageRule, num_images
 from titan_vlm.distributed import dist_max, dist_sum, local_tensor
 from titan_vlm.errors import UserError
 from titan_vlm.kernels import select_kernel
@@ -46,7 +51,8 @@ from titan_vlm.optim import (
 from titan_vlm.parallel.context_parallel import CPOptions, shard_batch
 from titan_vlm.parallel.tensor_parallel import TPOptions
 from titan_vlm.parallel_dims import Mesh
-from titan_vlm.step import check_same_batch, train_step
+from titan_vlm.profiling import StepProfiler
+from titan_vlm.step import check_same_batch, train_step, validation_sums
 
 logger = logging.getLogger("titan_vlm")
 
@@ -108,6 +114,15 @@ class Trainer(Stateful):
                 global_rows=mesh.dp.size() * t.local_batch_size * self.accumulation,
             )
             self.resume(self.checkpointer)
+        if self.step == 0 and cfg.checkpoint.initial_load_path:
+            step_dir = load_initial_weights(
+                self.model, cfg.checkpoint.initial_load_path, mesh.world.get_group()
+            )
+            logger.info(
+                "model weights from %s (checkpoint.initial_load_path); the optimizer, the lr "
+                "schedule and the step start fresh",
+                step_dir,
+            )
         self.dp_rank, self.dp = mesh.dp.get_local_rank(), mesh.dp.size()
         # Start-up warnings once (rank 0); batch-time ones once per dp rank (its rows are its own).
         rule, slot_data = self.spec.data_rule(self.args, cfg)
@@ -121,11 +136,15 @@ class Trainer(Stateful):
             slot_data=slot_data,
         )
         self.log_data()
+        self.validation: Dataset | None = None
+        if cfg.validation.enable:
+            self.validation = self.build_validation_data(rule, slot_data)
         self.metrics = MetricsLogger(
             cfg.job.dump_folder,
             cfg.metrics.enable_tensorboard,
             enabled=dist.get_rank() == 0,
             resume_after=self.step,
+            wandb_config=dataclasses.asdict(cfg) if cfg.metrics.enable_wandb else None,
         )
         self.history: list[dict[str, float]] = []  # every step this run trained, with its metrics
 
@@ -147,15 +166,25 @@ class Trainer(Stateful):
             accumulate,
             self.cfg.job.dump_folder,
         )
-        for step in range(self.step + 1, t.steps + 1):
-            result = self.train_one_step(step)
-            self.apply_nonfinite_policy(step, result.stats)
-            self.log_metrics(step, result)
-            self.check_empty_batches(step, int(result.stats["ntokens"]))
-            self.checkpoint_if_due(step, result.stop)
-            if result.stop:
-                logger.info("stopped after step %d on a signal (SIGINT / SIGTERM)", step)
-                break
+        profiler = StepProfiler(
+            self.cfg.profiling, self.cfg.job.dump_folder, dist.get_rank(), self.device, self.step
+        )
+        with profiler:
+            for step in range(self.step + 1, t.steps + 1):
+                result = self.train_one_step(step)
+                self.apply_nonfinite_policy(step, result.stats)
+                if self.validation is not None and step % self.cfg.validation.freq == 0:
+                    result.stats["validation_loss"] = self.validate(step, self.validation)
+                self.log_metrics(step, result)
+                self.check_empty_batches(step, int(result.stats["ntokens"]))
+                self.checkpoint_if_due(step, result.stop)
+                profiler.step(step)
+                if result.stop:
+                    logger.info("stopped after step %d on a signal (SIGINT / SIGTERM)", step)
+                    break
+        if self.checkpointer is not None:
+            self.log_saved(self.checkpointer.wait())  # a save still being written
+            self.checkpointer.close()
         self.metrics.close()
         logger.info("done")
         return self.history
@@ -203,6 +232,29 @@ class Trainer(Stateful):
             self.dropped.update(i for ids in everyone for i in ids or ())
         self.step = step
         return StepResult(stats, elapsed, float(sums[0]), float(peak_stop[0]), bool(peak_stop[1]))
+
+    def validate(self, step: int, data: Dataset) -> float:
+        """validation_loss: the mean loss over the loss tokens of validation.steps batches of the
+        validation data (the same ones every time), forward only, under the training's layout;
+        the same on every rank."""
+        v, rows = self.cfg.validation, self.cfg.training.local_batch_size
+        begin = time.perf_counter()
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for k in range(v.steps):
+            batch = data.batch(k, self.dp_rank, self.dp, rows).to(self.device)
+            check_same_batch(batch, self.mesh.rows, step)
+            sums += validation_sums(self.model, batch, self.mesh, self.cp, self.tp)
+        loss = float(sums[0] / sums[1].clamp(min=1))
+        logger.info(
+            "validation at step %d: loss %.4f over %d loss tokens (%d batches of %d rows), %.1f s",
+            step,
+            loss,
+            int(sums[1]),
+            v.steps,
+            rows * self.dp,
+            time.perf_counter() - begin,
+        )
+        return loss
 
     def apply_nonfinite_policy(self, step: int, stats: dict[str, float]) -> None:
         """training.on_nonfinite for a step whose loss or grad norm was not finite (the same on
@@ -266,8 +318,22 @@ class Trainer(Stateful):
         stops the run."""
         if self.checkpointer is None:
             return
+        self.log_saved(self.checkpointer.poll())  # an async save whose files are all written
         if step % self.cfg.checkpoint.interval == 0 or step == self.cfg.training.steps or stop:
-            logger.info("checkpoint saved: %s", self.checkpointer.save(step))
+            step_dir = self.checkpointer.save(step)
+            if step_dir is None:
+                logger.info(
+                    "checkpoint of step %d: being written in the background "
+                    "(checkpoint.async_mode=%s)",
+                    step,
+                    self.cfg.checkpoint.async_mode,
+                )
+            self.log_saved(step_dir)
+
+    @staticmethod
+    def log_saved(step_dir: Path | None) -> None:
+        if step_dir is not None:
+            logger.info("checkpoint saved: %s", step_dir)
 
     # ---- DCP Stateful: what the trainer saves beside the model and the optimizer ----
 
@@ -305,6 +371,37 @@ class Trainer(Stateful):
                 self.step,
                 self.cfg.training.steps,
             )
+
+    def build_validation_data(self, rule: ImageRule | None, slot_data: SlotData | None) -> Dataset:
+        """validation.dataset with the training's model inputs: a file in its order, or the
+        synthetic data with the held-out seed training.seed + 1."""
+        cfg, v = self.cfg, self.cfg.validation
+        synthetic = v.dataset == "synthetic"
+        held_out = dataclasses.replace(
+            cfg,
+            data=dataclasses.replace(cfg.data, dataset=v.dataset, shuffle=False),
+            training=dataclasses.replace(
+                cfg.training, seed=cfg.training.seed + 1 if synthetic else cfg.training.seed
+            ),
+        )
+        data = build_dataset(
+            held_out,
+            self.args,
+            *self.spec.inputs(cfg),
+            log_startup=dist.get_rank() == 0,
+            log_batches=self.mesh.cp.get_local_rank() == 0 and self.mesh.tp.get_local_rank() == 0,
+            rule=rule,
+            slot_data=slot_data,
+        )
+        logger.info(
+            "validation every %d steps: %d batches of %d rows x %d slots; data: %s",
+            v.freq,
+            v.steps,
+            self.dp * cfg.training.local_batch_size,
+            cfg.training.seq_len,
+            data.describe(),
+        )
+        return data
 
     def log_parallelism(self) -> None:
         """The attention kernel, and tensor parallelism when there is some."""

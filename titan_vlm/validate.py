@@ -6,8 +6,9 @@ ConfigError naming the key.
     the names of the choice keys      config.check_choices (a config built or changed in code)
     the model family and its args     models/registry.py model_spec(cfg).args (reads and checks
                                       any Hugging Face config.json), its safetensors files there
-    the training, data and checkpoint keys (training.freeze's groups among them), the
-    attention kernel                  here
+    the training, data, validation, profiling, metrics and checkpoint keys (training.freeze's
+    groups among them), the attention kernel
+                                      here
     what the family needs of the shapes and the mesh (heads, tp, a2a, sequence length, vocabulary)
                                       the family's ModelSpec.validate
 """
@@ -15,10 +16,12 @@ ConfigError naming the key.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from titan_vlm.config import JobConfig, Training, check_choices
 from titan_vlm.errors import ConfigError
 from titan_vlm.kernels import KERNELS
+from titan_vlm.metrics import WANDB_MISSING, wandb_installed
 from titan_vlm.models.spec import PARAM_GROUPS
 from titan_vlm.optim import frozen_groups
 from titan_vlm.parallel_dims import ParallelDims, device_type
@@ -78,6 +81,7 @@ def validate_job(cfg: JobConfig, world_size: int) -> ParallelDims:
         )
     if cfg.checkpoint.interval < 1:
         raise ConfigError(f"checkpoint.interval must be >= 1, got {cfg.checkpoint.interval}")
+    _validate_recipe_keys(cfg)
     kernel = cfg.model.attention_kernel
     if kernel != "auto":
         if KERNELS[kernel].device_type != device_type():
@@ -94,6 +98,50 @@ def validate_job(cfg: JobConfig, world_size: int) -> ParallelDims:
             raise ConfigError(f"parallelism.{key} needs parallelism.tensor_parallel_degree > 1")
     spec.validate(args, dims, cfg)
     return dims
+
+
+def _validate_recipe_keys(cfg: JobConfig) -> None:
+    """The validation, profiling, W&B and checkpoint-loading keys."""
+    from titan_vlm.data.jsonl import FORMATS
+
+    v, prof, ckpt = cfg.validation, cfg.profiling, cfg.checkpoint
+    for key, value in (
+        ("validation.freq", v.freq),
+        ("validation.steps", v.steps),
+        ("profiling.profile_freq", prof.profile_freq),
+    ):
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if v.enable and v.dataset != "synthetic":
+        path = Path(v.dataset)
+        if path.suffix not in FORMATS:
+            raise ConfigError(
+                f"validation.dataset={v.dataset!r}: expected 'synthetic' or a .json / .jsonl file"
+            )
+        if not path.is_file():
+            raise ConfigError(f"validation.dataset: file not found: {v.dataset}")
+    if v.enable and v.dataset == "synthetic" and cfg.data.native_resolution_pixels:
+        raise ConfigError(
+            "validation.dataset='synthetic' draws every image at the model's size, but "
+            "data.native_resolution_pixels > 0: validate on a dataset file"
+        )
+    for key, folder in (
+        ("profiling.save_traces_folder", prof.save_traces_folder),
+        ("profiling.save_memory_snapshot_folder", prof.save_memory_snapshot_folder),
+    ):
+        if not folder:
+            raise ConfigError(f"{key} must name a folder (under job.dump_folder)")
+    if cfg.metrics.enable_wandb and not wandb_installed():
+        raise ConfigError(WANDB_MISSING)
+    if ckpt.async_mode == "async_with_pinned_mem" and device_type() != "cuda":
+        raise ConfigError(
+            "checkpoint.async_mode='async_with_pinned_mem' copies into pinned memory, which "
+            f"needs CUDA; this machine trains on {device_type()} (use 'async')"
+        )
+    if ckpt.initial_load_path and not Path(ckpt.initial_load_path).is_dir():
+        raise ConfigError(
+            f"checkpoint.initial_load_path: folder not found: {ckpt.initial_load_path}"
+        )
 
 
 def _validate_groups(t: Training) -> None:
