@@ -125,6 +125,39 @@ def test_a_tensor_of_the_wrong_shape_is_named(tmp_path):
         load_hf_model(separate(vision, text))
 
 
+def test_model_safetensors_wins_over_an_index_beside_it_as_in_transformers(tmp_path):
+    """A folder holding both model.safetensors and an index whose shard differs (an old export
+    left beside a new one): transformers loads model.safetensors, so titan_vlm does too."""
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    vision, text = save_towers(tmp_path)
+    stale = {k: v + 1.0 for k, v in tensors(text).items()}
+    save_file(stale, str(text / "model-00001-of-00001.safetensors"))
+    weight_map = dict.fromkeys(stale, "model-00001-of-00001.safetensors")
+    (text / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    model, _ = load_hf_model(separate(vision, text))
+    theirs = LlamaForCausalLM.from_pretrained(text).state_dict()["model.embed_tokens.weight"]
+    ours = dict(model.named_parameters())["decoder.tok_embeddings.weight"]
+    assert torch.equal(ours, theirs) and torch.equal(
+        ours, tensors(text)["model.embed_tokens.weight"]
+    )
+    assert not torch.equal(ours, stale["model.embed_tokens.weight"])  # control: the shard differs
+
+
+def test_an_integer_tensor_where_a_float_belongs_is_named(tmp_path):
+    from safetensors.torch import save_file
+
+    vision, text = save_towers(tmp_path)
+    weights = tensors(text)
+    weights["model.norm.weight"] = weights["model.norm.weight"].round().to(torch.int64)
+    save_file(weights, str(text / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(
+        ConfigError, match=r"^model.hf_text_path: tensor 'model.norm.weight' has dtype I64, not a"
+    ):
+        load_hf_model(separate(vision, text))
+
+
 def test_export_hf_needs_a_source_folder(tmp_path):
     cfg = JobConfig()  # the debug flavor, from scratch
     with pytest.raises(

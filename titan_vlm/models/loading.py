@@ -87,6 +87,7 @@ def load_hf_shards(
                 f"{where}: tensor '{theirs}' has shape {files.shape(theirs)}, {needs} {whole} "
                 "(check the config.json beside it)"
             )
+        files.dtype(theirs)  # a float type: an integer tensor is a one-line error, not a cast
         first = 0  # the parameter's first row in the file tensor
         for ours, shape in zip(parts, shapes):
             local, box = local_box(params[ours])

@@ -29,12 +29,15 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F
 
 
 def weight_files(folder: Path, key: str) -> list[Path]:
-    """The safetensors files of a model folder (the index's shards, or model.safetensors), or a
-    single .safetensors file given directly."""
+    """The safetensors files of a model folder, or a single .safetensors file given directly.
+    transformers' rule (modeling_utils._get_resolved_checkpoint_files): model.safetensors when
+    the folder has it, even beside an index; else the shards model.safetensors.index.json names."""
     if folder.is_file() and folder.suffix == ".safetensors":
         return [folder]
     if not folder.is_dir():
         raise ConfigError(f"{key}: {folder} is neither a model folder nor a .safetensors file")
+    if (folder / SINGLE).is_file():
+        return [folder / SINGLE]
     if (folder / INDEX).is_file():
         weight_map = read_json(folder / INDEX, key).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
@@ -46,8 +49,6 @@ def weight_files(folder: Path, key: str) -> list[Path]:
                 f"{key}: {folder / INDEX} names missing shard(s) {', '.join(missing)}"
             )
         return files
-    if (folder / SINGLE).is_file():
-        return [folder / SINGLE]
     raise ConfigError(f"{key}: {folder} has neither {SINGLE} nor {INDEX}")
 
 
