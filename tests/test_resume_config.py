@@ -7,7 +7,9 @@ import dataclasses
 import json
 
 import pytest
+from hf_folders import save_llava_folder
 
+from titan_vlm.checkpoint import CheckpointError, load_model_for_inference
 from titan_vlm.config import ConfigError, load_config
 from titan_vlm.resume_config import DATA_FILE, GLOBAL_ROWS, check_resume_config, run_facts
 
@@ -55,6 +57,8 @@ def test_what_may_change_is_accepted_and_logged():
         (["--data.dataset=other.jsonl"], "data.dataset 'synthetic' -> 'other.jsonl'"),
         (["--data.packing"], "data.packing False -> True"),
         (["--model.flavor=small"], "model.flavor 'debug' -> 'small'"),
+        (["--model.name=qwen2_5_vl"], "model.name 'llava' -> 'qwen2_5_vl'"),
+        (["--data.native_resolution_pixels=4096"], "data.native_resolution_pixels 0 -> 4096"),
     ],
 )
 def test_what_must_match_is_one_line_naming_the_key(args, named):
@@ -116,3 +120,39 @@ def test_a_real_resume_with_another_seed_stops_and_allow_config_change_goes_on(p
     )
     saved = json.loads((tmp_path / "copy0" / "checkpoint" / "step-6" / "config.json").read_text())
     assert saved["training"]["seed"] == 3
+
+
+def test_a_source_folder_edited_after_training_is_refused_in_one_line(pool, tmp_path):
+    """The checkpoint records every file of model.hf_path (weights by size): an edited
+    config.json (another rope_theta: other numbers from the same weights), a deleted
+    tokenizer.json or a new file stop a resume, generate and the exports in one line naming the
+    file; the folder as it was (the control) resumes and loads."""
+    folder = save_llava_folder(tmp_path / "llava", "clip_llama3")
+    run = dict(RUN, model__flavor="hf", model__hf_path=str(folder), job__dump_folder=str(tmp_path))
+    run.pop("steps")
+    pool.run("train_run", dp_shard=1, cp=1, steps=2, **run)
+    checkpoint = tmp_path / "copy0" / "checkpoint"
+    config = (folder / "config.json").read_text()
+    edited = json.loads(config)
+    edited["text_config"]["rope_parameters"]["rope_theta"] = 10.0
+    (folder / "config.json").write_text(json.dumps(edited))
+    changed = r"the source files model.hf_path: config.json changed \(\d+ bytes, \w+ -> "
+    with pytest.raises(RuntimeError, match=rf"ConfigError: resume from .*step-2: {changed}"):
+        pool.run("train_run", dp_shard=1, cp=1, steps=3, **run)
+    with pytest.raises(CheckpointError, match=rf"^checkpoint .*step-2: {changed}"):
+        load_model_for_inference(checkpoint)  # generate --checkpoint, --export, --export-hf
+    (folder / "config.json").write_text(config)
+    tokenizer = (folder / "tokenizer.json").read_bytes()
+    (folder / "tokenizer.json").unlink()
+    (folder / "notes.txt").write_text("a file that was not there")
+    with pytest.raises(
+        CheckpointError,
+        match=r"model.hf_path: notes.txt added, model.hf_path: tokenizer.json removed since",
+    ):
+        load_model_for_inference(checkpoint)
+    (folder / "notes.txt").unlink()
+    (folder / "tokenizer.json").write_bytes(tokenizer)
+    model, cfg = load_model_for_inference(checkpoint)  # the folder as it was
+    assert cfg.model.hf_path == str(folder)
+    resumed = pool.run("train_run", dp_shard=1, cp=1, steps=3, **run)
+    assert [h["step"] for h in resumed[0]] == [3]

@@ -67,7 +67,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError, UserError
-from titan_vlm.resume_config import check_resume_config, run_facts
+from titan_vlm.models.common.hf_folder import source_changes, source_files
+from titan_vlm.resume_config import SOURCE_FILES, check_resume_config, run_facts
 
 if TYPE_CHECKING:
     from titan_vlm.models.spec import VisionLanguageModel
@@ -503,6 +504,15 @@ def load_model_for_inference(path: str | Path) -> tuple[VisionLanguageModel, Job
         [f"--model.{k}={v}" for k, v in saved["model"].items()]
         + [f"--data.dataset={saved['data']['dataset']}"]
     )
+    # the architecture, tokenizer and processor come from the sources' files: they must be the
+    # ones the checkpoint trained with (a checkpoint of an older version records none)
+    recorded = json.loads((step_dir / FACTS).read_text()).get(SOURCE_FILES)
+    changes = None if recorded is None else source_changes(recorded, source_files(cfg))
+    if changes:
+        raise CheckpointError(
+            f"checkpoint {step_dir}: {changes}; the model built from them would not be the one "
+            "trained (restore the files)"
+        )
     spec = model_spec(cfg)
     model = unfilled_model(spec, spec.args(cfg))
     state = {"model": model.state_dict()}

@@ -2,12 +2,15 @@
 with (checkpoint/step-N/config.json).
 
 Must match (else one line naming the keys, unless --checkpoint.allow_config_change):
-the model's shape and tokenizer, training.seq_len, training.seed, training.freeze (the
-optimizer's state covers the groups that train), the global batch (dp x
-training.local_batch_size rows: the step is the data position only for the same rows per step)
-and the data (data.* keys that pick the samples, and a dataset file's size and SHA-256).
+the model's family, shape and tokenizer, the files of its Hugging Face sources (SOURCE_FILES: a
+folder edited, emptied or refilled since the checkpoint was written would build another model
+or tokenizer), training.seq_len, training.seed, training.freeze (the optimizer's state covers the
+groups that train), the global batch (dp x training.local_batch_size rows: the step is the data
+position only for the same rows per step) and the data (data.* keys that pick the samples and
+size the images, and a dataset file's size and SHA-256).
 May change (logged): everything else: the parallel layout (the shards are resharded),
-training.steps and the lr schedule, checkpoint.*, metrics.*, ...
+training.steps and the lr schedule, checkpoint.*, metrics.*, model.hf_path itself (a folder
+moved: its files are what must match), ...
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from titan_vlm.config import ConfigError, JobConfig
+from titan_vlm.models.common.hf_folder import source_changes, source_files
 
 MUST_MATCH = (
+    "model.name",
     "model.flavor",
     "model.image_attention",
     "model.tokenizer_path",
@@ -36,15 +41,18 @@ MUST_MATCH = (
     "data.sentences_per_image",
     "data.images_per_sample",
     "data.blank_images",
+    "data.native_resolution_pixels",
 )
 GLOBAL_ROWS = "global batch rows (dp x training.local_batch_size)"
 DATA_FILE = "data.dataset's contents (size, SHA-256)"
+SOURCE_FILES = "the model's Hugging Face source files"
 
 
 def run_facts(cfg: JobConfig, global_rows: int) -> dict[str, Any]:
     """What the config alone does not say and a resume must match: the rows per step and the
     dataset file's size and digest (None for the built-in data). Hashes the file: once a run."""
     facts: dict[str, Any] = {GLOBAL_ROWS: global_rows, DATA_FILE: None}
+    facts[SOURCE_FILES] = source_files(cfg)
     if cfg.data.dataset != "synthetic":
         h = hashlib.sha256()
         with open(cfg.data.dataset, "rb") as f:
@@ -72,11 +80,16 @@ def check_resume_config(
     of the keys that may change and did), None where there is nothing to say. Facts a checkpoint
     of an older version lacks are not compared."""
     old, new = flat(saved), flat(dataclasses.asdict(cfg))
-    old.update(saved_facts)
-    new.update({k: v for k, v in facts.items() if k in saved_facts})
+    old.update({k: v for k, v in saved_facts.items() if k != SOURCE_FILES})
+    new.update({k: v for k, v in facts.items() if k in saved_facts and k != SOURCE_FILES})
     changed = {k: (old.get(k), v) for k, v in new.items() if k in old and old[k] != v}
     must = [k for k in (*MUST_MATCH, GLOBAL_ROWS, DATA_FILE) if k in changed]
     listed = ", ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in must)
+    if SOURCE_FILES in saved_facts:
+        sources = source_changes(saved_facts[SOURCE_FILES], facts[SOURCE_FILES])
+        if sources:
+            must.append(SOURCE_FILES)
+            listed = ", ".join([listed, sources] if listed else [sources])
     if must and not cfg.checkpoint.allow_config_change:
         raise ConfigError(
             f"resume from {where}: {listed} changed, and must match the checkpoint (the model, "

@@ -59,6 +59,61 @@ def hf_sources(cfg: JobConfig) -> list[tuple[str, Path]]:
     return [(f"model.{k}", Path(getattr(m, k))) for k in keys if getattr(m, k)]
 
 
+# Files of a source folder that are weights or too big to digest at every start: their size
+# stands for them (a checkpoint holds the trained weights; the source's are read at the start of
+# training only, and by the export for the tensors the model does not use)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+
+
+def source_files(cfg: JobConfig) -> dict[str, str]:
+    """A fingerprint of the Hugging Face sources `cfg` builds its model and tokenizer from:
+    {"<key>: <file>": "<size> bytes, <SHA-256 prefix>"} for every file of each source folder
+    (model.hf_path, hf_vision_path, hf_text_path; the folder of a .safetensors file given
+    directly) and model.tokenizer_path; weight files by their size alone. What a checkpoint
+    records (resume_config.run_facts) and resume, generate and the exports compare
+    (`source_changes`)."""
+    import hashlib
+
+    found: dict[str, str] = {}
+    sources = [(key, path.parent if path.is_file() else path) for key, path in hf_sources(cfg)]
+    files = [
+        (key, f)
+        for key, folder in sources
+        if folder.is_dir()
+        for f in sorted(folder.iterdir())
+        if f.is_file()
+    ]
+    if cfg.model.tokenizer_path and Path(cfg.model.tokenizer_path).is_file():
+        files.append(("model.tokenizer_path", Path(cfg.model.tokenizer_path)))
+    for key, f in files:
+        size = f.stat().st_size
+        if f.suffix in WEIGHT_SUFFIXES:
+            found[f"{key}: {f.name}"] = f"{size} bytes"
+            continue
+        h = hashlib.sha256()
+        with open(f, "rb") as stream:
+            while chunk := stream.read(1 << 22):
+                h.update(chunk)
+        found[f"{key}: {f.name}"] = f"{size} bytes, {h.hexdigest()[:16]}"
+    return found
+
+
+def source_changes(saved: dict[str, str], now: dict[str, str]) -> str | None:
+    """What differs between two `source_files` fingerprints, one phrase ("model.hf_path:
+    config.json changed, tokenizer.json removed"); None when they agree."""
+    parts = []
+    for name in sorted(saved.keys() | now.keys()):
+        if name not in now:
+            parts.append(f"{name} removed")
+        elif name not in saved:
+            parts.append(f"{name} added")
+        elif saved[name] != now[name]:
+            parts.append(f"{name} changed ({saved[name]} -> {now[name]})")
+    if not parts:
+        return None
+    return "the source files " + ", ".join(parts) + " since the checkpoint was written"
+
+
 def config_path(path: Path) -> Path:
     """The config.json of a model folder, or of the folder holding a .safetensors file."""
     return (path.parent if path.is_file() else path) / "config.json"
