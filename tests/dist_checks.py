@@ -537,6 +537,8 @@ def validation_run(dp_shard: int, cp: int, steps: int, **overrides) -> dict:
     and the mean of each dp rank's own mean (a wrong normaliser)."""
     cfg = _job_config(steps, **overrides)
     cfg.validation.enable, cfg.validation.freq = True, steps
+    if cfg.compile.enable:
+        torch._dynamo.reset()  # earlier checks' graphs would count towards the recompile limit
     trainer = Trainer(cfg, make_mesh(dp_shard, cp), torch.device("cpu"))
     history = trainer.train()
     whole = {canonical_name(n): _full(p).detach() for n, p in trainer.model.named_parameters()}

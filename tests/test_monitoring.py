@@ -21,10 +21,12 @@ RUN = dict(
 @pytest.mark.parametrize(
     "dp_shard, cp",
     [(1, 2), (2, 1)],
-    ids=["cp2", "fsdp2"],
+    ids=["cp2_profiled", "fsdp2_compiled"],
 )
 def test_validation_loss_equals_one_process_evaluating_the_same_rows(pool, tmp_path, dp_shard, cp):
-    profiled = cp == 2  # profiler traces on one of the two runs
+    """The cp=2 run takes profiler traces too; the FSDP run compiles its blocks (aot_eager,
+    fullgraph), whose graphs under no_grad are new ones within the recompile budget."""
+    profiled = cp == 2
     out = pool.run(
         "validation_run",
         dp_shard=dp_shard,
@@ -33,6 +35,8 @@ def test_validation_loss_equals_one_process_evaluating_the_same_rows(pool, tmp_p
         job__dump_folder=str(tmp_path),
         profiling__enable_profiling=profiled,
         profiling__profile_freq=2,
+        compile__enable=not profiled,
+        compile__backend="aot_eager",
         **RUN,
     )
     for rank in out:  # the same number on every rank

@@ -77,6 +77,18 @@ def test_llava_two_stages(pool, tmp_path):
     for name in ("projector", "decoder"):
         assert not same(group(stage2, name, "before"), group(stage2, name, "after")), name
     assert (tmp_path / "s2" / "checkpoint" / "latest").read_text().strip() == "2"
+    # a restart resumes from stage 2's own checkpoint: stage 1's may be gone by then
+    (tmp_path / "s1" / "checkpoint").rename(tmp_path / "s1" / "moved")
+    argv = recipe(
+        "llava_stage2_finetune.toml",
+        *model,
+        f"--job.dump_folder={tmp_path / 's2'}",
+        f"--checkpoint.initial_load_path={tmp_path / 's1' / 'checkpoint'}",
+        "--training.steps=3",
+    )
+    again = pool.run("config_run", argv=argv, cp=2)[0]
+    assert [h["step"] for h in again["history"]] == [3]
+    assert same(again["before"], stage2["after"])
 
 
 def test_llava_stage2_refuses_a_checkpoint_of_another_model(pool, tmp_path):

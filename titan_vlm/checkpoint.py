@@ -293,18 +293,18 @@ class Checkpointer:
         dist.all_gather_object(everyone, mine, group=self.group)
         return everyone
 
-    def save(self, step: int) -> Path | None:
+    def save(self, step: int, blocking: bool = False) -> Path | None:
         """Write step-<step>/ and move `latest` onto it; returns the folder. With
         checkpoint.async_mode, an earlier save still being written is finished first, and this
-        one is started and left to the background: None (`poll` or `wait` commit it). A write
-        that fails (a full disk, a quota) is a UserError on every rank, naming the file;
-        `latest` stays where it was."""
+        one is started and left to the background: None (`poll` or `wait` commit it), unless
+        `blocking` (the run is about to end). A write that fails (a full disk, a quota) is a
+        UserError on every rank, naming the file; `latest` stays where it was."""
         self.wait()
         step_dir = self.folder / f"step-{step}"
         if self.rank0 and step_dir.exists():  # a save that died, or a damaged step resumed past
             shutil.rmtree(step_dir)
         dist.barrier(group=self.group)
-        if self.async_group is not None:
+        if self.async_group is not None and not blocking:
             # the state is copied to host memory (self.stager's, or DCP's default) before this
             # returns, so the next steps may change the parameters while the thread writes
             future = dcp.async_save(

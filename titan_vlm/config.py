@@ -280,7 +280,8 @@ class Validation:
     dataset: str = "synthetic"
     """"synthetic": the built-in data drawn with seed training.seed + 1 (held out: a run with
     that seed trains on it, this one does not); or a .json / .jsonl file of the same formats as
-    data.dataset, read in file order (not shuffled)."""
+    data.dataset, read in file order (not shuffled), its image paths relative to data.image_root
+    as the training file's."""
     freq: int = 100
     """Steps between evaluations (at the steps that are multiples of it)."""
     steps: int = 10

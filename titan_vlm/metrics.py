@@ -106,11 +106,18 @@ class MetricsLogger:
                 raise UserError(WANDB_MISSING)
             import wandb
 
-            self.wandb = wandb.init(
-                project=os.environ.get("WANDB_PROJECT", "titan_vlm"),
-                dir=str(folder),
-                config=wandb_config,
-            )
+            try:
+                self.wandb = wandb.init(
+                    project=os.environ.get("WANDB_PROJECT", "titan_vlm"),
+                    dir=str(folder),
+                    config=wandb_config,
+                )
+            except Exception as e:  # wandb's own: no API key, no network, a bad setting
+                why = " ".join(str(e).split())[:300]
+                raise UserError(
+                    f"metrics.enable_wandb: W&B did not start ({type(e).__name__}: {why}); "
+                    "set WANDB_API_KEY, or WANDB_MODE=offline to log without a network"
+                ) from None
             logger.info("W&B run %s (%s) in %s", self.wandb.name, self.wandb.id, folder / "wandb")
 
     def log(self, step: int, metrics: dict[str, float], echo: bool = True) -> None:

@@ -5,8 +5,9 @@
             train ...
             prof.step(step)         after each step: saves what is due at `step`
 
-Every profile_freq-th step (step % profile_freq == 0) is traced: torch.profiler records it, after
-up to 3 warm-up steps it sees but does not keep, and each rank writes
+Every profile_freq-th step (step % profile_freq == 0) is traced, its validation and checkpoint
+included: torch.profiler records it, after up to 3 warm-up steps it sees but does not keep, and
+each rank writes
 <dump>/<save_traces_folder>/iteration_<step>/rank<r>_trace.json (Chrome trace format: Perfetto,
 chrome://tracing). The schedule is a function of the global step, so a resumed run traces the
 same steps as an uninterrupted one. A memory snapshot (CUDA only) records the allocator's history
@@ -58,6 +59,7 @@ class StepProfiler:
         self.traces = Path(dump_folder) / cfg.save_traces_folder
         self.snapshots = Path(dump_folder) / cfg.save_memory_snapshot_folder
         self.step_now = first_step
+        self.closing = False  # the run is over: a window still recording is not a trace
         self.memory = cfg.enable_memory_snapshot and device.type == "cuda"
         self.torch_profiler: torch.profiler.profile | None = None
         if cfg.enable_profiling:
@@ -107,6 +109,7 @@ class StepProfiler:
         tb: TracebackType | None,
     ) -> None:
         if self.torch_profiler is not None:
+            self.closing = True
             self.torch_profiler.__exit__(kind, error, tb)
         if self.memory:
             torch.cuda.memory._record_memory_history(enabled=None)
@@ -124,6 +127,10 @@ class StepProfiler:
                 logger.info("profiling: memory snapshot of step %d -> %s", step, path)
 
     def _save_trace(self, prof: torch.profiler.profile) -> None:
+        """on_trace_ready: after a RECORD_AND_SAVE step, and (torch's) when the profiler stops
+        while recording: the run ended before the step it was warming up for, no trace."""
+        if self.closing or self.step_now % self.cfg.profile_freq:
+            return
         path = self.traces / f"iteration_{self.step_now}" / f"rank{self.rank}_trace.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(path))

@@ -56,6 +56,8 @@ from titan_vlm.step import check_same_batch, train_step, validation_sums
 
 logger = logging.getLogger("titan_vlm")
 
+RECOMPILE_LIMIT = 8  # torch._dynamo.config.recompile_limit's default
+
 
 class NonFiniteError(UserError):
     """A non-finite loss or gradient norm with training.on_nonfinite = "stop"."""
@@ -139,6 +141,12 @@ class Trainer(Stateful):
         self.validation: Dataset | None = None
         if cfg.validation.enable:
             self.validation = self.build_validation_data(rule, slot_data)
+            if cfg.compile.enable:
+                # the compiled blocks build their graphs again under no_grad (grad mode is in
+                # dynamo's guards): twice dynamo's default budget of graphs per block
+                torch._dynamo.config.recompile_limit = max(
+                    torch._dynamo.config.recompile_limit, 2 * RECOMPILE_LIMIT
+                )
         self.metrics = MetricsLogger(
             cfg.job.dump_folder,
             cfg.metrics.enable_tensorboard,
@@ -169,25 +177,36 @@ class Trainer(Stateful):
         profiler = StepProfiler(
             self.cfg.profiling, self.cfg.job.dump_folder, dist.get_rank(), self.device, self.step
         )
-        with profiler:
-            for step in range(self.step + 1, t.steps + 1):
-                result = self.train_one_step(step)
-                self.apply_nonfinite_policy(step, result.stats)
-                if self.validation is not None and step % self.cfg.validation.freq == 0:
-                    result.stats["validation_loss"] = self.validate(step, self.validation)
-                self.log_metrics(step, result)
-                self.check_empty_batches(step, int(result.stats["ntokens"]))
-                self.checkpoint_if_due(step, result.stop)
-                profiler.step(step)
-                if result.stop:
-                    logger.info("stopped after step %d on a signal (SIGINT / SIGTERM)", step)
-                    break
-        if self.checkpointer is not None:
-            self.log_saved(self.checkpointer.wait())  # a save still being written
-            self.checkpointer.close()
-        self.metrics.close()
+        try:
+            with profiler:
+                for step in range(self.step + 1, t.steps + 1):
+                    result = self.train_one_step(step)
+                    self.apply_nonfinite_policy(step, result.stats)
+                    if self.validation is not None and step % self.cfg.validation.freq == 0:
+                        result.stats["validation_loss"] = self.validate(step, self.validation)
+                    self.log_metrics(step, result)
+                    self.check_empty_batches(step, int(result.stats["ntokens"]))
+                    self.checkpoint_if_due(step, result.stop)
+                    profiler.step(step)
+                    if result.stop:
+                        logger.info("stopped after step %d on a signal (SIGINT / SIGTERM)", step)
+                        break
+        except (NonFiniteError, EmptyBatchesError):
+            # raised on every rank alike, so the collective commit of a save still being written
+            # (a good checkpoint from before the failure) can run first
+            self.finish_checkpoints()
+            raise
+        finally:
+            self.metrics.close()
+        self.finish_checkpoints()
         logger.info("done")
         return self.history
+
+    def finish_checkpoints(self) -> None:
+        """Commit a save still being written in the background, free what async saves hold."""
+        if self.checkpointer is not None:
+            self.log_saved(self.checkpointer.wait())
+            self.checkpointer.close()
 
     # ---- the loop's jobs ----
 
@@ -244,7 +263,8 @@ class Trainer(Stateful):
             batch = data.batch(k, self.dp_rank, self.dp, rows).to(self.device)
             check_same_batch(batch, self.mesh.rows, step)
             sums += validation_sums(self.model, batch, self.mesh, self.cp, self.tp)
-        loss = float(sums[0] / sums[1].clamp(min=1))
+        # no loss token in the held-out rows: no loss to report (NaN), not a perfect 0
+        loss = float(sums[0] / sums[1]) if sums[1] else float("nan")
         logger.info(
             "validation at step %d: loss %.4f over %d loss tokens (%d batches of %d rows), %.1f s",
             step,
@@ -320,7 +340,8 @@ class Trainer(Stateful):
             return
         self.log_saved(self.checkpointer.poll())  # an async save whose files are all written
         if step % self.cfg.checkpoint.interval == 0 or step == self.cfg.training.steps or stop:
-            step_dir = self.checkpointer.save(step)
+            # a stop writes synchronously: the process is about to end, nothing to overlap
+            step_dir = self.checkpointer.save(step, blocking=stop)
             if step_dir is None:
                 logger.info(
                     "checkpoint of step %d: being written in the background "

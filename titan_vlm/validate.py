@@ -138,10 +138,8 @@ def _validate_recipe_keys(cfg: JobConfig) -> None:
             "checkpoint.async_mode='async_with_pinned_mem' copies into pinned memory, which "
             f"needs CUDA; this machine trains on {device_type()} (use 'async')"
         )
-    if ckpt.initial_load_path and not Path(ckpt.initial_load_path).is_dir():
-        raise ConfigError(
-            f"checkpoint.initial_load_path: folder not found: {ckpt.initial_load_path}"
-        )
+    # checkpoint.initial_load_path is read (and a missing one reported) only by a run that has
+    # no checkpoint of its own: a resume must not need the first stage's folder any more
 
 
 def _validate_groups(t: Training) -> None:
