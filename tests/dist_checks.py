@@ -578,9 +578,11 @@ def validation_run(dp_shard: int, cp: int, steps: int, **overrides) -> dict:
         }
 
 
-def config_run(argv: list[str], dp_shard: int = 1, cp: int = 1) -> dict:
+def config_run(
+    argv: list[str], dp_replicate: int = 1, dp_shard: int = 1, cp: int = 1, tp: int = 1
+) -> dict:
     """The job `argv` (--config FILE --section.key=value ...) describes, as train.py runs it
-    (load_config, validate_job, the mesh of its degrees: dp_shard x cp, which size this pool),
+    (load_config, validate_job, the mesh of its degrees, which the keywords size this pool to),
     without torchrun. Returns {"history", "before", "after", "groups"}: every parameter, whole,
     after the Trainer's set-up (its weights loaded) and after training, and its group
     (vision, projector, decoder: the family's ModelSpec.group_of)."""
@@ -589,7 +591,7 @@ def config_run(argv: list[str], dp_shard: int = 1, cp: int = 1) -> dict:
 
     cfg = load_config(argv)
     dims = validate_job(cfg, dist.get_world_size())
-    assert (dims.dp_shard, dims.cp) == (dp_shard, cp), (dims, dp_shard, cp)
+    assert (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp) == (dp_replicate, dp_shard, cp, tp)
     trainer = Trainer(cfg, dims.build_mesh("cpu"), torch.device("cpu"))
 
     def whole() -> dict[str, torch.Tensor]:
