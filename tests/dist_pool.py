@@ -100,6 +100,7 @@ class DistPool:
         self._start()
 
     def _start(self) -> None:
+        self.asked = False  # ask_to_stop has been sent
         ctx = mp.get_context("spawn")
         self.tasks = [ctx.Queue() for _ in range(self.world_size)]
         self.results = ctx.Queue()
@@ -133,10 +134,16 @@ class DistPool:
         self.close(graceful=False)
         self._start()
 
-    def close(self, graceful: bool = True) -> None:
-        if graceful:
+    def ask_to_stop(self) -> None:
+        """Tell every worker to leave its process group and exit (`close` waits for them)."""
+        if not self.asked:
             for q in self.tasks:
                 q.put(None)
+            self.asked = True
+
+    def close(self, graceful: bool = True) -> None:
+        if graceful:
+            self.ask_to_stop()
             for p in self.procs:
                 p.join(timeout=10)
         for p in self.procs:
@@ -170,6 +177,9 @@ class DistPools:
         return self.pools[world].run(check, **kwargs)
 
     def close(self) -> None:
+        """Every pool's workers told to stop at once, then joined: they shut down side by side."""
+        for p in self.pools.values():
+            p.ask_to_stop()
         for p in self.pools.values():
             p.close()
         self.pools = {}
