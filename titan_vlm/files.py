@@ -1,4 +1,6 @@
-"""Reading the small JSON files of model folders (config.json, tokenizer_config.json, ...)."""
+"""Reading the small files of model folders (config.json, tokenizer_config.json, a chat
+template, ...): whatever is wrong with one (missing, a folder, unreadable, not UTF-8, not JSON) is
+one line naming the file and the config key that led to it."""
 
 from __future__ import annotations
 
@@ -9,14 +11,31 @@ from typing import Any
 from titan_vlm.errors import ConfigError
 
 
-def read_json(path: Path, key: str) -> dict[str, Any]:
-    """A JSON object from `path`; a missing or malformed file is one line naming it and `key`
-    (the config key that led to it)."""
+def read_text(path: Path, key: str) -> str:
+    """The UTF-8 text of `path`; a missing, unreadable or undecodable file, or a folder, is one
+    line naming it and `key` (the config key that led to it)."""
+    if path.is_dir():
+        raise ConfigError(f"{key}: {path} is a folder, not a file")
     if not path.is_file():
         raise ConfigError(f"{key}: {path} not found")
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{key}: {path} cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{key}: {path} is not UTF-8 text ({e})") from None
+
+
+def read_json(path: Path, key: str) -> dict[str, Any]:
+    """A JSON object from `path`; a missing, unreadable or malformed file is one line naming it
+    and `key` (the config key that led to it)."""
+    try:
+        value = json.loads(read_text(path, key))
+    except ConfigError as e:
+        if "is not UTF-8 text" in str(e):
+            raise ConfigError(f"{key}: {path} is not JSON (not UTF-8 text)") from None
+        raise
+    except json.JSONDecodeError as e:
         raise ConfigError(f"{key}: {path} is not JSON ({e})") from None
     if not isinstance(value, dict):
         raise ConfigError(f"{key}: {path} must hold a JSON object")

@@ -3,15 +3,20 @@ towers, and every way a folder can be wrong ends in one line naming the file, te
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from hf_folders import save_towers
+from hf_folders import save_llava_folder, save_towers
 from safetensors import safe_open
 
 from titan_vlm.config import ConfigError, JobConfig
+from titan_vlm.data import model_inputs
 from titan_vlm.errors import ConfigError as LeafConfigError
 from titan_vlm.models.build import load_hf
 from titan_vlm.models.hf_export import export_hf, hf_config, load_hf_model
@@ -20,6 +25,7 @@ from titan_vlm.models.llava.parallelize import apply_ac
 from titan_vlm.models.llava.spec import init_rule
 from titan_vlm.models.loading import canonical_parameters, init_from_seed
 from titan_vlm.models.registry import model_spec
+from titan_vlm.validate import validate_job
 
 transformers = pytest.importorskip("transformers")
 
@@ -165,3 +171,87 @@ def test_export_hf_needs_a_source_folder(tmp_path):
     ):
         export_hf(torch.nn.Linear(1, 1), cfg, tmp_path / "out")
     assert hf_config(str(tmp_path)).model.flavor == "hf"
+
+
+@contextlib.contextmanager
+def unreadable(path: Path):
+    """`path` with no permissions, read by a user that is not its owner: as root (root reads any
+    file), this process's effective user is 'nobody' inside the block. Everything the block
+    imports must be imported before (/root, where Python lives, is closed to 'nobody')."""
+    path.chmod(0)
+    root = os.geteuid() == 0
+    if root:
+        os.seteuid(65534)
+    try:
+        yield
+    finally:
+        if root:
+            os.seteuid(0)
+        path.chmod(0o644)
+
+
+@pytest.fixture
+def open_folder():
+    """A LLaVA folder 'nobody' may enter (pytest's tmp_path is closed to other users)."""
+    folder = Path(tempfile.mkdtemp(prefix="titan_vlm_hf_"))
+    folder.chmod(0o755)
+    yield save_llava_folder(folder / "llava", "clip_llama3")
+    shutil.rmtree(folder)
+
+
+@pytest.mark.parametrize(
+    "name", ["config.json", "tokenizer_config.json", "tokenizer.json", "chat_template.jinja"]
+)
+def test_an_unreadable_file_of_a_folder_is_one_line(open_folder, name):
+    cfg = JobConfig()
+    cfg.model.flavor, cfg.model.hf_path = "hf", str(open_folder)
+    validate_job(cfg, 1)  # imports what the reads below need, while it can
+    model_inputs(cfg)
+    with unreadable(open_folder / name), pytest.raises(ConfigError) as error:
+        validate_job(cfg, 1)
+        model_inputs(cfg)
+    message = str(error.value)
+    assert message == f"model.hf_path: {open_folder / name} cannot be read (Permission denied)"
+
+
+def test_a_file_where_the_folder_belongs_is_one_line(tmp_path):
+    image = tmp_path / "cat.png"
+    image.write_bytes(b"\x89PNG\r\n")
+    cfg = JobConfig()
+    cfg.model.flavor, cfg.model.hf_path = "hf", str(image)
+    with pytest.raises(
+        ConfigError, match=rf"^model.hf_path: {image} is a file, not a model folder"
+    ):
+        validate_job(cfg, 1)
+    config = tmp_path / "llava" / "config.json"
+    config.mkdir(parents=True)  # a folder where config.json belongs
+    cfg.model.hf_path = str(config.parent)
+    with pytest.raises(ConfigError, match=rf"^model.hf_path: {config} is a folder, not a file$"):
+        validate_job(cfg, 1)
+
+
+def test_an_export_the_disk_cannot_take_is_one_line_and_leaves_the_folder(tmp_path):
+    """A file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored: the write fails with EFBIG as a full disk
+    fails with ENOSPC) stops the weights' write: one line, and the earlier export in `out` is
+    left as it was, without a half-written folder beside it."""
+    import resource
+    import signal
+
+    folder = save_llava_folder(tmp_path / "llava", "clip_llama3")
+    model, _ = load_hf_model(hf_config(str(folder)))
+    out = tmp_path / "out"
+    export_hf(model, hf_config(str(folder)), out)
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # another model to export over it
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, limit[1]))
+    try:
+        with pytest.raises(ConfigError, match=rf"^--export-hf: cannot write .*; {out} is left"):
+            export_hf(model, hf_config(str(folder)), out)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llava", "out"]

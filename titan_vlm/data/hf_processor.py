@@ -56,7 +56,7 @@ from titan_vlm.data.images import ImageProcessing, ImageTooLarge, VideoRef, open
 from titan_vlm.data.tokenizer import HFTokenizer
 from titan_vlm.data.video import decode_video, probe_video
 from titan_vlm.errors import ConfigError
-from titan_vlm.files import read_json
+from titan_vlm.files import read_json, read_text
 
 if TYPE_CHECKING:
     import jinja2
@@ -586,7 +586,7 @@ def _chat_template(folder: Path, processor: dict) -> tuple[str | None, str]:
         value = read_json(folder / "chat_template.json", KEY).get("chat_template")
         candidates.append((value, "chat_template.json"))
     if (folder / "chat_template.jinja").is_file():
-        text = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        text = read_text(folder / "chat_template.jinja", KEY)
         candidates.append((text, "chat_template.jinja"))
     tokenizer_config = read_json(folder / "tokenizer_config.json", KEY)
     candidates.append((tokenizer_config.get("chat_template"), "tokenizer_config.json"))

@@ -17,7 +17,7 @@ from typing import Any
 
 from titan_vlm.data.tokenizer_classes import load as load_tokenizer_class
 from titan_vlm.errors import ConfigError
-from titan_vlm.files import read_json
+from titan_vlm.files import read_json, read_text
 
 
 class ByteTokenizer:
@@ -68,11 +68,12 @@ class HFTokenizer:
         `model_type`: the folder's config.json's (which class transformers loads it with)."""
         from tokenizers import Tokenizer
 
-        if not Path(path).is_file():
+        if not Path(path).exists():
             raise ConfigError(f"{key}: file not found: {path}")
         if config is None:
+            text = read_text(Path(path), key)  # a folder or an unreadable file: one line
             try:
-                self.tok = Tokenizer.from_file(path)
+                self.tok = Tokenizer.from_str(text)
             except Exception as e:  # the library's own parse errors
                 raise ConfigError(f"{key}: {path} is not a tokenizer.json ({e})") from None
             self._guess(path, key)

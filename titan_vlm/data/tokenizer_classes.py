@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from titan_vlm.errors import ConfigError
+from titan_vlm.files import read_text
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -121,11 +122,11 @@ def load(path: Path, config: dict, model_type: str | None) -> Tokenizer:
             f"model.hf_path: {path.parent}/tokenizer_config.json: tokenizer_class {name!r} is not "
             f"supported (supported: {', '.join(REBUILDS)})"
         )
+    text = read_text(path, "model.hf_path")  # a missing or unreadable file: one line
     try:
-        tok = Tokenizer.from_file(str(path))
+        tok = Tokenizer.from_str(text)
     except Exception as e:  # the library's own parse errors
         raise ConfigError(f"model.hf_path: {path} is not a tokenizer.json ({e})") from None
-    text = path.read_text(encoding="utf-8")
     if rebuild is llama and '"ByteLevel"' in text:  # transformers: "tokenizer.json is ByteLevel"
         rebuild = None
     if rebuild is None:

@@ -15,7 +15,9 @@ tensor; tied embeddings stay tied (one tensor, under the embedding's name).
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,7 @@ def export_hf(
 ) -> list[Path]:
     """Write `model` (whole, trained from cfg.model.hf_path) as a Hugging Face folder `out`.
     Returns the weight files written."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     if not cfg.model.hf_path:
@@ -108,24 +111,40 @@ def export_hf(
                 tensors[theirs] = st.read(theirs)
         for copy, original in spec.hf_same(model.args, keys):
             tensors[copy] = tensors[original].clone()  # the trained tensor, not the source's
-    out.mkdir(parents=True, exist_ok=True)
-    for old in (*out.glob("*.safetensors"), out / INDEX):
-        old.unlink(missing_ok=True)  # a previous export's shards would mix with this one's
-    for item in folder.iterdir():
-        if item.is_file() and item.suffix != ".safetensors" and item.name != INDEX:
-            shutil.copy2(item, out / item.name)
-    shards = _shards(tensors, max_shard_bytes)
-    if len(shards) == 1:
-        files = [out / SINGLE]
-    else:
+    # Everything is written into a folder beside `out` first; only a complete export moves into
+    # `out` (a full disk or an unreadable source file leaves `out` as it was, and no half folder)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        for item in folder.iterdir():
+            if item.is_file() and item.suffix != ".safetensors" and item.name != INDEX:
+                shutil.copy2(item, staging / item.name)
+        shards = _shards(tensors, max_shard_bytes)
         n = len(shards)
-        files = [out / f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    for path, shard in zip(files, shards):
-        save_file(shard, str(path), metadata={"format": "pt"})
-    if len(files) > 1:
-        index = {
-            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-            "weight_map": {name: path.name for path, s in zip(files, shards) for name in s},
-        }
-        (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return files
+        files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        if n == 1:
+            files = [SINGLE]
+        for file, shard in zip(files, shards):
+            save_file(shard, str(staging / file), metadata={"format": "pt"})
+        if n > 1:
+            index = {
+                "metadata": {
+                    "total_size": sum(t.numel() * t.element_size() for t in tensors.values())
+                },
+                "weight_map": {name: file for file, s in zip(files, shards) for name in s},
+            }
+            (staging / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        out.mkdir(exist_ok=True)
+        for old in (*out.glob("*.safetensors"), out / INDEX):
+            old.unlink(missing_ok=True)  # a previous export's shards would mix with this one's
+        for item in sorted(staging.iterdir()):
+            os.replace(item, out / item.name)
+    except (OSError, SafetensorError) as e:  # a full disk, a quota, a file-size limit
+        where = getattr(e, "filename", None) or out
+        why = getattr(e, "strerror", None) or " ".join(str(e).split())
+        raise ConfigError(
+            f"--export-hf: cannot write {where}: {why}; {out} is left as it was"
+        ) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return [out / file for file in files]

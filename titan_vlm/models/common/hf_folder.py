@@ -114,8 +114,14 @@ def source_changes(saved: dict[str, str], now: dict[str, str]) -> str | None:
     return "the source files " + ", ".join(parts) + " since the checkpoint was written"
 
 
-def config_path(path: Path) -> Path:
-    """The config.json of a model folder, or of the folder holding a .safetensors file."""
+def config_path(path: Path, key: str = "model.hf_path") -> Path:
+    """The config.json of a model folder, or of the folder holding a .safetensors file; any
+    other file where the folder belongs is one line naming `key`."""
+    if path.is_file() and path.suffix != ".safetensors":
+        raise ConfigError(
+            f"{key}: {path} is a file, not a model folder (the folder holding config.json, the "
+            "weights and the tokenizer files)"
+        )
     return (path.parent if path.is_file() else path) / "config.json"
 
 

@@ -69,10 +69,10 @@ def llava_args(cfg: JobConfig) -> VLMArgs:
             )
         vision = text = None
         if m.hf_vision_path:
-            path = config_path(Path(m.hf_vision_path))
+            path = config_path(Path(m.hf_vision_path), "model.hf_vision_path")
             vision = vision_args_from_hf(read_json(path, "model.hf_vision_path"), str(path))
         if m.hf_text_path:
-            path = config_path(Path(m.hf_text_path))
+            path = config_path(Path(m.hf_text_path), "model.hf_text_path")
             text = text_args_from_hf(read_json(path, "model.hf_text_path"), str(path))
         base = get_flavor(m.flavor) if m.flavor != "hf" else VLMArgs()
         from_hf = dataclasses.replace(

@@ -69,7 +69,7 @@ from titan_vlm.data.hf_processor import (
 )
 from titan_vlm.data.images import ImageProcessing, open_image
 from titan_vlm.errors import ConfigError
-from titan_vlm.files import read_json
+from titan_vlm.files import read_json, read_text
 
 if TYPE_CHECKING:
     from PIL import Image as PILImage
@@ -404,10 +404,9 @@ class VisionTokens:
             for name, default in (("image_token", IMAGE_TOKEN), ("video_token", VIDEO_TOKEN))
         }
         path = folder / "tokenizer.json"
-        if not path.is_file():
-            raise ConfigError(f"{KEY}: {path} not found")
+        text = read_text(path, KEY)  # missing, a folder or unreadable: one line
         try:
-            tokenizer = Tokenizer.from_file(str(path))
+            tokenizer = Tokenizer.from_str(text)
         except Exception as e:  # the library's own parse errors
             raise ConfigError(f"{KEY}: {path} is not a tokenizer.json ({e})") from None
         ids = {}
