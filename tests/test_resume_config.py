@@ -5,11 +5,12 @@ the lr schedule) is accepted and logged."""
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from hf_folders import save_llava_folder
 
-from titan_vlm.checkpoint import CheckpointError, load_model_for_inference
+from titan_vlm.checkpoint import load_model_for_inference
 from titan_vlm.config import ConfigError, load_config
 from titan_vlm.resume_config import DATA_FILE, GLOBAL_ROWS, check_resume_config, run_facts
 
@@ -122,16 +123,25 @@ def test_a_real_resume_with_another_seed_stops_and_allow_config_change_goes_on(p
     assert saved["training"]["seed"] == 3
 
 
-def test_a_source_folder_edited_after_training_is_refused_in_one_line(pool, tmp_path):
-    """The checkpoint records every file of model.hf_path (weights by size): an edited
-    config.json (another rope_theta: other numbers from the same weights), a deleted
-    tokenizer.json or a new file stop a resume, generate and the exports in one line naming the
-    file; the folder as it was (the control) resumes and loads."""
+def test_a_checkpoint_is_independent_of_its_source_folder(pool, tmp_path):
+    """A checkpoint records every file of model.hf_path (weights by size) and carries copies of
+    what decides the model's numbers besides the weights (config.json, tokenizer, chat template,
+    processor settings; the source tensors' names, dtypes and shapes, and the unused ones).
+    Edited after training (another rope_theta: other numbers from the same weights; a new file;
+    a lost tokenizer.json), the source stops a resume in one line naming the files; generate and
+    the exports read the copies and give what they gave before, even with the source gone; the
+    folder as it was (the control) resumes."""
+    from transformers import LlavaForConditionalGeneration
+
+    from titan_vlm.models.hf_export import export_hf
+
     folder = save_llava_folder(tmp_path / "llava", "clip_llama3")
     run = dict(RUN, model__flavor="hf", model__hf_path=str(folder), job__dump_folder=str(tmp_path))
     run.pop("steps")
     pool.run("train_run", dp_shard=1, cp=1, steps=2, **run)
     checkpoint = tmp_path / "copy0" / "checkpoint"
+    model, cfg = load_model_for_inference(checkpoint)
+    export_hf(model, cfg, tmp_path / "export_before")
     config = (folder / "config.json").read_text()
     edited = json.loads(config)
     edited["text_config"]["rope_parameters"]["rope_theta"] = 10.0
@@ -139,20 +149,35 @@ def test_a_source_folder_edited_after_training_is_refused_in_one_line(pool, tmp_
     changed = r"the source files model.hf_path: config.json changed \(\d+ bytes, \w+ -> "
     with pytest.raises(RuntimeError, match=rf"ConfigError: resume from .*step-2: {changed}"):
         pool.run("train_run", dp_shard=1, cp=1, steps=3, **run)
-    with pytest.raises(CheckpointError, match=rf"^checkpoint .*step-2: {changed}"):
-        load_model_for_inference(checkpoint)  # generate --checkpoint, --export, --export-hf
-    (folder / "config.json").write_text(config)
     tokenizer = (folder / "tokenizer.json").read_bytes()
     (folder / "tokenizer.json").unlink()
     (folder / "notes.txt").write_text("a file that was not there")
     with pytest.raises(
-        CheckpointError,
-        match=r"model.hf_path: notes.txt added, model.hf_path: tokenizer.json removed since",
+        RuntimeError,
+        match=r"config.json changed .*, model.hf_path: notes.txt added, model.hf_path: "
+        r"tokenizer.json removed since the checkpoint was written",
     ):
-        load_model_for_inference(checkpoint)
+        pool.run("train_run", dp_shard=1, cp=1, steps=3, **run)
+
+    folder.rename(tmp_path / "moved")  # the source gone: generate and export read the copies
+    model, cfg = load_model_for_inference(checkpoint)
+    assert Path(cfg.model.hf_path) == checkpoint / "step-2" / "source" / "model.hf_path"
+    assert (
+        model.args.decoder.rope_theta
+        == json.loads(config)["text_config"]["rope_parameters"]["rope_theta"]
+    )
+    export_hf(model, cfg, tmp_path / "export_after")
+    before = {f.name: f.read_bytes() for f in (tmp_path / "export_before").iterdir()}
+    after = {f.name: f.read_bytes() for f in (tmp_path / "export_after").iterdir()}
+    assert after == before  # the same files, byte for byte, tokenizer.json among them
+    _, info = LlavaForConditionalGeneration.from_pretrained(
+        tmp_path / "export_after", output_loading_info=True
+    )
+    assert not any(info.values()), info
+
+    (tmp_path / "moved").rename(folder)  # the control: the folder as it was
+    (folder / "config.json").write_text(config)
     (folder / "notes.txt").unlink()
     (folder / "tokenizer.json").write_bytes(tokenizer)
-    model, cfg = load_model_for_inference(checkpoint)  # the folder as it was
-    assert cfg.model.hf_path == str(folder)
     resumed = pool.run("train_run", dp_shard=1, cp=1, steps=3, **run)
     assert [h["step"] for h in resumed[0]] == [3]

@@ -67,7 +67,17 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError, UserError
-from titan_vlm.models.common.hf_folder import source_changes, source_files
+from titan_vlm.models.common.hf_folder import (
+    INDEX,
+    RECORDED,
+    UNUSED,
+    WEIGHT_SUFFIXES,
+    SafetensorsFiles,
+    hf_sources,
+    source_changes,
+    source_files,
+    weight_files,
+)
 from titan_vlm.resume_config import SOURCE_FILES, check_resume_config, run_facts
 
 if TYPE_CHECKING:
@@ -78,6 +88,68 @@ logger = logging.getLogger("titan_vlm")
 MANIFEST = "manifest.json"
 CONFIG = "config.json"
 FACTS = "facts.json"
+
+
+SOURCE = "source"  # step-N/source/<config key>/: copies of the model's Hugging Face sources
+
+
+def copy_sources(cfg: JobConfig, recorded: dict[str, str], dest: Path) -> None:
+    """Copy what decides the model's numbers besides the weights into a checkpoint: for each
+    Hugging Face source of `cfg` (hf_sources), its folder's files other than the weights, the
+    name, dtype and shape of every tensor of its weights and the tensors the model does not use
+    (common/hf_folder.py RECORDED, UNUSED: what --export-hf needs); model.tokenizer_path's
+    file. The sources must still be what the run started from (`recorded`: its facts), else a
+    one-line UserError: the copies would not be what it trained with."""
+    from safetensors.torch import save_file
+
+    from titan_vlm.models.registry import model_spec
+
+    changes = source_changes(recorded, source_files(cfg), "since this run started")
+    if changes:
+        raise UserError(
+            f"checkpoint: {changes}: restore them (the copies would not be the files "
+            "this run trained with)"
+        )
+    sources = hf_sources(cfg)
+    if not sources and not cfg.model.tokenizer_path:
+        return
+    spec = model_spec(cfg)
+    args = spec.args(cfg)
+    for key, path in sources:
+        folder, target = (path.parent if path.is_file() else path), dest / key
+        target.mkdir(parents=True)
+        for item in folder.iterdir():
+            if item.is_file() and item.suffix not in WEIGHT_SUFFIXES and item.name != INDEX:
+                shutil.copy2(item, target / item.name)
+        with SafetensorsFiles(weight_files(path, key), key) as st:
+            names = sorted(st.keys())
+            recorded_tensors = {
+                n: {"dtype": st.dtype_code(n), "shape": list(st.shape(n))} for n in names
+            }
+            (target / RECORDED).write_text(json.dumps(recorded_tensors, indent=1))
+            unused = sorted(spec.hf_unused(args, set(names)))
+            if unused:
+                tensors = {n: st.read(n).contiguous() for n in unused}
+                save_file(tensors, str(target / UNUSED), metadata={"format": "pt"})
+    if cfg.model.tokenizer_path:
+        tokenizer = Path(cfg.model.tokenizer_path)
+        (dest / "model.tokenizer_path").mkdir(parents=True)
+        shutil.copy2(tokenizer, dest / "model.tokenizer_path" / tokenizer.name)
+
+
+def copied_sources(step_dir: Path) -> dict[str, Path]:
+    """{config key: its copy} of a checkpoint's copies of its sources (`copy_sources`; none in a
+    checkpoint of an older version, or of a model from no Hugging Face folder): a folder for
+    model.hf_path, hf_vision_path, hf_text_path, the tokenizer.json for model.tokenizer_path."""
+    found: dict[str, Path] = {}
+    if not (step_dir / SOURCE).is_dir():
+        return found
+    for copy in sorted((step_dir / SOURCE).iterdir()):
+        if copy.name == "model.tokenizer_path":
+            found[copy.name] = next(copy.iterdir())
+        else:
+            found[copy.name] = copy
+    return found
 
 
 class CheckpointError(UserError):
@@ -370,7 +442,10 @@ class Checkpointer:
         def write_json() -> list[str]:
             (step_dir / CONFIG).write_text(json.dumps(dataclasses.asdict(self.cfg), indent=1))
             (step_dir / FACTS).write_text(json.dumps(self.facts, indent=1))
-            return sorted(p.name for p in step_dir.iterdir())
+            copy_sources(self.cfg, self.facts[SOURCE_FILES], step_dir / SOURCE)
+            return sorted(
+                p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file()
+            )
 
         # after every rank's shards are on disk: the folder's files, to digest
         names = self._on_rank0(write_json)
@@ -504,15 +579,10 @@ def load_model_for_inference(path: str | Path) -> tuple[VisionLanguageModel, Job
         [f"--model.{k}={v}" for k, v in saved["model"].items()]
         + [f"--data.dataset={saved['data']['dataset']}"]
     )
-    # the architecture, tokenizer and processor come from the sources' files: they must be the
-    # ones the checkpoint trained with (a checkpoint of an older version records none)
-    recorded = json.loads((step_dir / FACTS).read_text()).get(SOURCE_FILES)
-    changes = None if recorded is None else source_changes(recorded, source_files(cfg))
-    if changes:
-        raise CheckpointError(
-            f"checkpoint {step_dir}: {changes}; the model built from them would not be the one "
-            "trained (restore the files)"
-        )
+    # the architecture, tokenizer and processor come from the checkpoint's copies of the source
+    # files (verified with the rest): editing, moving or deleting the sources changes nothing
+    for key, copy in copied_sources(step_dir).items():
+        setattr(cfg.model, key.removeprefix("model."), str(copy))
     spec = model_spec(cfg)
     model = unfilled_model(spec, spec.args(cfg))
     state = {"model": model.state_dict()}

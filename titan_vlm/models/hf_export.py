@@ -28,7 +28,7 @@ from titan_vlm.config import ImageAttention, JobConfig
 from titan_vlm.errors import ConfigError
 from titan_vlm.models.build import load_hf, unfilled_model
 from titan_vlm.models.common.hf_adapter import hf_tensor_parts
-from titan_vlm.models.common.hf_folder import INDEX, SINGLE, SafetensorsFiles, weight_files
+from titan_vlm.models.common.hf_folder import INDEX, RECORDED, SINGLE, UNUSED, source_tensors
 from titan_vlm.models.registry import model_spec
 from titan_vlm.models.spec import VisionLanguageModel
 
@@ -99,7 +99,7 @@ def export_hf(
     spec = model_spec(cfg)
     params = {n: p.detach() for n, p in model.named_parameters()}
     tensors: dict[str, torch.Tensor] = {}
-    with SafetensorsFiles(weight_files(source, "model.hf_path"), "model.hf_path") as st:
+    with source_tensors(source, "model.hf_path") as st:
         keys = st.keys()
         names = spec.hf_names(model.args, keys, str(source))
         for theirs, parts in hf_tensor_parts(names).items():  # a fused tensor: its parts, in order
@@ -117,7 +117,8 @@ def export_hf(
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         for item in folder.iterdir():
-            if item.is_file() and item.suffix != ".safetensors" and item.name != INDEX:
+            copied = item.suffix != ".safetensors" and item.name not in (INDEX, RECORDED, UNUSED)
+            if item.is_file() and copied:
                 shutil.copy2(item, staging / item.name)
         shards = _shards(tensors, max_shard_bytes)
         n = len(shards)

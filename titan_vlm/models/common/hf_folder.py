@@ -98,9 +98,12 @@ def source_files(cfg: JobConfig) -> dict[str, str]:
     return found
 
 
-def source_changes(saved: dict[str, str], now: dict[str, str]) -> str | None:
-    """What differs between two `source_files` fingerprints, one phrase ("model.hf_path:
-    config.json changed, tokenizer.json removed"); None when they agree."""
+def source_changes(
+    saved: dict[str, str], now: dict[str, str], since: str = "since the checkpoint was written"
+) -> str | None:
+    """What differs between two `source_files` fingerprints, one phrase ("the source files
+    model.hf_path: config.json changed (...), model.hf_path: tokenizer.json removed <since>");
+    None when they agree."""
     parts = []
     for name in sorted(saved.keys() | now.keys()):
         if name not in now:
@@ -111,7 +114,7 @@ def source_changes(saved: dict[str, str], now: dict[str, str]) -> str | None:
             parts.append(f"{name} changed ({saved[name]} -> {now[name]})")
     if not parts:
         return None
-    return "the source files " + ", ".join(parts) + " since the checkpoint was written"
+    return "the source files " + ", ".join(parts) + f" {since}"
 
 
 def config_path(path: Path, key: str = "model.hf_path") -> Path:
@@ -123,6 +126,58 @@ def config_path(path: Path, key: str = "model.hf_path") -> Path:
             "weights and the tokenizer files)"
         )
     return (path.parent if path.is_file() else path) / "config.json"
+
+
+# A checkpoint's copy of a source folder (checkpoint.py copy_sources) holds the folder's other
+# files, the name, dtype and shape of every tensor of its weights (RECORDED) and the tensors the
+# model does not use (UNUSED): what --export-hf needs besides the trained weights.
+RECORDED = "source_tensors.json"
+UNUSED = "unused.safetensors"
+
+
+class RecordedTensors:
+    """The tensors of a checkpoint's copy of a source folder, as SafetensorsFiles offers them:
+    every name, dtype and shape; the bytes of the unused ones only."""
+
+    def __init__(self, folder: Path, key: str):
+        self.key = key
+        self.recorded = read_json(folder / RECORDED, key)
+        self.unused = (
+            SafetensorsFiles([folder / UNUSED], key) if (folder / UNUSED).is_file() else None
+        )
+
+    def __enter__(self) -> RecordedTensors:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.unused = None
+
+    def keys(self) -> set[str]:
+        return set(self.recorded)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.recorded[name]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        code = self.recorded[name]["dtype"]
+        if code not in DTYPES:
+            raise ConfigError(f"{self.key}: tensor '{name}' has dtype {code}, not a float type")
+        return DTYPES[code]
+
+    def read(self, name: str) -> torch.Tensor:
+        if self.unused is None or name not in self.unused.keys():
+            raise ConfigError(f"{self.key}: the checkpoint's copy holds no bytes of '{name}'")
+        return self.unused.read(name)
+
+
+def source_tensors(path: Path, key: str) -> SafetensorsFiles | RecordedTensors:
+    """The tensors of a source: a checkpoint's copy of it (RecordedTensors), or the folder's (or
+    the .safetensors file's) own files."""
+    if path.is_dir() and (path / RECORDED).is_file():
+        return RecordedTensors(path, key)
+    return SafetensorsFiles(weight_files(path, key), key)
 
 
 class SafetensorsFiles:
@@ -166,8 +221,12 @@ class SafetensorsFiles:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
 
+    def dtype_code(self, name: str) -> str:
+        """The safetensors dtype of tensor `name` ("F32", "BF16", "I64", ...)."""
+        return str(self._handles[self._where[name]].get_slice(name).get_dtype())
+
     def dtype(self, name: str) -> torch.dtype:
-        code = self._handles[self._where[name]].get_slice(name).get_dtype()
+        code = self.dtype_code(name)
         if code not in DTYPES:
             raise ConfigError(f"{self.key}: tensor '{name}' has dtype {code}, not a float type")
         return DTYPES[code]
