@@ -16,7 +16,6 @@ ConfigError naming the key.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from titan_vlm.config import JobConfig, Training, check_choices
 from titan_vlm.errors import ConfigError
@@ -102,7 +101,7 @@ def validate_job(cfg: JobConfig, world_size: int) -> ParallelDims:
 
 def _validate_recipe_keys(cfg: JobConfig) -> None:
     """The validation, profiling, W&B and checkpoint-loading keys."""
-    from titan_vlm.data.jsonl import FORMATS
+    from titan_vlm.data.jsonl import check_dataset_file
 
     v, prof, ckpt = cfg.validation, cfg.profiling, cfg.checkpoint
     for key, value in (
@@ -113,13 +112,7 @@ def _validate_recipe_keys(cfg: JobConfig) -> None:
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
     if v.enable and v.dataset != "synthetic":
-        path = Path(v.dataset)
-        if path.suffix not in FORMATS:
-            raise ConfigError(
-                f"validation.dataset={v.dataset!r}: expected 'synthetic' or a .json / .jsonl file"
-            )
-        if not path.is_file():
-            raise ConfigError(f"validation.dataset: file not found: {v.dataset}")
+        check_dataset_file("validation.dataset", v.dataset)
     if v.enable and v.dataset == "synthetic" and cfg.data.native_resolution_pixels:
         raise ConfigError(
             "validation.dataset='synthetic' draws every image at the model's size, but "

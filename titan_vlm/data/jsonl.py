@@ -90,6 +90,14 @@ if TYPE_CHECKING:
     from titan_vlm.config import Data
 
 
+def check_dataset_file(key: str, value: str) -> None:
+    """`value`, a dataset key's file (not "synthetic"): a .json / .jsonl file that exists."""
+    if Path(value).suffix not in FORMATS:
+        raise ConfigError(f"{key}={value!r}: expected 'synthetic' or a .json / .jsonl file")
+    if not Path(value).is_file():
+        raise ConfigError(f"{key}: file not found: {value}")
+
+
 def validate_data_config(data: Data) -> None:
     """The data.* keys of a dataset file, before any process group exists (the file itself is
     parsed when the dataset is built). data.on_bad_sample, a choice key, is checked with the
@@ -108,13 +116,7 @@ def validate_data_config(data: Data) -> None:
                 "data draws every image at the model's size (set it to 0)"
             )
         return
-    path = Path(data.dataset)
-    if path.suffix not in FORMATS:
-        raise ConfigError(
-            f"data.dataset={data.dataset!r}: expected 'synthetic' or a .json / .jsonl file"
-        )
-    if not path.is_file():
-        raise ConfigError(f"data.dataset: file not found: {data.dataset}")
+    check_dataset_file("data.dataset", data.dataset)
     if data.image_root and not Path(data.image_root).is_dir():
         raise ConfigError(f"data.image_root: folder not found: {data.image_root}")
 
