@@ -141,7 +141,10 @@ def test_a_checkpoint_is_independent_of_its_source_folder(pool, tmp_path):
     pool.run("train_run", dp_shard=1, cp=1, steps=2, **run)
     checkpoint = tmp_path / "copy0" / "checkpoint"
     model, cfg = load_model_for_inference(checkpoint)
-    export_hf(model, cfg, tmp_path / "export_before")
+    from_source = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, hf_path=str(folder))
+    )
+    export_hf(model, from_source, tmp_path / "export_before")  # from the source folder itself
     config = (folder / "config.json").read_text()
     edited = json.loads(config)
     edited["text_config"]["rope_parameters"]["rope_theta"] = 10.0

@@ -25,6 +25,13 @@ by every rank together at the first step boundary after every rank's files are w
 leaves a step folder without a manifest, which a resume passes over, and `latest` where it was.
 checkpoint.initial_load_path starts a run with no checkpoint of its own from another run's model
 weights (`load_initial_weights`).
+
+A checkpoint is independent of the Hugging Face folders the model came from: step-N/source/<key>/
+holds copies of what decides its numbers besides the weights (`copy_sources`: made once as the
+run starts, in <checkpoint.folder>/.sources/, and linked into each step folder, where the
+manifest covers them); generate and the exports read them (`load_model_for_inference`), and
+facts.json's fingerprint of the sources makes a resume refuse an edited source
+(resume_config.py).
 The data is a pure function of the step (data/synthetic.py), so the step is the data position.
 DCP stores DTensor shards with their global shapes, so a checkpoint written at one CP / DP layout
 loads into another.
@@ -68,17 +75,15 @@ from torch.distributed.checkpoint.stateful import Stateful
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError, UserError
 from titan_vlm.models.common.hf_folder import (
-    INDEX,
     RECORDED,
     UNUSED,
     WEIGHT_SUFFIXES,
     SafetensorsFiles,
     hf_sources,
-    source_changes,
-    source_files,
+    source_file_paths,
     weight_files,
 )
-from titan_vlm.resume_config import SOURCE_FILES, check_resume_config, run_facts
+from titan_vlm.resume_config import check_resume_config, run_facts
 
 if TYPE_CHECKING:
     from titan_vlm.models.spec import VisionLanguageModel
@@ -91,64 +96,71 @@ FACTS = "facts.json"
 
 
 SOURCE = "source"  # step-N/source/<config key>/: copies of the model's Hugging Face sources
+SOURCES_STAGED = ".sources"  # <checkpoint.folder>/.sources/: the run's copies, made at its start
+SOURCE_KEYS = (
+    "model.hf_path",
+    "model.hf_vision_path",
+    "model.hf_text_path",
+    "model.tokenizer_path",
+)
 
 
-def copy_sources(cfg: JobConfig, recorded: dict[str, str], dest: Path) -> None:
-    """Copy what decides the model's numbers besides the weights into a checkpoint: for each
-    Hugging Face source of `cfg` (hf_sources), its folder's files other than the weights, the
-    name, dtype and shape of every tensor of its weights and the tensors the model does not use
-    (common/hf_folder.py RECORDED, UNUSED: what --export-hf needs); model.tokenizer_path's
-    file. The sources must still be what the run started from (`recorded`: its facts), else a
-    one-line UserError: the copies would not be what it trained with."""
+def copy_sources(cfg: JobConfig, dest: Path) -> None:
+    """Copy what decides the model's numbers besides the weights, from the Hugging Face sources
+    of `cfg` into `dest` (replaced), once as a run starts: for each source
+    (common/hf_folder.py source_files' files: a folder's non-weight files, or a tower file's
+    config.json), and for model.hf_path also the name, dtype and shape of every tensor of its
+    weights and the tensors the model does not use (RECORDED, UNUSED: what --export-hf needs);
+    model.tokenizer_path's file. Nothing when the model comes from no Hugging Face source."""
     from safetensors.torch import save_file
 
     from titan_vlm.models.registry import model_spec
 
-    changes = source_changes(recorded, source_files(cfg), "since this run started")
-    if changes:
-        raise UserError(
-            f"checkpoint: {changes}: restore them (the copies would not be the files "
-            "this run trained with)"
-        )
-    sources = hf_sources(cfg)
-    if not sources and not cfg.model.tokenizer_path:
+    if dest.exists():
+        shutil.rmtree(dest)
+    files = source_file_paths(cfg)
+    if not files:
         return
-    spec = model_spec(cfg)
-    args = spec.args(cfg)
-    for key, path in sources:
-        folder, target = (path.parent if path.is_file() else path), dest / key
-        target.mkdir(parents=True)
-        for item in folder.iterdir():
-            if item.is_file() and item.suffix not in WEIGHT_SUFFIXES and item.name != INDEX:
-                shutil.copy2(item, target / item.name)
+    for key, path in files:
+        (dest / key).mkdir(parents=True, exist_ok=True)
+        if path.suffix not in WEIGHT_SUFFIXES:  # the weights are the checkpoint's own
+            shutil.copy2(path, dest / key / path.name)
+    for key, path in hf_sources(cfg):
+        if key != "model.hf_path":  # separate towers do not export (--export-hf: hf_path only)
+            continue
+        spec = model_spec(cfg)
+        args = spec.args(cfg)
         with SafetensorsFiles(weight_files(path, key), key) as st:
             names = sorted(st.keys())
-            recorded_tensors = {
-                n: {"dtype": st.dtype_code(n), "shape": list(st.shape(n))} for n in names
-            }
-            (target / RECORDED).write_text(json.dumps(recorded_tensors, indent=1))
+            recorded = {n: {"dtype": st.dtype_code(n), "shape": list(st.shape(n))} for n in names}
+            (dest / key / RECORDED).write_text(json.dumps(recorded, indent=1))
             unused = sorted(spec.hf_unused(args, set(names)))
             if unused:
                 tensors = {n: st.read(n).contiguous() for n in unused}
-                save_file(tensors, str(target / UNUSED), metadata={"format": "pt"})
-    if cfg.model.tokenizer_path:
-        tokenizer = Path(cfg.model.tokenizer_path)
-        (dest / "model.tokenizer_path").mkdir(parents=True)
-        shutil.copy2(tokenizer, dest / "model.tokenizer_path" / tokenizer.name)
+                save_file(tensors, str(dest / key / UNUSED), metadata={"format": "pt"})
 
 
-def copied_sources(step_dir: Path) -> dict[str, Path]:
+def link_or_copy(src: str, dst: str) -> None:
+    """A hard link (the staged copies are never written again), a copy across file systems."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def copied_sources(step_dir: Path, saved_model: dict[str, Any]) -> dict[str, Path]:
     """{config key: its copy} of a checkpoint's copies of its sources (`copy_sources`; none in a
-    checkpoint of an older version, or of a model from no Hugging Face folder): a folder for
-    model.hf_path, hf_vision_path, hf_text_path, the tokenizer.json for model.tokenizer_path."""
+    checkpoint of an older version, or of a model from no Hugging Face folder): the copied
+    folder for model.hf_path, hf_vision_path, hf_text_path (a tower given as a .safetensors file:
+    the folder of its config.json), the copied file for model.tokenizer_path. Only the keys the
+    saved config (`saved_model`: its [model] section) sets."""
     found: dict[str, Path] = {}
-    if not (step_dir / SOURCE).is_dir():
-        return found
-    for copy in sorted((step_dir / SOURCE).iterdir()):
-        if copy.name == "model.tokenizer_path":
-            found[copy.name] = next(copy.iterdir())
-        else:
-            found[copy.name] = copy
+    for key in SOURCE_KEYS:
+        value = saved_model.get(key.removeprefix("model."))
+        copy = step_dir / SOURCE / key
+        if not value or not copy.is_dir():
+            continue
+        found[key] = copy / Path(value).name if key == "model.tokenizer_path" else copy
     return found
 
 
@@ -324,6 +336,10 @@ class Checkpointer:
         box: list[dict[str, Any] | None] = [run_facts(cfg, global_rows) if self.rank0 else None]
         dist.broadcast_object_list(box, group=group, group_src=0)
         self.facts = cast(dict[str, Any], box[0])  # rank 0's, on every rank
+        # the sources' copies, made once now, as the run starts from them (`copy_sources`); each
+        # checkpoint links them into its step folder
+        self.sources = self.folder / SOURCES_STAGED
+        self._on_rank0(lambda: copy_sources(cfg, self.sources))
         # checkpoint.async_mode: the save being written in the background (step, its folder,
         # DCP's future), and the gloo group its collectives use: DCP's async save needs a CPU
         # backend, and a group of its own keeps them from interleaving with the training's
@@ -442,7 +458,8 @@ class Checkpointer:
         def write_json() -> list[str]:
             (step_dir / CONFIG).write_text(json.dumps(dataclasses.asdict(self.cfg), indent=1))
             (step_dir / FACTS).write_text(json.dumps(self.facts, indent=1))
-            copy_sources(self.cfg, self.facts[SOURCE_FILES], step_dir / SOURCE)
+            if self.sources.is_dir():
+                shutil.copytree(self.sources, step_dir / SOURCE, copy_function=link_or_copy)
             return sorted(
                 p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file()
             )
@@ -473,13 +490,18 @@ class Checkpointer:
         )
 
     def _on_rank0(self, fn: Callable[[], Any]) -> Any:
-        """fn() on rank 0, its result on every rank; its OSError a UserError on every rank."""
+        """fn() on rank 0, its result on every rank; its OSError (or any other error: a
+        UserError, safetensors' own) a one-line UserError on every rank, not rank 0's alone."""
         result = error = None
         if self.rank0:
             try:
                 result = fn()
             except OSError as e:
                 error = str(self._write_error(e, e.filename or str(self.folder)))
+            except UserError as e:
+                error = str(e)
+            except Exception as e:  # noqa: BLE001 - reported on every rank, in one line
+                error = f"checkpoint: {type(e).__name__}: {' '.join(str(e).split())}"
         box = [(result, error)]
         dist.broadcast_object_list(box, group=self.group, group_src=0)
         result, error = box[0]
@@ -581,7 +603,7 @@ def load_model_for_inference(path: str | Path) -> tuple[VisionLanguageModel, Job
     )
     # the architecture, tokenizer and processor come from the checkpoint's copies of the source
     # files (verified with the rest): editing, moving or deleting the sources changes nothing
-    for key, copy in copied_sources(step_dir).items():
+    for key, copy in copied_sources(step_dir, saved["model"]).items():
         setattr(cfg.model, key.removeprefix("model."), str(copy))
     spec = model_spec(cfg)
     model = unfilled_model(spec, spec.args(cfg))

@@ -111,10 +111,11 @@ def export_hf(
                 tensors[theirs] = st.read(theirs)
         for copy, original in spec.hf_same(model.args, keys):
             tensors[copy] = tensors[original].clone()  # the trained tensor, not the source's
-    # Everything is written into a folder beside `out` first; only a complete export moves into
-    # `out` (a full disk or an unreadable source file leaves `out` as it was, and no half folder)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    # Everything is written into a hidden folder inside `out` first (the same file system, so the
+    # moves are renames); only a complete export moves in, then a previous export's shards that
+    # are not this one's go: a full disk or an unreadable source file leaves `out` as it was
+    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=out))
     try:
         for item in folder.iterdir():
             copied = item.suffix != ".safetensors" and item.name not in (INDEX, RECORDED, UNUSED)
@@ -135,13 +136,14 @@ def export_hf(
                 "weight_map": {name: file for file, s in zip(files, shards) for name in s},
             }
             (staging / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        out.mkdir(exist_ok=True)
-        for old in (*out.glob("*.safetensors"), out / INDEX):
-            old.unlink(missing_ok=True)  # a previous export's shards would mix with this one's
+        written = {item.name for item in staging.iterdir()}
         for item in sorted(staging.iterdir()):
             os.replace(item, out / item.name)
+        for old in (*out.glob("*.safetensors"), out / INDEX):
+            if old.name not in written:  # a previous export's shards would mix with this one's
+                old.unlink(missing_ok=True)
     except (OSError, SafetensorError) as e:  # a full disk, a quota, a file-size limit
-        where = getattr(e, "filename", None) or out
+        where = out
         why = getattr(e, "strerror", None) or " ".join(str(e).split())
         raise ConfigError(
             f"--export-hf: cannot write {where}: {why}; {out} is left as it was"

@@ -62,38 +62,64 @@ def hf_sources(cfg: JobConfig) -> list[tuple[str, Path]]:
 # Files of a source folder that are weights or too big to digest at every start: their size
 # stands for them (a checkpoint holds the trained weights; the source's are read at the start of
 # training only, and by the export for the tensors the model does not use)
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".h5",
+    ".msgpack",
+    ".gguf",
+    ".onnx",
+    ".ot",
+    ".npz",
+)
+
+
+def source_file_paths(cfg: JobConfig) -> list[tuple[str, Path]]:
+    """(config key, file) of every file the model and tokenizer of `cfg` are read from besides
+    the weights' bytes: each file of a model.hf_path folder (weights included: `source_files`
+    takes them by size) but hidden ones (an editor's swap file, NFS's .nfs*); a tower's folder
+    or file (hf_vision_path, hf_text_path): its config.json, and a folder's weight files;
+    model.tokenizer_path's file."""
+    found: list[tuple[str, Path]] = []
+    for key, path in hf_sources(cfg):
+        folder = path.parent if path.is_file() else path
+        if not folder.is_dir():
+            continue
+        if key == "model.hf_path":
+            files = [f for f in sorted(folder.iterdir()) if f.is_file()]
+            found += [(key, f) for f in files if not f.name.startswith(".")]
+        else:
+            tower = [folder / "config.json"]
+            tower += [path] if path.is_file() else [folder / SINGLE, folder / INDEX]
+            found += [(key, f) for f in tower if f.is_file()]
+    if cfg.model.tokenizer_path and Path(cfg.model.tokenizer_path).is_file():
+        found.append(("model.tokenizer_path", Path(cfg.model.tokenizer_path)))
+    return found
 
 
 def source_files(cfg: JobConfig) -> dict[str, str]:
-    """A fingerprint of the Hugging Face sources `cfg` builds its model and tokenizer from:
-    {"<key>: <file>": "<size> bytes, <SHA-256 prefix>"} for every file of each source folder
-    (model.hf_path, hf_vision_path, hf_text_path; the folder of a .safetensors file given
-    directly) and model.tokenizer_path; weight files by their size alone. What a checkpoint
-    records (resume_config.run_facts) and resume, generate and the exports compare
-    (`source_changes`)."""
+    """A fingerprint of the Hugging Face sources `cfg` builds its model and tokenizer from
+    (`source_file_paths`): {"<key>: <file>": "<size> bytes, <SHA-256 prefix>"}, weight files by
+    their size alone. What a checkpoint records (resume_config.run_facts) and a resume compares
+    (`source_changes`); an unreadable file is one line."""
     import hashlib
 
     found: dict[str, str] = {}
-    sources = [(key, path.parent if path.is_file() else path) for key, path in hf_sources(cfg)]
-    files = [
-        (key, f)
-        for key, folder in sources
-        if folder.is_dir()
-        for f in sorted(folder.iterdir())
-        if f.is_file()
-    ]
-    if cfg.model.tokenizer_path and Path(cfg.model.tokenizer_path).is_file():
-        files.append(("model.tokenizer_path", Path(cfg.model.tokenizer_path)))
-    for key, f in files:
-        size = f.stat().st_size
-        if f.suffix in WEIGHT_SUFFIXES:
-            found[f"{key}: {f.name}"] = f"{size} bytes"
-            continue
-        h = hashlib.sha256()
-        with open(f, "rb") as stream:
-            while chunk := stream.read(1 << 22):
-                h.update(chunk)
+    for key, f in source_file_paths(cfg):
+        try:
+            size = f.stat().st_size
+            if f.suffix in WEIGHT_SUFFIXES:
+                found[f"{key}: {f.name}"] = f"{size} bytes"
+                continue
+            h = hashlib.sha256()
+            with open(f, "rb") as stream:
+                while chunk := stream.read(1 << 22):
+                    h.update(chunk)
+        except OSError as e:
+            raise ConfigError(f"{key}: {f} cannot be read ({e.strerror or e})") from None
         found[f"{key}: {f.name}"] = f"{size} bytes, {h.hexdigest()[:16]}"
     return found
 
