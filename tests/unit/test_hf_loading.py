@@ -200,16 +200,25 @@ def open_folder():
 
 
 @pytest.mark.parametrize(
-    "name", ["config.json", "tokenizer_config.json", "tokenizer.json", "chat_template.jinja"]
+    "name",
+    [
+        "config.json",
+        "tokenizer_config.json",
+        "tokenizer.json",
+        "chat_template.jinja",
+        "model.safetensors",
+    ],
 )
 def test_an_unreadable_file_of_a_folder_is_one_line(open_folder, name):
     cfg = JobConfig()
     cfg.model.flavor, cfg.model.hf_path = "hf", str(open_folder)
     validate_job(cfg, 1)  # imports what the reads below need, while it can
     model_inputs(cfg)
+    load_hf_model(cfg)
     with unreadable(open_folder / name), pytest.raises(ConfigError) as error:
         validate_job(cfg, 1)
         model_inputs(cfg)
+        load_hf_model(cfg)  # the trainer's and generate --hf-path's loading
     message = str(error.value)
     assert message == f"model.hf_path: {open_folder / name} cannot be read (Permission denied)"
 

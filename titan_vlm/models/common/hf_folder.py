@@ -219,6 +219,11 @@ class SafetensorsFiles:
         self._where: dict[str, Path] = {}
         for path in files:
             try:
+                with open(path, "rb"):  # unreadable: say so, not what safetensors makes of it
+                    pass
+            except OSError as e:
+                raise ConfigError(f"{key}: {path} cannot be read ({e.strerror or e})") from None
+            try:
                 handle = safe_open(str(path), framework="pt")
             except Exception as e:  # the library's own header errors: a truncated or foreign file
                 raise ConfigError(f"{key}: {path} is not a safetensors file ({e})") from None
