@@ -10,7 +10,8 @@ position only for the same rows per step) and the data (data.* keys that pick th
 size the images, and a dataset file's size and SHA-256).
 May change (logged): everything else: the parallel layout (the shards are resharded),
 training.steps and the lr schedule, checkpoint.*, metrics.*, model.hf_path itself (a folder
-moved: its files are what must match), ...
+moved: its files are what must match), and what computes the same step with other rounding
+(training.mixed_precision, model.attention_kernel, compile.*, activation_checkpoint.*), ...
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ MUST_MATCH = (
     "data.images_per_sample",
     "data.blank_images",
     "data.native_resolution_pixels",
+    "data.max_image_pixels",  # which images are bad samples: which samples a step holds
 )
 GLOBAL_ROWS = "global batch rows (dp x training.local_batch_size)"
 DATA_FILE = "data.dataset's contents (size, SHA-256)"

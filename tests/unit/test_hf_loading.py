@@ -206,6 +206,7 @@ def open_folder():
         "tokenizer_config.json",
         "tokenizer.json",
         "chat_template.jinja",
+        "processor_config.json",
         "model.safetensors",
     ],
 )
