@@ -75,11 +75,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError, UserError
 from titan_vlm.models.common.hf_folder import (
+    HF_SOURCE_KEYS,
     RECORDED,
     UNUSED,
     WEIGHT_SUFFIXES,
     SafetensorsFiles,
-    hf_sources,
     source_file_paths,
     weight_files,
 )
@@ -97,12 +97,7 @@ FACTS = "facts.json"
 
 SOURCE = "source"  # step-N/source/<config key>/: copies of the model's Hugging Face sources
 SOURCES_STAGED = ".sources"  # <checkpoint.folder>/.sources/: the run's copies, made at its start
-SOURCE_KEYS = (
-    "model.hf_path",
-    "model.hf_vision_path",
-    "model.hf_text_path",
-    "model.tokenizer_path",
-)
+SOURCE_KEYS = (*HF_SOURCE_KEYS, "model.tokenizer_path")  # what a checkpoint copies
 
 
 def copy_sources(cfg: JobConfig, dest: Path) -> None:
@@ -125,12 +120,11 @@ def copy_sources(cfg: JobConfig, dest: Path) -> None:
         (dest / key).mkdir(parents=True, exist_ok=True)
         if path.suffix not in WEIGHT_SUFFIXES:  # the weights are the checkpoint's own
             shutil.copy2(path, dest / key / path.name)
-    for key, path in hf_sources(cfg):
-        if key != "model.hf_path":  # separate towers do not export (--export-hf: hf_path only)
-            continue
+    if cfg.model.hf_path:  # what --export-hf needs (separate towers do not export)
+        key = "model.hf_path"
         spec = model_spec(cfg)
         args = spec.args(cfg)
-        with SafetensorsFiles(weight_files(path, key), key) as st:
+        with SafetensorsFiles(weight_files(Path(cfg.model.hf_path), key), key) as st:
             names = sorted(st.keys())
             recorded = {n: {"dtype": st.dtype_code(n), "shape": list(st.shape(n))} for n in names}
             (dest / key / RECORDED).write_text(json.dumps(recorded, indent=1))
@@ -523,9 +517,6 @@ class Checkpointer:
             elif keep:
                 shutil.rmtree(d)
 
-    def _problem(self, step_dir: Path) -> str | None:
-        return verify_on_group(step_dir, self.group)
-
     def _usable(self) -> Path | None:
         """The newest checkpoint that verifies, after a warning for each newer one that does not;
         None when the folder holds none at all; CheckpointError when none is usable."""
@@ -541,7 +532,7 @@ class Checkpointer:
             elif not (self.folder / f"step-{int(text)}").is_dir():
                 rejected.append(f"{latest} names step-{int(text)}, which is missing")
         for _, step_dir in candidates:
-            problem = self._problem(step_dir)
+            problem = verify_on_group(step_dir, self.group)
             if problem is None:
                 for why in rejected if self.rank0 else ():
                     logger.warning("checkpoint: %s; resuming from %s instead", why, step_dir)

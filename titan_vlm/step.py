@@ -49,6 +49,14 @@ def loss_tokens(batches: list[Batch], mesh: Mesh) -> torch.Tensor:
     return dist_sum(torch.tensor(local, dtype=torch.long, device=device), mesh.dp.get_group())
 
 
+def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of logits [B, T, vocab] against labels [B, T], summed over the tokens
+    that carry a loss (fp32 logits)."""
+    return F.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
 def forward_backward(
     model: VisionLanguageModel,
     batch: Batch,
@@ -74,9 +82,7 @@ def forward_backward(
     logits, labels, layout = model.forward_local(batch, ctx)
     # 4. Summed over this rank's text tokens, over the step's tokens (dp and cp; not tp: its ranks
     # hold the same tokens).
-    loss = F.cross_entropy(
-        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    ) / ntokens.clamp(min=1)
+    loss = summed_loss(logits, labels) / ntokens.clamp(min=1)
     loss.backward()
     if cp.vision == "broadcast" and not accumulating:
         sync_broadcast_vision_grads(model, mesh.cp)
@@ -157,9 +163,7 @@ def validation_sums(
     of the job's loss tokens in it, their number], float64, the same on every rank. The mean
     over several batches is the ratio of their sums (validation_loss)."""
     logits, labels, _ = model.forward_local(batch, CPContext(mesh.cp, cp, mesh.tp, tp))
-    loss = F.cross_entropy(
-        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    loss = summed_loss(logits, labels)
     # the summed loss over this rank's text tokens (dp and cp; not tp: its ranks hold the same
     # tokens), the count over the whole rows each dp rank reads (loss_tokens)
     total = dist_sum(loss.double(), mesh.job.get_group())

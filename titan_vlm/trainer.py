@@ -20,7 +20,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,9 @@ from titan_vlm.config import JobConfig
 from titan_vlm.data import build_dataset
 from titan_vlm.data.batch import SlotData
 from titan_vlm.data.dataset import Dataset
+from titan_vlm.data.hf_processor import HFProcessor
 from titan_vlm.data.image_batch import ImageRule, num_images
+from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 from titan_vlm.distributed import dist_max, dist_sum, local_tensor
 from titan_vlm.errors import UserError
 from titan_vlm.kernels import select_kernel
@@ -53,6 +55,12 @@ from titan_vlm.parallel.tensor_parallel import TPOptions
 from titan_vlm.parallel_dims import Mesh
 from titan_vlm.profiling import StepProfiler
 from titan_vlm.step import check_same_batch, train_step, validation_sums
+
+if TYPE_CHECKING:
+    from titan_vlm.data.hf_processor import HFProcessor
+    from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
+
+    ModelInputs = tuple[ByteTokenizer | HFTokenizer, HFProcessor | None]  # ModelSpec.inputs
 
 logger = logging.getLogger("titan_vlm")
 
@@ -126,21 +134,13 @@ class Trainer(Stateful):
                 step_dir,
             )
         self.dp_rank, self.dp = mesh.dp.get_local_rank(), mesh.dp.size()
-        # Start-up warnings once (rank 0); batch-time ones once per dp rank (its rows are its own).
         rule, slot_data = self.spec.data_rule(self.args, cfg)
-        self.data = build_dataset(
-            cfg,
-            self.args,
-            *self.spec.inputs(cfg),
-            log_startup=dist.get_rank() == 0,
-            log_batches=mesh.cp.get_local_rank() == 0 and mesh.tp.get_local_rank() == 0,
-            rule=rule,
-            slot_data=slot_data,
-        )
+        inputs = self.spec.inputs(cfg)  # the tokenizer and processor, read once
+        self.data = self.dataset(cfg, inputs, rule, slot_data)
         self.log_data()
         self.validation: Dataset | None = None
         if cfg.validation.enable:
-            self.validation = self.build_validation_data(rule, slot_data)
+            self.validation = self.build_validation_data(inputs, rule, slot_data)
             if cfg.compile.enable:
                 # the compiled blocks build their graphs again under no_grad (grad mode is in
                 # dynamo's guards): twice dynamo's default budget of graphs per block
@@ -393,7 +393,29 @@ class Trainer(Stateful):
                 self.cfg.training.steps,
             )
 
-    def build_validation_data(self, rule: ImageRule | None, slot_data: SlotData | None) -> Dataset:
+    def dataset(
+        self,
+        cfg: JobConfig,
+        inputs: ModelInputs,
+        rule: ImageRule | None,
+        slot_data: SlotData | None,
+    ) -> Dataset:
+        """The dataset `cfg`'s data keys name, read with the model's inputs (tokenizer, processor)
+        and its image rule. Start-up warnings once (rank 0); batch-time ones once per dp rank
+        (its rows are its own)."""
+        return build_dataset(
+            cfg,
+            self.args,
+            *inputs,
+            log_startup=dist.get_rank() == 0,
+            log_batches=self.mesh.cp.get_local_rank() == 0 and self.mesh.tp.get_local_rank() == 0,
+            rule=rule,
+            slot_data=slot_data,
+        )
+
+    def build_validation_data(
+        self, inputs: ModelInputs, rule: ImageRule | None, slot_data: SlotData | None
+    ) -> Dataset:
         """validation.dataset with the training's model inputs: a file in its order, or the
         synthetic data with the held-out seed training.seed + 1."""
         cfg, v = self.cfg, self.cfg.validation
@@ -405,15 +427,7 @@ class Trainer(Stateful):
                 cfg.training, seed=cfg.training.seed + 1 if synthetic else cfg.training.seed
             ),
         )
-        data = build_dataset(
-            held_out,
-            self.args,
-            *self.spec.inputs(cfg),
-            log_startup=dist.get_rank() == 0,
-            log_batches=self.mesh.cp.get_local_rank() == 0 and self.mesh.tp.get_local_rank() == 0,
-            rule=rule,
-            slot_data=slot_data,
-        )
+        data = self.dataset(held_out, inputs, rule, slot_data)
         logger.info(
             "validation every %d steps: %d batches of %d rows x %d slots; data: %s",
             v.freq,

@@ -143,10 +143,9 @@ def export_hf(
             if old.name not in written:  # a previous export's shards would mix with this one's
                 old.unlink(missing_ok=True)
     except (OSError, SafetensorError) as e:  # a full disk, a quota, a file-size limit
-        where = out
         why = getattr(e, "strerror", None) or " ".join(str(e).split())
         raise ConfigError(
-            f"--export-hf: cannot write {where}: {why}; {out} is left as it was"
+            f"--export-hf: cannot write {out}: {why}; {out} is left as it was"
         ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)

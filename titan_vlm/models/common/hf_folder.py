@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from titan_vlm.errors import ConfigError
-from titan_vlm.files import read_json
+from titan_vlm.files import cannot_read, read_json
 
 if TYPE_CHECKING:
     from titan_vlm.config import JobConfig
@@ -52,11 +52,14 @@ def weight_files(folder: Path, key: str) -> list[Path]:
     raise ConfigError(f"{key}: {folder} has neither {SINGLE} nor {INDEX}")
 
 
+# The config keys of a model's Hugging Face sources (a folder, or a tower's .safetensors file)
+HF_SOURCE_KEYS = ("model.hf_path", "model.hf_vision_path", "model.hf_text_path")
+
+
 def hf_sources(cfg: JobConfig) -> list[tuple[str, Path]]:
     """(config key, path) of every Hugging Face source the config names."""
-    m = cfg.model
-    keys = ("hf_path", "hf_vision_path", "hf_text_path")
-    return [(f"model.{k}", Path(getattr(m, k))) for k in keys if getattr(m, k)]
+    values = {key: getattr(cfg.model, key.removeprefix("model.")) for key in HF_SOURCE_KEYS}
+    return [(key, Path(value)) for key, value in values.items() if value]
 
 
 # Files of a source folder that are weights or too big to digest at every start: their size
@@ -119,7 +122,7 @@ def source_files(cfg: JobConfig) -> dict[str, str]:
                 while chunk := stream.read(1 << 22):
                     h.update(chunk)
         except OSError as e:
-            raise ConfigError(f"{key}: {f} cannot be read ({e.strerror or e})") from None
+            raise cannot_read(key, f, e) from None
         found[f"{key}: {f.name}"] = f"{size} bytes, {h.hexdigest()[:16]}"
     return found
 
@@ -222,7 +225,7 @@ class SafetensorsFiles:
                 with open(path, "rb"):  # unreadable: say so, not what safetensors makes of it
                     pass
             except OSError as e:
-                raise ConfigError(f"{key}: {path} cannot be read ({e.strerror or e})") from None
+                raise cannot_read(key, path, e) from None
             try:
                 handle = safe_open(str(path), framework="pt")
             except Exception as e:  # the library's own header errors: a truncated or foreign file
