@@ -5,10 +5,13 @@ the lr schedule) is accepted and logged."""
 
 import dataclasses
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 from hf_folders import save_llava_folder
+from torchrun_kill import logged_steps, run
 
 from titan_vlm.checkpoint import load_model_for_inference
 from titan_vlm.config import ConfigError, load_config
@@ -125,22 +128,33 @@ def test_a_real_resume_with_another_seed_stops_and_allow_config_change_goes_on(p
 
 
 def test_a_checkpoint_is_independent_of_its_source_folder(pool, tmp_path):
-    """A checkpoint records every file of model.hf_path (weights by size) and carries copies of
-    what decides the model's numbers besides the weights (config.json, tokenizer, chat template,
-    processor settings; the source tensors' names, dtypes and shapes, and the unused ones).
-    Edited after training (another rope_theta: other numbers from the same weights; a new file;
-    a lost tokenizer.json), the source stops a resume in one line naming the files; generate and
-    the exports read the copies and give what they gave before, even with the source gone; the
-    folder as it was (the control) resumes."""
+    """A checkpoint carries copies of what decides the model's numbers besides the weights
+    (config.json, tokenizer, chat template, processor settings; the source tensors' names,
+    dtypes and shapes, and the unused ones), and a fingerprint of the source's files. Edited
+    after training (another rope_theta: other numbers from the same weights; a new file; a lost
+    tokenizer.json) or gone, the source changes nothing: a resume reads the copies (a warning
+    names what changed) and continues the uninterrupted run; generate and the exports give what
+    they gave before. The control: the edited folder read as a source (another path, with
+    checkpoint.allow_config_change) trains other numbers; without it, one line refuses it."""
     from transformers import LlavaForConditionalGeneration
 
     from titan_vlm.models.hf_export import export_hf
 
     folder = save_llava_folder(tmp_path / "llava", "clip_llama3")
-    run = dict(RUN, model__flavor="hf", model__hf_path=str(folder), job__dump_folder=str(tmp_path))
-    run.pop("steps")
-    pool.run("train_run", dp_shard=1, cp=1, steps=2, **run)
-    checkpoint = tmp_path / "copy0" / "checkpoint"
+    run = dict(RUN, model__flavor="hf", model__hf_path=str(folder), steps=4)
+    whole = pool.run("train_run", dp_shard=1, cp=1, job__dump_folder=str(tmp_path / "whole"), **run)
+    losses = {h["step"]: h["loss"] for h in whole[0]}
+    pool.run(
+        "train_run", dp_shard=1, cp=1, stop_after=2, job__dump_folder=str(tmp_path / "a"), **run
+    )
+
+    def resume(name: str, function: str = "train_run", **changes):
+        """Resume a copy of the run stopped after step 2, in tmp_path/name."""
+        shutil.copytree(tmp_path / "a", tmp_path / name)
+        job = dict(run, job__dump_folder=str(tmp_path / name), **changes)
+        return pool.run(function, dp_shard=1, cp=1, **job)[0]
+
+    checkpoint = tmp_path / "a" / "copy0" / "checkpoint"
     model, cfg = load_model_for_inference(checkpoint)
     from_source = dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, hf_path=str(folder))
@@ -150,20 +164,41 @@ def test_a_checkpoint_is_independent_of_its_source_folder(pool, tmp_path):
     edited = json.loads(config)
     edited["text_config"]["rope_parameters"]["rope_theta"] = 10.0
     (folder / "config.json").write_text(json.dumps(edited))
+
+    # the control: the edited folder as a source (another path) trains other numbers
+    shutil.copytree(folder, tmp_path / "llava_edited")
     changed = r"the source files model.hf_path: config.json changed \(\d+ bytes, \w+ -> "
     with pytest.raises(RuntimeError, match=rf"ConfigError: resume from .*step-2: {changed}"):
-        pool.run("train_run", dp_shard=1, cp=1, steps=3, **run)
+        resume("refused", model__hf_path=str(tmp_path / "llava_edited"))
+    other = resume(
+        "other",
+        model__hf_path=str(tmp_path / "llava_edited"),
+        checkpoint__allow_config_change=True,
+    )
+    assert other[0]["step"] == 3 and other[0]["loss"] != losses[3]
+
     tokenizer = (folder / "tokenizer.json").read_bytes()
     (folder / "tokenizer.json").unlink()
     (folder / "notes.txt").write_text("a file that was not there")
-    with pytest.raises(
-        RuntimeError,
-        match=r"config.json changed .*, model.hf_path: notes.txt added, model.hf_path: "
-        r"tokenizer.json removed since the checkpoint was written",
-    ):
-        pool.run("train_run", dp_shard=1, cp=1, steps=3, **run)
+    out = resume("edited", "train_run_warnings")
+    assert {h["step"]: h["loss"] for h in out["history"]} == {3: losses[3], 4: losses[4]}
+    assert any(
+        re.search(
+            r"config.json changed .*, model.hf_path: notes.txt added, model.hf_path: "
+            r"tokenizer.json removed since the checkpoint was written; this run reads the "
+            r"checkpoint's copies \(.*step-2/source\), as it trained",
+            w,
+        )
+        for w in out["warnings"]
+    ), out["warnings"]
 
-    folder.rename(tmp_path / "moved")  # the source gone: generate and export read the copies
+    folder.rename(tmp_path / "moved")  # the source gone: resume, generate, export read the copies
+    gone = resume("gone", "train_run_warnings")
+    assert {h["step"]: h["loss"] for h in gone["history"]} == {3: losses[3], 4: losses[4]}
+    assert any(
+        re.search(rf"model.hf_path {folder} is gone; this run reads the checkpoint's copies", w)
+        for w in gone["warnings"]
+    ), gone["warnings"]
     model, cfg = load_model_for_inference(checkpoint)
     assert Path(cfg.model.hf_path) == checkpoint / "step-2" / "source" / "model.hf_path"
     assert (
@@ -174,14 +209,23 @@ def test_a_checkpoint_is_independent_of_its_source_folder(pool, tmp_path):
     before = {f.name: f.read_bytes() for f in (tmp_path / "export_before").iterdir()}
     after = {f.name: f.read_bytes() for f in (tmp_path / "export_after").iterdir()}
     assert after == before  # the same files, byte for byte, tokenizer.json among them
+    assert after["tokenizer.json"] == tokenizer
     _, info = LlavaForConditionalGeneration.from_pretrained(
         tmp_path / "export_after", output_loading_info=True
     )
     assert not any(info.values()), info
 
-    (tmp_path / "moved").rename(folder)  # the control: the folder as it was
-    (folder / "config.json").write_text(config)
-    (folder / "notes.txt").unlink()
-    (folder / "tokenizer.json").write_bytes(tokenizer)
-    resumed = pool.run("train_run", dp_shard=1, cp=1, steps=3, **run)
-    assert [h["step"] for h in resumed[0]] == [3]
+
+def test_run_train_resumes_with_its_source_folder_gone(tmp_path):
+    """./run_train.sh at 2 processes (cp=2) from a Hugging Face folder; the folder deleted, the
+    same command resumes: the launcher's and the workers' checks and the model read the
+    checkpoint's copies, not the folder."""
+    folder = save_llava_folder(tmp_path / "llava", "clip_llama3")
+    source = ("--model.flavor=hf", f"--model.hf_path={folder}", "--checkpoint.interval=2")
+    rc, out, err = run(tmp_path / "dump", 2, *source)
+    assert rc == 0, err[-3000:]
+    shutil.rmtree(folder)
+    rc, out, err = run(tmp_path / "dump", 3, *source)
+    assert rc == 0, err[-3000:]
+    assert "at step 2 (the model, tokenizer and processor from its copies of the sources)" in out
+    assert sorted(logged_steps(tmp_path / "dump")) == [1, 2, 3]

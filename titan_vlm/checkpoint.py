@@ -27,11 +27,10 @@ checkpoint.initial_load_path starts a run with no checkpoint of its own from ano
 weights (`load_initial_weights`).
 
 A checkpoint is independent of the Hugging Face folders the model came from: step-N/source/<key>/
-holds copies of what decides its numbers besides the weights (`copy_sources`: made once as the
-run starts, in <checkpoint.folder>/.sources/, and linked into each step folder, where the
-manifest covers them); generate and the exports read them (`load_model_for_inference`), and
-facts.json's fingerprint of the sources makes a resume refuse an edited source
-(resume_config.py).
+holds copies of what decides its numbers besides the weights (checkpoint_sources.py: made once
+as the run starts, in <checkpoint.folder>/.sources/, and linked into each step folder, where the
+manifest covers them); generate, the exports (`load_model_for_inference`) and a resume
+(`run_start`) read them, never the source folders again.
 The data is a pure function of the step (data/synthetic.py), so the step is the data position.
 DCP stores DTensor shards with their global shapes, so a checkpoint written at one CP / DP layout
 loads into another.
@@ -55,6 +54,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
@@ -72,18 +72,21 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from titan_vlm.checkpoint_sources import (
+    SOURCE,
+    SOURCE_KEYS,
+    SOURCES_STAGED,
+    config_with_copies,
+    copied_sources,
+    copy_sources,
+    link_or_copy,
+    link_sources,
+    with_sources,
+)
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError, UserError
-from titan_vlm.models.common.hf_folder import (
-    HF_SOURCE_KEYS,
-    RECORDED,
-    UNUSED,
-    WEIGHT_SUFFIXES,
-    SafetensorsFiles,
-    source_file_paths,
-    weight_files,
-)
-from titan_vlm.resume_config import check_resume_config, run_facts
+from titan_vlm.models.common.hf_folder import source_changes, source_files
+from titan_vlm.resume_config import SOURCE_FILES, check_resume_config, run_facts
 
 if TYPE_CHECKING:
     from titan_vlm.models.spec import VisionLanguageModel
@@ -93,69 +96,6 @@ logger = logging.getLogger("titan_vlm")
 MANIFEST = "manifest.json"
 CONFIG = "config.json"
 FACTS = "facts.json"
-
-
-SOURCE = "source"  # step-N/source/<config key>/: copies of the model's Hugging Face sources
-SOURCES_STAGED = ".sources"  # <checkpoint.folder>/.sources/: the run's copies, made at its start
-SOURCE_KEYS = (*HF_SOURCE_KEYS, "model.tokenizer_path")  # what a checkpoint copies
-
-
-def copy_sources(cfg: JobConfig, dest: Path) -> None:
-    """Copy what decides the model's numbers besides the weights, from the Hugging Face sources
-    of `cfg` into `dest` (replaced), once as a run starts: for each source
-    (common/hf_folder.py source_files' files: a folder's non-weight files, or a tower file's
-    config.json), and for model.hf_path also the name, dtype and shape of every tensor of its
-    weights and the tensors the model does not use (RECORDED, UNUSED: what --export-hf needs);
-    model.tokenizer_path's file. Nothing when the model comes from no Hugging Face source."""
-    from safetensors.torch import save_file
-
-    from titan_vlm.models.registry import model_spec
-
-    if dest.exists():
-        shutil.rmtree(dest)
-    files = source_file_paths(cfg)
-    if not files:
-        return
-    for key, path in files:
-        (dest / key).mkdir(parents=True, exist_ok=True)
-        if path.suffix not in WEIGHT_SUFFIXES:  # the weights are the checkpoint's own
-            shutil.copy2(path, dest / key / path.name)
-    if cfg.model.hf_path:  # what --export-hf needs (separate towers do not export)
-        key = "model.hf_path"
-        spec = model_spec(cfg)
-        args = spec.args(cfg)
-        with SafetensorsFiles(weight_files(Path(cfg.model.hf_path), key), key) as st:
-            names = sorted(st.keys())
-            recorded = {n: {"dtype": st.dtype_code(n), "shape": list(st.shape(n))} for n in names}
-            (dest / key / RECORDED).write_text(json.dumps(recorded, indent=1))
-            unused = sorted(spec.hf_unused(args, set(names)))
-            if unused:
-                tensors = {n: st.read(n).contiguous() for n in unused}
-                save_file(tensors, str(dest / key / UNUSED), metadata={"format": "pt"})
-
-
-def link_or_copy(src: str, dst: str) -> None:
-    """A hard link (the staged copies are never written again), a copy across file systems."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def copied_sources(step_dir: Path, saved_model: dict[str, Any]) -> dict[str, Path]:
-    """{config key: its copy} of a checkpoint's copies of its sources (`copy_sources`; none in a
-    checkpoint of an older version, or of a model from no Hugging Face folder): the copied
-    folder for model.hf_path, hf_vision_path, hf_text_path (a tower given as a .safetensors file:
-    the folder of its config.json), the copied file for model.tokenizer_path. Only the keys the
-    saved config (`saved_model`: its [model] section) sets."""
-    found: dict[str, Path] = {}
-    for key in SOURCE_KEYS:
-        value = saved_model.get(key.removeprefix("model."))
-        copy = step_dir / SOURCE / key
-        if not value or not copy.is_dir():
-            continue
-        found[key] = copy / Path(value).name if key == "model.tokenizer_path" else copy
-    return found
 
 
 class CheckpointError(UserError):
@@ -317,23 +257,25 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         trainer: Stateful,
         group: dist.ProcessGroup,
-        global_rows: int,
+        start: RunStart,
     ):
-        """global_rows: rows per step over all dp ranks (a resume must keep it)."""
-        self.cfg = cfg
+        """start: where the run starts (`run_start`, decided before the model was built); a
+        resume loads its checkpoint (`resume`)."""
+        self.cfg, self.start = cfg, start
         self.folder = checkpoint_folder(cfg)
         self.model, self.optimizer, self.trainer, self.group = model, optimizer, trainer, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.rank0 = self.rank == 0
-        # What a resume must match beyond the config (resume_config.py); rank 0 hashes the
-        # dataset file once, every rank gets the same answer.
-        box: list[dict[str, Any] | None] = [run_facts(cfg, global_rows) if self.rank0 else None]
-        dist.broadcast_object_list(box, group=group, group_src=0)
-        self.facts = cast(dict[str, Any], box[0])  # rank 0's, on every rank
-        # the sources' copies, made once now, as the run starts from them (`copy_sources`); each
-        # checkpoint links them into its step folder
+        self.facts = start.facts  # what each checkpoint records for a resume to match
+        # the sources' copies, made once now, as the run starts from them (`copy_sources`; a
+        # resume from copies keeps them: `link_sources`); each checkpoint links them into its
+        # step folder
         self.sources = self.folder / SOURCES_STAGED
-        self._on_rank0(lambda: copy_sources(cfg, self.sources))
+        if start.step_dir is not None and start.copied:
+            step_dir = start.step_dir
+            self._on_rank0(lambda: link_sources(step_dir, self.sources))
+        else:
+            self._on_rank0(lambda: copy_sources(cfg, self.sources))
         # checkpoint.async_mode: the save being written in the background (step, its folder,
         # DCP's future), and the gloo group its collectives use: DCP's async save needs a CPU
         # backend, and a group of its own keeps them from interleaving with the training's
@@ -517,56 +459,137 @@ class Checkpointer:
             elif keep:
                 shutil.rmtree(d)
 
-    def _usable(self) -> Path | None:
-        """The newest checkpoint that verifies, after a warning for each newer one that does not;
-        None when the folder holds none at all; CheckpointError when none is usable."""
-        latest = self.folder / "latest"
-        candidates = step_dirs(self.folder)
-        if not candidates and not latest.exists():
-            return None
-        rejected = []
-        if latest.exists():
-            text = latest.read_text(errors="replace").strip()
-            if not text.isdigit():
-                rejected.append(f"{latest} holds {text[:40]!r}, not a step")
-            elif not (self.folder / f"step-{int(text)}").is_dir():
-                rejected.append(f"{latest} names step-{int(text)}, which is missing")
-        for _, step_dir in candidates:
-            problem = verify_on_group(step_dir, self.group)
-            if problem is None:
-                for why in rejected if self.rank0 else ():
-                    logger.warning("checkpoint: %s; resuming from %s instead", why, step_dir)
-                return step_dir
-            rejected.append(f"{step_dir.name} is unusable: {problem}")
-        raise CheckpointError(
-            f"no usable checkpoint in {self.folder} ({'; '.join(rejected)}); move the folder "
-            "away to start over"
-        )
-
     def resume(self) -> Path | None:
-        """Load the newest verified checkpoint, if there is one, into the model, the optimizer
-        and the trainer; returns its folder (None: none)."""
-        step_dir = self._usable()
+        """Load the checkpoint the run starts from (`run_start`), if any, into the model, the
+        optimizer and the trainer; returns its folder (None: a fresh start)."""
+        step_dir = self.start.step_dir
         if step_dir is None:
             return None
-        saved_cfg = json.loads((step_dir / CONFIG).read_text())
-        saved = saved_cfg["model"]["flavor"]
-        if saved != self.cfg.model.flavor:
-            raise ConfigError(
-                f"model.flavor={self.cfg.model.flavor!r}, but the checkpoint {step_dir} holds a "
-                f"{saved!r} model (use another checkpoint.folder)"
-            )
-        saved_facts = json.loads((step_dir / FACTS).read_text())
-        warning, note = check_resume_config(saved_cfg, saved_facts, self.cfg, self.facts, step_dir)
-        if warning and self.rank0:
-            logger.warning("%s", warning)
-        if note:
-            logger.info("%s", note)  # rank 0's log shows INFO
         state = self._state()
         dcp.load(state, checkpoint_id=str(step_dir), process_group=self.group)
         set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=self._OPTIM)
         return step_dir  # dcp.load has called the trainer's load_state_dict
+
+
+@dataclass
+class RunStart:
+    """Where a run with checkpoint.enable starts, decided before its model is built
+    (`run_start`)."""
+
+    step_dir: Path | None  # the verified checkpoint it resumes; None: a fresh start
+    facts: dict[str, Any]  # what its checkpoints record for a resume to match (rank 0's)
+    sources: JobConfig  # the config its model, tokenizer and processor are built from
+    copied: bool  # `sources` names the resumed checkpoint's copies (config_with_copies)
+
+
+def run_start(cfg: JobConfig, group: dist.ProcessGroup, global_rows: int) -> RunStart:
+    """Where the run of `cfg` starts, the same on every rank of `group`: the newest checkpoint of
+    checkpoint.folder that verifies (`usable_checkpoint`), its config checked against `cfg`
+    (resume_config.py: one line naming what must match and does not), and the sources the model
+    is built from: a resume from a checkpoint with copies of its sources reads the copies
+    (`config_with_copies`: editing, moving or deleting the source folders changes nothing; a
+    warning says when they differ now), any other start the config's folders.
+    global_rows: rows per step over all dp ranks (a resume must keep it)."""
+    step_dir = usable_checkpoint(checkpoint_folder(cfg), group)
+    rank0 = dist.get_rank(group) == 0
+    sources: JobConfig | None = None
+    saved_cfg: dict[str, Any] = {}
+    saved_facts: dict[str, Any] = {}
+    if step_dir is not None:
+        saved_cfg = json.loads((step_dir / CONFIG).read_text())
+        saved = saved_cfg["model"]["flavor"]
+        if saved != cfg.model.flavor:
+            raise ConfigError(
+                f"model.flavor={cfg.model.flavor!r}, but the checkpoint {step_dir} holds a "
+                f"{saved!r} model (use another checkpoint.folder)"
+            )
+        saved_facts = json.loads((step_dir / FACTS).read_text())
+        sources = config_with_copies(cfg, step_dir, saved_cfg["model"])
+    # rank 0 hashes the dataset file (and the source files) once; every rank gets its answer.
+    # Built from the copies, the run records the fingerprint of the sources it trained from.
+    trained_from = saved_facts.get(SOURCE_FILES, {}) if sources is not None else None
+    box: list[dict[str, Any] | None] = [
+        run_facts(cfg, global_rows, trained_from) if rank0 else None
+    ]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    facts = cast(dict[str, Any], box[0])
+    if step_dir is not None:
+        warning, note = check_resume_config(saved_cfg, saved_facts, cfg, facts, step_dir)
+        if warning and rank0:
+            logger.warning("%s", warning)
+        if note:
+            logger.info("%s", note)  # rank 0's log shows INFO
+        if sources is not None and rank0:
+            warn_if_sources_changed(cfg, facts[SOURCE_FILES], step_dir)
+    return RunStart(step_dir, facts, sources or cfg, sources is not None)
+
+
+def warn_if_sources_changed(cfg: JobConfig, trained: dict[str, str], step_dir: Path) -> None:
+    """A warning when the source folders no longer hold what the run trained from (`trained`:
+    their fingerprint then): the run reads the checkpoint's copies."""
+    named = {k: getattr(cfg.model, k.removeprefix("model.")) for k in SOURCE_KEYS}
+    gone = [k for k, value in named.items() if value and not Path(value).exists()]
+    try:
+        changes = source_changes(
+            {n: f for n, f in trained.items() if n.split(":")[0] not in gone},
+            {n: f for n, f in source_files(cfg).items() if n.split(":")[0] not in gone},
+        )
+    except UserError as e:  # an unreadable file the run does not need
+        changes = str(e)
+    what = [f"{k} {named[k]} is gone" for k in gone] + ([changes] if changes else [])
+    if what:
+        logger.warning(
+            "resume from %s: %s; this run reads the checkpoint's copies (%s), as it trained",
+            step_dir,
+            ", ".join(what),
+            step_dir / SOURCE,
+        )
+
+
+def usable_checkpoint(folder: Path, group: dist.ProcessGroup) -> Path | None:
+    """The newest checkpoint in `folder` that verifies, after a warning for each newer one that
+    does not; None when the folder holds none at all; CheckpointError when none is usable."""
+    rank0 = dist.get_rank(group) == 0
+    latest = folder / "latest"
+    candidates = step_dirs(folder)
+    if not candidates and not latest.exists():
+        return None
+    rejected = []
+    if latest.exists():
+        text = latest.read_text(errors="replace").strip()
+        if not text.isdigit():
+            rejected.append(f"{latest} holds {text[:40]!r}, not a step")
+        elif not (folder / f"step-{int(text)}").is_dir():
+            rejected.append(f"{latest} names step-{int(text)}, which is missing")
+    for _, step_dir in candidates:
+        problem = verify_on_group(step_dir, group)
+        if problem is None:
+            for why in rejected if rank0 else ():
+                logger.warning("checkpoint: %s; resuming from %s instead", why, step_dir)
+            return step_dir
+        rejected.append(f"{step_dir.name} is unusable: {problem}")
+    raise CheckpointError(
+        f"no usable checkpoint in {folder} ({'; '.join(rejected)}); move the folder away to "
+        "start over"
+    )
+
+
+def resume_sources(cfg: JobConfig) -> tuple[JobConfig, bool]:
+    """Before any process group (validate.py): (the config the model would be built from, whether
+    checkpoint.folder holds a checkpoint to resume). As `run_start` decides it, for the newest
+    complete checkpoint (not yet verified: the trainer resumes the newest that verifies, whose
+    copies are the same files unless the run restarted from other sources)."""
+    if not cfg.checkpoint.enable:
+        return cfg, False
+    found = [d for _, d in step_dirs(checkpoint_folder(cfg)) if (d / MANIFEST).is_file()]
+    if not found:
+        return cfg, False
+    try:
+        saved = json.loads((found[0] / CONFIG).read_text())["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return cfg, True  # the trainer's verification says what is wrong with it
+    return config_with_copies(cfg, found[0], saved) or cfg, True
 
 
 def load_model_for_inference(path: str | Path) -> tuple[VisionLanguageModel, JobConfig]:
@@ -594,8 +617,7 @@ def load_model_for_inference(path: str | Path) -> tuple[VisionLanguageModel, Job
     )
     # the architecture, tokenizer and processor come from the checkpoint's copies of the source
     # files (verified with the rest): editing, moving or deleting the sources changes nothing
-    for key, copy in copied_sources(step_dir, saved["model"]).items():
-        setattr(cfg.model, key.removeprefix("model."), str(copy))
+    cfg = with_sources(cfg, copied_sources(step_dir, saved["model"]))
     spec = model_spec(cfg)
     model = unfilled_model(spec, spec.args(cfg))
     state = {"model": model.state_dict()}

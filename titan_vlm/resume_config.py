@@ -2,9 +2,11 @@
 with (checkpoint/step-N/config.json).
 
 Must match (else one line naming the keys, unless --checkpoint.allow_config_change):
-the model's family, shape and tokenizer, the files of its Hugging Face sources (SOURCE_FILES: a
-folder edited, emptied or refilled since the checkpoint was written would build another model
-or tokenizer), training.seq_len, training.seed, training.freeze (the optimizer's state covers the
+the model's family, shape and tokenizer, the files of its Hugging Face sources when the run
+reads them (SOURCE_FILES: a folder edited, emptied or refilled since the checkpoint was written
+would build another model or tokenizer; a resume that names the sources it trained from reads
+the checkpoint's copies instead, checkpoint_sources.py, and records their fingerprint as
+trained), training.seq_len, training.seed, training.freeze (the optimizer's state covers the
 groups that train), the global batch (dp x training.local_batch_size rows: the step is the data
 position only for the same rows per step) and the data (data.* keys that pick the samples and
 size the images, and a dataset file's size and SHA-256).
@@ -50,11 +52,15 @@ DATA_FILE = "data.dataset's contents (size, SHA-256)"
 SOURCE_FILES = "the model's Hugging Face source files"
 
 
-def run_facts(cfg: JobConfig, global_rows: int) -> dict[str, Any]:
-    """What the config alone does not say and a resume must match: the rows per step and the
-    dataset file's size and digest (None for the built-in data). Hashes the file: once a run."""
+def run_facts(
+    cfg: JobConfig, global_rows: int, sources: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """What the config alone does not say and a resume must match: the rows per step, the
+    dataset file's size and digest (None for the built-in data) and the fingerprint of the
+    model's source files (`sources`: the one the resumed checkpoint recorded, for a run built
+    from its copies; None: the files' now). Hashes the files: once a run."""
     facts: dict[str, Any] = {GLOBAL_ROWS: global_rows, DATA_FILE: None}
-    facts[SOURCE_FILES] = source_files(cfg)
+    facts[SOURCE_FILES] = source_files(cfg) if sources is None else sources
     if cfg.data.dataset != "synthetic":
         h = hashlib.sha256()
         with open(cfg.data.dataset, "rb") as f:

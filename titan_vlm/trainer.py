@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titan_vlm.checkpoint import Checkpointer, load_initial_weights
+from titan_vlm.checkpoint import Checkpointer, RunStart, load_initial_weights, run_start
 from titan_vlm.config import JobConfig
 from titan_vlm.data import build_dataset
 from titan_vlm.data.batch import SlotData
@@ -94,10 +94,21 @@ class Trainer(Stateful):
         self.cfg, self.mesh, self.device = cfg, mesh, device
         # microbatches of local_batch_size rows per step (training.global_batch_size)
         self.accumulation = accumulation_steps(t, mesh.dp.size())
-        self.spec = model_spec(cfg)
+        # where the run starts (checkpoint.py run_start), before the model is built: a resume
+        # builds the model, tokenizer and processor from the checkpoint's copies of its sources
+        # (`sources`) and fills the weights from the checkpoint, not from a Hugging Face folder
+        self.start: RunStart | None = None
+        if cfg.checkpoint.enable:
+            global_rows = mesh.dp.size() * t.local_batch_size * self.accumulation
+            self.start = run_start(cfg, mesh.world.get_group(), global_rows)
+        resuming = self.start is not None and self.start.step_dir is not None
+        self.sources = self.start.sources if self.start is not None else cfg
+        self.spec = model_spec(self.sources)
         self.tp = TPOptions.from_config(p)
         self.log_parallelism()
-        self.model, self.args = build_model(self.spec, cfg, mesh, device)
+        self.model, self.args = build_model(
+            self.spec, self.sources, mesh, device, fill=not resuming
+        )
         # the cost model's weights come from the architecture (ModelSpec.layout_cost)
         self.cp = CPOptions.from_config(p, self.spec.layout_cost(self.args))
         # training.freeze: before the optimizer, which then holds no state for them
@@ -114,14 +125,9 @@ class Trainer(Stateful):
         self.nonfinite_skipped = 0
         self.empty_since: int | None = None  # first step of the current run without a loss token
         self.checkpointer: Checkpointer | None = None
-        if cfg.checkpoint.enable:
+        if self.start is not None:
             self.checkpointer = Checkpointer(
-                cfg,
-                self.model,
-                self.optimizer,
-                self,
-                mesh.world.get_group(),
-                global_rows=mesh.dp.size() * t.local_batch_size * self.accumulation,
+                cfg, self.model, self.optimizer, self, mesh.world.get_group(), self.start
             )
             self.resume(self.checkpointer)
         if self.step == 0 and cfg.checkpoint.initial_load_path:
@@ -134,8 +140,8 @@ class Trainer(Stateful):
                 step_dir,
             )
         self.dp_rank, self.dp = mesh.dp.get_local_rank(), mesh.dp.size()
-        rule, slot_data = self.spec.data_rule(self.args, cfg)
-        inputs = self.spec.inputs(cfg)  # the tokenizer and processor, read once
+        rule, slot_data = self.spec.data_rule(self.args, self.sources)
+        inputs = self.spec.inputs(self.sources)  # the tokenizer and processor, read once
         self.data = self.dataset(cfg, inputs, rule, slot_data)
         self.log_data()
         self.validation: Dataset | None = None
@@ -384,7 +390,11 @@ class Trainer(Stateful):
         """Load the newest usable checkpoint, if any, into the model, optimizer and trainer."""
         step_dir = checkpointer.resume()
         if step_dir is not None:
-            logger.info("resumed from %s at step %d", step_dir, self.step)
+            copies = " (the model, tokenizer and processor from its copies of the sources)"
+            copied = self.start is not None and self.start.copied
+            logger.info(
+                "resumed from %s at step %d%s", step_dir, self.step, copies if copied else ""
+            )
         if self.step >= self.cfg.training.steps and dist.get_rank() == 0:  # once, not per rank
             logger.warning(
                 "the latest checkpoint is at step %d >= training.steps=%d: nothing to train "

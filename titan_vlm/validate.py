@@ -5,7 +5,8 @@ ConfigError naming the key.
     the mesh degrees                  ParallelDims.from_config
     the names of the choice keys      config.check_choices (a config built or changed in code)
     the model family and its args     models/registry.py model_spec(cfg).args (reads and checks
-                                      any Hugging Face config.json), its safetensors files there
+                                      any Hugging Face config.json, a resume's copy of it:
+                                      checkpoint.py resume_sources), its safetensors files there
     the training, data, validation, profiling, metrics and checkpoint keys (training.freeze's
     groups among them), the attention kernel
                                       here
@@ -29,15 +30,20 @@ from titan_vlm.parallel_dims import ParallelDims, device_type
 def validate_job(cfg: JobConfig, world_size: int) -> ParallelDims:
     """The mesh degrees `cfg` asks for on `world_size` ranks, after every check (module
     docstring)."""
+    from titan_vlm.checkpoint import resume_sources
     from titan_vlm.data.jsonl import validate_data_config
     from titan_vlm.models.build import hf_files
     from titan_vlm.models.registry import model_spec
 
     dims = ParallelDims.from_config(cfg, world_size)
     check_choices(cfg)
-    spec = model_spec(cfg)
-    args = spec.args(cfg)  # reads and checks any HF config.json
-    hf_files(cfg)  # each HF source's safetensors are there
+    # a resume builds the model from its checkpoint's copies of the sources, and its weights
+    # come from the checkpoint (checkpoint.py run_start)
+    sources, resuming = resume_sources(cfg)
+    spec = model_spec(sources)
+    args = spec.args(sources)  # reads and checks any HF config.json
+    if not resuming:
+        hf_files(sources)  # each HF source's safetensors are there
     t = cfg.training
     k = cfg.data.images_per_sample
     if not 0 <= k <= 64:
@@ -95,7 +101,7 @@ def validate_job(cfg: JobConfig, world_size: int) -> ParallelDims:
     for key in ("enable_sequence_parallel", "image_embed_tp_shard"):
         if getattr(cfg.parallelism, key) and dims.tp == 1:
             raise ConfigError(f"parallelism.{key} needs parallelism.tensor_parallel_degree > 1")
-    spec.validate(args, dims, cfg)
+    spec.validate(args, dims, sources)
     return dims
 
 

@@ -3,6 +3,7 @@
     meta-device modules (no memory)  ->  spec.parallelize (TP, AC, compile, FSDP)
       ->  to_empty (each rank allocates its own shards)  ->  spec.init_buffers (RoPE tables)
       ->  load_hf_shards (each rank reads its boxes of the safetensors)  or  init_from_seed
+          (or nothing: a resume's checkpoint fills them)
 
 Start-up memory per rank is the rank's shards plus one row block or file slice at a time, so
 it falls with the FSDP shard count (benchmarks/startup_memory.py, docs/performance.md).
@@ -87,15 +88,19 @@ def _summary(unused: dict[str, str]) -> str:
 
 
 def build_model(
-    spec: ModelSpec, cfg: JobConfig, mesh: Mesh, device: torch.device
+    spec: ModelSpec, cfg: JobConfig, mesh: Mesh, device: torch.device, fill: bool = True
 ) -> tuple[VisionLanguageModel, Any]:
-    """The parallelized model on `device`, filled from Hugging Face weights or from the seed."""
+    """The parallelized model on `device`, filled from Hugging Face weights or from the seed;
+    fill=False leaves the parameters unfilled, for a checkpoint to fill (a resume: the Hugging
+    Face weights are not read)."""
     args = spec.args(cfg)
     with torch.device("meta"):
         model = spec.build(args)
     spec.parallelize(model, mesh, cfg)
     model.to_empty(device=device)
     spec.after_to_empty(model)
+    if not fill:
+        return model, args
     if hf_sources(cfg):
         load_hf(model, spec, args, cfg)
     else:
