@@ -58,8 +58,8 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 from titan_vlm import attention as titan_attention
 from titan_vlm.kernels import CpuFlash
 from titan_vlm.models.common.hf_adapter import hf_tensor_parts
+from titan_vlm.models.common.qwen_vl.args import Qwen25VLArgs, VisionArgs
 from titan_vlm.models.common.text_args import DecoderArgs
-from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs, VisionArgs
 from titan_vlm.models.qwen2_5_vl.hf_adapter import export_names
 from titan_vlm.models.qwen2_5_vl.vision import VisionTower
 

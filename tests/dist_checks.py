@@ -13,6 +13,7 @@ import math
 import random
 import sys
 import time
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -28,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
+from titan_vlm.attention import planned_attention
 from titan_vlm.config import JobConfig, Training
 from titan_vlm.data.batch import IGNORE_INDEX, Batch, Sample, collate
 from titan_vlm.data.images import NativeResolution
@@ -36,6 +38,7 @@ from titan_vlm.distributed import local_tensor
 from titan_vlm.layout import LayoutCost, SeqLayout
 from titan_vlm.metrics import SavedForBackward
 from titan_vlm.models.build import unfilled_model
+from titan_vlm.models.common.decoder import apply_rope
 from titan_vlm.models.common.text_args import Rope
 from titan_vlm.models.llava.args import VLMArgs, get_flavor
 from titan_vlm.models.llava.flops import layout_cost
@@ -987,7 +990,68 @@ def _qwen_rows(args, rule, slot_data, seq_len: int, seed: int) -> Batch:
     return collate(rows, seq_len, rule, rule.image_size, 0, slot_data=slot_data)
 
 
-FAMILIES = {"qwen2_5_vl": _qwen_rows}
+def _qwen3_rows(args, rule, slot_data, seq_len: int, seed: int) -> Batch:
+    """Two packed rows of Qwen3-VL samples: images of four sizes (6, 4, 8 and 9 slots: 32-pixel
+    merge units), text-only samples, one long interleaved sample (so "auto" splits it) and short
+    ones (kept whole)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def text(n: int) -> list[int]:
+        return torch.randint(0, args.image_token_id, (n,), generator=g).tolist()
+
+    start, end = args.vision_start_token_id, args.vision_end_token_id
+
+    def image(height: int, width: int) -> torch.Tensor:
+        return torch.randn(3, height, width, generator=g)
+
+    rows = [
+        [
+            Sample(
+                [
+                    text(4) + [start],
+                    image(64, 96),
+                    [end] + text(9) + [start],
+                    image(64, 64),
+                    [end] + text(40),
+                ]
+            ),
+            Sample([text(6) + [start], image(128, 64), [end] + text(8)]),
+        ],
+        [
+            Sample([text(12)]),
+            Sample([text(3) + [start], image(96, 96), [end] + text(20)]),
+            Sample([text(9)]),
+        ],
+    ]
+    return collate(rows, seq_len, rule, rule.image_size, 0, slot_data=slot_data)
+
+
+FAMILIES = {"qwen2_5_vl": _qwen_rows, "qwen3_vl": _qwen3_rows}
+
+
+@contextlib.contextmanager
+def _deepstack_fault(fault: str) -> Iterator[None]:
+    """Negative controls of Qwen3-VL's DeepStack under CP: "dropped_off_rank0" (ranks other than
+    0 add no features), "one_layer_late" (feature j added after layer j + 1)."""
+    from titan_vlm.models.qwen3_vl.model import Qwen3Decoder
+
+    if fault == "none":
+        yield
+        return
+    forward = Qwen3Decoder.forward
+
+    def faulty(self, tokens, image_embeds, layout, inline_embeds=None, deepstack=None):
+        deepstack = list(deepstack or [])
+        if fault == "dropped_off_rank0" and dist.get_rank() != 0:
+            deepstack = []
+        elif fault == "one_layer_late" and deepstack:
+            prefix, inline = deepstack[0]
+            zeros = (prefix * 0, inline * 0 if inline is not None else None)
+            deepstack = [zeros, *deepstack]
+        return forward(self, tokens, image_embeds, layout, inline_embeds, deepstack)
+
+    with mock.patch.object(Qwen3Decoder, "forward", faulty):
+        yield
 
 
 def family_parity(
@@ -1008,6 +1072,7 @@ def family_parity(
     sp: bool = False,
     tp_unreduced_norms: bool = False,
     embed_shard: bool = False,
+    deepstack_fault: str = "none",
 ) -> dict:
     """One optimizer step of a family's parallel model against one process with the same weights
     and global batch (FAMILIES' rows: dp * 1 rows), all through its ModelSpec. Returns both
@@ -1017,7 +1082,8 @@ def family_parity(
     `sum_image_grad=False` (negative control): the image embeddings' gradient is not summed over
     cp. `tp`, `sp`, `embed_shard`: tensor (and sequence) parallelism as parallelism.* sets them
     (embed_shard: image_embed_tp_shard); `tp_unreduced_norms` (negative control): the SP norms'
-    weight gradients not summed over tp."""
+    weight gradients not summed over tp; `deepstack_fault` (negative control, qwen3_vl:
+    `_deepstack_fault`). Gradient errors are per parameter group (ModelSpec.group_of)."""
     from titan_vlm.models.registry import get_model_spec
 
     spec = get_model_spec(family)
@@ -1064,7 +1130,10 @@ def family_parity(
         }
     options = CPOptions(comm, vision, placement, image_tokens, spec.layout_cost(args))
     tp_options = TPOptions.from_config(cfg.parallelism)
-    with contextlib.nullcontext() if sum_image_grad else _image_grads_not_summed_over_cp():
+    with (
+        contextlib.nullcontext() if sum_image_grad else _image_grads_not_summed_over_cp(),
+        _deepstack_fault(deepstack_fault),
+    ):
         stats, (layout,) = train_step(
             model, opt, sched, batch, mesh, t.max_norm, options, tp_options
         )
@@ -1079,7 +1148,7 @@ def family_parity(
     ]
     grad_err: dict[str, float] = {}
     for (name, _), (rel, _) in zip(named, _relative_errors(pairs)):
-        group = name.split(".")[0]
+        group = spec.group_of(name)
         grad_err[group] = max(grad_err.get(group, 0.0), rel)
     return {
         "loss": stats["loss"],
@@ -1106,8 +1175,8 @@ class _FusedQKVAttention(qwen_vision.VisionAttention):
     def forward(self, x, cos, sin, plan):
         qkv = self.qkv(x).unflatten(-1, (3, -1, self.head_dim))  # [1, N, 3, H, D]
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        q, k = qwen_vision.apply_rope(q, cos, sin), qwen_vision.apply_rope(k, cos, sin)
-        out = qwen_vision.planned_attention(q, k, v, plan, self.attention_kernel)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = planned_attention(q, k, v, plan, self.attention_kernel)
         return self.proj(out.transpose(1, 2).flatten(2))
 
 

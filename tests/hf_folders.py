@@ -6,6 +6,9 @@ values so that a bias or norm that is not loaded shows (`perturb`).
     save_qwen(folder, tie=False)   a tiny Qwen2_5_VLForConditionalGeneration: window_size 56 with
                                    14-pixel patches and 2x2 merging (windows of 2x2 merge units),
                                    blocks 1 and 3 attending whole frames, mrope_section (2, 3, 3)
+    save_qwen3(folder, tie=False)  a tiny Qwen3VLForConditionalGeneration: 16-pixel patches, 2x2
+                                   merging, a 4x4 learned position grid, DeepStack from tower
+                                   blocks 0 and 1, interleaved mrope_section (2, 3, 3)
     save_llava(folder, vision, text, image_token_index=LLAVA_IMAGE, **top)
                                    a tiny LlavaForConditionalGeneration of the given vision and
                                    text configs (CLIP or SigLIP tower; tied or not and the
@@ -42,6 +45,8 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2Config,
     Qwen3Config,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
     SiglipVisionConfig,
 )
 
@@ -96,6 +101,53 @@ def save_qwen(
         tie_word_embeddings=tie,
     )
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    perturb(model)
+    model.save_pretrained(folder)
+    return model
+
+
+# -- Qwen3-VL ------------------------------------------------------------------------------------
+
+QWEN3_VISION = dict(
+    depth=3,
+    hidden_size=32,
+    num_heads=2,
+    intermediate_size=48,
+    out_hidden_size=64,
+    num_position_embeddings=16,  # a 4 x 4 grid, interpolated to every image's
+    deepstack_visual_indexes=[0, 1],
+)
+QWEN3_TEXT = dict(
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    vocab_size=VOCAB,
+    rope_parameters={
+        "rope_type": "default",
+        "mrope_section": [2, 3, 3],
+        "rope_theta": 10000.0,
+        "mrope_interleaved": True,
+    },
+)
+
+
+def save_qwen3(folder: Path, tie: bool = False) -> Qwen3VLForConditionalGeneration:
+    """A tiny Qwen3VLForConditionalGeneration (16-pixel patches, 2x2 merging, a 4x4 learned
+    position grid, DeepStack features from tower blocks 0 and 1), saved to `folder`."""
+    torch.manual_seed(0)
+    config = Qwen3VLConfig(
+        vision_config=QWEN3_VISION,
+        text_config=QWEN3_TEXT,
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
+        tie_word_embeddings=tie,
+    )
+    model = Qwen3VLForConditionalGeneration(config).eval()
     perturb(model)
     model.save_pretrained(folder)
     return model

@@ -1,5 +1,5 @@
 """A JSONL file of conversations with images and a video (a list of frame files) on a Qwen2.5-VL
-folder (models/qwen2_5_vl/processor.py chat_processor: the folder's tokenizer and chat template
+folder (models/common/qwen_vl/processor.py chat_processor: the folder's tokenizer and chat template
 through data/hf_processor.py, its image half QwenVision; images.py QwenRule sizing each image from
 its header), against transformers 5 itself, offline:
 
@@ -35,10 +35,10 @@ from test_qwen2_5_vl_processor import hf_processor, noise_image, video_frames
 from titan_vlm.data.batch import IGNORE_INDEX, Prompt
 from titan_vlm.data.images import VideoRef
 from titan_vlm.data.jsonl import JsonlDataset
-from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs
+from titan_vlm.models.common.qwen_vl.args import Qwen25VLArgs
+from titan_vlm.models.common.qwen_vl.images import MROPE_POSITIONS, folder_rule
+from titan_vlm.models.common.qwen_vl.processor import chat_processor, patchify_frames
 from titan_vlm.models.qwen2_5_vl.hf_config import args_from_hf_config
-from titan_vlm.models.qwen2_5_vl.images import MROPE_POSITIONS, folder_rule
-from titan_vlm.models.qwen2_5_vl.processor import chat_processor, patchify_frames
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as hf_qwen2_vl  # noqa: E402

@@ -29,9 +29,9 @@ from test_qwen2_5_vl_processor import StandInVideoProcessor, hf_frames, hf_proce
 from titan_vlm.data.batch import VideoFrames
 from titan_vlm.data.jsonl import JsonlDataset
 from titan_vlm.errors import ConfigError
+from titan_vlm.models.common.qwen_vl.images import MROPE_POSITIONS, folder_rule
+from titan_vlm.models.common.qwen_vl.processor import FrameSampling, chat_processor, patchify_frames
 from titan_vlm.models.qwen2_5_vl.hf_config import args_from_hf_config
-from titan_vlm.models.qwen2_5_vl.images import MROPE_POSITIONS, folder_rule
-from titan_vlm.models.qwen2_5_vl.processor import FrameSampling, chat_processor, patchify_frames
 
 transformers = pytest.importorskip("transformers")
 av = pytest.importorskip("av")
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # 16 frames at 8 fps (2 s) sampled at 2 fps within [2, 6] frames: 4 kept (0, 4, 8, 12), at 2
 # frames per second: 2 temporal patches 1 s apart, 2 positions at tokens_per_second 2. (Short:
 # text after a video whose temporal span exceeds its spatial one resumes elsewhere in
-# transformers >= 5.3 than Qwen's rule says, models/qwen2_5_vl/mrope.py.)
+# transformers >= 5.3 than Qwen's rule says, models/common/qwen_vl/mrope.py.)
 SAMPLING = {"do_sample_frames": True, "fps": 2.0, "min_frames": 2, "max_frames": 6}
 FRAMES, RATE = 16, 8
 QUESTION, ANSWER = "What happens?", "The dot moves."

@@ -30,7 +30,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 # The names a choice-valued key takes; the first is not necessarily the default.
-ModelName = Literal["llava", "qwen2_5_vl"]  # models/registry.py MODEL_SPECS
+ModelName = Literal["llava", "qwen2_5_vl", "qwen3_vl"]  # models/registry.py MODEL_SPECS
 Flavor = Literal["debug", "small", "llava7b", "hf"]  # models/llava/args.py FLAVORS, plus "hf"
 AttentionKernel = Literal["auto", "cpu_flash", "cuda_flash", "cuda_efficient", "cuda_cudnn"]
 ImageAttention = Literal["causal", "bidirectional"]

@@ -17,10 +17,10 @@ from hf_folders import END, START, save_qwen
 from test_qwen2_5_vl_model import TOL, relative_error, text, token_types
 
 from titan_vlm.data.batch import Sample, collate
-from titan_vlm.models.qwen2_5_vl.images import MROPE_POSITIONS, QwenRule, QwenVisuals
+from titan_vlm.models.common.qwen_vl.images import MROPE_POSITIONS, QwenRule, QwenVisuals
+from titan_vlm.models.common.qwen_vl.mrope import rope_index
+from titan_vlm.models.common.qwen_vl.processor import patchify_frames
 from titan_vlm.models.qwen2_5_vl.model import Qwen25VL, from_hf_folder
-from titan_vlm.models.qwen2_5_vl.mrope import rope_index
-from titan_vlm.models.qwen2_5_vl.processor import patchify_frames
 from titan_vlm.parallel.context_parallel import CPContext
 
 FPS = 1.6  # temporal_patch_size 2 / 1.6 fps = 1.25 s a temporal patch: a step of 2.5 positions

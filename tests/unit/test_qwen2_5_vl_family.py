@@ -1,4 +1,4 @@
-"""The qwen2_5_vl family's FLOPs / CP cost model (models/qwen2_5_vl/flops.py), its job checks
+"""The qwen2_5_vl family's FLOPs / CP cost model (models/common/qwen_vl/flops.py), its job checks
 (validate.py) and its parallelize's type check (parallelize.py): the decoder's weights equal the
 llava family's formula for the same DecoderArgs; the vision tower's per-patch matmuls equal its
 modules' weights; its attention pairs equal a brute-force count over the windows and frames
@@ -19,16 +19,16 @@ from titan_vlm.data.batch import Batch, Sample, collate
 from titan_vlm.errors import ConfigError
 from titan_vlm.layout import SeqLayout, build_layout
 from titan_vlm.models.common.decoder import Decoder
+from titan_vlm.models.common.qwen_vl.args import Qwen25VLArgs, VisionArgs
+from titan_vlm.models.common.qwen_vl.flops import batch_train_flops, layout_cost
+from titan_vlm.models.common.qwen_vl.images import QwenRule, QwenVisuals
+from titan_vlm.models.common.qwen_vl.validate import validate
+from titan_vlm.models.common.qwen_vl.vision_cost import image_train_flops, vision_patch_flops
 from titan_vlm.models.common.text_args import DecoderArgs
 from titan_vlm.models.llava.args import VLMArgs
 from titan_vlm.models.llava.flops import layout_cost as llava_layout_cost
-from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs, VisionArgs
-from titan_vlm.models.qwen2_5_vl.flops import batch_train_flops, layout_cost
-from titan_vlm.models.qwen2_5_vl.images import QwenRule, QwenVisuals
 from titan_vlm.models.qwen2_5_vl.parallelize import parallelize
-from titan_vlm.models.qwen2_5_vl.validate import validate
 from titan_vlm.models.qwen2_5_vl.vision import VisionTower, window_geometry
-from titan_vlm.models.qwen2_5_vl.vision_cost import image_train_flops, vision_patch_flops
 from titan_vlm.parallel.context_parallel import CPContext
 from titan_vlm.parallel_dims import ParallelDims
 from titan_vlm.validate import validate_job

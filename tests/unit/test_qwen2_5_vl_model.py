@@ -25,7 +25,8 @@ from safetensors import safe_open
 from transformers import Qwen2_5_VLConfig
 
 from titan_vlm.errors import ConfigError
-from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs
+from titan_vlm.models.common.qwen_vl.args import Qwen25VLArgs
+from titan_vlm.models.common.qwen_vl.mrope import batch_rope_index, mrope_cos_sin, rope_index
 from titan_vlm.models.qwen2_5_vl.hf_adapter import (
     IN_MEMORY,
     SAVED,
@@ -37,7 +38,6 @@ from titan_vlm.models.qwen2_5_vl.hf_adapter import (
 )
 from titan_vlm.models.qwen2_5_vl.hf_config import args_from_hf_config
 from titan_vlm.models.qwen2_5_vl.model import Qwen25VL, from_hf_folder
-from titan_vlm.models.qwen2_5_vl.mrope import batch_rope_index, mrope_cos_sin, rope_index
 from titan_vlm.models.qwen2_5_vl.vision import VisionTower, window_geometry
 
 TOL = 1e-5

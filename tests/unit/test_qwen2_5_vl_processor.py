@@ -1,7 +1,7 @@
-"""Qwen2.5-VL's input side (models/qwen2_5_vl/processor.py) against transformers 5 itself, offline:
-tiny folders written by transformers (Qwen2VLImageProcessorPil.save_pretrained, next to a tiny
-WordLevel tokenizer with Qwen's special tokens), read by QwenVLProcessor.from_folder, then our
-patches, grids and prompts against transformers' on the same inputs.
+"""Qwen2.5-VL's input side (models/common/qwen_vl/processor.py) against transformers 5 itself,
+offline: tiny folders written by transformers (Qwen2VLImageProcessorPil.save_pretrained, next
+to a tiny WordLevel tokenizer with Qwen's special tokens), read by QwenVLProcessor.from_folder,
+then our patches, grids and prompts against transformers' on the same inputs.
 
 References: Qwen2VLImageProcessorPil (what AutoImageProcessor picks for a Qwen2.5-VL folder
 without torchvision, as here) for images; Qwen2_5_VLProcessor for the prompt's expansion. The
@@ -23,8 +23,8 @@ import torch
 from PIL import Image, ImageDraw
 
 from titan_vlm.errors import ConfigError
-from titan_vlm.models.qwen2_5_vl import processor as qp
-from titan_vlm.models.qwen2_5_vl.processor import (
+from titan_vlm.models.common.qwen_vl import processor as qp
+from titan_vlm.models.common.qwen_vl.processor import (
     DEFAULT_FPS,
     QwenVLProcessor,
     VisionTokens,

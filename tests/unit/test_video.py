@@ -1,4 +1,4 @@
-"""Video files (data/video.py) and Qwen2.5-VL's frame sampling (models/qwen2_5_vl/processor.py
+"""Video files (data/video.py) and Qwen2.5-VL's frame sampling (models/common/qwen_vl/processor.py
 FrameSampling) against transformers: the header and the decoded frames equal
 transformers.video_utils.read_video_pyav's on an mp4 written here; the kept frames equal
 Qwen2VLVideoProcessor.sample_frames (compiled from transformers' source: the class needs
@@ -21,8 +21,8 @@ from test_qwen2_5_vl_processor import hf_video_class, hf_video_defaults
 
 from titan_vlm.data.video import VideoError, decode_video, probe_video
 from titan_vlm.errors import ConfigError
-from titan_vlm.models.qwen2_5_vl import processor as qp
-from titan_vlm.models.qwen2_5_vl.processor import FrameSampling, frame_sampling
+from titan_vlm.models.common.qwen_vl import processor as qp
+from titan_vlm.models.common.qwen_vl.processor import FrameSampling, frame_sampling
 
 av = pytest.importorskip("av")
 video_utils = pytest.importorskip("transformers.video_utils")

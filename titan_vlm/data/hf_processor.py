@@ -5,7 +5,7 @@ CLIPImageProcessor or SiglipImageProcessor) computes on the same folder.
 The tokenizer and chat-template half is shared by every family; the image half is pluggable
 (`FolderVision`): LLaVA's (`LlavaVision`, every image at the folder's fixed size, a video as its
 frames, each one image) is `HFProcessor.from_folder`'s; another family builds an HFProcessor with
-its own (`HFProcessor.with_vision`: e.g. models/qwen2_5_vl/processor.py `chat_processor`, images
+its own (`HFProcessor.with_vision`: e.g. models/common/qwen_vl/processor.py `chat_processor`, images
 at their own sizes and a video as one part at its `<|video_pad|>` token).
 
     proc = HFProcessor.from_folder("llava-1.5-7b-hf")

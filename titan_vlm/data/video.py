@@ -15,7 +15,7 @@ reader takes the header's 0 and fails). The count is the one frames are sampled 
 stream decode to fewer frames than an index asked for, decode_video says so (VideoError).
 
 Which frames a model keeps (and so the rate they were sampled at) is the family's rule (e.g.
-models/qwen2_5_vl/processor.py FrameSampling, from the folder's video processor settings).
+models/common/qwen_vl/processor.py FrameSampling, from the folder's video processor settings).
 Anything PyAV cannot open or decode, a stream without frames or a header without a rate, is a
 VideoError naming the file; without PyAV, a ConfigError saying how to install it.
 """

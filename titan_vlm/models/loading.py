@@ -22,6 +22,8 @@ import hashlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -30,7 +32,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from titan_vlm.errors import ConfigError
 from titan_vlm.models.common.hf_adapter import hf_tensor_parts
-from titan_vlm.models.common.hf_folder import SafetensorsFiles
+from titan_vlm.models.common.hf_folder import SafetensorsFiles, weight_files
 
 ROW_BLOCK = 64  # rows of dim 0 drawn from one seeded generator (init_from_seed)
 # What activation checkpointing's wrapper (torch's _CHECKPOINT_PREFIX) and a torch.compile'd
@@ -99,6 +101,28 @@ def load_hf_shards(
                 read += piece.numel() * piece.element_size()
             first += shape[0] if shape else 0
     return read
+
+
+def load_whole_model(
+    model: nn.Module,
+    folder: Path,
+    names: Callable[[Any, set[str], str], dict[str, str]],
+    same: Callable[[Any, set[str]], list[tuple[str, str]]],
+) -> None:
+    """Copy every parameter of `model` (whole, one process, no parallelism) from a
+    transformers-saved folder, through a family's adapter (ModelSpec.hf_names, hf_same, of
+    `model.args`): a missing or stray tensor, one of another shape, or a tied copy that differs
+    is a ConfigError."""
+    where = str(folder)
+    args = model.args
+    with SafetensorsFiles(weight_files(folder, where), where) as files:
+        mapping = names(args, files.keys(), where)
+        for copy, original in same(args, files.keys()):
+            if not torch.equal(files.read(copy), files.read(original)):
+                raise ConfigError(
+                    f"{where}: '{copy}' differs from '{original}' but the embeddings are tied"
+                )
+        load_hf_shards(dict(model.named_parameters()), files, mapping, where)
 
 
 @dataclass(frozen=True)

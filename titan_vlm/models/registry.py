@@ -16,12 +16,13 @@ from titan_vlm.files import read_json
 from titan_vlm.models.common.hf_folder import config_path
 from titan_vlm.models.llava.spec import LLAVA
 from titan_vlm.models.qwen2_5_vl.spec import QWEN2_5_VL
+from titan_vlm.models.qwen3_vl.spec import QWEN3_VL
 from titan_vlm.models.spec import ModelSpec
 
 if TYPE_CHECKING:
     from titan_vlm.config import JobConfig
 
-MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAVA, QWEN2_5_VL)}
+MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAVA, QWEN2_5_VL, QWEN3_VL)}
 
 
 def get_model_spec(name: str) -> ModelSpec:

@@ -13,11 +13,20 @@ express is a ConfigError of one line naming the file and the key, never an appro
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from titan_vlm.errors import ConfigError
+from titan_vlm.files import read_json
+from titan_vlm.models.common.hf_folder import config_path
 from titan_vlm.models.common.text_args import ROPE_TYPES, DecoderArgs, Rope
+
+if TYPE_CHECKING:
+    from titan_vlm.config import JobConfig
+
+A = TypeVar("A")  # a family's args
 
 TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -252,3 +261,39 @@ def first_difference(a: object, b: object, prefix: str = "") -> str | None:
         elif x != y:
             return f"{prefix}{f.name}: {x!r} vs {y!r}"
     return None
+
+
+def whole_model_args(
+    cfg: JobConfig,
+    family: str,
+    flavors: Mapping[str, A],
+    from_config: Callable[[dict, str], A],
+) -> A:
+    """The architecture of a family whose model comes whole from one folder (Qwen-VL): with
+    model.hf_path, its config.json's (`from_config`), which a built-in flavor must agree with
+    (model.flavor = "hf" takes it as it is); without, the built-in flavor. Separate towers, an
+    unknown flavor, or "hf" without a folder are one line."""
+    m = cfg.model
+    if m.hf_vision_path or m.hf_text_path:
+        raise ConfigError(
+            "model.hf_vision_path / hf_text_path: separate towers are the llava family's; a "
+            f"{family} model comes whole from model.hf_path (or a built-in flavor)"
+        )
+    if m.flavor != "hf" and m.flavor not in flavors:
+        raise ConfigError(
+            f"model.flavor={m.flavor!r} is not a {family} flavor (known: {', '.join(flavors)}, hf)"
+        )
+    if not m.hf_path:
+        if m.flavor == "hf":
+            raise ConfigError("model.flavor='hf' reads the architecture from model.hf_path: set it")
+        return flavors[m.flavor]
+    path = config_path(Path(m.hf_path))
+    args = from_config(read_json(path, "model.hf_path"), str(path))
+    if m.flavor != "hf":
+        diff = first_difference(flavors[m.flavor], args)
+        if diff:
+            raise ConfigError(
+                f"model.flavor={m.flavor!r} does not match the config.json of {m.hf_path} "
+                f"({diff}); set model.flavor = 'hf' to take the architecture from the folder"
+            )
+    return args

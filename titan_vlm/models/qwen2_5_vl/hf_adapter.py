@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from titan_vlm.errors import ConfigError
 from titan_vlm.models.common.hf_adapter import check_file_coverage, decoder_hf_names
-from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs
+from titan_vlm.models.common.qwen_vl.args import Qwen25VLArgs
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from typing import Any
 from titan_vlm.errors import ConfigError
 from titan_vlm.models.common.activations import ACTIVATIONS
 from titan_vlm.models.common.hf_config import Section, model_type_of, text_args
-from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs, VisionArgs
+from titan_vlm.models.common.qwen_vl.args import Qwen25VLArgs, VisionArgs
+from titan_vlm.models.common.qwen_vl.hf_config import mrope_key, split_mrope
 
 MODEL_TYPES = ("qwen2_5_vl",)
 # transformers 4.x wrote the tower's model_type as the whole model's
@@ -83,38 +84,6 @@ def _text_section(config: dict, where: str) -> Section:
     return s
 
 
-def _mrope(s: Section) -> tuple[Section, tuple[int, ...]]:
-    """The text section with its rope dict read as common/hf_config.py reads a Qwen2's (the
-    sections taken out, "mrope" named "default" as transformers renames it), and the sections."""
-    cfg = dict(s.cfg)
-    section: Any = list(DEFAULT_MROPE_SECTION)
-    for key in ("rope_parameters", "rope_scaling"):
-        rope = cfg.get(key)
-        if not isinstance(rope, dict):
-            continue
-        rope = dict(rope)
-        if "mrope_section" in rope:
-            section = rope.pop("mrope_section")
-        for type_key in ("rope_type", "type"):
-            if rope.get(type_key) == "mrope":
-                rope[type_key] = "default"
-        cfg[key] = rope
-    if not (
-        isinstance(section, (list, tuple))
-        and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in section)
-    ):
-        raise s.error(_mrope_key(s), section, "a list of positive integers is needed")
-    return replace(s, cfg=cfg), tuple(section)
-
-
-def _mrope_key(s: Section) -> str:
-    """Where the file keeps mrope_section (for messages)."""
-    for key in ("rope_parameters", "rope_scaling"):
-        if isinstance(s.cfg.get(key), dict):
-            return f"{key}.mrope_section"
-    return "rope_parameters.mrope_section"
-
-
 def _vision_args(s: Section) -> tuple[VisionArgs, float]:
     """The tower's args and tokens_per_second (a key of vision_config)."""
     model_type_of(s.cfg, s.where, s.prefix, VISION_TYPES, default=VISION_TYPES[0])
@@ -158,7 +127,7 @@ def args_from_hf_config(config: dict, where: str) -> Qwen25VLArgs:
     messages) -> the family's args."""
     model_type_of(config, where, "", MODEL_TYPES)
     top = Section(config, where, "", TOP_DEFAULTS)
-    text, mrope_section = _mrope(_text_section(config, where))
+    text, mrope_section = split_mrope(_text_section(config, where), DEFAULT_MROPE_SECTION)
     hidden, heads = text.get_int("hidden_size"), text.get_int("num_attention_heads")
     if text.get("head_dim") not in (None, hidden // heads):
         # Qwen2_5_VLAttention always uses hidden_size // num_attention_heads
@@ -166,7 +135,7 @@ def args_from_hf_config(config: dict, where: str) -> Qwen25VLArgs:
     decoder = text_args(text, "qwen2")
     if len(mrope_section) != 3 or sum(mrope_section) != decoder.head_dim // 2:
         raise text.error(
-            _mrope_key(text),
+            mrope_key(text),
             list(mrope_section),
             f"three sections summing to head_dim / 2 = {decoder.head_dim // 2} are needed",
         )

@@ -36,12 +36,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titan_vlm.attention import planned_attention
 from titan_vlm.models.common.activations import ACT_FNS
-from titan_vlm.models.common.decoder import RMSNorm, apply_rope, inv_frequencies
+from titan_vlm.models.common.decoder import RMSNorm, inv_frequencies
+from titan_vlm.models.common.qwen_vl.args import VisionArgs
+from titan_vlm.models.common.qwen_vl.model import QwenTower
+from titan_vlm.models.common.qwen_vl.vision_blocks import VisionAttention, dense_plan, grid_hw
 from titan_vlm.models.common.text_args import Rope
-from titan_vlm.models.qwen2_5_vl.args import VisionArgs
-from titan_vlm.varlen import PackedPlan, pack
+from titan_vlm.varlen import PackedPlan
 
 
 @dataclass(frozen=True)
@@ -76,16 +77,6 @@ def _grid_windows(t: int, hu: int, wu: int, side: int) -> tuple[torch.Tensor, to
     return order[order >= 0], counts[counts > 0]
 
 
-def _grid_hw(t: int, h: int, w: int, m: int) -> torch.Tensor:
-    """[t*h*w, 2] (row, column) of each patch of a grid in processor order (merge units of m x m
-    patches consecutive, row-major within the unit)."""
-    rows = torch.arange(h).view(h, 1).expand(h, w)
-    cols = torch.arange(w).view(1, w).expand(h, w)
-    hw = torch.stack([rows, cols], dim=-1)  # [h, w, 2]
-    hw = hw.view(h // m, m, w // m, m, 2).transpose(1, 2).reshape(h * w, 2)
-    return hw.repeat(t, 1)
-
-
 def window_geometry(grid_thw: torch.Tensor, a: VisionArgs) -> WindowGeometry:
     """The window order of the patches of grids grid_thw [n, 3] (see WindowGeometry)."""
     m, mu = a.spatial_merge_size, a.merge_unit
@@ -97,7 +88,7 @@ def window_geometry(grid_thw: torch.Tensor, a: VisionArgs) -> WindowGeometry:
         orders.append(order + offset)
         windows += (counts * mu).tolist()
         frames += [h * w] * t
-        hws.append(_grid_hw(t, h, w, m))
+        hws.append(grid_hw(t, h, w, m))
         offset += units
     unit_order = torch.cat(orders) if orders else torch.zeros(0, dtype=torch.long)
     patch_order = (unit_order.view(-1, 1) * mu + torch.arange(mu)).flatten()
@@ -110,47 +101,6 @@ def window_geometry(grid_thw: torch.Tensor, a: VisionArgs) -> WindowGeometry:
         frames=frames,
         hw=hw[patch_order],
     )
-
-
-def dense_plan(lengths: list[int], total: int | None = None) -> PackedPlan:
-    """The packed plan of one sequence [1, total] (by default sum(lengths)) whose first
-    sum(lengths) slots are cut into consecutive dense blocks of `lengths` (each attends to
-    itself only); slots past them (padding) are in no block."""
-    starts = [sum(lengths[:i]) for i in range(len(lengths))]
-    blocks = [
-        (slice(0, 1), slice(a, a + n), slice(a, a + n), False) for a, n in zip(starts, lengths)
-    ]
-    order = torch.arange(sum(lengths) if total is None else total).unsqueeze(0)
-    return pack(blocks, order, order)
-
-
-class VisionAttention(nn.Module):
-    """Bidirectional attention under a packed plan; q, k, v each num_heads heads of head_dim
-    (transformers' fused qkv, cut in three: the module docstring). Head counts are inferred
-    from the last dim (-1), so a tensor-parallel rank's local share works unchanged."""
-
-    def __init__(self, a: VisionArgs, attention_kernel: str):
-        super().__init__()
-        self.attention_kernel = attention_kernel
-        self.head_dim = a.head_dim
-        self.q = nn.Linear(a.hidden_size, a.hidden_size)
-        self.k = nn.Linear(a.hidden_size, a.hidden_size)
-        self.v = nn.Linear(a.hidden_size, a.hidden_size)
-        self.proj = nn.Linear(a.hidden_size, a.hidden_size)
-
-    def _heads(self, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """[1, N, dim] -> [1, H, N, D] (H: this rank's heads)."""
-        out: torch.Tensor = proj(x)
-        return out.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: PackedPlan
-    ) -> torch.Tensor:
-        """x [1, N, dim], cos / sin [1, 1, N, head_dim] -> [1, N, dim]."""
-        q, k, v = (self._heads(proj, x) for proj in (self.q, self.k, self.v))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = planned_attention(q, k, v, plan, self.attention_kernel)  # [1, H, N, D]
-        return self.proj(out.transpose(1, 2).flatten(2))
 
 
 class VisionMLP(nn.Module):
@@ -200,7 +150,7 @@ class PatchMerger(nn.Module):
         return self.fc2(F.gelu(self.fc1(units)))
 
 
-class VisionTower(nn.Module):
+class VisionTower(QwenTower):
     """pixel_values [N, patch_dim] + grid_thw [n, 3] -> embeds [N / m^2, out_hidden_size] (see
     the module docstring)."""
 

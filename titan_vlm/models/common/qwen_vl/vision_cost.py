@@ -5,23 +5,22 @@ Forward + backward FLOPs, 3x the forward's, 2 FLOPs per matmul weight per row it
 
 from __future__ import annotations
 
-from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs, VisionArgs
-from titan_vlm.models.qwen2_5_vl.mrope import Grid  # (t, h, w) in patches
+from titan_vlm.models.common.qwen_vl.args import Qwen25VLArgs, VisionArgs
+from titan_vlm.models.common.qwen_vl.mrope import Grid  # (t, h, w) in patches
 
 
 def vision_patch_flops(v: VisionArgs) -> float:
     """Forward + backward FLOPs of the vision tower's matmuls per patch (attention excluded):
-    the patch embedding (patch_dim x hidden), in each of `depth` blocks the fused qkv
-    (hidden x 3*hidden), proj (hidden x hidden) and the gated MLP (w1, w3: hidden x
-    intermediate; w2: intermediate x hidden), and the merger's share: its fc1
-    (m^2*hidden x m^2*hidden) and fc2 (m^2*hidden x out_hidden_size) run once per merge unit of
-    m^2 patches. 2 FLOPs per weight, times 3."""
+    the patch embedding (patch_dim x hidden), in each of `depth` blocks its `block_weights`
+    (Qwen2.5-VL: the fused qkv, proj and the gated MLP; Qwen3-VL: a two-matrix MLP), and each
+    merger's share (`mergers`: Qwen3-VL's DeepStack ones too): its fc1 (m^2*hidden x
+    m^2*hidden) and fc2 (m^2*hidden x out_hidden_size) run once per merge unit of m^2 patches.
+    2 FLOPs per weight, times 3."""
     h, mu = v.hidden_size, v.merge_unit
     embed = v.patch_dim * h
-    block = 3 * h * h + h * h + 3 * h * v.intermediate_size
     wide = mu * h  # the merger's input: a unit's m^2 patches concatenated
-    merger = (wide * wide + wide * v.out_hidden_size) / mu
-    return 3.0 * 2 * (embed + v.depth * block + merger)
+    merger = v.mergers * (wide * wide + wide * v.out_hidden_size) / mu
+    return 3.0 * 2 * (embed + v.depth * v.block_weights + merger)
 
 
 def _full_blocks(v: VisionArgs) -> int:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError
+from titan_vlm.models.common.qwen_vl.args import Qwen25VLArgs
 from titan_vlm.models.common.validate import check_tp_divides, decoder_tp_sizes
-from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs
 from titan_vlm.parallel_dims import ParallelDims
 
 
@@ -63,6 +63,6 @@ def vision_tp_sizes(args: Qwen25VLArgs) -> list[tuple[str, int]]:
 def tokenizer_vocab(cfg: JobConfig) -> int:
     """The vocabulary size of the tokenizer the job's text is encoded with (the family's
     model_inputs: not data.model_inputs, whose LLaVA processor a Qwen2.5-VL folder is not)."""
-    from titan_vlm.models.qwen2_5_vl.processor import model_inputs
+    from titan_vlm.models.common.qwen_vl.processor import model_inputs
 
     return model_inputs(cfg)[0].vocab_size

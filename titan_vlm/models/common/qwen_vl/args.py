@@ -84,6 +84,17 @@ class VisionArgs:
         """Side of an attention window, in merge units (transformers' vit_merger_window_size)."""
         return self.window_size // (self.spatial_merge_size * self.patch_size)
 
+    @property
+    def block_weights(self) -> int:
+        """Matmul weights a patch meets in one block: the fused qkv, proj and the gated MLP."""
+        h = self.hidden_size
+        return 4 * h * h + 3 * h * self.intermediate_size
+
+    @property
+    def mergers(self) -> int:
+        """Patch mergers a merge unit goes through (Qwen3-VL adds DeepStack ones)."""
+        return 1
+
     def tokens(self, t: int, h: int, w: int) -> int:
         """Embeddings (image or video token slots) of a grid of t x h x w patches: one per merge
         unit, t * h * w / spatial_merge_size^2 (h and w are multiples of spatial_merge_size)."""

@@ -25,11 +25,11 @@ import torch
 from titan_vlm.data.batch import Batch
 from titan_vlm.data.image_batch import Images
 from titan_vlm.layout import LayoutCost, SeqLayout
+from titan_vlm.models.common.qwen_vl.args import Qwen25VLArgs
+from titan_vlm.models.common.qwen_vl.images import QwenVisuals
+from titan_vlm.models.common.qwen_vl.mrope import Grid  # (t, h, w) in patches
+from titan_vlm.models.common.qwen_vl.vision_cost import image_train_flops, vision_patch_flops
 from titan_vlm.models.common.text_args import DecoderArgs
-from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs
-from titan_vlm.models.qwen2_5_vl.images import QwenVisuals
-from titan_vlm.models.qwen2_5_vl.mrope import Grid  # (t, h, w) in patches
-from titan_vlm.models.qwen2_5_vl.vision_cost import image_train_flops, vision_patch_flops
 
 
 def decoder_slot_flops(d: DecoderArgs) -> float:

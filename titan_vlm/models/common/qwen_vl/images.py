@@ -27,9 +27,9 @@ import torch
 from titan_vlm.data.batch import Sample, VideoFrames
 from titan_vlm.data.image_batch import ImageRule, Images, ImageSet
 from titan_vlm.errors import ConfigError
-from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs
-from titan_vlm.models.qwen2_5_vl.mrope import Grid, vision_positions
-from titan_vlm.models.qwen2_5_vl.processor import (
+from titan_vlm.models.common.qwen_vl.args import Qwen25VLArgs
+from titan_vlm.models.common.qwen_vl.mrope import Grid, vision_positions
+from titan_vlm.models.common.qwen_vl.processor import (
     DEFAULT_FPS,
     KEY,
     VIDEO_DEFAULTS,
@@ -37,7 +37,7 @@ from titan_vlm.models.qwen2_5_vl.processor import (
     has_processor_files,
     smart_resize,
 )
-from titan_vlm.models.qwen2_5_vl.vision_cost import image_train_flops, vision_patch_flops
+from titan_vlm.models.common.qwen_vl.vision_cost import image_train_flops, vision_patch_flops
 
 # Batch.slot_data key of the rows' M-RoPE positions [3, B, S] (the model reads the local slots'
 # [3, B, L] from SeqLayout.slot_data under the same key)

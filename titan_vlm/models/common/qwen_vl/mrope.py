@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 
 from titan_vlm.models.common.decoder import inv_frequencies
+from titan_vlm.models.common.qwen_vl.args import Qwen25VLArgs
 from titan_vlm.models.common.text_args import Rope
-from titan_vlm.models.qwen2_5_vl.args import Qwen25VLArgs
 
 Grid = tuple[int, int, int]
 

@@ -1,0 +1,39 @@
+"""Qwen3-VL under CP reproduces one process (dist_checks.family_parity, through the family's
+ModelSpec and forward_local): the loss, the gradient norm, every parameter's gradient by group
+(vision, projector: the main and DeepStack mergers, decoder). Packed rows of images of four sizes
+and text; each image slot's row carries its embedding and its DeepStack features together, so
+they are replicated, sharded, broadcast and gathered exactly as the embeddings are, and their
+gradient is summed over cp once, before the mergers and the tower. Negative controls: DeepStack
+features dropped on the ranks other than 0, added one decoder layer late, and the image
+gradients not summed over cp."""
+
+import pytest
+from test_qwen2_5_vl_parity import check
+
+CASES = {
+    "p2p_split": dict(cp=2, comm="p2p"),
+    "allgather_shard_tokens": dict(cp=2, comm="allgather", image_tokens="shard"),
+    "a2a_auto_broadcast": dict(
+        cp=2, comm="a2a", placement="auto", image_tokens="auto", vision="broadcast"
+    ),
+    "cp4_replicate_vision": dict(cp=4, comm="p2p", vision="replicate", image_tokens="shard"),
+    "fsdp2_cp2_full_ac": dict(dp_shard=2, cp=2, comm="allgather", ac="full"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_qwen3_vl_matches_one_process(pool, case):
+    results = pool.run("family_parity", family="qwen3_vl", **CASES[case])
+    for rank, result in enumerate(results):
+        assert not check(result), f"rank {rank}: {check(result)}"
+        assert set(result["grad_err"]) == {"vision", "projector", "decoder"}
+    if CASES[case].get("placement", "split") == "split":
+        assert any(r["split_samples"] for r in results)
+
+
+def test_deepstack_negative_controls_fail(pool):
+    for fault in ("dropped_off_rank0", "one_layer_late"):
+        result = pool.run("family_parity", family="qwen3_vl", cp=2, deepstack_fault=fault)[0]
+        assert any("loss" in line for line in check(result)), (fault, check(result))
+    unsummed = pool.run("family_parity", family="qwen3_vl", cp=2, sum_image_grad=False)[0]
+    assert any(line.startswith("projector grad") for line in check(unsummed)), check(unsummed)

@@ -1,0 +1,81 @@
+"""The user's commands on a Qwen3-VL folder that transformers wrote: ./run_train.sh with
+model.flavor = "hf" and model.hf_path trains it at CP=2 on the built-in data (images of 2 x 2
+merge units, M-RoPE positions per sample, DeepStack features with the embeddings), and its first
+step's loss equals one process's loss of the same batch computed from the folder (the family's
+model, equal to transformers' in tests/unit/test_qwen3_vl_model.py); the checkpoint exports
+(--export-hf) to a folder transformers' from_pretrained loads with no missing or unexpected
+tensor, holding the trained weights (the DeepStack mergers among them), and computing what
+titan_vlm computes."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from cli import python_m
+from hf_folders import save_qwen3
+from transformers import Qwen3VLForConditionalGeneration
+
+from titan_vlm.checkpoint import load_model_for_inference
+from titan_vlm.config import load_config
+from titan_vlm.data import build_dataset
+from titan_vlm.data.batch import IGNORE_INDEX
+from titan_vlm.models.qwen3_vl.model import from_hf_folder
+from titan_vlm.models.registry import model_spec
+from titan_vlm.parallel.context_parallel import CPContext
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cp2_trains_a_qwen3_vl_folder_and_exports_it(tmp_path):
+    folder = tmp_path / "qwen3"
+    save_qwen3(folder)
+    overrides = [
+        "--model.flavor=hf",
+        f"--model.hf_path={folder}",
+        "--training.steps=3",
+        f"--job.dump_folder={tmp_path / 'run'}",
+    ]
+    out = subprocess.run(
+        ["./run_train.sh", "--config", "train_configs/vlm_cp.toml", *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"model qwen3_vl {folder}:" in out.stdout
+    steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+
+    cfg = load_config(["--config", str(ROOT / "train_configs/vlm_cp.toml"), *overrides])
+    spec = model_spec(cfg)
+    args = spec.args(cfg)
+    rule, slot_data = spec.data_rule(args, cfg)
+    data = build_dataset(cfg, args, *spec.inputs(cfg), rule=rule, slot_data=slot_data)
+    batch = data.batch(0, 0, 1, cfg.training.local_batch_size)
+    model = from_hf_folder(folder)
+    with torch.no_grad():
+        logits, labels, _ = model.forward_local(batch, CPContext())
+    want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    assert abs(steps[0]["loss"] - want.item()) / want.item() < 1e-5, (steps[0]["loss"], want)
+
+    export = tmp_path / "exported"
+    done = python_m(
+        "titan_vlm.checkpoint", "--export-hf", str(tmp_path / "run" / "checkpoint"), str(export)
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    hf, info = Qwen3VLForConditionalGeneration.from_pretrained(export, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensor
+    trained, _ = load_model_for_inference(tmp_path / "run" / "checkpoint")
+    source = from_hf_folder(folder)
+    name = "vision.deepstack_mergers.1.fc2.weight"
+    theirs = dict(hf.named_parameters())["model.visual.deepstack_merger_list.1.linear_fc2.weight"]
+    assert torch.equal(theirs, dict(trained.named_parameters())[name])
+    assert not torch.equal(theirs, dict(source.named_parameters())[name])  # it did train
+    exported = from_hf_folder(export)
+    with torch.no_grad():
+        ours, _, _ = exported.forward_local(batch, CPContext())
+        again, _, _ = trained.forward_local(batch, CPContext())
+    assert torch.equal(ours, again)

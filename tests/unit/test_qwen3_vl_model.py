@@ -1,0 +1,176 @@
+"""The "qwen3_vl" family's model against transformers' Qwen3VLForConditionalGeneration, on a tiny
+folder transformers writes (hf_folders.save_qwen3): the tower's merged embeddings and DeepStack
+features, the interleaved M-RoPE, and the whole model's logits on rows with images of two
+aspect ratios; each with a negative control (DeepStack dropped or added after the wrong layer,
+Qwen2.5-VL's chunked M-RoPE in place of the interleaved one, a position grid not resampled)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hf_folders import END, IMAGE, START, VOCAB, save_qwen3
+
+from titan_vlm.data.batch import Sample
+from titan_vlm.errors import UserError
+from titan_vlm.models.common.hf_folder import SafetensorsFiles, weight_files
+from titan_vlm.models.common.qwen_vl.images import MROPE_POSITIONS
+from titan_vlm.models.common.qwen_vl.mrope import batch_rope_index, mrope_cos_sin
+from titan_vlm.models.qwen3_vl.hf_adapter import export_names, hf_names
+from titan_vlm.models.qwen3_vl.images import NO_VIDEO, Qwen3Rule
+from titan_vlm.models.qwen3_vl.model import Qwen3VL, from_hf_folder
+from titan_vlm.models.qwen3_vl.mrope import interleaved_mrope_cos_sin
+
+TOL = 1e-5
+PATCH_DIM = 3 * 2 * 16 * 16  # channels * temporal_patch_size * patch_size^2
+IMAGE_GRIDS = torch.tensor([[1, 4, 6], [1, 8, 4]])  # 6 and 8 merged tokens: two aspect ratios
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Qwen3VL, Path]:
+    folder = tmp_path_factory.mktemp("qwen3_vl")
+    hf = save_qwen3(folder)
+    return hf, from_hf_folder(folder).eval(), folder
+
+
+def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return ((ours - theirs).abs().max() / theirs.abs().max()).item()
+
+
+def pixels(grids: torch.Tensor, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(int(grids.prod(-1).sum()), PATCH_DIM, generator=g)
+
+
+def image_rows(seed: int) -> torch.Tensor:
+    """One row: text, an image of 6 tokens, text, an image of 8 tokens, text (the processor's
+    expansion: each image's pad tokens between vision_start and vision_end)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def text(n: int) -> list[int]:
+        return torch.randint(0, IMAGE, (n,), generator=g).tolist()
+
+    first = [START] + [IMAGE] * 6 + [END]
+    second = [START] + [IMAGE] * 8 + [END]
+    return torch.tensor([text(3) + first + text(4) + second + text(2)])
+
+
+def test_vision_tower_and_deepstack_match_transformers(pair: tuple[Any, Qwen3VL, Path]) -> None:
+    """Two images of different grids in one packed call: the main merger's embeddings and each
+    DeepStack merger's features equal transformers' (its pooler_output, deepstack_features).
+    The control: the learned position grid read without resampling gives other embeddings."""
+    hf, ours, _ = pair
+    x = pixels(IMAGE_GRIDS, seed=1)
+    with torch.no_grad():
+        out = hf.model.visual(x, grid_thw=IMAGE_GRIDS)
+        got = ours.encode(x, IMAGE_GRIDS)
+    dim = ours.args.decoder.dim
+    theirs = [out.pooler_output, *out.deepstack_features]
+    assert got.shape == (6 + 8, 3 * dim) and len(theirs) == 3
+    errors = [relative_error(mine, t) for mine, t in zip(got.split(dim, -1), theirs)]
+    print(f"vision tower, DeepStack features: max abs diff / max abs = {errors}")
+    assert max(errors) < TOL
+    # the control: every patch reads position 0's embedding alone (no interpolation)
+    plain = Qwen3VL(ours.args)
+    plain.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        plain.vision.pos_embed.weight[:] = ours.vision.pos_embed.weight[0]
+        control = relative_error(plain.encode(x, IMAGE_GRIDS), torch.cat(theirs, -1))
+    assert control > 1e-3
+
+
+def test_interleaved_mrope_matches_transformers(pair: tuple[Any, Qwen3VL, Path]) -> None:
+    """cos / sin of random 3-D positions equal transformers' Qwen3VLTextRotaryEmbedding's; the
+    chunked layout of Qwen2.5-VL (the control) differs."""
+    hf, ours, _ = pair
+    d = ours.args.decoder
+    positions = torch.randint(0, 50, (3, 2, 9))
+    rotary = hf.model.language_model.rotary_emb
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+    got_cos, got_sin = interleaved_mrope_cos_sin(
+        positions, d.head_dim, d.rope_theta, ours.args.mrope_section
+    )
+    assert torch.allclose(got_cos[:, 0], cos, atol=1e-6)
+    assert torch.allclose(got_sin[:, 0], sin, atol=1e-6)
+    chunked, _ = mrope_cos_sin(positions, d.head_dim, d.rope_theta, ours.args.mrope_section)
+    assert not torch.allclose(chunked[:, 0], cos, atol=1e-3)
+
+
+def test_logits_match_transformers(pair: tuple[Any, Qwen3VL, Path]) -> None:
+    """A row of text and two images through the whole model: the logits of every text slot equal
+    transformers' forward on the same input_ids. Controls: DeepStack dropped, DeepStack added one
+    layer late, and Qwen2.5-VL's chunked M-RoPE each give other logits."""
+    hf, ours, _ = pair
+    ids = image_rows(seed=3)
+    px = pixels(IMAGE_GRIDS, seed=4)
+    types = (ids == IMAGE).long()
+    with torch.no_grad():
+        theirs = hf(
+            input_ids=ids, pixel_values=px, image_grid_thw=IMAGE_GRIDS, mm_token_type_ids=types
+        ).logits
+        positions = batch_rope_index(ids, IMAGE_GRIDS, None, None, ours.args)
+        got = ours(ids, px, IMAGE_GRIDS, positions)
+    text = ids != IMAGE
+    err = relative_error(got[text], theirs[text])
+    print(f"logits: max abs diff / max abs = {err:.2e}")
+    assert got.shape == theirs.shape == (1, ids.shape[1], VOCAB)
+    assert err < TOL
+
+    def control(args_change: dict[str, Any] | None = None, decode: Any = None) -> float:
+        model = Qwen3VL(dataclasses.replace(ours.args, **(args_change or {})))
+        model.load_state_dict(ours.state_dict())
+        if decode is not None:
+            model.decoder.forward = decode(model.decoder)  # type: ignore[method-assign]
+        with torch.no_grad():
+            out = model(ids, px, IMAGE_GRIDS, positions)
+        return relative_error(out[text], theirs[text])
+
+    def without_deepstack(decoder: Any) -> Any:
+        forward = type(decoder).forward
+        return lambda tokens, embeds, layout, inline, deepstack: forward(
+            decoder, tokens, embeds, layout, inline, []
+        )
+
+    def one_layer_late(decoder: Any) -> Any:
+        """Feature j added after layer j + 1 (zeros after layer 0)."""
+        forward = type(decoder).forward
+        return lambda tokens, embeds, layout, inline, deepstack: forward(
+            decoder, tokens, embeds, layout, inline, [(deepstack[0][0] * 0, None), *deepstack]
+        )
+
+    assert control(decode=without_deepstack) > 1e-3
+    assert control(decode=one_layer_late) > 1e-3
+
+
+def test_hf_names_map_every_parameter(pair: tuple[Any, Qwen3VL, Path]) -> None:
+    """Every parameter names a tensor of the files transformers wrote (q, k, v: thirds of the
+    fused qkv), every tensor is named, and an export's names are the same."""
+    _, ours, folder = pair
+    with SafetensorsFiles(weight_files(folder, "f"), "f") as files:
+        keys = files.keys()
+    names = hf_names(ours.args, keys)
+    assert set(names) == {n for n, _ in ours.named_parameters()}
+    assert set(names.values()) == keys
+    assert export_names(ours.args) == names
+
+
+def test_a_video_is_refused_in_one_line_not_skipped(pair: tuple[Any, Qwen3VL, Path]) -> None:
+    """Videos are not built for Qwen3-VL (its frame timestamps): sizing one from a file header or
+    taking a decoded one's positions is a UserError (not a bad sample a run would skip); images
+    take Qwen2.5-VL's rule."""
+    _, ours, _ = pair
+    rule = Qwen3Rule(ours.args)
+    assert rule.fit(64, 96) == (64, 96)
+    image = Sample([[1, 2], torch.zeros(3, 64, 96), [3]])
+    assert rule.positions(image)[MROPE_POSITIONS].shape == (3, 2 + 6 + 1)
+    for call in (
+        lambda: rule.fit(64, 96, video=True),
+        lambda: rule.positions(Sample([[1], torch.zeros(4, 3, 64, 64), [2]])),
+    ):
+        with pytest.raises(UserError) as error:
+            call()
+        assert not isinstance(error.value, ValueError)
+        assert str(error.value) == NO_VIDEO and "\n" not in NO_VIDEO

@@ -1,0 +1,1 @@
+"""The "qwen3_vl" family: Qwen3-VL (dense), transformers' Qwen3VLForConditionalGeneration."""

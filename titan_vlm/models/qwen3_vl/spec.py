@@ -1,0 +1,84 @@
+"""The "qwen3_vl" family's ModelSpec (models/spec.py), the registry's entry `QWEN3_VL`:
+Qwen3-VL dense (Qwen3VLForConditionalGeneration). Where the architecture comes from:
+  model.hf_path = <folder>   a Qwen3-VL folder's config.json; with model.flavor = "hf" it IS
+                             the architecture, with a built-in flavor it must agree with it
+  neither                    the built-in flavor ("debug": CPU-sized, trained from scratch)
+
+What it shares with qwen2_5_vl (the data path for images, M-RoPE positions, the processor and
+tokenizer of a folder, the FLOPs and CP cost model, init rule) it imports from there; what
+differs is here (vision.py, model.py, mrope.py, hf_adapter.py, hf_config.py). Not yet: videos
+(images.py refuses them in one line), tensor parallelism (validate.py), export to a Hugging Face
+folder (hf_export_names is the adapter's, export itself is untested for this family), the
+planner (plan_shapes None).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from titan_vlm.config import JobConfig
+from titan_vlm.data.batch import SlotData
+from titan_vlm.data.image_batch import ImageRule
+from titan_vlm.models.common.decoder import after_to_empty
+from titan_vlm.models.common.hf_config import whole_model_args
+from titan_vlm.models.common.qwen_vl.flops import batch_train_flops, layout_cost
+from titan_vlm.models.common.qwen_vl.model import init_rule
+from titan_vlm.models.common.qwen_vl.processor import model_inputs
+from titan_vlm.models.qwen3_vl.args import Qwen3VLArgs
+from titan_vlm.models.qwen3_vl.hf_adapter import (
+    export_names,
+    hf_names,
+    hf_same,
+    unused_hf_tensors,
+)
+from titan_vlm.models.qwen3_vl.hf_config import args_from_hf_config
+from titan_vlm.models.qwen3_vl.images import qwen3_folder_rule
+from titan_vlm.models.qwen3_vl.model import Qwen3VL
+from titan_vlm.models.qwen3_vl.parallelize import parallelize
+from titan_vlm.models.qwen3_vl.validate import validate
+from titan_vlm.models.spec import ModelSpec
+
+# "debug": a 3-block tower (16-pixel patches, a 4x4 learned position grid, DeepStack from blocks
+# 0 and 1) and a 3-layer Qwen3 decoder; well under a second a step on a CPU.
+FLAVORS: dict[str, Qwen3VLArgs] = {"debug": Qwen3VLArgs()}
+
+
+def qwen3_args(cfg: JobConfig) -> Qwen3VLArgs:
+    """The architecture the config asks for (module docstring), with model.attention_kernel."""
+    args = whole_model_args(cfg, "qwen3_vl", FLAVORS, args_from_hf_config)
+    return dataclasses.replace(args, attention_kernel=cfg.model.attention_kernel)
+
+
+def data_rule(args: Qwen3VLArgs, cfg: JobConfig) -> tuple[ImageRule | None, SlotData | None]:
+    """Images at their own sizes (images.py Qwen3Rule, with model.hf_path's processor bounds),
+    and each sample's M-RoPE positions."""
+    rule = qwen3_folder_rule(args, cfg.model.hf_path)
+    return rule, rule.positions
+
+
+QWEN3_VL = ModelSpec(
+    name="qwen3_vl",
+    hf_model_types=("qwen3_vl",),
+    args=qwen3_args,
+    build=Qwen3VL,
+    init_rule=init_rule,
+    after_to_empty=after_to_empty,
+    hf_names=hf_names,
+    hf_unused=unused_hf_tensors,
+    hf_same=hf_same,
+    hf_export_names=export_names,
+    parallelize=parallelize,
+    flops=batch_train_flops,
+    layout_cost=layout_cost,
+    validate=validate,
+    data_rule=data_rule,
+    inputs=model_inputs,
+    plan_shapes=None,  # the planner does not price this family yet (docs/limits.md)
+    # the mergers (main and DeepStack) map the tower's features into the decoder: the projector
+    param_groups=(
+        ("vision.", "vision"),
+        ("vision.merger.", "projector"),
+        ("vision.deepstack_mergers.", "projector"),
+        ("decoder.", "decoder"),
+    ),
+)
