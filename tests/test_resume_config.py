@@ -71,8 +71,9 @@ def test_what_must_match_is_one_line_naming_the_key(args, named):
         check([], args)
     assert str(e.value) == (
         f"resume from ckpt/step-6: {named} changed, and must match the checkpoint (the model, the "
-        "data and the data position follow them); restore them, use another checkpoint.folder, "
-        "or pass --checkpoint.allow_config_change"
+        "data and the data position follow them); restore them (a run naming the source paths it "
+        "trained from reads the checkpoint's copies of them), use another checkpoint.folder, or "
+        "pass --checkpoint.allow_config_change"
     )
 
 

@@ -85,7 +85,7 @@ from titan_vlm.checkpoint_sources import (
 )
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError, UserError
-from titan_vlm.models.common.hf_folder import source_changes, source_files
+from titan_vlm.models.common.hf_folder import HF_SOURCE_KEYS, source_changes, source_files
 from titan_vlm.resume_config import SOURCE_FILES, check_resume_config, run_facts
 
 if TYPE_CHECKING:
@@ -535,8 +535,8 @@ def warn_if_sources_changed(cfg: JobConfig, trained: dict[str, str], step_dir: P
             {n: f for n, f in trained.items() if n.split(":")[0] not in gone},
             {n: f for n, f in source_files(cfg).items() if n.split(":")[0] not in gone},
         )
-    except UserError as e:  # an unreadable file the run does not need
-        changes = str(e)
+    except (UserError, OSError) as e:  # an unreadable file or folder the run does not need
+        changes = f"the source files cannot be compared ({' '.join(str(e).split())})"
     what = [f"{k} {named[k]} is gone" for k in gone] + ([changes] if changes else [])
     if what:
         logger.warning(
@@ -583,13 +583,19 @@ def resume_sources(cfg: JobConfig) -> tuple[JobConfig, bool]:
     if not cfg.checkpoint.enable:
         return cfg, False
     found = [d for _, d in step_dirs(checkpoint_folder(cfg)) if (d / MANIFEST).is_file()]
-    if not found:
-        return cfg, False
-    try:
-        saved = json.loads((found[0] / CONFIG).read_text())["model"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return cfg, True  # the trainer's verification says what is wrong with it
-    return config_with_copies(cfg, found[0], saved) or cfg, True
+    for step_dir in found:  # newest first; a damaged one the trainer passes over, so here
+        try:
+            saved = json.loads((step_dir / CONFIG).read_text())["model"]
+            sources = config_with_copies(cfg, step_dir, saved)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if sources is None or all(
+            (Path(getattr(sources.model, k.removeprefix("model."))) / "config.json").is_file()
+            for k in HF_SOURCE_KEYS
+            if getattr(sources.model, k.removeprefix("model.")) and k != "model.tokenizer_path"
+        ):
+            return sources or cfg, True
+    return cfg, bool(found)
 
 
 def load_model_for_inference(path: str | Path) -> tuple[VisionLanguageModel, JobConfig]:

@@ -105,6 +105,14 @@ def copied_sources(step_dir: Path, saved_model: dict[str, Any]) -> dict[str, Pat
     return found
 
 
+def _same_path(a: str, b: str) -> bool:
+    """Whether two config values name the same path (relative ones against the current folder;
+    a trailing slash or ./ changes nothing); both empty: the same."""
+    if not a or not b:
+        return a == b
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
 def with_sources(cfg: JobConfig, sources: dict[str, Path]) -> JobConfig:
     """A copy of `cfg` whose source keys ({config key: path}) name `sources`."""
     out = copy.deepcopy(cfg)
@@ -124,7 +132,9 @@ def config_with_copies(
     them unless their files are the same, or checkpoint.allow_config_change)."""
     copies = copied_sources(step_dir, saved_model)
     named = {k: getattr(cfg.model, k.removeprefix("model.")) for k in SOURCE_KEYS}
-    if not copies or any(named[k] != saved_model.get(k.removeprefix("model."), "") for k in named):
+    if not copies or any(
+        not _same_path(named[k], saved_model.get(k.removeprefix("model."), "")) for k in named
+    ):
         return None
     if any(value and key not in copies for key, value in named.items()):
         return None

@@ -101,7 +101,8 @@ def check_resume_config(
     if must and not cfg.checkpoint.allow_config_change:
         raise ConfigError(
             f"resume from {where}: {listed} changed, and must match the checkpoint (the model, "
-            "the data and the data position follow them); restore them, use another "
+            "the data and the data position follow them); restore them (a run naming the "
+            "source paths it trained from reads the checkpoint's copies of them), use another "
             "checkpoint.folder, or pass --checkpoint.allow_config_change"
         )
     warning = note = None

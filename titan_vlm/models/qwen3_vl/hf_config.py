@@ -8,7 +8,8 @@ Qwen/Qwen3-VL-* folders hold it) -> Qwen3VLArgs.
     vision_config   model_type "qwen3_vl_vision" (old files: "qwen3_vl"): depth, widths,
                     num_position_embeddings, deepstack_visual_indexes, patch / merge / temporal
                     sizes, rope_parameters {"rope_type": "axial", "rope_theta"}
-    top level       image / video / vision start / end token ids, tie_word_embeddings
+    top level       image / video / vision start / end token ids, tie_word_embeddings (the one
+                    transformers' Qwen3-VL reads: a text_config's is not)
 
 A key that is absent takes transformers' config-class default (5.25). Whatever the modules
 cannot express (dropout, sliding windows, other rope types, a tower whose width is not the
@@ -86,8 +87,11 @@ def _vision_args(s: Section) -> Qwen3VisionArgs:
     rope = s.cfg.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise s.error("rope_parameters", rope, "an object is needed")
-    r = Section(rope, s.where, s.key("rope_parameters."), VISION_ROPE_DEFAULTS)
-    r.one_of("rope_type", ("axial",))
+    defaults = dict(VISION_ROPE_DEFAULTS)
+    if "rope_theta" in s.cfg:  # a legacy top-level theta, which transformers moves into the dict
+        defaults["rope_theta"] = s.get_float("rope_theta")
+    r = Section(rope, s.where, s.key("rope_parameters."), defaults)
+    r.one_of("rope_type", ("axial", "default"))  # transformers reads "default" as "axial"
     try:  # the args' own checks do not know the file
         return Qwen3VisionArgs(
             depth=s.get_int("depth"),
@@ -128,7 +132,7 @@ def args_from_hf_config(config: dict, where: str) -> Qwen3VLArgs:
             list(mrope_section),
             f"three sections summing to head_dim / 2 = {decoder.head_dim // 2} are needed",
         )
-    tied = top.get_bool("tie_word_embeddings") or text.get_bool("tie_word_embeddings")
+    tied = top.get_bool("tie_word_embeddings")  # Qwen3VLConfig's; text_config's is not read
     vision_cfg = config.get("vision_config") or {}
     if not isinstance(vision_cfg, dict):
         raise ConfigError(f"{where}: vision_config is not an object")

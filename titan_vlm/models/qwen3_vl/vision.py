@@ -169,7 +169,8 @@ class VisionTower(QwenTower):
         x = F.linear(pixel_values.to(weight.dtype), weight.flatten(1), self.patch_embed.bias)
         indices, weights = position_taps(grid_thw, a.position_side, a.spatial_merge_size)
         taps = self.pos_embed(indices.to(x.device))  # [N, 4, dim]
-        x = x + (taps * weights.to(x.device, taps.dtype).unsqueeze(-1)).sum(1).to(x.dtype)
+        # fp32 weights: the weighted sum in fp32 whatever the parameters' dtype (transformers')
+        x = x + (taps * weights.to(x.device).unsqueeze(-1)).sum(1).to(x.dtype)
         grids = grid_thw.tolist()
         hws = [grid_hw(t, h, w, a.spatial_merge_size) for t, h, w in grids]
         hw = torch.cat(hws) if hws else torch.zeros(0, 2, dtype=torch.long)

@@ -109,6 +109,10 @@ VIDEO_DEFAULTS: dict[str, Any] = {
 }
 IMAGE_CLASS = "Qwen2VLImageProcessor"  # with or without transformers' Pil / Fast suffix
 VIDEO_CLASS = "Qwen2VLVideoProcessor"
+# Qwen3-VL folders name their own video processor; the qwen3_vl family refuses videos until its
+# frame timestamps are built (models/qwen3_vl/images.py), so its settings are read and checked
+# here but never process a video
+VIDEO_CLASSES = (VIDEO_CLASS, "Qwen3VLVideoProcessor")
 
 
 def smart_resize(
@@ -566,10 +570,10 @@ def _check_class(settings: dict[str, Any], where: str, video: bool) -> None:
     read from an image processor's file: transformers infers the video class from the image
     class)."""
     if video and "video_processor_type" in settings:
-        if settings["video_processor_type"] != VIDEO_CLASS:
+        if settings["video_processor_type"] not in VIDEO_CLASSES:
             raise ConfigError(
                 f"{KEY}: {where}: video_processor_type {settings['video_processor_type']!r} is "
-                f"not supported (supported: {VIDEO_CLASS})"
+                f"not supported (supported: {', '.join(VIDEO_CLASSES)})"
             )
         return
     kind = settings.get("image_processor_type")
