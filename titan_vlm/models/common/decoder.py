@@ -218,6 +218,21 @@ class Decoder(nn.Module):
         of image slots inside the text section (a CP rank's samples kept whole,
         SeqLayout.inline_embeds), which replace those slots' token embeddings; their logits
         carry no label."""
+        h, n_img = self.local_sequence(tokens, image_embeds, layout, inline_embeds)
+        cos, sin = self.rotary(layout)
+        for layer in self.layers:
+            h = layer(h, cos, sin, layout)
+        return self.output(self.norm(h[:, n_img:]))
+
+    def local_sequence(
+        self,
+        tokens: torch.Tensor,
+        image_embeds: torch.Tensor | None,
+        layout: SeqLayout,
+        inline_embeds: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, int]:
+        """The first block's input [B, N + T, dim], `[image tokens, text section]` with the inline
+        image slots' embeddings in place (`forward`), and N."""
         h = self.tok_embeddings(tokens)
         if inline_embeds is not None:
             h = h.index_put(layout.inline_slots(h.device), inline_embeds.to(h.dtype))
@@ -227,10 +242,7 @@ class Decoder(nn.Module):
             h = torch.cat([image_embeds.to(h.dtype), h], dim=1)
         if n_img != layout.num_image_tokens:
             raise ValueError(f"layout says {layout.num_image_tokens} image tokens, got {n_img}")
-        cos, sin = self.rotary(layout)
-        for layer in self.layers:
-            h = layer(h, cos, sin, layout)
-        return self.output(self.norm(h[:, n_img:]))
+        return h, n_img
 
     def rotary(self, layout: SeqLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, 1, L, head_dim] of the local slots: RoPE at each slot's position in its

@@ -37,11 +37,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titan_vlm.models.common.activations import ACT_FNS
-from titan_vlm.models.common.decoder import RMSNorm, inv_frequencies
+from titan_vlm.models.common.decoder import RMSNorm
 from titan_vlm.models.common.qwen_vl.args import VisionArgs
 from titan_vlm.models.common.qwen_vl.model import QwenTower
-from titan_vlm.models.common.qwen_vl.vision_blocks import VisionAttention, dense_plan, grid_hw
-from titan_vlm.models.common.text_args import Rope
+from titan_vlm.models.common.qwen_vl.vision_blocks import (
+    VisionAttention,
+    dense_plan,
+    grid_hw,
+    vision_rotary,
+)
 from titan_vlm.varlen import PackedPlan
 
 
@@ -177,12 +181,8 @@ class VisionTower(QwenTower):
                 m.reset_parameters()
 
     def rotary(self, hw: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """hw [N, 2] (row, column) -> cos, sin [1, 1, N, head_dim] (fp32; angles in float64)."""
-        a = self.args
-        inv_freq = inv_frequencies(a.head_dim // 2, a.rope_theta, Rope())  # [head_dim / 4]
-        angles = (hw.to(torch.float64).unsqueeze(-1) * inv_freq).flatten(1)  # [N, head_dim / 2]
-        angles = torch.cat([angles, angles], dim=-1).to(device)  # [N, head_dim]
-        return angles.cos().float()[None, None], angles.sin().float()[None, None]
+        """hw [N, 2] (row, column) -> cos, sin [1, 1, N, head_dim] (vision_blocks.vision_rotary)."""
+        return vision_rotary(hw, self.args.head_dim, self.args.rope_theta, device)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         a = self.args

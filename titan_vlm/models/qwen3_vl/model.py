@@ -59,15 +59,7 @@ class Qwen3Decoder(MRopeDecoder):
     ) -> torch.Tensor:
         """Decoder.forward, and after layer j the j-th `deepstack` features added at the image
         slots (the image prefix, then the inline ones): zero everywhere else."""
-        h = self.tok_embeddings(tokens)
-        if inline_embeds is not None:
-            h = h.index_put(layout.inline_slots(h.device), inline_embeds.to(h.dtype))
-        n_img = 0
-        if image_embeds is not None:
-            n_img = image_embeds.shape[1]
-            h = torch.cat([image_embeds.to(h.dtype), h], dim=1)
-        if n_img != layout.num_image_tokens:
-            raise ValueError(f"layout says {layout.num_image_tokens} image tokens, got {n_img}")
+        h, n_img = self.local_sequence(tokens, image_embeds, layout, inline_embeds)
         added = [self._at_image_slots(h, n_img, f, layout) for f in deepstack or []]
         cos, sin = self.rotary(layout)
         for i, layer in enumerate(self.layers):

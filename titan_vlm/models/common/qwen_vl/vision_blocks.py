@@ -10,8 +10,9 @@ import torch
 import torch.nn as nn
 
 from titan_vlm.attention import planned_attention
-from titan_vlm.models.common.decoder import apply_rope
+from titan_vlm.models.common.decoder import apply_rope, inv_frequencies
 from titan_vlm.models.common.qwen_vl.args import VisionArgs
+from titan_vlm.models.common.text_args import Rope
 from titan_vlm.varlen import PackedPlan, pack
 
 
@@ -35,6 +36,18 @@ def dense_plan(lengths: list[int], total: int | None = None) -> PackedPlan:
     ]
     order = torch.arange(sum(lengths) if total is None else total).unsqueeze(0)
     return pack(blocks, order, order)
+
+
+def vision_rotary(
+    hw: torch.Tensor, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The towers' 2-D rotary embedding: hw [N, 2] (row, column) -> cos, sin [1, 1, N, head_dim]
+    (fp32; angles in float64): the first head_dim / 4 frequencies turn by the row, the next
+    head_dim / 4 by the column, repeated rotate-half style."""
+    inv_freq = inv_frequencies(head_dim // 2, theta, Rope())  # [head_dim / 4]
+    angles = (hw.to(torch.float64).unsqueeze(-1) * inv_freq).flatten(1)  # [N, head_dim / 2]
+    angles = torch.cat([angles, angles], dim=-1).to(device)  # [N, head_dim]
+    return angles.cos().float()[None, None], angles.sin().float()[None, None]
 
 
 class VisionAttention(nn.Module):
