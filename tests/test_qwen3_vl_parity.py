@@ -12,11 +12,12 @@ from test_qwen2_5_vl_parity import check
 
 CASES = {
     "p2p_split": dict(cp=2, comm="p2p"),
-    "allgather_shard_tokens": dict(cp=2, comm="allgather", image_tokens="shard"),
     "a2a_auto_broadcast": dict(
         cp=2, comm="a2a", placement="auto", image_tokens="auto", vision="broadcast"
     ),
-    "cp4_replicate_vision": dict(cp=4, comm="p2p", vision="replicate", image_tokens="shard"),
+    "cp4_allgather_replicate_vision": dict(
+        cp=4, comm="allgather", vision="replicate", image_tokens="shard"
+    ),
     "fsdp2_cp2_full_ac": dict(dp_shard=2, cp=2, comm="allgather", ac="full"),
 }
 

@@ -5,9 +5,11 @@ step's loss equals one process's loss of the same batch computed from the folder
 model, equal to transformers' in tests/unit/test_qwen3_vl_model.py); the checkpoint exports
 (--export-hf) to a folder transformers' from_pretrained loads with no missing or unexpected
 tensor, holding the trained weights (the DeepStack mergers among them), and computing what
-titan_vlm computes."""
+titan_vlm computes. Then the folder is deleted and the same command resumes from the
+checkpoint's copies of it."""
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -79,3 +81,22 @@ def test_cp2_trains_a_qwen3_vl_folder_and_exports_it(tmp_path):
         ours, _, _ = exported.forward_local(batch, CPContext())
         again, _, _ = trained.forward_local(batch, CPContext())
     assert torch.equal(ours, again)
+
+    # the source folder deleted, the same command resumes: the launcher's and the workers'
+    # checks and the model read the checkpoint's copies (issue 31), not the folder
+    shutil.rmtree(folder)
+    out = subprocess.run(
+        ["./run_train.sh", "--config", "train_configs/vlm_cp.toml", *overrides[:-2]]
+        + ["--training.steps=4", overrides[-1]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "at step 3 (the model, tokenizer and processor from its copies of the sources)" in (
+        out.stdout
+    )
+    assert f"model.hf_path {folder} is gone" in out.stdout + out.stderr
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]

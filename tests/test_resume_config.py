@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 from hf_folders import save_llava_folder
-from torchrun_kill import logged_steps, run
 
 from titan_vlm.checkpoint import load_model_for_inference
 from titan_vlm.config import ConfigError, load_config
@@ -215,18 +214,3 @@ def test_a_checkpoint_is_independent_of_its_source_folder(pool, tmp_path):
         tmp_path / "export_after", output_loading_info=True
     )
     assert not any(info.values()), info
-
-
-def test_run_train_resumes_with_its_source_folder_gone(tmp_path):
-    """./run_train.sh at 2 processes (cp=2) from a Hugging Face folder; the folder deleted, the
-    same command resumes: the launcher's and the workers' checks and the model read the
-    checkpoint's copies, not the folder."""
-    folder = save_llava_folder(tmp_path / "llava", "clip_llama3")
-    source = ("--model.flavor=hf", f"--model.hf_path={folder}", "--checkpoint.interval=2")
-    rc, out, err = run(tmp_path / "dump", 2, *source)
-    assert rc == 0, err[-3000:]
-    shutil.rmtree(folder)
-    rc, out, err = run(tmp_path / "dump", 3, *source)
-    assert rc == 0, err[-3000:]
-    assert "at step 2 (the model, tokenizer and processor from its copies of the sources)" in out
-    assert sorted(logged_steps(tmp_path / "dump")) == [1, 2, 3]
