@@ -30,6 +30,8 @@ def test_qwen3_vl_matches_one_process(pool, case):
         assert set(result["grad_err"]) == {"vision", "projector", "decoder"}
     if CASES[case].get("placement", "split") == "split":
         assert any(r["split_samples"] for r in results)
+    else:  # samples kept whole: their image slots (and features) among the text
+        assert any(r["kept_samples"] for r in results)
 
 
 def test_deepstack_negative_controls_fail(pool):

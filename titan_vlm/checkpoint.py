@@ -74,13 +74,13 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_vlm.checkpoint_sources import (
     SOURCE,
-    SOURCE_KEYS,
     SOURCES_STAGED,
     config_with_copies,
     copied_sources,
     copy_sources,
     link_or_copy,
     link_sources,
+    source_values,
     with_sources,
 )
 from titan_vlm.config import JobConfig
@@ -271,8 +271,8 @@ class Checkpointer:
         # resume from copies keeps them: `link_sources`); each checkpoint links them into its
         # step folder
         self.sources = self.folder / SOURCES_STAGED
-        if start.step_dir is not None and start.copied:
-            step_dir = start.step_dir
+        if start.copied:  # resuming start.step_dir from its copies
+            step_dir = cast(Path, start.step_dir)
             self._on_rank0(lambda: link_sources(step_dir, self.sources))
         else:
             self._on_rank0(lambda: copy_sources(cfg, self.sources))
@@ -528,7 +528,7 @@ def run_start(cfg: JobConfig, group: dist.ProcessGroup, global_rows: int) -> Run
 def warn_if_sources_changed(cfg: JobConfig, trained: dict[str, str], step_dir: Path) -> None:
     """A warning when the source folders no longer hold what the run trained from (`trained`:
     their fingerprint then): the run reads the checkpoint's copies."""
-    named = {k: getattr(cfg.model, k.removeprefix("model.")) for k in SOURCE_KEYS}
+    named = source_values(cfg)
     gone = [k for k, value in named.items() if value and not Path(value).exists()]
     try:
         changes = source_changes(
@@ -589,12 +589,11 @@ def resume_sources(cfg: JobConfig) -> tuple[JobConfig, bool]:
             sources = config_with_copies(cfg, step_dir, saved)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
-        if sources is None or all(
-            (Path(getattr(sources.model, k.removeprefix("model."))) / "config.json").is_file()
-            for k in HF_SOURCE_KEYS
-            if getattr(sources.model, k.removeprefix("model.")) and k != "model.tokenizer_path"
-        ):
-            return sources or cfg, True
+        if sources is None:
+            return cfg, True  # the run reads its folders
+        copies = [Path(v) for k, v in source_values(sources).items() if v and k in HF_SOURCE_KEYS]
+        if all((copy / "config.json").is_file() for copy in copies):
+            return sources, True
     return cfg, bool(found)
 
 

@@ -105,6 +105,11 @@ def copied_sources(step_dir: Path, saved_model: dict[str, Any]) -> dict[str, Pat
     return found
 
 
+def source_values(cfg: JobConfig) -> dict[str, str]:
+    """{config key: its value} of the source keys a checkpoint copies (SOURCE_KEYS; "" unset)."""
+    return {key: getattr(cfg.model, key.removeprefix("model.")) for key in SOURCE_KEYS}
+
+
 def _same_path(a: str, b: str) -> bool:
     """Whether two config values name the same path (relative ones against the current folder;
     a trailing slash or ./ changes nothing); both empty: the same."""
@@ -131,7 +136,7 @@ def config_with_copies(
     version's), or a run pointed at other sources, which reads them (resume_config.py refuses
     them unless their files are the same, or checkpoint.allow_config_change)."""
     copies = copied_sources(step_dir, saved_model)
-    named = {k: getattr(cfg.model, k.removeprefix("model.")) for k in SOURCE_KEYS}
+    named = source_values(cfg)
     if not copies or any(
         not _same_path(named[k], saved_model.get(k.removeprefix("model."), "")) for k in named
     ):

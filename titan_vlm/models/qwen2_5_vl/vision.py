@@ -43,7 +43,9 @@ from titan_vlm.models.common.qwen_vl.model import QwenTower
 from titan_vlm.models.common.qwen_vl.vision_blocks import (
     VisionAttention,
     dense_plan,
+    embed_patches,
     grid_hw,
+    pad_rows,
     vision_rotary,
 )
 from titan_vlm.varlen import PackedPlan
@@ -187,20 +189,11 @@ class VisionTower(QwenTower):
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         a = self.args
         g = window_geometry(grid_thw.cpu(), a)
-        if pixel_values.shape != (len(g.patch_order), a.patch_dim):
-            raise ValueError(
-                f"pixel_values {tuple(pixel_values.shape)} do not hold the grids' "
-                f"{len(g.patch_order)} patches of {a.patch_dim} values"
-            )
-        weight = self.patch_embed.weight  # [dim, C, T, P, P]
-        x = F.linear(pixel_values.to(weight.dtype), weight.flatten(1))  # [N, dim]
         n = len(g.patch_order)
-        padded = n + -n % self.sequence_multiple
+        x = embed_patches(self.patch_embed, pixel_values, n)  # [N, dim]
         x = x[g.patch_order.to(x.device)]  # [N, dim], window order
-        hw = g.hw
-        if padded > n:  # zero rows in no attention block (the module docstring)
-            x = torch.cat([x, x.new_zeros(padded - n, x.shape[1])])
-            hw = torch.cat([hw, hw.new_zeros(padded - n, 2)])
+        # zero rows in no attention block (the module docstring)
+        x, hw, padded = pad_rows(x, g.hw, self.sequence_multiple)
         cos, sin = self.rotary(hw, x.device)
         windows, frames = dense_plan(g.windows, padded), dense_plan(g.frames, padded)
         x = x.unsqueeze(0)  # [1, padded, dim]

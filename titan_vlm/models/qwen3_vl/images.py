@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from titan_vlm.data.batch import Sample, VideoFrames
 from titan_vlm.errors import UserError
-from titan_vlm.models.common.qwen_vl.images import QwenRule, folder_rule
-from titan_vlm.models.qwen3_vl.args import Qwen3VLArgs
+from titan_vlm.models.common.qwen_vl.images import QwenRule
 
 NO_VIDEO = (
     "data.dataset: a record holds a video, and the qwen3_vl family does not train on videos yet "
@@ -32,15 +33,8 @@ class Qwen3Rule(QwenRule):
             raise UserError(NO_VIDEO)
         return super().fit(height, width)
 
-    def positions(self, sample: Sample) -> dict:
+    def positions(self, sample: Sample) -> dict[str, torch.Tensor]:
         for part in sample.parts:
-            if isinstance(part, VideoFrames) or (hasattr(part, "ndim") and part.ndim == 4):
+            if isinstance(part, VideoFrames) or (isinstance(part, torch.Tensor) and part.ndim == 4):
                 raise UserError(NO_VIDEO)
         return super().positions(sample)
-
-
-def qwen3_folder_rule(args: Qwen3VLArgs, hf_path: str) -> Qwen3Rule:
-    """folder_rule's bounds (the folder's processor settings, checked against the model's patch,
-    merge and temporal sizes), as a Qwen3Rule."""
-    rule = folder_rule(args, hf_path)
-    return Qwen3Rule(rule.args, rule.pixel_bounds, rule.fps, rule.video_bounds)

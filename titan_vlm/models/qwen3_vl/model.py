@@ -58,27 +58,30 @@ class Qwen3Decoder(MRopeDecoder):
         deepstack: list[Features] | None = None,
     ) -> torch.Tensor:
         """Decoder.forward, and after layer j the j-th `deepstack` features added at the image
-        slots (the image prefix, then the inline ones): zero everywhere else."""
+        slots (the image prefix, then the inline ones; `add_at_image_slots`)."""
         h, n_img = self.local_sequence(tokens, image_embeds, layout, inline_embeds)
-        added = [self._at_image_slots(h, n_img, f, layout) for f in deepstack or []]
+        deepstack = deepstack or []
         cos, sin = self.rotary(layout)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, layout)
-            if i < len(added):
-                h = h + added[i]
+            if i < len(deepstack):
+                h = self.add_at_image_slots(h, n_img, deepstack[i], layout)
         return self.output(self.norm(h[:, n_img:]))
 
     @staticmethod
-    def _at_image_slots(
+    def add_at_image_slots(
         h: torch.Tensor, n_img: int, features: Features, layout: SeqLayout
     ) -> torch.Tensor:
-        """[B, n_img + T, dim]: `features` at the image slots of the local sequence, zeros at the
-        others."""
+        """h [B, n_img + T, dim] with `features` added at its image slots (the image prefix, then
+        the text section's inline image slots); every other slot unchanged. Only the image
+        slots' rows are touched: no sequence-long buffer per feature."""
         prefix, inline = features
-        text = h.new_zeros(h.shape[0], h.shape[1] - n_img, h.shape[2])
+        if n_img:
+            h = torch.cat([h[:, :n_img] + prefix.to(h.dtype), h[:, n_img:]], dim=1)
         if inline is not None:
-            text = text.index_put(layout.inline_slots(h.device), inline.to(h.dtype))
-        return torch.cat([prefix.to(h.dtype), text], dim=1) if n_img else text
+            rows, cols = layout.inline_slots(h.device)
+            h = h.index_put((rows, cols + n_img), inline.to(h.dtype), accumulate=True)
+        return h
 
 
 class Qwen3VL(QwenVLModel):

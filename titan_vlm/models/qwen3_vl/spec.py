@@ -22,6 +22,7 @@ from titan_vlm.data.image_batch import ImageRule
 from titan_vlm.models.common.decoder import after_to_empty
 from titan_vlm.models.common.hf_config import whole_model_args
 from titan_vlm.models.common.qwen_vl.flops import batch_train_flops, layout_cost
+from titan_vlm.models.common.qwen_vl.images import folder_rule
 from titan_vlm.models.common.qwen_vl.model import init_rule
 from titan_vlm.models.common.qwen_vl.processor import model_inputs
 from titan_vlm.models.qwen3_vl.args import Qwen3VLArgs
@@ -32,7 +33,7 @@ from titan_vlm.models.qwen3_vl.hf_adapter import (
     unused_hf_tensors,
 )
 from titan_vlm.models.qwen3_vl.hf_config import args_from_hf_config
-from titan_vlm.models.qwen3_vl.images import qwen3_folder_rule
+from titan_vlm.models.qwen3_vl.images import Qwen3Rule
 from titan_vlm.models.qwen3_vl.model import Qwen3VL
 from titan_vlm.models.qwen3_vl.parallelize import parallelize
 from titan_vlm.models.qwen3_vl.validate import validate
@@ -52,7 +53,7 @@ def qwen3_args(cfg: JobConfig) -> Qwen3VLArgs:
 def data_rule(args: Qwen3VLArgs, cfg: JobConfig) -> tuple[ImageRule | None, SlotData | None]:
     """Images at their own sizes (images.py Qwen3Rule, with model.hf_path's processor bounds),
     and each sample's M-RoPE positions."""
-    rule = qwen3_folder_rule(args, cfg.model.hf_path)
+    rule = folder_rule(args, cfg.model.hf_path, Qwen3Rule)
     return rule, rule.positions
 
 

@@ -38,7 +38,9 @@ from titan_vlm.models.common.qwen_vl.model import QwenTower
 from titan_vlm.models.common.qwen_vl.vision_blocks import (
     VisionAttention,
     dense_plan,
+    embed_patches,
     grid_hw,
+    pad_rows,
     vision_rotary,
 )
 from titan_vlm.models.qwen3_vl.args import Qwen3VisionArgs
@@ -58,18 +60,18 @@ def _axis_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[torc
     return lo, hi, 1 - frac, frac
 
 
-def position_taps(grid_thw: torch.Tensor, side: int, merge: int) -> tuple[torch.Tensor, ...]:
+def position_taps(
+    hw: torch.Tensor, grids: list[list[int]], side: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(indices [N, 4] into the flattened side x side position table, weights [N, 4]) of every
-    patch of grids grid_thw [n, 3] in processor order: the four neighbours of its source point
-    (module docstring) and their bilinear weights."""
-    hws, heights, widths = [], [], []
-    for t, h, w in grid_thw.tolist():
-        hws.append(grid_hw(t, h, w, merge))
-        heights.append(torch.full((t * h * w,), h))
-        widths.append(torch.full((t * h * w,), w))
-    if not hws:
-        return torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, 4)
-    hw, height, width = torch.cat(hws), torch.cat(heights), torch.cat(widths)
+    patch of grids `grids` [(t, h, w), ...], whose (row, column) in its frame is hw [N, 2]
+    (processor order): the four neighbours of its source point (module docstring) and their
+    bilinear weights."""
+    sizes = torch.tensor([t * h * w for t, h, w in grids], dtype=torch.long)
+    height = torch.repeat_interleave(
+        torch.tensor([h for _, h, _ in grids], dtype=torch.long), sizes
+    )
+    width = torch.repeat_interleave(torch.tensor([w for _, _, w in grids], dtype=torch.long), sizes)
     r0, r1, wr0, wr1 = _axis_taps(hw[:, 0], height, side)
     c0, c1, wc0, wc1 = _axis_taps(hw[:, 1], width, side)
     indices = torch.stack([r0 * side + c0, r0 * side + c1, r1 * side + c0, r1 * side + c1], 1)
@@ -157,27 +159,17 @@ class VisionTower(QwenTower):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         a = self.args
-        grid_thw = grid_thw.cpu()
-        n = int(grid_thw.prod(-1).sum()) if len(grid_thw) else 0
-        if pixel_values.shape != (n, a.patch_dim):
-            raise ValueError(
-                f"pixel_values {tuple(pixel_values.shape)} do not hold the grids' {n} patches "
-                f"of {a.patch_dim} values"
-            )
-        weight = self.patch_embed.weight  # [dim, C, T, P, P]
-        x = F.linear(pixel_values.to(weight.dtype), weight.flatten(1), self.patch_embed.bias)
-        indices, weights = position_taps(grid_thw, a.position_side, a.spatial_merge_size)
+        grids = grid_thw.tolist()
+        hws = [grid_hw(t, h, w, a.spatial_merge_size) for t, h, w in grids]
+        hw = torch.cat(hws) if hws else torch.zeros(0, 2, dtype=torch.long)  # [N, 2]
+        n = len(hw)
+        x = embed_patches(self.patch_embed, pixel_values, n)  # [N, dim]
+        indices, weights = position_taps(hw, grids, a.position_side)
         taps = self.pos_embed(indices.to(x.device))  # [N, 4, dim]
         # fp32 weights: the weighted sum in fp32 whatever the parameters' dtype (transformers')
         x = x + (taps * weights.to(x.device).unsqueeze(-1)).sum(1).to(x.dtype)
-        grids = grid_thw.tolist()
-        hws = [grid_hw(t, h, w, a.spatial_merge_size) for t, h, w in grids]
-        hw = torch.cat(hws) if hws else torch.zeros(0, 2, dtype=torch.long)
         frames = [h * w for t, h, w in grids for _ in range(t)]
-        padded = n + -n % self.sequence_multiple
-        if padded > n:  # zero rows in no attention block
-            x = torch.cat([x, x.new_zeros(padded - n, x.shape[1])])
-            hw = torch.cat([hw, hw.new_zeros(padded - n, 2)])
+        x, hw, padded = pad_rows(x, hw, self.sequence_multiple)  # zero rows in no block
         cos, sin = self.rotary(hw, x.device)
         plan = dense_plan(frames, padded)
         x = x.unsqueeze(0)  # [1, padded, dim]

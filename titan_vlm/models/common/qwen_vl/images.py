@@ -144,13 +144,13 @@ class QwenRule(ImageRule):
         return {MROPE_POSITIONS: positions}
 
 
-def folder_rule(args: Qwen25VLArgs, hf_path: str) -> QwenRule:
-    """The QwenRule of a model folder: its processor's image and video pixel bounds where the
-    folder has processor files (processor.py has_processor_files), else the class defaults.
-    A processor whose patch, merge or temporal patch size is not the model's is a ConfigError
-    naming its file."""
+def folder_rule(args: Qwen25VLArgs, hf_path: str, kind: type[QwenRule] = QwenRule) -> QwenRule:
+    """The QwenRule (of class `kind`: a family's own, e.g. Qwen3-VL's) of a model folder: its
+    processor's image and video pixel bounds where the folder has processor files (processor.py
+    has_processor_files), else the class defaults. A processor whose patch, merge or temporal
+    patch size is not the model's is a ConfigError naming its file."""
     if not (hf_path and has_processor_files(Path(hf_path))):
-        return QwenRule(args)
+        return kind(args)
     proc = QwenVLProcessor.from_folder(hf_path)
     v = args.vision
     for settings, where in ((proc.image, proc.image_file), (proc.video, proc.video_file)):
@@ -161,7 +161,7 @@ def folder_rule(args: Qwen25VLArgs, hf_path: str) -> QwenRule:
                 f"{KEY}: {where}: patch_size, merge_size, temporal_patch_size {ours}, the "
                 f"model's config.json has {model}"
             )
-    return QwenRule(args, proc.image.pixel_bounds, video_bounds=proc.video.pixel_bounds)
+    return kind(args, proc.image.pixel_bounds, video_bounds=proc.video.pixel_bounds)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from titan_vlm.attention import planned_attention
 from titan_vlm.models.common.decoder import apply_rope, inv_frequencies
@@ -36,6 +37,34 @@ def dense_plan(lengths: list[int], total: int | None = None) -> PackedPlan:
     ]
     order = torch.arange(sum(lengths) if total is None else total).unsqueeze(0)
     return pack(blocks, order, order)
+
+
+def embed_patches(patch_embed: nn.Conv3d, pixel_values: torch.Tensor, n: int) -> torch.Tensor:
+    """pixel_values [n, C*T*P*P] -> [n, dim]: the patch embedding (a Conv3d whose kernel is its
+    stride and its input one patch, kept in the Hugging Face weight's shape) computed as one
+    linear map of each flat patch, with its bias if it has one. Another shape is a ValueError."""
+    weight = patch_embed.weight  # [dim, C, T, P, P]
+    patch_dim = weight[0].numel()
+    if pixel_values.shape != (n, patch_dim):
+        raise ValueError(
+            f"pixel_values {tuple(pixel_values.shape)} do not hold the grids' {n} patches of "
+            f"{patch_dim} values"
+        )
+    return F.linear(pixel_values.to(weight.dtype), weight.flatten(1), patch_embed.bias)
+
+
+def pad_rows(
+    x: torch.Tensor, hw: torch.Tensor, multiple: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """x [N, dim] and its patches' hw [N, 2] padded with zero rows to a multiple of `multiple`
+    (a tower's sequence_multiple: sequence parallelism's tp), and the padded length. The zero
+    rows lie in no attention block and are dropped before the mergers, so they change nothing."""
+    n = x.shape[0]
+    padded = n + -n % multiple
+    if padded > n:
+        x = torch.cat([x, x.new_zeros(padded - n, x.shape[1])])
+        hw = torch.cat([hw, hw.new_zeros(padded - n, 2)])
+    return x, hw, padded
 
 
 def vision_rotary(
