@@ -252,7 +252,7 @@ def worker(rank: int, cp: int, results, steps: int, workload: str) -> None:
             dist.barrier()
             start = time.perf_counter()
             with count_sent_bytes() as sent, SavedForBackward(model.parameters()) as saved:
-                _, _, layout = forward_backward(model, batch, mesh, options)
+                layout = forward_backward(model, batch, mesh, options).layout
             took = torch.tensor(time.perf_counter() - start)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             elapsed += float(took)

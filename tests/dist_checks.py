@@ -760,7 +760,7 @@ def placed_step_measured(
     batch = data.batch(0, 0, 1, rows)
     options = CPOptions(comm, "shard", placement, image_tokens, layout_cost(args))
     with count_sent_bytes() as sent, SavedForBackward(model.parameters()) as saved:
-        _, _, layout = forward_backward(model, batch, mesh, options)
+        layout = forward_backward(model, batch, mesh, options).layout
     stats = torch.tensor([saved.bytes, sent["bytes"]], dtype=torch.float64)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     return dict(
@@ -1054,8 +1054,25 @@ def _deepstack_fault(fault: str) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _router_loss_from_local_counts(on: bool) -> Iterator[None]:
+    """Negative control of the MoE router loss under dp x cp: each rank's loss from its own
+    tokens' counts and number (no all-reduce), summed over the ranks as the step sums losses."""
+    if not on:
+        yield
+        return
+    import titan_vlm.step
+
+    real = titan_vlm.step.aux_loss
+    with mock.patch.object(titan_vlm.step, "aux_loss", lambda router, group: real(router, None)):
+        yield
+
+
 def family_parity(
     family: str = "qwen2_5_vl",
+    flavor: str = "debug",
+    aux_coef: float = -1.0,
+    local_router_counts: bool = False,
     dp_shard: int = 1,
     cp: int = 2,
     comm: str = "p2p",
@@ -1083,12 +1100,18 @@ def family_parity(
     cp. `tp`, `sp`, `embed_shard`: tensor (and sequence) parallelism as parallelism.* sets them
     (embed_shard: image_embed_tp_shard); `tp_unreduced_norms` (negative control): the SP norms'
     weight gradients not summed over tp; `deepstack_fault` (negative control, qwen3_vl:
-    `_deepstack_fault`). Gradient errors are per parameter group (ModelSpec.group_of)."""
+    `_deepstack_fault`). `flavor` and `aux_coef` (training.moe_aux_loss_coef): a
+    mixture-of-experts decoder, whose router loss joins both sides' loss (one process: over its
+    whole batch); `local_router_counts` (negative control): `_router_loss_from_local_counts`.
+    Gradient errors are per parameter group (ModelSpec.group_of)."""
+    from titan_vlm.models.common.moe import aux_loss
     from titan_vlm.models.registry import get_model_spec
 
     spec = get_model_spec(family)
     cfg = JobConfig()
     cfg.model.name = family  # type: ignore[assignment]
+    cfg.model.flavor = flavor  # type: ignore[assignment]
+    cfg.training.moe_aux_loss_coef = aux_coef
     cfg.parallelism.cp_vision = vision  # type: ignore[assignment]
     cfg.parallelism.tensor_parallel_degree = tp
     cfg.parallelism.enable_sequence_parallel = sp
@@ -1109,6 +1132,11 @@ def family_parity(
     ref = spec.build(args)
     logits, labels, _ = ref.forward_local(full, CPContext())
     ref_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    router = ref.router_stats()
+    ref_aux = None
+    if router is not None:
+        share, ref_aux, _ = aux_loss(router, None)  # the whole batch in one process
+        ref_loss = ref_loss + share
     ref_loss.backward()
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), t.max_norm)
     ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
@@ -1133,6 +1161,7 @@ def family_parity(
     with (
         contextlib.nullcontext() if sum_image_grad else _image_grads_not_summed_over_cp(),
         _deepstack_fault(deepstack_fault),
+        _router_loss_from_local_counts(local_router_counts),
     ):
         stats, (layout,) = train_step(
             model, opt, sched, batch, mesh, t.max_norm, options, tp_options
@@ -1160,6 +1189,8 @@ def family_parity(
         "kept_samples": layout.kept_samples(),
         "sharded_images": layout.sharded_images(),
         "replicated_images": layout.replicated_images(),
+        "moe_aux_loss": stats.get("moe_aux_loss"),
+        "ref_moe_aux_loss": None if ref_aux is None else float(ref_aux),
     }
 
 

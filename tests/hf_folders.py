@@ -9,6 +9,10 @@ values so that a bias or norm that is not loaded shows (`perturb`).
     save_qwen3(folder, tie=False)  a tiny Qwen3VLForConditionalGeneration: 16-pixel patches, 2x2
                                    merging, a 4x4 learned position grid, DeepStack from tower
                                    blocks 0 and 1, interleaved mrope_section (2, 3, 3)
+    save_qwen3_moe(folder, hub_layout=False)
+                                   a tiny Qwen3VLMoeForConditionalGeneration (save_qwen3's
+                                   tower, 4 experts, top 2, one dense layer); hub_layout: its
+                                   experts transposed as the hub's folders hold them
     save_llava(folder, vision, text, image_token_index=LLAVA_IMAGE, **top)
                                    a tiny LlavaForConditionalGeneration of the given vision and
                                    text configs (CLIP or SigLIP tower; tied or not and the
@@ -47,6 +51,8 @@ from transformers import (
     Qwen3Config,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
     SiglipVisionConfig,
 )
 
@@ -134,6 +140,48 @@ QWEN3_TEXT = dict(
 )
 
 
+# Qwen3-VL-MoE's text model: 4 experts of width 24, top 2; layer 1 dense (mlp_only_layers), so
+# both kinds of feed-forward are read; the router's loss in the training loss, coefficient 0.05
+QWEN3_MOE_TEXT = dict(
+    QWEN3_TEXT,
+    moe_intermediate_size=24,
+    num_experts=4,
+    num_experts_per_tok=2,
+    mlp_only_layers=[1],
+    output_router_logits=True,
+    router_aux_loss_coef=0.05,
+)
+
+
+def save_qwen3_moe(folder: Path, hub_layout: bool = False) -> Qwen3VLMoeForConditionalGeneration:
+    """A tiny Qwen3VLMoeForConditionalGeneration (save_qwen3's tower, QWEN3_MOE_TEXT), saved to
+    `folder` as transformers 5 writes it (fused experts [E, 2 ffn, dim], [E, dim, ffn]); with
+    `hub_layout`, its expert tensors rewritten transposed, as the hub's Qwen3-VL-MoE folders hold
+    them (which transformers transposes back on load)."""
+    torch.manual_seed(0)
+    config = Qwen3VLMoeConfig(
+        vision_config=QWEN3_VISION,
+        text_config=QWEN3_MOE_TEXT,
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
+    )
+    model = Qwen3VLMoeForConditionalGeneration(config).eval()
+    perturb(model)
+    model.save_pretrained(folder)
+    if hub_layout:
+        from safetensors.torch import load_file, save_file
+
+        path = folder / "model.safetensors"
+        tensors = load_file(path)
+        for name in tensors:
+            if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+                tensors[name] = tensors[name].transpose(1, 2).contiguous()
+        save_file(tensors, path, metadata={"format": "pt"})
+    return model
+
+
 def save_qwen3(folder: Path, tie: bool = False) -> Qwen3VLForConditionalGeneration:
     """A tiny Qwen3VLForConditionalGeneration (16-pixel patches, 2x2 merging, a 4x4 learned
     position grid, DeepStack features from tower blocks 0 and 1), saved to `folder`."""
@@ -172,6 +220,17 @@ TEXT = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     vocab_size=LLAVA_VOCAB,
+)
+# a Qwen3-MoE text model for LLaVA: 4 experts of width 16, top 2, renormalised; layer 0 dense
+QWEN3_MOE = dict(
+    TEXT,
+    model_type="qwen3_moe",
+    head_dim=8,
+    moe_intermediate_size=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    mlp_only_layers=[0],
 )
 LLAMA3 = {
     "rope_type": "llama3",

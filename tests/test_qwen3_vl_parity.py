@@ -5,7 +5,12 @@ and text; each image slot's row carries its embedding and its DeepStack features
 they are replicated, sharded, broadcast and gathered exactly as the embeddings are, and their
 gradient is summed over cp once, before the mergers and the tower. Negative controls: DeepStack
 features dropped on the ranks other than 0, added one decoder layer late, and the image
-gradients not summed over cp."""
+gradients not summed over cp.
+
+The mixture-of-experts flavor (debug_moe, the router loss weighted 0.5 so that it shows) adds
+the router's load-balancing loss over the global batch: each token counted once whichever rank
+holds it (an image-prefix slot every CP rank holds counts 1/cp on each), the counts all-reduced
+over dp x cp. Negative control: each rank's router loss from its own counts."""
 
 import pytest
 from test_qwen2_5_vl_parity import check
@@ -19,6 +24,18 @@ CASES = {
         cp=4, comm="allgather", vision="replicate", image_tokens="shard"
     ),
     "fsdp2_cp2_full_ac": dict(dp_shard=2, cp=2, comm="allgather", ac="full"),
+    "moe_p2p_split": dict(cp=2, comm="p2p", flavor="debug_moe", aux_coef=0.5),
+    "moe_fsdp2_cp2_a2a_auto": dict(
+        dp_shard=2,
+        cp=2,
+        comm="a2a",
+        placement="auto",
+        image_tokens="auto",
+        flavor="debug_moe",
+        aux_coef=0.5,
+        ac="full",
+        compile_backend="aot_eager",  # the experts' custom op keeps each block one graph
+    ),
 }
 
 
@@ -28,6 +45,8 @@ def test_qwen3_vl_matches_one_process(pool, case):
     for rank, result in enumerate(results):
         assert not check(result), f"rank {rank}: {check(result)}"
         assert set(result["grad_err"]) == {"vision", "projector", "decoder"}
+        if "aux_coef" in CASES[case]:  # the router loss over the global batch, once per token
+            assert abs(result["moe_aux_loss"] - result["ref_moe_aux_loss"]) < 1e-6
     if CASES[case].get("placement", "split") == "split":
         assert any(r["split_samples"] for r in results)
     else:  # samples kept whole: their image slots (and features) among the text
@@ -40,3 +59,15 @@ def test_deepstack_negative_controls_fail(pool):
         assert any("loss" in line for line in check(result)), (fault, check(result))
     unsummed = pool.run("family_parity", family="qwen3_vl", cp=2, sum_image_grad=False)[0]
     assert any(line.startswith("projector grad") for line in check(unsummed)), check(unsummed)
+
+
+def test_router_loss_from_local_counts_fails(pool):
+    result = pool.run(
+        "family_parity",
+        family="qwen3_vl",
+        cp=2,
+        flavor="debug_moe",
+        aux_coef=0.5,
+        local_router_counts=True,
+    )[0]
+    assert any("loss" in line for line in check(result)), check(result)

@@ -1,8 +1,10 @@
-"""The user's commands on a Qwen3-VL folder that transformers wrote: ./run_train.sh with
-model.flavor = "hf" and model.hf_path trains it at CP=2 on the built-in data (images of 2 x 2
-merge units, M-RoPE positions per sample, DeepStack features with the embeddings), and its first
-step's loss equals one process's loss of the same batch computed from the folder (the family's
-model, equal to transformers' in tests/unit/test_qwen3_vl_model.py); the checkpoint exports
+"""The user's commands on a Qwen3-VL-MoE folder that transformers wrote (two sparse layers and a
+dense one: every part of the dense Qwen3-VL too): ./run_train.sh with model.flavor = "hf" and
+model.hf_path trains it at CP=2 on the built-in data (images of 2 x 2 merge units, M-RoPE
+positions per sample, DeepStack features with the embeddings), logs the experts' load, and its
+first step's loss (the router's load-balancing loss included) equals one process's loss of the
+same batch computed from the folder (the family's model, equal to transformers' in
+tests/unit/test_qwen3_vl_model.py and test_moe.py); the checkpoint exports
 (--export-hf) to a folder transformers' from_pretrained loads with no missing or unexpected
 tensor, holding the trained weights (the DeepStack mergers among them), and computing what
 titan_vlm computes. Then the folder is deleted and the same command resumes from the
@@ -16,13 +18,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from cli import python_m
-from hf_folders import save_qwen3
-from transformers import Qwen3VLForConditionalGeneration
+from hf_folders import save_qwen3_moe
+from transformers import Qwen3VLMoeForConditionalGeneration
 
 from titan_vlm.checkpoint import load_model_for_inference
 from titan_vlm.config import load_config
 from titan_vlm.data import build_dataset
 from titan_vlm.data.batch import IGNORE_INDEX
+from titan_vlm.models.common.moe import aux_loss
 from titan_vlm.models.qwen3_vl.model import from_hf_folder
 from titan_vlm.models.registry import model_spec
 from titan_vlm.parallel.context_parallel import CPContext
@@ -30,9 +33,9 @@ from titan_vlm.parallel.context_parallel import CPContext
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_cp2_trains_a_qwen3_vl_folder_and_exports_it(tmp_path):
+def test_cp2_trains_a_qwen3_vl_moe_folder_and_exports_it(tmp_path):
     folder = tmp_path / "qwen3"
-    save_qwen3(folder)
+    save_qwen3_moe(folder)
     overrides = [
         "--model.flavor=hf",
         f"--model.hf_path={folder}",
@@ -48,8 +51,12 @@ def test_cp2_trains_a_qwen3_vl_folder_and_exports_it(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"model qwen3_vl {folder}:" in out.stdout
+    assert "active per token (top-k of the experts)" in out.stdout
+    assert "2 mixture-of-experts layers: 4 experts of width 24, top 2 renormalised" in out.stdout
+    assert "| moe aux " in out.stdout and "load max " in out.stdout  # each logged step
     steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all(s["moe_aux_loss"] > 0 and s["moe_load_max"] >= 1 for s in steps)
 
     cfg = load_config(["--config", str(ROOT / "train_configs/vlm_cp.toml"), *overrides])
     spec = model_spec(cfg)
@@ -61,6 +68,11 @@ def test_cp2_trains_a_qwen3_vl_folder_and_exports_it(tmp_path):
     with torch.no_grad():
         logits, labels, _ = model.forward_local(batch, CPContext())
     want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    router = model.router_stats()
+    assert router is not None
+    share, aux, _ = aux_loss(router, None)  # the folder's weight, 0.05
+    want = want + share
+    assert abs(steps[0]["moe_aux_loss"] - aux.item()) < 1e-6
     assert abs(steps[0]["loss"] - want.item()) / want.item() < 1e-5, (steps[0]["loss"], want)
 
     export = tmp_path / "exported"
@@ -68,7 +80,7 @@ def test_cp2_trains_a_qwen3_vl_folder_and_exports_it(tmp_path):
         "titan_vlm.checkpoint", "--export-hf", str(tmp_path / "run" / "checkpoint"), str(export)
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    hf, info = Qwen3VLForConditionalGeneration.from_pretrained(export, output_loading_info=True)
+    hf, info = Qwen3VLMoeForConditionalGeneration.from_pretrained(export, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched tensor
     trained, _ = load_model_for_inference(tmp_path / "run" / "checkpoint")
     source = from_hf_folder(folder)

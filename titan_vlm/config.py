@@ -31,7 +31,8 @@ else:  # pragma: no cover
 
 # The names a choice-valued key takes; the first is not necessarily the default.
 ModelName = Literal["llava", "qwen2_5_vl", "qwen3_vl"]  # models/registry.py MODEL_SPECS
-Flavor = Literal["debug", "small", "llava7b", "hf"]  # models/llava/args.py FLAVORS, plus "hf"
+# the families' FLAVORS (models/*/args.py, spec.py), plus "hf"
+Flavor = Literal["debug", "debug_moe", "small", "llava7b", "hf"]
 AttentionKernel = Literal["auto", "cpu_flash", "cuda_flash", "cuda_efficient", "cuda_cudnn"]
 ImageAttention = Literal["causal", "bidirectional"]
 MixedPrecision = Literal["fp32", "bf16"]
@@ -65,13 +66,16 @@ class Model:
     """What model is trained, where its weights and tokenizer come from, how it attends."""
 
     name: ModelName = "llava"
-    """The model family (models/registry.py): "llava" (a ViT + MLP projector + decoder) or
-    "qwen2_5_vl" (a windowed native-resolution ViT + merger + a Qwen2 decoder with M-RoPE). With
-    model.flavor = "hf" the family is the one whose folders have model.hf_path's config.json
-    model_type, whatever this says."""
+    """The model family (models/registry.py): "llava" (a ViT + MLP projector + decoder),
+    "qwen2_5_vl" (a windowed native-resolution ViT + merger + a Qwen2 decoder with M-RoPE) or
+    "qwen3_vl" (Qwen3-VL, dense or mixture-of-experts: learned-position ViT, DeepStack, a Qwen3
+    decoder with interleaved M-RoPE). With model.flavor = "hf" the family is the one whose
+    folders have model.hf_path's config.json model_type, whatever this says."""
     flavor: Flavor = "debug"
-    """A built-in size (models/llava/args.py): "debug" (CPU, under a second a step), "small",
-    "llava7b" (LLaVA-1.5-7B shapes); or "hf": the architecture of model.hf_path's config.json."""
+    """A built-in size (the family's FLAVORS, models/*/): "debug" (CPU, under a second a step),
+    "debug_moe" (the same with a mixture-of-experts decoder: llava, qwen3_vl), "small" and
+    "llava7b" (LLaVA-1.5-7B shapes; llava); or "hf": the architecture of model.hf_path's
+    config.json."""
     hf_path: str = ""
     """A Hugging Face LLaVA folder (config.json, safetensors, tokenizer, processor settings) to
     start from: its weights, tokenizer, chat template and image preprocessing. "": none."""
@@ -140,6 +144,12 @@ class Training:
     training.lr); 0: training.lr."""
     projector_lr: float = 0.0
     """Peak learning rate of the projector's (merger's) parameters; 0: training.lr."""
+    moe_aux_loss_coef: float = -1.0
+    """Weight of the MoE router's load-balancing loss (transformers' load_balancing_loss_func,
+    over the whole step's tokens and sparse layers) in the training loss. -1: what transformers
+    trains the folder's model with (a Qwen3-VL-MoE config's router_aux_loss_coef when its
+    output_router_logits is true, else 0; LLaVA: 0, its class adds none); the built-in MoE
+    flavors: 0.001. A dense model ignores it."""
 
 
 @dataclass

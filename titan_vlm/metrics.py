@@ -130,10 +130,16 @@ class MetricsLogger:
                 for key, value in metrics.items()
                 if key.startswith("lr_")
             )
+            # a mixture-of-experts decoder: its router loss and its busiest expert's load
+            moe = (
+                f" | moe aux {metrics['moe_aux_loss']:.4f} load max {metrics['moe_load_max']:.2f}x"
+                if "moe_aux_loss" in metrics
+                else ""
+            )
             logger.info(
                 "step %5d | loss %.4f | grad_norm %.3f | lr %.2e%s | tokens/s %9.1f | "
                 "peak mem %.2f GiB | "
-                "cp_balance %.3f | cp_padding %.3f",
+                "cp_balance %.3f | cp_padding %.3f%s",
                 step,
                 metrics["loss"],
                 metrics["grad_norm"],
@@ -143,6 +149,7 @@ class MetricsLogger:
                 metrics["peak_memory_gib"],
                 metrics.get("cp_balance", 1.0),
                 metrics.get("cp_padding", 0.0),
+                moe,
             )
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.tb is not None:

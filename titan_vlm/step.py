@@ -14,6 +14,8 @@ there) and shards only the text; the loss is the mean over the global batch's te
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,7 @@ from titan_vlm.data.batch import IGNORE_INDEX, Batch
 from titan_vlm.data.image_batch import image_sizes
 from titan_vlm.distributed import dist_sum
 from titan_vlm.layout import SeqLayout
+from titan_vlm.models.common.moe import aux_loss
 from titan_vlm.models.spec import VisionLanguageModel
 from titan_vlm.optim import clip_grad_norm_, current_lrs
 from titan_vlm.parallel.context_parallel import CPContext, CPOptions, sync_broadcast_vision_grads
@@ -57,6 +60,30 @@ def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     )
 
 
+@dataclass(frozen=True)
+class ExpertLoad:
+    """A mixture-of-experts decoder's routing in one forward, over the whole job: the router's
+    load-balancing loss (unweighted) and the top-k picks of each expert [sparse layers, E]."""
+
+    aux_loss: float
+    counts: torch.Tensor
+
+    def stats(self) -> dict[str, float]:
+        """What a step logs: moe_aux_loss; moe_load_max, the busiest expert's picks over the
+        mean expert's in its layer (1: balanced; E / top_k: one expert takes every token)."""
+        mean = self.counts.mean(dim=1, keepdim=True).clamp(min=1e-9)
+        return {"moe_aux_loss": self.aux_loss, "moe_load_max": float((self.counts / mean).max())}
+
+
+class Forward(NamedTuple):
+    """What `forward_backward` returns (its docstring)."""
+
+    loss: torch.Tensor
+    ntokens: torch.Tensor
+    layout: SeqLayout
+    experts: ExpertLoad | None
+
+
 def forward_backward(
     model: VisionLanguageModel,
     batch: Batch,
@@ -65,12 +92,20 @@ def forward_backward(
     tp: TPOptions = TPOptions(),
     ntokens: torch.Tensor | None = None,
     accumulating: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, SeqLayout]:
-    """Forward and backward of one batch (or microbatch) on this rank. Returns its share of the
-    global loss (its loss tokens' summed loss over `ntokens`, the step's loss tokens:
+    microbatches: int = 1,
+) -> Forward:
+    """Forward and backward of one batch (or microbatch) on this rank (`Forward`): its share of
+    the global loss (its loss tokens' summed loss over `ntokens`, the step's loss tokens:
     `loss_tokens`; None: this batch's own), summed over the job (identical on all ranks), the
-    normaliser, and this rank's layout. `accumulating`: another microbatch of this step follows,
-    so cp_vision = "broadcast"'s copy of the vision gradients waits for the last."""
+    normaliser, this rank's layout, and a mixture-of-experts decoder's load. `accumulating`:
+    another microbatch of this step follows, so cp_vision = "broadcast"'s copy of the vision
+    gradients waits for the last.
+
+    A decoder with experts adds its router's load-balancing loss (models/common/moe.py
+    aux_loss: over this microbatch's tokens on every dp x cp rank, once each), weighted by
+    its coefficient and divided by `microbatches`: with gradient accumulation the step's router
+    loss is the mean of its microbatches', each over the whole job (the one term accumulation
+    does not compute as the whole batch at once would; the language-model loss it does)."""
     # 1-3. The model's forward on this rank (VisionLanguageModel.forward_local): the image
     # embeddings of every image of the batch, whole on every CP rank (Replicate on cp; in backward
     # their gradient is summed over cp before the projector and ViT); the text CP-sharded
@@ -83,10 +118,16 @@ def forward_backward(
     # 4. Summed over this rank's text tokens, over the step's tokens (dp and cp; not tp: its ranks
     # hold the same tokens).
     loss = summed_loss(logits, labels) / ntokens.clamp(min=1)
+    router = model.router_stats()
+    load = None
+    if router is not None:  # the same tokens on every tp rank: summed over dp x cp only
+        share, aux, counts = aux_loss(router, mesh.job.get_group())
+        loss = loss + share / microbatches
+        load = ExpertLoad(float(aux), counts)
     loss.backward()
     if cp.vision == "broadcast" and not accumulating:
         sync_broadcast_vision_grads(model, mesh.cp)
-    return dist_sum(loss.detach(), mesh.job.get_group()), ntokens, layout
+    return Forward(dist_sum(loss.detach(), mesh.job.get_group()), ntokens, layout, load)
 
 
 def train_step(
@@ -117,15 +158,18 @@ def train_step(
     fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
     loss = torch.zeros((), device=batch.tokens.device)
     layouts: list[SeqLayout] = []
+    loads: list[ExpertLoad] = []
     for k, part in enumerate(parts):
         last = k == microbatches - 1
         for module in fsdp:  # reduce-scatter the summed gradients once, after the last
             module.set_requires_gradient_sync(last, recurse=False)
-        part_loss, _, layout = forward_backward(
-            model, part, mesh, cp, tp, ntokens, accumulating=not last
+        out = forward_backward(
+            model, part, mesh, cp, tp, ntokens, accumulating=not last, microbatches=microbatches
         )
-        loss = loss + part_loss
-        layouts.append(layout)
+        loss = loss + out.loss
+        layouts.append(out.layout)
+        if out.experts is not None:
+            loads.append(out.experts)
     grad_norm = clip_grad_norm_(list(model.parameters()), max_norm)
     lrs = current_lrs(optimizer)  # this step's rates, before the schedule advances
     finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
@@ -148,6 +192,10 @@ def train_step(
         "cp_sharded_images": layout.sharded_images(),
         "nonfinite": int(not finite),
     }
+    if loads:  # the microbatches' mean load balance and their busiest expert
+        per_part = [load.stats() for load in loads]
+        stats["moe_aux_loss"] = sum(p["moe_aux_loss"] for p in per_part) / len(per_part)
+        stats["moe_load_max"] = max(p["moe_load_max"] for p in per_part)
     return stats, layouts
 
 

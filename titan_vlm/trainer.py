@@ -40,7 +40,12 @@ from titan_vlm.kernels import select_kernel
 from titan_vlm.launch import STOP
 from titan_vlm.layout import SeqLayout, Slots
 from titan_vlm.metrics import MetricsLogger, peak_memory_gib
-from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM, param_counts
+from titan_vlm.models.accounting import (
+    STATE_BYTES_PER_PARAM,
+    active_params,
+    moe_summary,
+    param_counts,
+)
 from titan_vlm.models.build import build_model
 from titan_vlm.models.registry import model_spec
 from titan_vlm.optim import (
@@ -469,13 +474,17 @@ class Trainer(Stateful):
         """Parameter counts, and the model state this rank holds."""
         mesh = self.mesh
         counts = param_counts(self.model)
+        total, active = sum(counts.values()), active_params(self.model)
         logger.info(
-            "model %s %s: %s parameters (%s)",
+            "model %s %s: %s parameters (%s)%s",
             self.spec.name,
             self.cfg.model.hf_path or self.cfg.model.flavor,
-            f"{sum(counts.values()):,}",
+            f"{total:,}",
             ", ".join(f"{part} {n:,}" for part, n in counts.items()),
+            f"; {active:,} active per token (top-k of the experts)" if active < total else "",
         )
+        if moe_summary(self.model):
+            logger.info("%s", moe_summary(self.model))
         vision_fsdp = mesh.fsdp_no_cp if self.cp.vision == "broadcast" else mesh.fsdp
         tp_note = (
             f"; TP splits the matrices {mesh.tp.size()} ways more" if mesh.tp.size() > 1 else ""

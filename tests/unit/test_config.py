@@ -130,7 +130,7 @@ def test_model_and_data_checks(overrides, words):
     [
         (
             ["--model.flavor=huge"],
-            "model.flavor must be one of debug, small, llava7b, hf, got 'huge'",
+            "model.flavor must be one of debug, debug_moe, small, llava7b, hf, got 'huge'",
         ),
         (
             ["--training.mixed_precision=fp8"],

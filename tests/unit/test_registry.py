@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from transformers import LlavaConfig, Qwen2_5_VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
+from transformers import LlavaConfig, Qwen2_5_VLConfig, Qwen3MoeConfig, Qwen3VLConfig
 
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError
@@ -42,13 +42,13 @@ def test_an_hf_folder_picks_its_family_by_model_type(tmp_path):
 
 
 def test_a_folder_of_another_family_is_one_line(tmp_path):
-    Qwen3VLMoeConfig().save_pretrained(tmp_path)
+    Qwen3MoeConfig().save_pretrained(tmp_path)  # a text model alone
     with pytest.raises(ConfigError) as e:
         model_spec(_cfg("hf", str(tmp_path)))
     message = str(e.value)
     assert "\n" not in message
-    assert f"{tmp_path}/config.json: model_type='qwen3_vl_moe' is not a family" in message
-    assert "llava: llava; qwen2_5_vl: qwen2_5_vl; qwen3_vl: qwen3_vl" in message
+    assert f"{tmp_path}/config.json: model_type='qwen3_moe' is not a family" in message
+    assert "llava: llava; qwen2_5_vl: qwen2_5_vl; qwen3_vl: qwen3_vl, qwen3_vl_moe" in message
 
 
 def test_a_built_in_flavor_ignores_a_folders_model_type(tmp_path):

@@ -5,9 +5,35 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from titan_vlm.models.common.moe import MoE
+
 
 def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def active_params(model: nn.Module) -> int:
+    """Parameters one token's forward uses: all of them but, in each mixture-of-experts layer,
+    the experts it is not routed to (E - top_k of E)."""
+    inactive = 0
+    for m in model.modules():
+        if isinstance(m, MoE):
+            e, k = m.args.num_experts, m.args.top_k
+            inactive += count_params(m.experts) * (e - k) // e
+    return count_params(model) - inactive
+
+
+def moe_summary(model: nn.Module) -> str:
+    """One line on the model's mixture-of-experts layers ("": none)."""
+    layers = [m.args for m in model.modules() if isinstance(m, MoE)]
+    if not layers:
+        return ""
+    m = layers[0]
+    return (
+        f"{len(layers)} mixture-of-experts layers: {m.num_experts} experts of width {m.ffn_dim}, "
+        f"top {m.top_k}{' renormalised' if m.norm_topk_prob else ''}, dropless; router "
+        f"load-balancing loss weight {m.aux_loss_coef:g} (training.moe_aux_loss_coef)"
+    )
 
 
 def param_counts(model: nn.Module) -> dict[str, int]:

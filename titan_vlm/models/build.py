@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError
+from titan_vlm.models.common.hf_experts import ExpertView
 from titan_vlm.models.common.hf_folder import SafetensorsFiles, hf_sources, weight_files
 from titan_vlm.models.loading import canonical_parameters, init_from_seed, load_hf_shards
 from titan_vlm.models.spec import ModelSpec, VisionLanguageModel
@@ -43,7 +44,8 @@ def load_hf(model: nn.Module, spec: ModelSpec, args: Any, cfg: JobConfig) -> Non
     params = canonical_parameters(model)  # the adapter names the unwrapped model's parameters
     wanted = set(params)
     for key, files in hf_files(cfg):
-        with SafetensorsFiles(files, key) as st:
+        with SafetensorsFiles(files, key) as raw:
+            st = ExpertView(raw, key)  # MoE experts stacked, whatever their layout in the files
             keys = st.keys()
             # the adapter names every parameter of the parts present and refuses any tensor
             # it neither maps nor knows to be unused
@@ -55,7 +57,7 @@ def load_hf(model: nn.Module, spec: ModelSpec, args: Any, cfg: JobConfig) -> Non
                 if not torch.equal(st.read(copy, rows), st.read(original, rows)):
                     raise ConfigError(
                         f"{key}: config.json ties the embeddings, but '{copy}' in "
-                        f"{st.file_of(copy)} is not '{original}' (set tie_word_embeddings "
+                        f"{raw.file_of(copy)} is not '{original}' (set tie_word_embeddings "
                         "to false, or drop the tensor)"
                     )
             read = load_hf_shards(params, st, names, key)

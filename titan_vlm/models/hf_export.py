@@ -28,6 +28,7 @@ from titan_vlm.config import ImageAttention, JobConfig
 from titan_vlm.errors import ConfigError
 from titan_vlm.models.build import load_hf, unfilled_model
 from titan_vlm.models.common.hf_adapter import hf_tensor_parts
+from titan_vlm.models.common.hf_experts import ExpertView
 from titan_vlm.models.common.hf_folder import INDEX, RECORDED, SINGLE, UNUSED, source_tensors
 from titan_vlm.models.registry import model_spec
 from titan_vlm.models.spec import VisionLanguageModel
@@ -99,7 +100,8 @@ def export_hf(
     spec = model_spec(cfg)
     params = {n: p.detach() for n, p in model.named_parameters()}
     tensors: dict[str, torch.Tensor] = {}
-    with source_tensors(source, "model.hf_path") as st:
+    with source_tensors(source, "model.hf_path") as raw:
+        st = ExpertView(raw, str(source))  # MoE experts stacked (common/hf_experts.py)
         keys = st.keys()
         names = spec.hf_names(model.args, keys, str(source))
         for theirs, parts in hf_tensor_parts(names).items():  # a fused tensor: its parts, in order
@@ -111,6 +113,7 @@ def export_hf(
                 tensors[theirs] = st.read(theirs)
         for copy, original in spec.hf_same(model.args, keys):
             tensors[copy] = tensors[original].clone()  # the trained tensor, not the source's
+        tensors = st.file_tensors(tensors)  # the experts back in the files' layout
     # Everything is written into a hidden folder inside `out` first (the same file system, so the
     # moves are renames); only a complete export moves in, then a previous export's shards that
     # are not this one's go: a full disk or an unreadable source file leaves `out` as it was

@@ -32,6 +32,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from titan_vlm.errors import ConfigError
 from titan_vlm.models.common.hf_adapter import hf_tensor_parts
+from titan_vlm.models.common.hf_experts import ExpertView
 from titan_vlm.models.common.hf_folder import SafetensorsFiles, weight_files
 
 ROW_BLOCK = 64  # rows of dim 0 drawn from one seeded generator (init_from_seed)
@@ -71,7 +72,7 @@ def local_box(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
 
 @torch.no_grad()
 def load_hf_shards(
-    params: Mapping[str, torch.Tensor], files: SafetensorsFiles, names: dict[str, str], where: str
+    params: Mapping[str, torch.Tensor], files: ExpertView, names: dict[str, str], where: str
 ) -> int:
     """Copy each parameter's local box from the file tensor `names[param name]`, whose full
     shape must be the parameter's (the error names both); a file tensor several parameters name
@@ -115,7 +116,8 @@ def load_whole_model(
     is a ConfigError."""
     where = str(folder)
     args = model.args
-    with SafetensorsFiles(weight_files(folder, where), where) as files:
+    with SafetensorsFiles(weight_files(folder, where), where) as raw:
+        files = ExpertView(raw, where)
         mapping = names(args, files.keys(), where)
         for copy, original in same(args, files.keys()):
             if not torch.equal(files.read(copy), files.read(original)):

@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from titan_vlm.data.image_batch import ImageRule, Images
     from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
     from titan_vlm.layout import LayoutCost, SeqLayout
+    from titan_vlm.models.common.moe import RouterStats
     from titan_vlm.models.loading import Init
     from titan_vlm.parallel_dims import Mesh, ParallelDims
     from titan_vlm.plan.shapes import ModelShapes
@@ -133,6 +134,11 @@ class VisionLanguageModel(nn.Module, ABC):
         embeddings of every image of the rows (`encode_images`' output, rows in order), placed
         by the layout into its image prefix and (samples a CP rank keeps whole) among the text
         (SeqLayout.place_images, inline_embeds)."""
+
+    @abstractmethod
+    def router_stats(self) -> RouterStats | None:
+        """The router statistics of the last forward's mixture-of-experts layers
+        (models/common/moe.py), handed over once; None: the decoder has no experts."""
 
     @abstractmethod
     def vision_modules(self) -> list[nn.Module]:

@@ -10,14 +10,24 @@ comes from the `SeqLayout`, so the same code runs unsharded and context-parallel
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from titan_vlm.attention import SeqLayout, attention
+from titan_vlm.models.common.moe import MoE, RouterStats
 from titan_vlm.models.common.text_args import DecoderArgs, Rope
 from titan_vlm.models.loading import Init
+
+# The decoder's weights drawn normal(0.02), and its residual outputs, normal(0.02 / sqrt(2 x
+# layers)) (the experts' stacked weights included)
+NORMAL_WEIGHTS = (
+    "wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "router.weight",
+    "experts.w1", "experts.w3",
+)  # fmt: skip
+RESIDUAL_WEIGHTS = ("wo.weight", "w2.weight", "experts.w2")
 
 
 class RMSNorm(nn.Module):
@@ -135,6 +145,31 @@ class DecoderBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+class MoEBlock(nn.Module):
+    """A decoder block whose feed-forward is the mixture of experts (moe.py): it also takes each
+    slot's token weight and returns its router statistics [2, E]."""
+
+    def __init__(self, a: DecoderArgs, attention_kernel: str):
+        super().__init__()
+        assert a.moe is not None
+        self.attention_norm = RMSNorm(a.dim, a.norm_eps)
+        self.attention = Attention(a, attention_kernel)
+        self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
+        self.moe = MoE(a.dim, a.moe)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layout: SeqLayout,
+        weights: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.attention(self.attention_norm(x), cos, sin, layout)
+        out, stats = self.moe(self.ffn_norm(x), weights)
+        return x + out, stats
+
+
 class Decoder(nn.Module):
     """tok_embeddings -> blocks -> norm -> output. With `tie_embeddings` the output head's weight
     IS the embedding table (one Parameter: named_parameters lists it once, as
@@ -147,7 +182,13 @@ class Decoder(nn.Module):
         super().__init__()
         self.args = a
         self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
-        self.layers = nn.ModuleList(DecoderBlock(a, attention_kernel) for _ in range(a.n_layers))
+        self.layers = nn.ModuleList(
+            (MoEBlock if i in a.sparse else DecoderBlock)(a, attention_kernel)
+            for i in range(a.n_layers)
+        )
+        # the router statistics of the last forward (None: a dense decoder), until taken:
+        # what the training step's load-balancing loss reads (moe.py aux_loss)
+        self.router_stats: RouterStats | None = None
         self.norm = RMSNorm(a.dim, a.norm_eps)
         if a.tie_embeddings:
             self.output = nn.Linear(a.dim, a.vocab_size, bias=False, device="meta")
@@ -179,9 +220,9 @@ class Decoder(nn.Module):
         nn.init.normal_(self.tok_embeddings.weight, std=0.02)
         out_std = 0.02 / (2 * self.args.n_layers) ** 0.5  # residual projections scaled by depth
         for name, p in self.named_parameters():
-            if name.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight")):
+            if name.endswith(NORMAL_WEIGHTS):
                 nn.init.normal_(p, std=0.02)
-            elif name.endswith(("wo.weight", "w2.weight")):
+            elif name.endswith(RESIDUAL_WEIGHTS):
                 nn.init.normal_(p, std=out_std)
             elif name.startswith("layers.") and name.endswith(".bias"):
                 nn.init.zeros_(p)
@@ -219,10 +260,37 @@ class Decoder(nn.Module):
         SeqLayout.inline_embeds), which replace those slots' token embeddings; their logits
         carry no label."""
         h, n_img = self.local_sequence(tokens, image_embeds, layout, inline_embeds)
-        cos, sin = self.rotary(layout)
-        for layer in self.layers:
-            h = layer(h, cos, sin, layout)
+        h = self.run_layers(h, layout)
         return self.output(self.norm(h[:, n_img:]))
+
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        layout: SeqLayout,
+        after: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The blocks on h [B, L, dim], with `after(i, h)` applied after block i (a family's
+        additions between layers, e.g. DeepStack); keeps the sparse layers' router statistics
+        in `router_stats`."""
+        cos, sin = self.rotary(layout)
+        weights = layout.token_weights() if self.args.moe else None
+        stats = []
+        for i, layer in enumerate(self.layers):
+            if weights is not None and i in self.args.sparse:
+                h, layer_stats = layer(h, cos, sin, layout, weights)
+                stats.append(layer_stats)
+            else:
+                h = layer(h, cos, sin, layout)
+            if after is not None:
+                h = after(i, h)
+        if self.args.moe is not None:
+            self.router_stats = RouterStats(torch.stack(stats), self.args.moe)
+        return h
+
+    def take_router_stats(self) -> RouterStats | None:
+        """The last forward's router statistics, once (they hold the forward's graph)."""
+        stats, self.router_stats = self.router_stats, None
+        return stats
 
     def local_sequence(
         self,
@@ -259,7 +327,7 @@ def decoder_weight_init(d: DecoderArgs, name: str) -> Init:
     0.02/sqrt(2 * layers), the rest normal(0.02)."""
     if name == "decoder.output.weight":
         return Init("normal", d.dim**-0.5)
-    if name.endswith(("wo.weight", "w2.weight")):
+    if name.endswith(RESIDUAL_WEIGHTS):
         return Init("normal", 0.02 / math.sqrt(2 * d.n_layers))
     return Init("normal", 0.02)
 

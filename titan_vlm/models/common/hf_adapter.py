@@ -13,7 +13,8 @@ def decoder_hf_names(d: DecoderArgs, p: str, head: str) -> dict[str, str]:
     """{our parameter name: Hugging Face tensor name} of a Llama-shaped decoder
     (common/decoder.py, held as `decoder`) whose text model's tensors are under prefix `p`
     (model.*, language_model.model.*, ...) and whose untied head is `head`: transformers' names
-    for Llama, Mistral, Qwen2 and Qwen3 text models, in any family."""
+    for Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE text models, in any family. A sparse layer's
+    experts are named as common/hf_experts.py ExpertView stacks them."""
     names = {"decoder.tok_embeddings.weight": f"{p}embed_tokens.weight"}
     linears = {
         "attention.wq": ("self_attn.q_proj", d.qkv_bias),
@@ -32,9 +33,15 @@ def decoder_hf_names(d: DecoderArgs, p: str, head: str) -> dict[str, str]:
     for i in range(d.n_layers):
         ours, hf = f"decoder.layers.{i}.", f"{p}layers.{i}."
         for name, (hf_name, bias) in linears.items():
+            if i in d.sparse and name.startswith("feed_forward."):
+                continue
             names[f"{ours}{name}.weight"] = f"{hf}{hf_name}.weight"
             if bias:
                 names[f"{ours}{name}.bias"] = f"{hf}{hf_name}.bias"
+        if i in d.sparse:  # the experts under hf_experts.py's stacked names, in any layout
+            names[f"{ours}moe.router.weight"] = f"{hf}mlp.gate.weight"
+            for w, proj in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+                names[f"{ours}moe.experts.{w}"] = f"{hf}mlp.experts.{proj}"
         for name, hf_name in norms.items():
             names[f"{ours}{name}.weight"] = f"{hf}{hf_name}.weight"
     names["decoder.norm.weight"] = f"{p}norm.weight"

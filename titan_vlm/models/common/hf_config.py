@@ -21,14 +21,20 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from titan_vlm.errors import ConfigError
 from titan_vlm.files import read_json
 from titan_vlm.models.common.hf_folder import config_path
-from titan_vlm.models.common.text_args import ROPE_TYPES, DecoderArgs, Rope
+from titan_vlm.models.common.text_args import (
+    ROPE_TYPES,
+    DecoderArgs,
+    MoEArgs,
+    Rope,
+    sparse_layers,
+)
 
 if TYPE_CHECKING:
     from titan_vlm.config import JobConfig
 
 A = TypeVar("A")  # a family's args
 
-TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 # transformers' config-class defaults (the same in 4.57 and 5.24) for the keys read here.
 TEXT_COMMON: dict[str, Any] = dict(
@@ -83,7 +89,37 @@ TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
         attention_bias=False,
         use_sliding_window=False,
     ),
+    "qwen3_moe": dict(
+        TEXT_COMMON,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        attention_bias=False,
+        use_sliding_window=False,
+        **dict(
+            moe_intermediate_size=768,
+            num_experts_per_tok=8,
+            num_experts=128,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=False,
+            router_aux_loss_coef=0.001,
+        ),
+    ),
 }
+# Qwen3-VL-MoE's text model (Qwen3VLMoeTextConfig, 5.25): its router always renormalises
+MOE_VL_DEFAULTS: dict[str, Any] = dict(
+    moe_intermediate_size=1408,
+    num_experts_per_tok=4,
+    num_experts=60,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    router_aux_loss_coef=0.001,
+)
 
 
 @dataclass(frozen=True)
@@ -215,13 +251,14 @@ def text_args(s: Section, model_type: str) -> DecoderArgs:
                 window,
                 f"sliding-window attention; null or >= max_position_embeddings={max_len} is",
             )
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         if s.get_bool("use_sliding_window"):
             raise s.error("use_sliding_window", True, "sliding-window attention")
         types = s.cfg.get("layer_types") or []
         if any(t != "full_attention" for t in types):
             raise s.error("layer_types", sorted(set(types)), "full_attention layers only")
-    attention_bias = model_type in ("llama", "qwen3") and s.get_bool("attention_bias")
+    qwen3 = model_type in ("qwen3", "qwen3_moe")
+    attention_bias = (model_type == "llama" or qwen3) and s.get_bool("attention_bias")
     theta, rope = _rope(s)
     return DecoderArgs(
         dim=dim,
@@ -237,17 +274,56 @@ def text_args(s: Section, model_type: str) -> DecoderArgs:
         qkv_bias=attention_bias or model_type == "qwen2",
         o_bias=attention_bias,
         mlp_bias=model_type == "llama" and s.get_bool("mlp_bias"),
-        qk_norm=model_type == "qwen3",
+        qk_norm=qwen3,
         rope=rope,
         tie_embeddings=s.get_bool("tie_word_embeddings"),
+        moe=moe_args(s, s.get_bool("norm_topk_prob")) if model_type == "qwen3_moe" else None,
     )
 
 
 def text_args_from_hf(config: dict, where: str) -> DecoderArgs:
-    """A LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM config.json
-    -> the decoder's args."""
+    """A LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM /
+    Qwen3MoeForCausalLM config.json -> the decoder's args."""
     model_type = model_type_of(config, where, "", TEXT_TYPES)
     return text_args(Section(config, where, "", TEXT_DEFAULTS[model_type]), model_type)
+
+
+def moe_args(s: Section, norm_topk_prob: bool) -> MoEArgs:
+    """The sparse layers of a Qwen3-MoE text config (`num_experts`, which transformers 5 writes
+    as `num_local_experts`; `num_experts_per_tok`, `moe_intermediate_size`,
+    `decoder_sparse_step`, `mlp_only_layers`). The load-balancing loss's weight is what
+    transformers' causal LM trains with: `router_aux_loss_coef` when `output_router_logits` is
+    true, else 0 (training.moe_aux_loss_coef overrides it)."""
+    experts = "num_local_experts" if "num_local_experts" in s.cfg else "num_experts"
+    if "num_experts" in s.cfg and s.cfg["num_experts"] != s.cfg.get(experts):
+        raise s.error("num_experts", s.cfg["num_experts"], f"{experts}={s.cfg[experts]} differs")
+    n_layers, step = s.get_int("num_hidden_layers"), s.get_int("decoder_sparse_step")
+    if step < 1:
+        raise s.error("decoder_sparse_step", step, "it must be at least 1")
+    mlp_only = s.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
+        raise s.error("mlp_only_layers", mlp_only, "a list of layer indexes is needed")
+    trains_aux = "output_router_logits" in s.cfg and s.get_bool("output_router_logits")
+    try:
+        return MoEArgs(
+            num_experts=s.get_int(experts),
+            top_k=s.get_int("num_experts_per_tok"),
+            ffn_dim=s.get_int("moe_intermediate_size"),
+            norm_topk_prob=norm_topk_prob,
+            layers=sparse_layers(n_layers, step, tuple(mlp_only)),
+            aux_loss_coef=s.get_float("router_aux_loss_coef") if trains_aux else 0.0,
+        )
+    except ConfigError as e:
+        raise ConfigError(f"{s.where}: {s.prefix}{e}") from None
+
+
+def with_aux_coef(d: DecoderArgs, cfg: JobConfig) -> DecoderArgs:
+    """`d` with training.moe_aux_loss_coef as its load-balancing weight, where it is set (>= 0)
+    and the decoder has experts."""
+    coef = cfg.training.moe_aux_loss_coef
+    if d.moe is None or coef < 0:
+        return d
+    return dataclasses.replace(d, moe=dataclasses.replace(d.moe, aux_loss_coef=coef))
 
 
 def first_difference(a: object, b: object, prefix: str = "") -> str | None:

@@ -195,10 +195,10 @@ class RecordedTensors:
             raise ConfigError(f"{self.key}: tensor '{name}' has dtype {code}, not a float type")
         return DTYPES[code]
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
         if self.unused is None or name not in self.unused.keys():
             raise ConfigError(f"{self.key}: the checkpoint's copy holds no bytes of '{name}'")
-        return self.unused.read(name)
+        return self.unused.read(name, box)
 
 
 def source_tensors(path: Path, key: str) -> SafetensorsFiles | RecordedTensors:

@@ -1,6 +1,7 @@
-"""The decoder's architecture, shared by every family whose text model is Llama-shaped (LLaVA's
-Llama / Mistral / Qwen2 / Qwen3 text models, Qwen2.5-VL's Qwen2): `DecoderArgs` and its RoPE
-scaling `Rope`. common/hf_config.py reads them from a config.json; common/decoder.py builds them."""
+"""The decoder's architecture, shared by every family whose text model is Llama-shaped
+(LLaVA's Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE text models, Qwen2.5-VL's Qwen2,
+Qwen3-VL's): `DecoderArgs`, its RoPE scaling `Rope` and its mixture-of-experts layers
+`MoEArgs`. common/hf_config.py reads them from a config.json; common/decoder.py builds them."""
 
 from __future__ import annotations
 
@@ -31,6 +32,40 @@ class Rope:
 
 
 @dataclass(frozen=True)
+class MoEArgs:
+    """The mixture-of-experts feed-forward of some decoder layers (transformers' Qwen3-MoE
+    sparse block): a router (dim -> num_experts, no bias), each token's `top_k` experts by
+    softmax probability (renormalised to sum to 1 with `norm_topk_prob`), each expert a SwiGLU
+    of width `ffn_dim`, the token's output the probability-weighted sum of its experts'. Dropless:
+    every token reaches its top_k experts, whatever their load.
+
+    `layers`: which decoder layers are sparse (the others keep the dense FeedForward of
+    DecoderArgs.ffn_dim): transformers' rule, layer i unless i is in mlp_only_layers, when
+    (i + 1) % decoder_sparse_step == 0 (`sparse_layers`). `aux_loss_coef`: the weight of the
+    router's load-balancing loss in the training loss (models/common/moe.py aux_loss)."""
+
+    num_experts: int = 4
+    top_k: int = 2
+    ffn_dim: int = 32
+    norm_topk_prob: bool = True
+    layers: tuple[int, ...] = (0, 1, 2)
+    aux_loss_coef: float = 0.001
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(
+                f"num_experts_per_tok={self.top_k} must be between 1 and "
+                f"num_experts={self.num_experts}"
+            )
+
+
+def sparse_layers(n_layers: int, sparse_step: int, mlp_only: tuple[int, ...]) -> tuple[int, ...]:
+    """The decoder layers transformers' Qwen3-MoE makes sparse: i not in mlp_only_layers with
+    (i + 1) % decoder_sparse_step == 0."""
+    return tuple(i for i in range(n_layers) if i not in mlp_only and (i + 1) % sparse_step == 0)
+
+
+@dataclass(frozen=True)
 class DecoderArgs:
     """A Llama-style decoder (RMSNorm, RoPE in the rotate-half layout, grouped-query attention,
     SwiGLU). Qwen2 is `qkv_bias`, Qwen3 `qk_norm` (RMSNorm over head_dim on every query and key
@@ -55,7 +90,34 @@ class DecoderArgs:
     qk_norm: bool = False
     rope: Rope = field(default_factory=Rope)
     tie_embeddings: bool = False  # the output head is the embedding table (one Parameter)
+    moe: MoEArgs | None = None  # None: every layer's feed-forward is dense
+
+    @property
+    def token_matmul_params(self) -> int:
+        """Matmul weights one token meets going through every layer (FLOPs: 2 per weight): the
+        attention's projections, and each layer's dense SwiGLU (3 x dim x ffn_dim) or, in a
+        sparse layer, the router (dim x E) and its top_k experts' SwiGLUs: the active ones."""
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attention = 2 * self.dim * q + 2 * self.dim * kv
+        dense = 3 * self.dim * self.ffn_dim
+        sparse = 0
+        if self.moe:
+            sparse = (
+                self.dim * self.moe.num_experts + self.moe.top_k * 3 * self.dim * self.moe.ffn_dim
+            )
+        n_sparse = len(self.sparse)
+        return self.n_layers * attention + (self.n_layers - n_sparse) * dense + n_sparse * sparse
+
+    @property
+    def sparse(self) -> frozenset[int]:
+        """The layers whose feed-forward is the mixture of experts (none without `moe`)."""
+        return frozenset(self.moe.layers) if self.moe else frozenset()
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.moe and not all(0 <= i < self.n_layers for i in self.moe.layers):
+            raise ConfigError(
+                f"MoE layers {list(self.moe.layers)} are not all layers of a "
+                f"{self.n_layers}-layer decoder"
+            )

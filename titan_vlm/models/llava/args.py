@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from titan_vlm.errors import ConfigError
 from titan_vlm.models.common.activations import ACTIVATIONS
-from titan_vlm.models.common.text_args import DecoderArgs
+from titan_vlm.models.common.text_args import DecoderArgs, MoEArgs
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,8 @@ class VLMArgs:
 
 FLAVORS: dict[str, VLMArgs] = {
     "debug": VLMArgs(),
+    # "debug" with a Qwen3-MoE-style decoder: 4 experts, top 2, layers 1 and 2 sparse, 0 dense
+    "debug_moe": VLMArgs(decoder=DecoderArgs(qk_norm=True, moe=MoEArgs(ffn_dim=64, layers=(1, 2)))),
     # A slightly larger model for benchmarks on a CPU.
     "small": VLMArgs(
         vision=ViTArgs(image_size=64, patch_size=8, dim=128, n_layers=4, n_heads=4, mlp_dim=512),

@@ -17,12 +17,10 @@ def layout_cost(args: VLMArgs) -> LayoutCost:
     parameter), a query-key pair QK^T and AV in every layer (4 * heads * head_dim), an image the
     ViT (bidirectional over its patches and class token) and the projector on its tokens."""
     d = args.decoder
-    q_dim, kv_dim = d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim
-    layer_params = 2 * d.dim * q_dim + 2 * d.dim * kv_dim + 3 * d.dim * d.ffn_dim
     size = args.vision.image_size
     return LayoutCost(
-        slot=3.0 * 2 * d.n_layers * layer_params,
-        pair=3.0 * d.n_layers * 4 * q_dim,
+        slot=3.0 * 2 * d.token_matmul_params,  # a sparse layer's active experts only
+        pair=3.0 * d.n_layers * 4 * d.n_heads * d.head_dim,
         image=image_train_flops(args, size, size),
     )
 

@@ -9,6 +9,7 @@ from titan_vlm.data.image_batch import Images
 from titan_vlm.layout import SeqLayout
 from titan_vlm.models.common.activations import ACT_FNS
 from titan_vlm.models.common.decoder import Decoder
+from titan_vlm.models.common.moe import RouterStats
 from titan_vlm.models.llava.args import VLMArgs
 from titan_vlm.models.llava.vit import ViT
 from titan_vlm.models.spec import VisionLanguageModel
@@ -72,6 +73,9 @@ class VLM(VisionLanguageModel):
         return self.decoder(
             tokens, layout.place_images(embeds), layout, layout.inline_embeds(embeds)
         )
+
+    def router_stats(self) -> RouterStats | None:
+        return self.decoder.take_router_stats()
 
     def vision_modules(self) -> list[nn.Module]:
         return [self.vision, self.projector]

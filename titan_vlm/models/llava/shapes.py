@@ -8,6 +8,7 @@ from functools import cache, partial
 
 import torch
 
+from titan_vlm.errors import ConfigError
 from titan_vlm.models.llava.args import VLMArgs
 from titan_vlm.models.llava.flops import train_flops
 from titan_vlm.plan.shapes import DecoderShape, ModelShapes, VisionShape, tp_params
@@ -22,6 +23,8 @@ TP_EMBEDDING = ("tok_embeddings",)
 def plan_shapes(args: VLMArgs) -> ModelShapes:
     from titan_vlm.models.llava.model import VLM
 
+    if args.decoder.moe:  # its experts' memory, all-to-all and active FLOPs: issue 28's EP step
+        raise ConfigError("the planner does not price mixture-of-experts decoders yet")
     with torch.device("meta"):
         model = VLM(args)
     d, v = args.decoder, args.vision

@@ -28,7 +28,7 @@ from titan_vlm.data.image_batch import ImageRule
 from titan_vlm.errors import ConfigError
 from titan_vlm.files import read_json
 from titan_vlm.models.common.decoder import after_to_empty, decoder_weight_init
-from titan_vlm.models.common.hf_config import first_difference, text_args_from_hf
+from titan_vlm.models.common.hf_config import first_difference, text_args_from_hf, with_aux_coef
 from titan_vlm.models.common.hf_folder import config_path, hf_sources
 from titan_vlm.models.llava.args import IMAGE_ATTENTION, VLMArgs, get_flavor
 from titan_vlm.models.llava.flops import batch_train_flops, layout_cost
@@ -81,12 +81,8 @@ def llava_args(cfg: JobConfig) -> VLMArgs:
     elif m.flavor == "hf":
         raise ConfigError("model.flavor='hf' reads the architecture from model.hf_path: set it")
     else:
-        return dataclasses.replace(
-            get_flavor(m.flavor),
-            image_attention=m.image_attention,
-            attention_kernel=m.attention_kernel,
-        )
-    if m.flavor != "hf":
+        from_hf = get_flavor(m.flavor)
+    if m.flavor != "hf" and (m.hf_path or m.hf_vision_path):
         diff = first_difference(get_flavor(m.flavor), from_hf)
         if diff:
             where = ", ".join(str(p) for _, p in hf_sources(cfg))
@@ -95,7 +91,10 @@ def llava_args(cfg: JobConfig) -> VLMArgs:
                 "set model.flavor = 'hf' to take the architecture from the folder"
             )
     return dataclasses.replace(
-        from_hf, image_attention=m.image_attention, attention_kernel=m.attention_kernel
+        from_hf,
+        decoder=with_aux_coef(from_hf.decoder, cfg),
+        image_attention=m.image_attention,
+        attention_kernel=m.attention_kernel,
     )
 
 

@@ -85,6 +85,11 @@ def _validate_tp(vlm: VLMArgs, dims: ParallelDims, cfg: JobConfig) -> None:
     if tp == 1:
         return
     dec, vit = vlm.decoder, vlm.vision
+    if dec.moe:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree={tp}: a mixture-of-experts decoder has no "
+            "tensor parallel plan yet (use FSDP and context parallelism)"
+        )
     vit_sizes = [("ViT n_heads", vit.n_heads), ("ViT mlp_dim", vit.mlp_dim)]
     check_tp_divides(tp, cfg.model.flavor, decoder_tp_sizes(dec) + vit_sizes)
     if (

@@ -1,7 +1,9 @@
-"""A Qwen3-VL config.json (model_type "qwen3_vl", as transformers 5 writes it and the hub's
-Qwen/Qwen3-VL-* folders hold it) -> Qwen3VLArgs.
+"""A Qwen3-VL config.json (model_type "qwen3_vl", or "qwen3_vl_moe" for the mixture-of-experts
+decoder, as transformers 5 writes them and the hub's Qwen/Qwen3-VL-* folders hold them) ->
+Qwen3VLArgs.
 
-    text_config     a Qwen3 text model (model_type "qwen3_vl_text": q/k norms, explicit head_dim)
+    text_config     a Qwen3 text model (model_type "qwen3_vl_text": q/k norms, explicit head_dim;
+                    "qwen3_vl_moe_text": with experts, common/hf_config.py moe_args)
                     with rope_parameters {"rope_type": "default", "rope_theta", "mrope_section",
                     "mrope_interleaved"}; transformers' Qwen3-VL always interleaves the sections
                     (mrope.py), so mrope_interleaved is not read
@@ -23,13 +25,20 @@ from typing import Any
 
 from titan_vlm.errors import ConfigError
 from titan_vlm.models.common.activations import ACTIVATIONS
-from titan_vlm.models.common.hf_config import Section, model_type_of, text_args
+from titan_vlm.models.common.hf_config import (
+    MOE_VL_DEFAULTS,
+    Section,
+    model_type_of,
+    moe_args,
+    text_args,
+)
 from titan_vlm.models.common.qwen_vl.hf_config import mrope_key, split_mrope
 from titan_vlm.models.qwen3_vl.args import Qwen3VisionArgs, Qwen3VLArgs
 
-MODEL_TYPES = ("qwen3_vl",)
-VISION_TYPES = ("qwen3_vl_vision", "qwen3_vl")  # old files named the tower as the model
-TEXT_TYPES = ("qwen3_vl_text",)
+MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+# old files named the tower as the model
+VISION_TYPES = ("qwen3_vl_vision", "qwen3_vl", "qwen3_vl_moe_vision", "qwen3_vl_moe")
+TEXT_TYPES = {"qwen3_vl": "qwen3_vl_text", "qwen3_vl_moe": "qwen3_vl_moe_text"}
 
 TOP_DEFAULTS: dict[str, Any] = dict(
     image_token_id=151655,
@@ -54,6 +63,16 @@ TEXT_DEFAULTS: dict[str, Any] = dict(
     use_sliding_window=False,
     rope_theta=500000.0,
     tie_word_embeddings=False,
+)
+# Qwen3VLMoeTextConfig's (5.25) where they differ, and its experts
+MOE_TEXT_DEFAULTS: dict[str, Any] = dict(
+    TEXT_DEFAULTS,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    **MOE_VL_DEFAULTS,
 )
 VISION_DEFAULTS: dict[str, Any] = dict(
     depth=27,
@@ -115,17 +134,21 @@ def _vision_args(s: Section) -> Qwen3VisionArgs:
 
 
 def args_from_hf_config(config: dict, where: str) -> Qwen3VLArgs:
-    """A Qwen3VLForConditionalGeneration config.json (parsed; `where` names the file in
-    messages) -> the family's args."""
-    model_type_of(config, where, "", MODEL_TYPES)
+    """A Qwen3VLForConditionalGeneration or Qwen3VLMoeForConditionalGeneration config.json
+    (parsed; `where` names the file in messages) -> the family's args."""
+    model_type = model_type_of(config, where, "", MODEL_TYPES)
     top = Section(config, where, "", TOP_DEFAULTS)
     text_cfg = config.get("text_config")
     if not isinstance(text_cfg, dict):
         raise ConfigError(f"{where}: text_config is missing or not an object")
-    text = Section(text_cfg, where, "text_config.", TEXT_DEFAULTS)
-    model_type_of(text.cfg, where, text.prefix, TEXT_TYPES, default=TEXT_TYPES[0])
+    sparse = model_type == "qwen3_vl_moe"
+    text = Section(text_cfg, where, "text_config.", MOE_TEXT_DEFAULTS if sparse else TEXT_DEFAULTS)
+    text_type = TEXT_TYPES[model_type]
+    model_type_of(text.cfg, where, text.prefix, (text_type,), default=text_type)
     text, mrope_section = split_mrope(text, DEFAULT_MROPE_SECTION)
     decoder = text_args(text, "qwen3")
+    if sparse:  # Qwen3-VL-MoE's router always renormalises its top-k probabilities
+        decoder = replace(decoder, moe=moe_args(text, norm_topk_prob=True))
     if len(mrope_section) != 3 or sum(mrope_section) != decoder.head_dim // 2:
         raise text.error(
             mrope_key(text),

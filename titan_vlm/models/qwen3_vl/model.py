@@ -60,12 +60,14 @@ class Qwen3Decoder(MRopeDecoder):
         """Decoder.forward, and after layer j the j-th `deepstack` features added at the image
         slots (the image prefix, then the inline ones; `add_at_image_slots`)."""
         h, n_img = self.local_sequence(tokens, image_embeds, layout, inline_embeds)
-        deepstack = deepstack or []
-        cos, sin = self.rotary(layout)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, layout)
-            if i < len(deepstack):
-                h = self.add_at_image_slots(h, n_img, deepstack[i], layout)
+        features = deepstack or []
+
+        def after(i: int, h: torch.Tensor) -> torch.Tensor:
+            if i < len(features):
+                return self.add_at_image_slots(h, n_img, features[i], layout)
+            return h
+
+        h = self.run_layers(h, layout, after)
         return self.output(self.norm(h[:, n_img:]))
 
     @staticmethod

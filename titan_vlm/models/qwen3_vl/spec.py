@@ -20,11 +20,12 @@ from titan_vlm.config import JobConfig
 from titan_vlm.data.batch import SlotData
 from titan_vlm.data.image_batch import ImageRule
 from titan_vlm.models.common.decoder import after_to_empty
-from titan_vlm.models.common.hf_config import whole_model_args
+from titan_vlm.models.common.hf_config import whole_model_args, with_aux_coef
 from titan_vlm.models.common.qwen_vl.flops import batch_train_flops, layout_cost
 from titan_vlm.models.common.qwen_vl.images import folder_rule
 from titan_vlm.models.common.qwen_vl.model import init_rule
 from titan_vlm.models.common.qwen_vl.processor import model_inputs
+from titan_vlm.models.common.text_args import MoEArgs
 from titan_vlm.models.qwen3_vl.args import Qwen3VLArgs
 from titan_vlm.models.qwen3_vl.hf_adapter import (
     export_names,
@@ -41,13 +42,23 @@ from titan_vlm.models.spec import ModelSpec
 
 # "debug": a 3-block tower (16-pixel patches, a 4x4 learned position grid, DeepStack from blocks
 # 0 and 1) and a 3-layer Qwen3 decoder; well under a second a step on a CPU.
-FLAVORS: dict[str, Qwen3VLArgs] = {"debug": Qwen3VLArgs()}
+# "debug_moe": the same with a mixture-of-experts decoder (4 experts, top 2, every layer sparse).
+FLAVORS: dict[str, Qwen3VLArgs] = {
+    "debug": Qwen3VLArgs(),
+    "debug_moe": Qwen3VLArgs(
+        decoder=dataclasses.replace(Qwen3VLArgs().decoder, moe=MoEArgs(ffn_dim=48))
+    ),
+}
 
 
 def qwen3_args(cfg: JobConfig) -> Qwen3VLArgs:
     """The architecture the config asks for (module docstring), with model.attention_kernel."""
     args = whole_model_args(cfg, "qwen3_vl", FLAVORS, args_from_hf_config)
-    return dataclasses.replace(args, attention_kernel=cfg.model.attention_kernel)
+    return dataclasses.replace(
+        args,
+        decoder=with_aux_coef(args.decoder, cfg),
+        attention_kernel=cfg.model.attention_kernel,
+    )
 
 
 def data_rule(args: Qwen3VLArgs, cfg: JobConfig) -> tuple[ImageRule | None, SlotData | None]:
@@ -59,7 +70,7 @@ def data_rule(args: Qwen3VLArgs, cfg: JobConfig) -> tuple[ImageRule | None, Slot
 
 QWEN3_VL = ModelSpec(
     name="qwen3_vl",
-    hf_model_types=("qwen3_vl",),
+    hf_model_types=("qwen3_vl", "qwen3_vl_moe"),
     args=qwen3_args,
     build=Qwen3VL,
     init_rule=init_rule,

@@ -33,12 +33,9 @@ from titan_vlm.models.common.text_args import DecoderArgs
 
 
 def decoder_slot_flops(d: DecoderArgs) -> float:
-    """Forward + backward FLOPs of one decoder slot's matmuls: in each of n_layers layers
-    wq and wo (dim x n_heads*head_dim each), wk and wv (dim x n_kv_heads*head_dim each) and the
-    gated MLP's w1, w3, w2 (dim x ffn_dim each), 2 FLOPs per weight, times 3."""
-    q_dim, kv_dim = d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim
-    layer_params = 2 * d.dim * q_dim + 2 * d.dim * kv_dim + 3 * d.dim * d.ffn_dim
-    return 3.0 * 2 * d.n_layers * layer_params
+    """Forward + backward FLOPs of one decoder slot's matmuls (DecoderArgs.token_matmul_params:
+    a sparse layer's active experts only), 2 FLOPs per weight, times 3."""
+    return 3.0 * 2 * d.token_matmul_params
 
 
 def decoder_pair_flops(d: DecoderArgs) -> float:

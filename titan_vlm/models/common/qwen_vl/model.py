@@ -32,6 +32,7 @@ import torch.nn as nn
 from titan_vlm.data.image_batch import Images
 from titan_vlm.layout import SeqLayout, build_layout
 from titan_vlm.models.common.decoder import Decoder, decoder_weight_init
+from titan_vlm.models.common.moe import RouterStats
 from titan_vlm.models.common.qwen_vl.args import Qwen25VLArgs
 from titan_vlm.models.common.qwen_vl.images import MROPE_POSITIONS, QwenVisuals
 from titan_vlm.models.common.qwen_vl.mrope import mrope_cos_sin
@@ -125,6 +126,9 @@ class QwenVLModel(VisionLanguageModel):
 
     def image_tokens(self, height: int, width: int) -> int:
         return self.args.image_tokens(height, width)
+
+    def router_stats(self) -> RouterStats | None:
+        return self.decoder.take_router_stats()
 
     def vision_modules(self) -> list[nn.Module]:
         return [self.vision]

@@ -1,0 +1,213 @@
+"""The mixture-of-experts feed-forward of a decoder layer (transformers' Qwen3-MoE sparse block),
+dropless, and its router's load-balancing loss over the global batch.
+
+    x [B, L, dim] --router--> probs [B*L, E] (softmax in fp32) --top_k--> k experts per token
+    (their probabilities renormalised to sum to 1 with norm_topk_prob)
+    tokens sorted by expert (stable) --each expert's SwiGLU on its own tokens--> [B*L*k, dim]
+    x the token's probability for that expert --summed per token--> [B, L, dim]
+
+No token is dropped for capacity: every layout computes what one process computes.
+
+Router statistics (`MoE.forward`'s second output, one [2, E] per sparse layer): row 0 the number
+of top-k picks of each expert, row 1 the sum of each expert's router probability, over this
+rank's tokens, each token weighted by `SeqLayout.token_weights` (1 for a token this rank owns,
+1/cp for an image-prefix token every CP rank holds, 0 for padding), so that their sum over the
+dp x cp ranks counts each token of the global batch exactly once. `aux_loss` turns them into
+transformers' load_balancing_loss_func over the whole global batch (one all-reduce of the
+counts), and its share on this rank, whose gradient is this rank's part of the global one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titan_vlm.distributed import dist_sum
+from titan_vlm.models.common.text_args import MoEArgs
+
+# The experts' SwiGLUs as one custom op pair (forward, backward), the way the decoder's attention
+# is one (attention.py): how many rows each expert gets is data (the router's choice), which
+# torch.compile cannot trace a split by; behind the op, a compiled block stays one graph (the
+# fake implementations' shapes come from the arguments alone). The eager implementation is a
+# matmul per expert on its rows; the forward returns the gate and up projections too, which the
+# backward reads instead of recomputing them.
+
+
+@torch.library.custom_op("titan_vlm::experts", mutates_args=())
+def _experts_op(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, dim] grouped by expert (counts [E] rows each, in order) -> (y [N, dim], gate [N,
+    ffn], up [N, ffn]): y = (silu(gate) * up) @ w2[e].T, gate = x @ w1[e].T, up = x @ w3[e].T."""
+    ys, gates, ups = [], [], []
+    for e, rows in enumerate(x.split(counts.tolist())):
+        gate, up = rows @ w1[e].t(), rows @ w3[e].t()
+        ys.append((F.silu(gate) * up) @ w2[e].t())
+        gates.append(gate)
+        ups.append(up)
+    return torch.cat(ys), torch.cat(gates), torch.cat(ups)
+
+
+@_experts_op.register_fake
+def _(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, ffn = x.shape[0], w1.shape[1]
+    return x.new_empty(x.shape), x.new_empty(n, ffn), x.new_empty(n, ffn)
+
+
+@torch.library.custom_op("titan_vlm::experts_backward", mutates_args=())
+def _experts_backward_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dx, dw1, dw3, dw2 of `_experts_op` given dy [N, dim]."""
+    sizes = counts.tolist()
+    dx, dw1, dw3, dw2 = [], torch.zeros_like(w1), torch.zeros_like(w3), torch.zeros_like(w2)
+    parts = zip(x.split(sizes), dy.split(sizes), gate.split(sizes), up.split(sizes))
+    for e, (xe, dye, ge, ue) in enumerate(parts):
+        sig = torch.sigmoid(ge)
+        act = ge * sig  # silu(gate)
+        dw2[e] = dye.t() @ (act * ue)
+        dh = dye @ w2[e]  # [n, ffn]
+        dup = dh * act
+        dgate = dh * ue * sig * (1 + ge * (1 - sig))  # silu'
+        dw1[e] = dgate.t() @ xe
+        dw3[e] = dup.t() @ xe
+        dx.append(dgate @ w1[e] + dup @ w3[e])
+    return torch.cat(dx), dw1, dw3, dw2
+
+
+@_experts_backward_op.register_fake
+def _(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
+        x.new_empty(x.shape),
+        w1.new_empty(w1.shape),
+        w3.new_empty(w3.shape),
+        w2.new_empty(w2.shape),
+    )
+
+
+def _experts_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    x, counts, w1, w3, w2 = inputs
+    _, gate, up = output
+    ctx.save_for_backward(x, counts, gate, up, w1, w3, w2)
+
+
+def _experts_backward(ctx: Any, dy: torch.Tensor, *_: Any) -> tuple[Any, ...]:
+    x, counts, gate, up, w1, w3, w2 = ctx.saved_tensors
+    dx, dw1, dw3, dw2 = _experts_backward_op(dy, x, counts, gate, up, w1, w3, w2)
+    return dx, None, dw1, dw3, dw2
+
+
+_experts_op.register_autograd(_experts_backward, setup_context=_experts_setup)
+
+
+class Experts(nn.Module):
+    """`num_experts` SwiGLUs held as stacked weights (what expert parallelism shards along dim 0):
+    w1 (gate) and w3 (up) [E, ffn_dim, dim], w2 (down) [E, dim, ffn_dim]."""
+
+    def __init__(self, num_experts: int, dim: int, ffn_dim: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [N, dim], its rows grouped by expert (counts [E]: rows of expert e, in order) ->
+        each row through its expert [N, dim] (the `titan_vlm::experts` op)."""
+        return _experts_op(x, counts, self.w1, self.w3, self.w2)[0]
+
+
+class MoE(nn.Module):
+    """The sparse feed-forward (module docstring): `router` [E, dim] and `experts`."""
+
+    def __init__(self, dim: int, m: MoEArgs):
+        super().__init__()
+        self.args = m
+        self.router = nn.Linear(dim, m.num_experts, bias=False)
+        self.experts = Experts(m.num_experts, dim, m.ffn_dim)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, L, dim], weights [B, L] (each slot's share of its token: SeqLayout.token_weights)
+        -> the output [B, L, dim] and the router statistics [2, E] (module docstring)."""
+        m = self.args
+        b, n, dim = x.shape
+        flat = x.reshape(-1, dim)
+        logits = self.router(flat)  # [T, E]
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
+        top_p, top_e = probs.topk(m.top_k, dim=-1)  # [T, k]
+        if m.norm_topk_prob:
+            top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+        chosen = top_e.flatten()  # [T * k]: token t's picks at t * k ... t * k + k - 1
+        order = chosen.argsort(stable=True)
+        token = order // m.top_k  # the token of each sorted pick
+        # rows per expert, of a static size (bincount's depends on the data)
+        counts = torch.zeros(m.num_experts, dtype=torch.long, device=x.device)
+        counts = counts.index_add(0, chosen, torch.ones_like(chosen))
+        picked = self.experts(flat[token], counts)
+        picked = picked * top_p.to(x.dtype).flatten()[order, None]
+        out = torch.zeros_like(flat).index_add(0, token, picked)
+        w = weights.reshape(-1).to(torch.float32)
+        hits = torch.zeros(m.num_experts, device=x.device).index_add(
+            0, chosen, w.repeat_interleave(m.top_k)
+        )
+        stats = torch.stack([hits, (probs * w[:, None]).sum(dim=0)])
+        return out.view(b, n, dim), stats
+
+
+@dataclass(frozen=True)
+class RouterStats:
+    """One forward's router statistics: [sparse layers, 2, E] (module docstring) and the
+    experts' args."""
+
+    stats: torch.Tensor
+    args: MoEArgs
+
+
+def aux_loss(
+    router: RouterStats, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router's load-balancing loss of one forward over the ranks of `group` (dp x cp: each
+    token of the global batch counted once), as transformers' load_balancing_loss_func computes
+    it over a batch and every sparse layer:
+
+        aux = E * sum_e (C_e / N) * (P_e / N)
+
+    C_e: top-k picks of expert e summed over the layers; P_e: its router probabilities summed
+    the same way; N: tokens x sparse layers. `router` is this rank's (`MoE.forward`'s, stacked).
+    Returns `aux_loss_coef` x this rank's share of aux (global C and N, its own P: the shares
+    sum over the group to coef x aux, and each one's gradient is this rank's part of aux's), aux
+    itself (detached, the same on every rank) and the global per-layer counts [layers, E] (the
+    expert load). `group` None: this process holds the whole batch."""
+    stats, m = router.stats, router.args
+    counts = _sum(stats[:, 0].detach().clone(), group)  # [layers, E]
+    total = counts.sum() / m.top_k  # N: each token's picks count k times
+    c = counts.sum(dim=0)
+    share = m.num_experts * (c * stats[:, 1].sum(dim=0)).sum() / total.clamp(min=1) ** 2
+    aux = _sum(share.detach().clone(), group)
+    return m.aux_loss_coef * share, aux, counts
+
+
+def _sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return x if group is None else dist_sum(x, group)
