@@ -62,14 +62,15 @@ ZERO_GRAD_SUFFIXES = ("attn.k.bias",)
 
 
 @cache
-def make_mesh(dp_shard: int, cp: int, dp_replicate: int = 1, tp: int = 1) -> Mesh:
-    """A (dp_replicate, dp_shard, cp, tp) mesh; the world is split into identical copies of it."""
+def make_mesh(dp_shard: int, cp: int, dp_replicate: int = 1, tp: int = 1, ep: int = 1) -> Mesh:
+    """A (dp_replicate, dp_shard, cp, tp) mesh (with `ep`, expert parallelism over consecutive
+    ranks of dp_shard x cp); the world is split into identical copies of it."""
     world = dist.get_world_size()
     copies = world // (dp_replicate * dp_shard * cp * tp)
     root = init_device_mesh(
         "cpu", (copies, dp_replicate, dp_shard, cp, tp), mesh_dim_names=("copies", *MESH_DIMS)
     )
-    return Mesh.from_root(root)
+    return Mesh.from_root(root, ep)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -630,8 +631,8 @@ def accumulation_run(
     trainer = Trainer(cfg, make_mesh(dp_shard, cp), torch.device("cpu"))
     real = step_module.forward_backward
 
-    def own_tokens(model, batch, mesh, cp, tp, ntokens=None, accumulating=False):
-        return real(model, batch, mesh, cp, tp, None, accumulating)
+    def own_tokens(model, batch, mesh, cp, tp, ntokens=None, accumulating=False, **kw):
+        return real(model, batch, mesh, cp, tp, None, accumulating, **kw)
 
     with (
         mock.patch.object(step_module, "forward_backward", own_tokens)
@@ -1068,11 +1069,29 @@ def _router_loss_from_local_counts(on: bool) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _received_rows_not_regrouped(on: bool) -> Iterator[None]:
+    """Negative control of expert parallelism: the rows an expert's rank receives are taken in
+    the order they arrive (by source rank) instead of regrouped by local expert."""
+    if not on:
+        yield
+        return
+    import titan_vlm.parallel.expert_parallel as ep
+
+    def arrival_order(recv: torch.Tensor) -> torch.Tensor:
+        return torch.arange(int(recv.sum()))
+
+    with mock.patch.object(ep, "_by_expert", arrival_order):
+        yield
+
+
 def family_parity(
     family: str = "qwen2_5_vl",
     flavor: str = "debug",
     aux_coef: float = -1.0,
     local_router_counts: bool = False,
+    ep: int = 1,
+    ep_unordered: bool = False,
     dp_shard: int = 1,
     cp: int = 2,
     comm: str = "p2p",
@@ -1102,7 +1121,9 @@ def family_parity(
     weight gradients not summed over tp; `deepstack_fault` (negative control, qwen3_vl:
     `_deepstack_fault`). `flavor` and `aux_coef` (training.moe_aux_loss_coef): a
     mixture-of-experts decoder, whose router loss joins both sides' loss (one process: over its
-    whole batch); `local_router_counts` (negative control): `_router_loss_from_local_counts`.
+    whole batch); `local_router_counts` (negative control): `_router_loss_from_local_counts`;
+    `ep`: expert parallelism over consecutive ranks of dp_shard x cp; `ep_unordered` (negative
+    control): `_received_rows_not_regrouped`.
     Gradient errors are per parameter group (ModelSpec.group_of)."""
     from titan_vlm.models.common.moe import aux_loss
     from titan_vlm.models.registry import get_model_spec
@@ -1121,7 +1142,7 @@ def family_parity(
     cfg.compile.backend = compile_backend  # type: ignore[assignment]
     args = spec.args(cfg)
     t = Training(lr=1e-3, warmup_steps=0, steps=10, max_norm=1.0, seq_len=seq_len)
-    mesh = make_mesh(dp_shard, cp, tp=tp)
+    mesh = make_mesh(dp_shard, cp, tp=tp, ep=ep)
     dp = dp_shard
     rule, slot_data = spec.data_rule(args, cfg)
     full = FAMILIES[family](args, rule, slot_data, seq_len, seed)
@@ -1162,6 +1183,7 @@ def family_parity(
         contextlib.nullcontext() if sum_image_grad else _image_grads_not_summed_over_cp(),
         _deepstack_fault(deepstack_fault),
         _router_loss_from_local_counts(local_router_counts),
+        _received_rows_not_regrouped(ep_unordered),
     ):
         stats, (layout,) = train_step(
             model, opt, sched, batch, mesh, t.max_norm, options, tp_options
@@ -1190,6 +1212,15 @@ def family_parity(
         "sharded_images": layout.sharded_images(),
         "replicated_images": layout.replicated_images(),
         "moe_aux_loss": stats.get("moe_aux_loss"),
+        # how the first expert weight is held: its mesh dims and placements
+        "experts": next(
+            (
+                (p.device_mesh.mesh_dim_names, [str(x) for x in p.placements])
+                for n, p in model.named_parameters()
+                if n.endswith("experts.w1") and isinstance(p, DTensor)
+            ),
+            None,
+        ),
         "ref_moe_aux_loss": None if ref_aux is None else float(ref_aux),
     }
 

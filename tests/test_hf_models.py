@@ -373,7 +373,7 @@ def llava_config(**changes) -> dict:
         (
             dict(text_config__model_type="gemma"),
             r"text_config.model_type='gemma' is not supported "
-            r"\(supported: llama, mistral, qwen2, qwen3\)",
+            r"\(supported: llama, mistral, qwen2, qwen3, qwen3_moe\)",
         ),
         (
             dict(vision_config__model_type="dinov2"),

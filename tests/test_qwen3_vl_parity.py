@@ -24,17 +24,16 @@ CASES = {
         cp=4, comm="allgather", vision="replicate", image_tokens="shard"
     ),
     "fsdp2_cp2_full_ac": dict(dp_shard=2, cp=2, comm="allgather", ac="full"),
-    "moe_p2p_split": dict(cp=2, comm="p2p", flavor="debug_moe", aux_coef=0.5),
-    "moe_fsdp2_cp2_a2a_auto": dict(
+    "moe_ep2": dict(cp=1, dp_shard=2, ep=2, flavor="debug_moe", aux_coef=0.5),
+    "moe_ep2_cp2": dict(cp=2, comm="allgather", ep=2, flavor="debug_moe", aux_coef=0.5),
+    "moe_ep2_fsdp2_cp2": dict(
         dp_shard=2,
         cp=2,
-        comm="a2a",
-        placement="auto",
-        image_tokens="auto",
+        comm="p2p",
+        ep=2,
         flavor="debug_moe",
         aux_coef=0.5,
         ac="full",
-        compile_backend="aot_eager",  # the experts' custom op keeps each block one graph
     ),
 }
 
@@ -47,6 +46,9 @@ def test_qwen3_vl_matches_one_process(pool, case):
         assert set(result["grad_err"]) == {"vision", "projector", "decoder"}
         if "aux_coef" in CASES[case]:  # the router loss over the global batch, once per token
             assert abs(result["moe_aux_loss"] - result["ref_moe_aux_loss"]) < 1e-6
+        if "ep" in CASES[case]:  # the experts split over ep, FSDP over the rest
+            names, placements = result["experts"]
+            assert names[-1] == "ep" and placements[-1] == "S(0)", result["experts"]
     if CASES[case].get("placement", "split") == "split":
         assert any(r["split_samples"] for r in results)
     else:  # samples kept whole: their image slots (and features) among the text
@@ -59,6 +61,13 @@ def test_deepstack_negative_controls_fail(pool):
         assert any("loss" in line for line in check(result)), (fault, check(result))
     unsummed = pool.run("family_parity", family="qwen3_vl", cp=2, sum_image_grad=False)[0]
     assert any(line.startswith("projector grad") for line in check(unsummed)), check(unsummed)
+
+
+def test_expert_parallel_rows_not_regrouped_by_expert_fail(pool):
+    result = pool.run(
+        "family_parity", family="qwen3_vl", cp=2, ep=2, flavor="debug_moe", ep_unordered=True
+    )[0]
+    assert any(line.startswith("decoder grad") for line in check(result)), check(result)
 
 
 def test_router_loss_from_local_counts_fails(pool):

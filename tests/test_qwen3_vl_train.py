@@ -8,7 +8,8 @@ tests/unit/test_qwen3_vl_model.py and test_moe.py); the checkpoint exports
 (--export-hf) to a folder transformers' from_pretrained loads with no missing or unexpected
 tensor, holding the trained weights (the DeepStack mergers among them), and computing what
 titan_vlm computes. Then the folder is deleted and the same command resumes from the
-checkpoint's copies of it."""
+checkpoint's copies of it, without expert parallelism (the first run split the experts over
+its 2 ranks), and its step 4 equals the uninterrupted run's."""
 
 import json
 import shutil
@@ -40,6 +41,7 @@ def test_cp2_trains_a_qwen3_vl_moe_folder_and_exports_it(tmp_path):
         "--model.flavor=hf",
         f"--model.hf_path={folder}",
         "--training.steps=3",
+        "--parallelism.expert_parallel_degree=2",  # the experts split over the 2 ranks
         f"--job.dump_folder={tmp_path / 'run'}",
     ]
     out = subprocess.run(
@@ -94,11 +96,25 @@ def test_cp2_trains_a_qwen3_vl_moe_folder_and_exports_it(tmp_path):
         again, _, _ = trained.forward_local(batch, CPContext())
     assert torch.equal(ours, again)
 
-    # the source folder deleted, the same command resumes: the launcher's and the workers'
-    # checks and the model read the checkpoint's copies (issue 31), not the folder
+    # the uninterrupted run's step 4, for the resume below
+    reference = tmp_path / "reference"
+    done = subprocess.run(
+        ["./run_train.sh", "--config", "train_configs/vlm_cp.toml", *overrides[:-3]]
+        + ["--training.steps=4", overrides[-2], f"--job.dump_folder={reference}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    want4 = json.loads((reference / "metrics.jsonl").read_text().splitlines()[-1])["loss"]
+
+    # the source folder deleted, the same command resumes without expert parallelism: the
+    # launcher's and the workers' checks and the model read the checkpoint's copies (issue 31),
+    # not the folder, and the experts saved split over ep = 2 load whole (DCP reshards them)
     shutil.rmtree(folder)
     out = subprocess.run(
-        ["./run_train.sh", "--config", "train_configs/vlm_cp.toml", *overrides[:-2]]
+        ["./run_train.sh", "--config", "train_configs/vlm_cp.toml", *overrides[:-3]]
         + ["--training.steps=4", overrides[-1]],
         cwd=ROOT,
         capture_output=True,
@@ -110,5 +126,7 @@ def test_cp2_trains_a_qwen3_vl_moe_folder_and_exports_it(tmp_path):
         out.stdout
     )
     assert f"model.hf_path {folder} is gone" in out.stdout + out.stderr
+    assert "parallelism.expert_parallel_degree 2 -> 1" in out.stdout
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]
+    assert abs(json.loads(lines[-1])["loss"] - want4) < 1e-5 * want4

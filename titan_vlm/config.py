@@ -209,6 +209,12 @@ class Parallelism:
     tensor_parallel_degree: int = 1
     """TP group size: must divide the decoder's heads, K/V heads, ffn dim, dim and vocabulary and
     the ViT's heads and MLP dim; a tp group runs inside one node."""
+    expert_parallel_degree: int = 1
+    """EP group size for a mixture-of-experts decoder: each rank of a group holds 1/ep of every
+    sparse layer's experts, and tokens travel to their experts' ranks and back (all-to-all). The
+    group borrows consecutive ranks of dp_shard x cp (it must divide their product and the
+    number of experts); FSDP shards the experts over the rest. 1: every rank holds every
+    expert (FSDP-sharded)."""
     cp_comm_type: CPCommType = "p2p"
     """Exact attention across the CP group: "p2p" (ring), "allgather" (K/V gathered), "a2a"
     (Ulysses: the heads per tp rank must divide by cp)."""

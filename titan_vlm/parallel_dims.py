@@ -30,6 +30,7 @@ class ParallelDims:
     cp: int
     tp: int
     world_size: int
+    ep: int = 1  # expert parallelism: borrows ranks of dp_shard x cp
 
     @classmethod
     def from_config(cls, cfg: JobConfig, world_size: int) -> ParallelDims:
@@ -38,6 +39,7 @@ class ParallelDims:
             "data_parallel_replicate_degree",
             "context_parallel_degree",
             "tensor_parallel_degree",
+            "expert_parallel_degree",
         ):
             if getattr(p, key) < 1:
                 raise ConfigError(f"parallelism.{key} must be >= 1, got {getattr(p, key)}")
@@ -63,6 +65,7 @@ class ParallelDims:
             p.context_parallel_degree,
             p.tensor_parallel_degree,
             world_size,
+            p.expert_parallel_degree,
         )
         dims.validate()
         return dims
@@ -76,6 +79,12 @@ class ParallelDims:
                 f"context_parallel_degree({self.cp}) * tensor_parallel_degree({self.tp}) "
                 f"= {product}, but the world size is {self.world_size} (set NPROC or the degrees)"
             )
+        if (self.dp_shard * self.cp) % self.ep:
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree={self.ep} must divide "
+                f"data_parallel_shard_degree x context_parallel_degree = {self.dp_shard * self.cp} "
+                "(the ranks expert parallelism borrows)"
+            )
 
     def build_mesh(self, device_type: str) -> Mesh:
         root = init_device_mesh(
@@ -83,7 +92,7 @@ class ParallelDims:
             (self.dp_replicate, self.dp_shard, self.cp, self.tp),
             mesh_dim_names=MESH_DIMS,
         )
-        return Mesh.from_root(root)
+        return Mesh.from_root(root, self.ep)
 
 
 @dataclass(frozen=True)
@@ -102,13 +111,32 @@ class Mesh:
     fsdp: DeviceMesh
     fsdp_no_cp: DeviceMesh  # the same without cp: dp_shard, or (dp_replicate, dp_shard)
     rows: DeviceMesh  # flattened (cp, tp): the ranks that read the same rows
+    # expert parallelism (None: ep = 1): `ep`, consecutive ranks of (dp_shard x cp) that split a
+    # layer's experts; `expert_fsdp`, what FSDP shards the experts over: the rest of
+    # (dp_shard x cp), with dp_replicate (HSDP) when it is > 1. Both dims of one mesh
+    # (dp_replicate, efsdp, ep, tp), which FSDP needs of a DTensor's mesh and its own.
+    ep: DeviceMesh | None = None
+    expert_fsdp: DeviceMesh | None = None
 
     @classmethod
-    def from_root(cls, root: DeviceMesh) -> Mesh:
+    def from_root(cls, root: DeviceMesh, ep: int = 1) -> Mesh:
         """`root` has named dims dp_replicate, dp_shard, cp and tp; tests add an outer dim of
-        copies."""
+        copies. `ep` > 1: the expert-parallel meshes too (class docstring)."""
         dp_shard_cp = root["dp_shard", "cp"]._flatten("dp_shard_cp")
         hsdp = root["dp_replicate"].size() > 1
+        ep_mesh = expert_fsdp = None
+        if ep > 1:
+            # the same ranks, (dp_shard x cp) split as (efsdp, ep): a reshape of the root's
+            outer = [n for n in root.mesh_dim_names or () if n not in MESH_DIMS]
+            sizes = [root[n].size() for n in outer]
+            inner = root["dp_shard"].size() * root["cp"].size() // ep
+            expert_root = init_device_mesh(
+                root.device_type,
+                (*sizes, root["dp_replicate"].size(), inner, ep, root["tp"].size()),
+                mesh_dim_names=(*outer, "dp_replicate", "efsdp", "ep", "tp"),
+            )
+            ep_mesh = expert_root["ep"]
+            expert_fsdp = expert_root["dp_replicate", "efsdp"] if hsdp else expert_root["efsdp"]
         return cls(
             root=root,
             cp=root["cp"],
@@ -119,6 +147,8 @@ class Mesh:
             fsdp=root["dp_replicate", "dp_shard_cp"] if hsdp else dp_shard_cp,
             fsdp_no_cp=root["dp_replicate", "dp_shard"] if hsdp else root["dp_shard"],
             rows=root["cp", "tp"]._flatten("cp_tp"),
+            ep=ep_mesh,
+            expert_fsdp=expert_fsdp,
         )
 
     def shards(self, fsdp_mesh: DeviceMesh) -> int:

@@ -454,7 +454,7 @@ class Trainer(Stateful):
         return data
 
     def log_parallelism(self) -> None:
-        """The attention kernel, and tensor parallelism when there is some."""
+        """The attention kernel, and tensor and expert parallelism when there is some."""
         cfg, mesh = self.cfg, self.mesh
         dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
         logger.info(
@@ -468,6 +468,15 @@ class Trainer(Stateful):
                 mesh.tp.size(),
                 "on" if self.tp.sequence_parallel else "off",
                 "sharded along the hidden dim" if self.tp.image_embed_shard else "replicated",
+            )
+        if mesh.ep is not None and mesh.expert_fsdp is not None:
+            logger.info(
+                "expert parallel: %d ways (consecutive ranks of dp_shard x cp): each rank holds "
+                "1/%d of every sparse layer's experts, tokens travel to them by all-to-all; "
+                "FSDP shards them %d ways more",
+                mesh.ep.size(),
+                mesh.ep.size(),
+                mesh.shards(mesh.expert_fsdp),
             )
 
     def log_model(self) -> None:

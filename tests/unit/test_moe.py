@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 import torch
 from hf_folders import (
+    END,
     IMAGE,
     LLAVA_IMAGE,
     QWEN3_MOE,
+    START,
     TOWER,
     save_llava,
     save_qwen3_moe,
@@ -31,10 +33,13 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 
 from titan_vlm.data.batch import Sample, collate
 from titan_vlm.errors import ConfigError
+from titan_vlm.generate import greedy
 from titan_vlm.models.common.moe import RouterStats, aux_loss
 from titan_vlm.models.common.qwen_vl.mrope import batch_rope_index
+from titan_vlm.models.common.qwen_vl.processor import patchify_frames
 from titan_vlm.models.hf_export import export_hf, hf_config, load_hf_model
 from titan_vlm.models.llava.model import VLM
+from titan_vlm.models.qwen3_vl.images import Qwen3Rule
 from titan_vlm.models.qwen3_vl.model import Qwen3VL
 from titan_vlm.models.registry import model_spec
 from titan_vlm.parallel.context_parallel import CPContext
@@ -132,6 +137,49 @@ def test_qwen3_vl_moe_hub_layout_and_export(
     save_file(files, hub / "model.safetensors")
     with pytest.raises(ConfigError, match="gate_up_proj and down_proj come together"):
         qwen3_moe(hub)
+
+
+def test_qwen3_vl_moe_greedy_ids_equal_transformers_generate(
+    qwen_pair: tuple[Any, Qwen3VL, Path],
+) -> None:
+    """generate.py's greedy decoding (the whole row again each step, M-RoPE positions from the
+    family's rule) on text and two images of different aspect ratios: the same ids as
+    transformers' generate (its KV cache and rope deltas) on the same pixels."""
+    hf, ours, _ = qwen_pair
+    rule = Qwen3Rule(ours.args)
+    g = torch.Generator().manual_seed(5)
+    prefix: list[Any] = [
+        [7, 8, START],
+        torch.rand(3, 64, 96, generator=g) * 2 - 1,  # grid (1, 4, 6): 6 slots
+        [END, 9, START],
+        torch.rand(3, 128, 64, generator=g) * 2 - 1,  # grid (1, 8, 4): 8 slots
+        [END, 11, 12],
+    ]
+    ids = greedy(ours, prefix, {-1}, 6, 0, IMAGE, rule, rule.positions)
+    v = ours.args.vision
+    row: list[int] = []
+    patches, grids = [], []
+    for part in prefix:
+        if isinstance(part, list):
+            row += part
+            continue
+        x, grid = patchify_frames(
+            part.unsqueeze(0), v.patch_size, v.spatial_merge_size, v.temporal_patch_size
+        )
+        patches.append(x)
+        grids.append(grid)
+        row += [IMAGE] * v.tokens(*grid)
+    input_ids = torch.tensor([row])
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=input_ids,
+            pixel_values=torch.cat(patches),
+            image_grid_thw=torch.tensor(grids),
+            mm_token_type_ids=(input_ids == IMAGE).long(),
+            max_new_tokens=6,
+            do_sample=False,
+        )
+    assert ids == out[0, input_ids.shape[1] :].tolist(), (ids, out)
 
 
 def llava_moe(folder: Path) -> tuple[LlavaForConditionalGeneration, VLM]:

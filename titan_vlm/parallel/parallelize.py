@@ -46,6 +46,9 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from titan_vlm.models.common.moe import Experts
 
 if TYPE_CHECKING:
     from titan_vlm.parallel_dims import Mesh
@@ -73,7 +76,10 @@ def apply_fsdp(
 ) -> None:
     """FSDP2 on a family's units, innermost first (its blocks, then the modules holding them):
     `vision`, the modules encode_images runs (vision tower and projector), on the mesh and with
-    the divisor the module docstring gives for cp_vision; `decoder` on mesh.fsdp, summed."""
+    the divisor the module docstring gives for cp_vision; `decoder` on mesh.fsdp, summed. With
+    expert parallelism, the decoder's experts (models/common/moe.py Experts) are first split
+    over mesh.ep (parallel/expert_parallel.py apply_ep) and made FSDP units of their own on
+    mesh.expert_fsdp, summed (the ranks there hold the same experts for other tokens)."""
     if mixed_precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
@@ -82,8 +88,30 @@ def apply_fsdp(
     vision_divide = mesh.cp.size() if cp_vision == "replicate" else 1
     for module in vision:
         _shard(module, vision_mesh, mp, vision_divide)
+    if mesh.ep is not None:  # the experts first: split over ep, their own FSDP units
+        assert mesh.expert_fsdp is not None
+        experts = list(
+            dict.fromkeys(m for d in decoder for m in d.modules() if isinstance(m, Experts))
+        )
+        apply_ep(experts, mesh.ep)
+        for module in experts:
+            _shard(module, mesh.expert_fsdp, mp)
     for module in decoder:
         _shard(module, mesh.fsdp, mp)
+
+
+def apply_ep(experts: list[Experts], ep: DeviceMesh) -> None:
+    """Expert parallelism on `experts` (models/common/moe.py Experts modules): their stacked
+    weights become DTensors sharded along dim 0 (the expert) over `ep`, and their forward sends
+    each row to its expert's rank (parallel/expert_parallel.py ep_experts). Before FSDP, which
+    shards them further over mesh.expert_fsdp (apply_fsdp)."""
+    for module in experts:
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.shape[0] % ep.size():
+                raise ValueError(f"{param.shape[0]} experts do not split over ep={ep.size()}")
+            sharded = distribute_tensor(param.data, ep, [Shard(0)])
+            module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
+        module.ep_group = str(ep.get_group().group_name)
 
 
 def apply_ac(stacks: list[nn.ModuleList], mode: str) -> None:

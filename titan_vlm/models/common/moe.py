@@ -20,107 +20,15 @@ counts), and its share on this rank, whose gradient is this rank's part of the g
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
-from titan_vlm.distributed import dist_sum
+from titan_vlm.distributed import dist_sum, local_tensor
+from titan_vlm.models.common.grouped import experts
 from titan_vlm.models.common.text_args import MoEArgs
-
-# The experts' SwiGLUs as one custom op pair (forward, backward), the way the decoder's attention
-# is one (attention.py): how many rows each expert gets is data (the router's choice), which
-# torch.compile cannot trace a split by; behind the op, a compiled block stays one graph (the
-# fake implementations' shapes come from the arguments alone). The eager implementation is a
-# matmul per expert on its rows; the forward returns the gate and up projections too, which the
-# backward reads instead of recomputing them.
-
-
-@torch.library.custom_op("titan_vlm::experts", mutates_args=())
-def _experts_op(
-    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [N, dim] grouped by expert (counts [E] rows each, in order) -> (y [N, dim], gate [N,
-    ffn], up [N, ffn]): y = (silu(gate) * up) @ w2[e].T, gate = x @ w1[e].T, up = x @ w3[e].T."""
-    ys, gates, ups = [], [], []
-    for e, rows in enumerate(x.split(counts.tolist())):
-        gate, up = rows @ w1[e].t(), rows @ w3[e].t()
-        ys.append((F.silu(gate) * up) @ w2[e].t())
-        gates.append(gate)
-        ups.append(up)
-    return torch.cat(ys), torch.cat(gates), torch.cat(ups)
-
-
-@_experts_op.register_fake
-def _(
-    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    n, ffn = x.shape[0], w1.shape[1]
-    return x.new_empty(x.shape), x.new_empty(n, ffn), x.new_empty(n, ffn)
-
-
-@torch.library.custom_op("titan_vlm::experts_backward", mutates_args=())
-def _experts_backward_op(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    counts: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    w1: torch.Tensor,
-    w3: torch.Tensor,
-    w2: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dx, dw1, dw3, dw2 of `_experts_op` given dy [N, dim]."""
-    sizes = counts.tolist()
-    dx, dw1, dw3, dw2 = [], torch.zeros_like(w1), torch.zeros_like(w3), torch.zeros_like(w2)
-    parts = zip(x.split(sizes), dy.split(sizes), gate.split(sizes), up.split(sizes))
-    for e, (xe, dye, ge, ue) in enumerate(parts):
-        sig = torch.sigmoid(ge)
-        act = ge * sig  # silu(gate)
-        dw2[e] = dye.t() @ (act * ue)
-        dh = dye @ w2[e]  # [n, ffn]
-        dup = dh * act
-        dgate = dh * ue * sig * (1 + ge * (1 - sig))  # silu'
-        dw1[e] = dgate.t() @ xe
-        dw3[e] = dup.t() @ xe
-        dx.append(dgate @ w1[e] + dup @ w3[e])
-    return torch.cat(dx), dw1, dw3, dw2
-
-
-@_experts_backward_op.register_fake
-def _(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    counts: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    w1: torch.Tensor,
-    w3: torch.Tensor,
-    w2: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (
-        x.new_empty(x.shape),
-        w1.new_empty(w1.shape),
-        w3.new_empty(w3.shape),
-        w2.new_empty(w2.shape),
-    )
-
-
-def _experts_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    x, counts, w1, w3, w2 = inputs
-    _, gate, up = output
-    ctx.save_for_backward(x, counts, gate, up, w1, w3, w2)
-
-
-def _experts_backward(ctx: Any, dy: torch.Tensor, *_: Any) -> tuple[Any, ...]:
-    x, counts, gate, up, w1, w3, w2 = ctx.saved_tensors
-    dx, dw1, dw3, dw2 = _experts_backward_op(dy, x, counts, gate, up, w1, w3, w2)
-    return dx, None, dw1, dw3, dw2
-
-
-_experts_op.register_autograd(_experts_backward, setup_context=_experts_setup)
+from titan_vlm.parallel.expert_parallel import ep_experts
 
 
 class Experts(nn.Module):
@@ -132,11 +40,19 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
+        # expert parallelism (parallel/expert_parallel.py apply_ep): the name of the process
+        # group whose ranks each hold E / ep of the experts (w1, w3, w2 DTensors sharded along
+        # dim 0 over it); None: every expert here
+        self.ep_group: str | None = None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, dim], its rows grouped by expert (counts [E]: rows of expert e, in order) ->
-        each row through its expert [N, dim] (the `titan_vlm::experts` op)."""
-        return _experts_op(x, counts, self.w1, self.w3, self.w2)[0]
+        each row through its expert [N, dim]: the `titan_vlm::experts` op here, or with expert
+        parallelism `titan_vlm::ep_experts` (the rows travel to their experts' ranks and back)."""
+        w1, w3, w2 = (local_tensor(w) for w in (self.w1, self.w3, self.w2))
+        if self.ep_group is None:
+            return experts(x, counts, w1, w3, w2)
+        return ep_experts(x, counts, w1, w3, w2, self.ep_group)
 
 
 class MoE(nn.Module):

@@ -3,8 +3,10 @@ one-line ConfigError naming the key)."""
 
 from __future__ import annotations
 
+from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError
 from titan_vlm.models.common.text_args import DecoderArgs
+from titan_vlm.parallel_dims import ParallelDims
 
 
 def check_tp_divides(tp: int, flavor: str, sizes: list[tuple[str, int]]) -> None:
@@ -28,3 +30,26 @@ def decoder_tp_sizes(d: DecoderArgs) -> list[tuple[str, int]]:
         ("decoder dim", d.dim),
         ("decoder vocab_size", d.vocab_size),
     ]
+
+
+def check_experts(d: DecoderArgs, dims: ParallelDims, cfg: JobConfig) -> None:
+    """Expert parallelism needs experts, whole experts on every rank of its group, and no
+    torch.compile yet: the experts are an FSDP unit of their own inside each decoder block
+    (their mesh is not the block's), and FSDP's hooks would break the block's graph."""
+    if dims.ep == 1:
+        return
+    if cfg.compile.enable:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree={dims.ep} with compile.enable: not yet (the "
+            "experts' own FSDP unit breaks each block's graph); compile without EP, or EP "
+            "without compile"
+        )
+    if d.moe is None:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree={dims.ep}: the decoder has no experts"
+        )
+    if d.moe.num_experts % dims.ep:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree={dims.ep} does not divide the decoder's "
+            f"{d.moe.num_experts} experts"
+        )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError
-from titan_vlm.models.common.validate import check_tp_divides, decoder_tp_sizes
+from titan_vlm.models.common.validate import check_experts, check_tp_divides, decoder_tp_sizes
 from titan_vlm.models.llava.args import VLMArgs
 from titan_vlm.parallel_dims import ParallelDims
 
@@ -40,6 +40,7 @@ def validate(vlm: VLMArgs, dims: ParallelDims, cfg: JobConfig) -> None:
             f"embeds {vlm.decoder.vocab_size}"
         )
     _validate_native(vlm, cfg)
+    check_experts(dec, dims, cfg)
     _validate_tp(vlm, dims, cfg)
     local_heads = dec.n_heads // dims.tp  # after TP: the heads the a2a splits over cp
     if cfg.parallelism.cp_comm_type == "a2a" and local_heads % dims.cp:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError
 from titan_vlm.models.common.qwen_vl.args import Qwen25VLArgs
-from titan_vlm.models.common.validate import check_tp_divides, decoder_tp_sizes
+from titan_vlm.models.common.validate import check_experts, check_tp_divides, decoder_tp_sizes
 from titan_vlm.parallel_dims import ParallelDims
 
 
@@ -18,6 +18,7 @@ def validate(args: Qwen25VLArgs, dims: ParallelDims, cfg: JobConfig) -> None:
     raised."""
     flavor = cfg.model.flavor
     p = cfg.parallelism
+    check_experts(args.decoder, dims, cfg)
     if dims.tp > 1:
         check_tp_divides(dims.tp, flavor, vision_tp_sizes(args) + decoder_tp_sizes(args.decoder))
     if cfg.model.image_attention != "causal":
