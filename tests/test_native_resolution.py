@@ -267,7 +267,7 @@ def test_generate_asks_about_an_image_at_its_own_size(folder):
     native = NativeResolution(PIXELS, 8, 32, model.image_tokens)
     image = load_native_image(folder / "wide.png", native)
     tok = ByteTokenizer()
-    _, ids = ask_builtin(model, image, "Which?", 3, tok, chat=True, native=native)
+    _, ids = ask_builtin(model, image, "Which?", 3, tok, chat=True, rule=native)
     prefix = chat_question(image, "Which?", tok)
     batch = collate([[Sample(prefix)]], Sample(prefix).num_slots(native), native, 32, tok.PAD)
     assert isinstance(batch.images, ImageList) and batch.images.sizes() == [(24, 72)]

@@ -24,6 +24,7 @@ CASES = {
         cp=4, comm="allgather", vision="replicate", image_tokens="shard"
     ),
     "fsdp2_cp2_full_ac": dict(dp_shard=2, cp=2, comm="allgather", ac="full"),
+    "tp2_cp2_a2a": dict(cp=2, tp=2, comm="a2a", placement="auto", image_tokens="auto"),
     "moe_ep2": dict(cp=1, dp_shard=2, ep=2, flavor="debug_moe", aux_coef=0.5),
     "moe_ep2_cp2": dict(cp=2, comm="allgather", ep=2, flavor="debug_moe", aux_coef=0.5),
     "moe_ep2_fsdp2_cp2": dict(

@@ -43,7 +43,7 @@ from titan_vlm.data.batch import Part, Sample, SlotData, SlotRule, collate
 from titan_vlm.data.chat import chat_question
 from titan_vlm.data.hf_processor import ChatError, chat_prompt, video_file_frames
 from titan_vlm.data.image_batch import ImageRule
-from titan_vlm.data.images import NativeResolution, load_image, load_native_image
+from titan_vlm.data.images import load_image, load_native_image
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 from titan_vlm.errors import ConfigError, UserError
 from titan_vlm.models.spec import VisionLanguageModel
@@ -93,15 +93,18 @@ def ask_builtin(
     max_new_tokens: int,
     tok: ByteTokenizer | HFTokenizer,
     chat: bool,
-    native: NativeResolution | None = None,
+    rule: ImageRule | None = None,
+    slot_data: SlotData | None = None,
 ) -> tuple[str, list[int]]:
     """A built-in model's answer and its ids: the greedy continuation of `prompt` after `image`
     ([3, H, W] in [-1, 1]); `chat`: the answer to `prompt` asked about `image` in the chat
-    template (see the module docstring). `native`: as `greedy`'s."""
+    template (see the module docstring). `rule` / `slot_data`: as `greedy`'s (the family's
+    ModelSpec.data_rule: LLaVA's native-resolution sizing, a Qwen-VL model's rule and
+    positions)."""
     prefix: list[Part] = (
         chat_question(image, prompt, tok) if chat else [image, tok.encode(prompt, eos=False)]
     )
-    ids = greedy(model, prefix, {tok.EOS}, max_new_tokens, tok.PAD, rule=native)
+    ids = greedy(model, prefix, {tok.EOS}, max_new_tokens, tok.PAD, None, rule, slot_data)
     return tok.decode([i for i in ids if i != tok.EOS]), ids
 
 
@@ -254,18 +257,23 @@ def main(argv: list[str] | None = None) -> None:
                 raise ConfigError(
                     "a built-in model is asked about one --image (no --video): give exactly one"
                 )
-            native = native_resolution(cfg, model_spec(cfg).args(cfg))
+            spec = model_spec(cfg)
+            args = spec.args(cfg)
+            native = native_resolution(cfg, args)
             image = (
                 load_image(opts.image[0], model.image_size)
                 if native is None
                 else load_native_image(opts.image[0], native)
             )
+            # the family's rule: how the image takes slots (a Qwen-VL model's own sizing, its
+            # M-RoPE positions), as its training rows had it
+            rule, slot_data = spec.data_rule(args, cfg)
             tok = build_tokenizer(cfg.model.tokenizer_path)
             chat = opts.template == "chat" or (
                 opts.template == "auto" and bool(opts.prompt) and cfg.data.dataset != "synthetic"
             )
             answer, ids = ask_builtin(
-                model, image, opts.prompt, opts.max_new_tokens, tok, chat, native
+                model, image, opts.prompt, opts.max_new_tokens, tok, chat, rule, slot_data
             )
             print(answer.strip() if chat else opts.prompt + answer)
     except (UserError, ChatError, FileNotFoundError) as e:  # CheckpointError too: one line

@@ -33,9 +33,15 @@ def decoder_tp_sizes(d: DecoderArgs) -> list[tuple[str, int]]:
 
 
 def check_experts(d: DecoderArgs, dims: ParallelDims, cfg: JobConfig) -> None:
-    """Expert parallelism needs experts, whole experts on every rank of its group, and no
-    torch.compile yet: the experts are an FSDP unit of their own inside each decoder block
-    (their mesh is not the block's), and FSDP's hooks would break the block's graph."""
+    """A mixture-of-experts decoder has no TP plan yet; expert parallelism needs experts, whole
+    experts on every rank of its group, and no torch.compile yet: the experts are an FSDP unit
+    of their own inside each decoder block (their mesh is not the block's), and FSDP's hooks
+    would break the block's graph."""
+    if d.moe is not None and dims.tp > 1:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree={dims.tp}: a mixture-of-experts decoder has no "
+            "tensor parallel plan yet (use FSDP, context and expert parallelism)"
+        )
     if dims.ep == 1:
         return
     if cfg.compile.enable:

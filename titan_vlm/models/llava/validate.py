@@ -40,7 +40,7 @@ def validate(vlm: VLMArgs, dims: ParallelDims, cfg: JobConfig) -> None:
             f"embeds {vlm.decoder.vocab_size}"
         )
     _validate_native(vlm, cfg)
-    check_experts(dec, dims, cfg)
+    check_experts(dec, dims, cfg)  # before the TP sizes: experts have no TP plan
     _validate_tp(vlm, dims, cfg)
     local_heads = dec.n_heads // dims.tp  # after TP: the heads the a2a splits over cp
     if cfg.parallelism.cp_comm_type == "a2a" and local_heads % dims.cp:
@@ -86,11 +86,6 @@ def _validate_tp(vlm: VLMArgs, dims: ParallelDims, cfg: JobConfig) -> None:
     if tp == 1:
         return
     dec, vit = vlm.decoder, vlm.vision
-    if dec.moe:
-        raise ConfigError(
-            f"parallelism.tensor_parallel_degree={tp}: a mixture-of-experts decoder has no "
-            "tensor parallel plan yet (use FSDP and context parallelism)"
-        )
     vit_sizes = [("ViT n_heads", vit.n_heads), ("ViT mlp_dim", vit.mlp_dim)]
     check_tp_divides(tp, cfg.model.flavor, decoder_tp_sizes(dec) + vit_sizes)
     if (

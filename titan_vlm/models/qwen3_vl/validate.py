@@ -1,7 +1,8 @@
 """What the "qwen3_vl" family needs of the job (its ModelSpec.validate): Qwen2.5-VL's checks
-(common/qwen_vl/validate.py: causal image slots, its own image sizing, heads, the all-to-all's
-heads, the tokenizer's vocabulary), and no tensor parallelism yet (parallelize.py). One line
-each."""
+(common/qwen_vl/validate.py: causal image slots, its own image sizing, heads, tensor-parallel
+divisibility, the all-to-all's heads, the tokenizer's vocabulary, experts), and of tensor
+parallelism no sequence parallelism and no image embeddings sharded over tp yet
+(parallelize.py). One line each."""
 
 from __future__ import annotations
 
@@ -14,9 +15,16 @@ from titan_vlm.parallel_dims import ParallelDims
 
 def validate(args: Qwen3VLArgs, dims: ParallelDims, cfg: JobConfig) -> None:
     """ModelSpec.validate (module docstring); the first finding is raised."""
-    if dims.tp > 1:
+    p = cfg.parallelism
+    if dims.tp > 1 and p.enable_sequence_parallel:
         raise ConfigError(
-            f"parallelism.tensor_parallel_degree={dims.tp}: the qwen3_vl family has no tensor "
-            "parallel plan yet (use FSDP and context parallelism)"
+            f"parallelism.enable_sequence_parallel with tensor_parallel_degree={dims.tp}: the "
+            "qwen3_vl family's TP plan has no sequence parallelism yet (DeepStack adds features "
+            "to the residual stream SP would cut); set it to false"
+        )
+    if dims.tp > 1 and p.image_embed_tp_shard:
+        raise ConfigError(
+            "parallelism.image_embed_tp_shard: a Qwen3-VL image slot's row holds its embedding "
+            "and its DeepStack features, kept whole over tp; set it to false"
         )
     qwen2_5_vl_validate(args, dims, cfg)
