@@ -145,8 +145,9 @@ class Training:
     projector_lr: float = 0.0
     """Peak learning rate of the projector's (merger's) parameters; 0: training.lr."""
     moe_aux_loss_coef: float = -1.0
-    """Weight of the MoE router's load-balancing loss (transformers' load_balancing_loss_func,
-    over the whole step's tokens and sparse layers) in the training loss. -1: what transformers
+    """Weight of the MoE router's load-balancing loss (transformers' load_balancing_loss_func, over
+    each microbatch's tokens on every rank and every sparse layer; with gradient accumulation
+    the step's is the mean of its microbatches') in the training loss. -1: what transformers
     trains the folder's model with (a Qwen3-VL-MoE config's router_aux_loss_coef when its
     output_router_logits is true, else 0; LLaVA: 0, its class adds none); the built-in MoE
     flavors: 0.001. A dense model ignores it."""

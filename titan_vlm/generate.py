@@ -108,6 +108,35 @@ def ask_builtin(
     return tok.decode([i for i in ids if i != tok.EOS]), ids
 
 
+def ask_built_in_model(
+    model: VisionLanguageModel,
+    cfg: JobConfig,
+    image_path: str,
+    prompt: str,
+    max_new_tokens: int,
+    chat: bool,
+) -> tuple[str, list[int]]:
+    """`ask_builtin` for a model trained from a built-in flavor with `cfg`: the image file read
+    as its training images were (the model's size, or data.native_resolution_pixels' own), and
+    its family's image rule and per-slot data (ModelSpec.data_rule: a Qwen-VL model sizes its
+    images its own way and positions them with M-RoPE)."""
+    from titan_vlm.data import native_resolution
+    from titan_vlm.data.tokenizer import build_tokenizer
+    from titan_vlm.models.registry import model_spec
+
+    spec = model_spec(cfg)
+    args = spec.args(cfg)
+    native = native_resolution(cfg, args)
+    image = (
+        load_image(image_path, model.image_size)
+        if native is None
+        else load_native_image(image_path, native)
+    )
+    rule, slot_data = spec.data_rule(args, cfg)
+    tok = build_tokenizer(cfg.model.tokenizer_path)
+    return ask_builtin(model, image, prompt, max_new_tokens, tok, chat, rule, slot_data)
+
+
 def generate(
     model: VisionLanguageModel,
     image: torch.Tensor,
@@ -192,10 +221,7 @@ def ask_hf(
 
 def main(argv: list[str] | None = None) -> None:
     from titan_vlm.checkpoint import load_model_for_inference
-    from titan_vlm.data import native_resolution
-    from titan_vlm.data.tokenizer import build_tokenizer
     from titan_vlm.models.hf_export import hf_config, load_hf_model
-    from titan_vlm.models.registry import model_spec
 
     parser = argparse.ArgumentParser(description="Ask a model about an image (greedy decoding).")
     source = parser.add_mutually_exclusive_group(required=True)
@@ -257,23 +283,11 @@ def main(argv: list[str] | None = None) -> None:
                 raise ConfigError(
                     "a built-in model is asked about one --image (no --video): give exactly one"
                 )
-            spec = model_spec(cfg)
-            args = spec.args(cfg)
-            native = native_resolution(cfg, args)
-            image = (
-                load_image(opts.image[0], model.image_size)
-                if native is None
-                else load_native_image(opts.image[0], native)
-            )
-            # the family's rule: how the image takes slots (a Qwen-VL model's own sizing, its
-            # M-RoPE positions), as its training rows had it
-            rule, slot_data = spec.data_rule(args, cfg)
-            tok = build_tokenizer(cfg.model.tokenizer_path)
             chat = opts.template == "chat" or (
                 opts.template == "auto" and bool(opts.prompt) and cfg.data.dataset != "synthetic"
             )
-            answer, ids = ask_builtin(
-                model, image, opts.prompt, opts.max_new_tokens, tok, chat, rule, slot_data
+            answer, ids = ask_built_in_model(
+                model, cfg, opts.image[0], opts.prompt, opts.max_new_tokens, chat
             )
             print(answer.strip() if chat else opts.prompt + answer)
     except (UserError, ChatError, FileNotFoundError) as e:  # CheckpointError too: one line

@@ -64,6 +64,13 @@ def validate_job(cfg: JobConfig, world_size: int) -> ParallelDims:
             math.isfinite(t.weight_decay) and t.weight_decay >= 0,
             ">= 0",
         ),
+        (
+            "training.moe_aux_loss_coef",
+            t.moe_aux_loss_coef,
+            t.moe_aux_loss_coef == -1
+            or (math.isfinite(t.moe_aux_loss_coef) and t.moe_aux_loss_coef >= 0),
+            ">= 0, or -1 (the model's own)",
+        ),
         ("metrics.log_freq", cfg.metrics.log_freq, cfg.metrics.log_freq >= 1, ">= 1"),
     ):
         if not ok:

@@ -110,7 +110,7 @@ def test_qwen3_vl_moe_hub_layout_and_export(
     qwen_pair: tuple[Any, Qwen3VL, Path], tmp_path: Path
 ) -> None:
     """The hub's transposed expert tensors load to the same model (transformers transposes them
-    too); an export is in transformers 5's layout and transformers reads it back to the same
+    too); an export keeps its source's layout and transformers reads it back to the same
     logits; a folder missing one fused half is one line."""
     hf, ours, _ = qwen_pair
     hub = tmp_path / "hub"
@@ -128,7 +128,8 @@ def test_qwen3_vl_moe_hub_layout_and_export(
     export_hf(from_hub, hf_config(str(hub)), out)
     exported = load_file(out / "model.safetensors")
     assert set(exported) == set(files)
-    assert exported["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 48, 64)
+    # written in its source's layout (transposed), which transformers transposes back on load
+    assert exported["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 48)
     back = HFQwen3VLMoe.from_pretrained(out).eval()
     err, theirs, mine, _ = qwen_forward(back, ours)
     assert err < TOL and abs(mine - theirs) < 1e-6
@@ -244,7 +245,8 @@ def test_llava_with_a_qwen3_moe_text_model_matches_transformers(tmp_path: Path) 
 
 def test_a_config_json_with_experts_reads_both_key_spellings(tmp_path: Path) -> None:
     """num_experts (the hub's Qwen3-MoE configs) and num_local_experts (what transformers 5
-    writes) are one setting; both present and different is one line."""
+    writes) are one setting; both present and different is one line; a config that leaves no
+    layer sparse is a dense decoder."""
     save_llava(tmp_path, CLIPVisionConfig(**TOWER), Qwen3MoeConfig(**QWEN3_MOE))
     config = json.loads((tmp_path / "config.json").read_text())
     text = config["text_config"]
@@ -257,3 +259,11 @@ def test_a_config_json_with_experts_reads_both_key_spellings(tmp_path: Path) -> 
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="num_experts=4 is not supported"):
         model_spec(args).args(args)
+    # no layer left sparse (every one in mlp_only_layers, or no experts): a dense decoder, as
+    # transformers builds it
+    del text["num_local_experts"]
+    for change in ({"mlp_only_layers": [0, 1]}, {"num_experts": 0}, {"decoder_sparse_step": 3}):
+        (tmp_path / "config.json").write_text(
+            json.dumps({**config, "text_config": {**text, **change}})
+        )
+        assert model_spec(args).args(args).decoder.moe is None, change

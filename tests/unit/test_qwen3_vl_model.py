@@ -19,6 +19,7 @@ from titan_vlm.errors import UserError
 from titan_vlm.models.common.hf_folder import SafetensorsFiles, weight_files
 from titan_vlm.models.common.qwen_vl.images import MROPE_POSITIONS
 from titan_vlm.models.common.qwen_vl.mrope import batch_rope_index, mrope_cos_sin
+from titan_vlm.models.qwen3_vl.args import Qwen3VLArgs
 from titan_vlm.models.qwen3_vl.hf_adapter import export_names, hf_names
 from titan_vlm.models.qwen3_vl.images import NO_VIDEO, Qwen3Rule
 from titan_vlm.models.qwen3_vl.model import Qwen3VL, from_hf_folder
@@ -174,3 +175,28 @@ def test_a_video_is_refused_in_one_line_not_skipped(pair: tuple[Any, Qwen3VL, Pa
             call()
         assert not isinstance(error.value, ValueError)
         assert str(error.value) == NO_VIDEO and "\n" not in NO_VIDEO
+
+
+def test_a_built_in_qwen3_vl_model_is_asked_with_its_rule(tmp_path: Path) -> None:
+    """generate --checkpoint's path for a built-in model: a Qwen3-VL model is asked with its
+    family's image rule and M-RoPE positions (a plain image tensor would not encode), the same ids
+    greedy gives the row built by hand."""
+    from PIL import Image
+
+    from titan_vlm.config import JobConfig
+    from titan_vlm.data.images import load_image
+    from titan_vlm.data.tokenizer import ByteTokenizer
+    from titan_vlm.generate import ask_built_in_model, greedy
+
+    cfg = JobConfig()
+    cfg.model.name = "qwen3_vl"  # type: ignore[assignment]
+    torch.manual_seed(0)
+    model = Qwen3VL(Qwen3VLArgs()).eval()
+    path = tmp_path / "image.png"
+    Image.new("RGB", (96, 64), (200, 40, 90)).save(path)
+    answer, ids = ask_built_in_model(model, cfg, str(path), "It", 4, chat=False)
+    rule = Qwen3Rule(model.args)
+    tok = ByteTokenizer()
+    prefix = [load_image(str(path), model.image_size), tok.encode("It", eos=False)]
+    assert ids == greedy(model, prefix, {tok.EOS}, 4, tok.PAD, None, rule, rule.positions)
+    assert len(ids) >= 1 and isinstance(answer, str)

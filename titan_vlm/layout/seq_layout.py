@@ -325,16 +325,17 @@ class SeqLayout:
         index = self._image_index()[:, self.num_image_tokens :]
         return _pick(embeds, index[index >= 0])
 
-    def token_weights(self) -> torch.Tensor:
-        """[B, L] float32 on the positions' device: each local slot's share of its token, so
-        that a sum over the CP group counts every token of the rows once: 1 for a slot only this
-        rank holds (its text, sharded image slots, kept samples), 1/cp for an image-prefix slot
-        (every CP rank holds it), 0 for padding. What per-token statistics summed over ranks use
-        (the MoE router's: models/common/moe.py)."""
+    def token_shares(self) -> torch.Tensor:
+        """[B, L] int64 on the positions' device: of how many CP ranks' slots each local slot's
+        token is one, so that weighting each slot 1/share counts every token of the rows once
+        over the CP group: 1 for a slot only this rank holds (its text, sharded image slots,
+        kept samples), cp for an image-prefix slot (every CP rank holds it), 0 for padding
+        (weight 0). What per-token statistics summed over ranks use (the MoE router's:
+        models/common/moe.py); an integer, so that no mixed-precision cast rounds 1/cp."""
         local = self.slots("local")
-        weights = (local.doc >= 0).to(torch.float32)
-        weights[:, : self.num_image_tokens] /= len(self.texts)
-        return weights.to(self.positions.device)
+        shares = (local.doc >= 0).to(torch.long)
+        shares[:, : self.num_image_tokens] *= len(self.texts)
+        return shares.to(self.positions.device)
 
     def inline_slots(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, columns) of `inline_embeds`' slots within the text section [B, T + W]."""

@@ -184,8 +184,12 @@ def apply_decoder_tp(decoder: Decoder, tp_mesh: DeviceMesh, sp: bool) -> None:
         # weight's gradient is a partial sum over tp, reduced as the SP norms' are (heads = dim 2)
         for norm in ("attention.q_norm", "attention.k_norm"):
             plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
-    for block in decoder.layers:
-        parallelize_module(block, tp_mesh, plan)
+    # a mixture-of-experts layer: attention as above; its router and experts whole on every tp
+    # rank (each computes them on the same tokens: the gradients are complete and equal, as a
+    # replicated norm's), not under SP (validate: the experts would need the whole sequence)
+    sparse_plan = {k: v for k, v in plan.items() if not k.startswith(("feed_forward", "ffn_norm"))}
+    for i, block in enumerate(decoder.layers):
+        parallelize_module(block, tp_mesh, sparse_plan if i in decoder.args.sparse else plan)
     if sp:
         sp_stack_boundaries(decoder.layers, tp_mesh, 4, "decoder")  # block(x, cos, sin, layout)
     parallelize_module(

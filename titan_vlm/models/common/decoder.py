@@ -147,7 +147,7 @@ class DecoderBlock(nn.Module):
 
 class MoEBlock(nn.Module):
     """A decoder block whose feed-forward is the mixture of experts (moe.py): it also takes each
-    slot's token weight and returns its router statistics [2, E]."""
+    slot's token share (SeqLayout.token_shares) and returns its router statistics [2, E]."""
 
     def __init__(self, a: DecoderArgs, attention_kernel: str):
         super().__init__()
@@ -163,10 +163,10 @@ class MoEBlock(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         layout: SeqLayout,
-        weights: torch.Tensor,
+        shares: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.attention(self.attention_norm(x), cos, sin, layout)
-        out, stats = self.moe(self.ffn_norm(x), weights)
+        out, stats = self.moe(self.ffn_norm(x), shares)
         return x + out, stats
 
 
@@ -273,17 +273,17 @@ class Decoder(nn.Module):
         additions between layers, e.g. DeepStack); keeps the sparse layers' router statistics
         in `router_stats`."""
         cos, sin = self.rotary(layout)
-        weights = layout.token_weights() if self.args.moe else None
+        shares = layout.token_shares() if self.args.moe else None
         stats = []
         for i, layer in enumerate(self.layers):
-            if weights is not None and i in self.args.sparse:
-                h, layer_stats = layer(h, cos, sin, layout, weights)
+            if shares is not None and i in self.args.sparse:
+                h, layer_stats = layer(h, cos, sin, layout, shares)
                 stats.append(layer_stats)
             else:
                 h = layer(h, cos, sin, layout)
             if after is not None:
                 h = after(i, h)
-        if self.args.moe is not None:
+        if self.args.moe is not None and stats:
             self.router_stats = RouterStats(torch.stack(stats), self.args.moe)
         return h
 

@@ -49,12 +49,11 @@ def swiglu_backward(
     dx, dw1, dw3, dw2 = [], torch.zeros_like(w1), torch.zeros_like(w3), torch.zeros_like(w2)
     parts = zip(x.split(sizes), dy.split(sizes), gate.split(sizes), up.split(sizes))
     for e, (xe, dye, ge, ue) in enumerate(parts):
-        sig = torch.sigmoid(ge)
-        act = ge * sig  # silu(gate)
+        act = F.silu(ge)  # as the forward computed it, so a 16-bit run rounds the same
         dw2[e] = dye.t() @ (act * ue)
         dh = dye @ w2[e]  # [n, ffn]
         dup = dh * act
-        dgate = dh * ue * sig * (1 + ge * (1 - sig))  # silu'(gate)
+        dgate = torch.ops.aten.silu_backward(dh * ue, ge)  # autograd's own silu' (fp32 inside)
         dw1[e] = dgate.t() @ xe
         dw3[e] = dup.t() @ xe
         dx.append(dgate @ w1[e] + dup @ w3[e])

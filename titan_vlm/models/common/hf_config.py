@@ -288,12 +288,14 @@ def text_args_from_hf(config: dict, where: str) -> DecoderArgs:
     return text_args(Section(config, where, "", TEXT_DEFAULTS[model_type]), model_type)
 
 
-def moe_args(s: Section, norm_topk_prob: bool) -> MoEArgs:
+def moe_args(s: Section, norm_topk_prob: bool) -> MoEArgs | None:
     """The sparse layers of a Qwen3-MoE text config (`num_experts`, which transformers 5 writes
     as `num_local_experts`; `num_experts_per_tok`, `moe_intermediate_size`,
     `decoder_sparse_step`, `mlp_only_layers`). The load-balancing loss's weight is what
     transformers' causal LM trains with: `router_aux_loss_coef` when `output_router_logits` is
-    true, else 0 (training.moe_aux_loss_coef overrides it)."""
+    true, else 0 (training.moe_aux_loss_coef overrides it). None where no layer is sparse
+    (num_experts 0, mlp_only_layers covering every layer, a sparse step past the last layer):
+    transformers builds that model dense."""
     experts = "num_local_experts" if "num_local_experts" in s.cfg else "num_experts"
     if "num_experts" in s.cfg and s.cfg["num_experts"] != s.cfg.get(experts):
         raise s.error("num_experts", s.cfg["num_experts"], f"{experts}={s.cfg[experts]} differs")
@@ -304,13 +306,16 @@ def moe_args(s: Section, norm_topk_prob: bool) -> MoEArgs:
     if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
         raise s.error("mlp_only_layers", mlp_only, "a list of layer indexes is needed")
     trains_aux = "output_router_logits" in s.cfg and s.get_bool("output_router_logits")
+    layers = sparse_layers(n_layers, step, tuple(mlp_only))
+    if s.get_int(experts) == 0 or not layers:
+        return None
     try:
         return MoEArgs(
             num_experts=s.get_int(experts),
             top_k=s.get_int("num_experts_per_tok"),
             ffn_dim=s.get_int("moe_intermediate_size"),
             norm_topk_prob=norm_topk_prob,
-            layers=sparse_layers(n_layers, step, tuple(mlp_only)),
+            layers=layers,
             aux_loss_coef=s.get_float("router_aux_loss_coef") if trains_aux else 0.0,
         )
     except ConfigError as e:

@@ -16,9 +16,13 @@ Layouts read (each sparse layer is one of them, told apart by names and shapes):
                 load); the pair of shapes tells the two apart whatever dim and ffn are
 
 Reads are boxes of the stacked tensors, mapped to boxes of the files (a rank reads its own
-experts' rows and nothing else). `file_tensors` is the way back, for --export-hf: per-expert
-files get per-expert tensors, fused ones transformers 5's fused layout. Every other tensor passes
-through unchanged.
+experts' rows and nothing else). `file_tensors` is the way back, for --export-hf: each layer in
+the layout its source files had. Every other tensor passes through unchanged.
+
+Where a folder's dim is 2 x ffn (gate_up_proj square in its last two dims) or dim = ffn,
+transformers' per-tensor Transpose(check_dims=True) cannot tell the hub's layout from its own and
+skips the transpose; the pair of shapes read here can, so such a hub folder loads right here and
+not in transformers (no released model has those shapes).
 """
 
 from __future__ import annotations
@@ -89,6 +93,8 @@ class ExpertView:
             self.stacked[name] = Stacked(keys, (len(keys), *shapes.pop()))
         for prefix, pair in fused.items():
             self._add_fused(prefix, pair)
+        hidden = {f for s in self.stacked.values() for f in s.files}
+        self._keys = frozenset((files.keys() - hidden) | set(self.stacked))
 
     def _add_fused(self, prefix: str, pair: dict[str, str]) -> None:
         if set(pair) != {"gate_up_proj", "down_proj"}:
@@ -117,8 +123,7 @@ class ExpertView:
         self.stacked[f"{prefix}down_proj"] = Stacked((down,), (e, dim, ffn), None, transposed)
 
     def keys(self) -> set[str]:
-        hidden = {f for s in self.stacked.values() for f in s.files}
-        return (self.files.keys() - hidden) | set(self.stacked)
+        return set(self._keys)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.stacked[name].shape if name in self.stacked else self.files.shape(name)
@@ -144,9 +149,10 @@ class ExpertView:
         return read(s.files[0], (box[0], d1, box[2]))
 
     def file_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`tensors` under the stacked names -> the files' names: per expert as the files had
-        them, fused in transformers 5's layout ([E, 2 ffn, dim] with the gate's rows first,
-        [E, dim, ffn]); any other tensor as it is."""
+        """`tensors` under the stacked names -> the files' names and layout: per expert, fused
+        or transposed as the files had them (an export reads wherever its source was read:
+        transformers 5 transposes the hub's layout on load, older readers take it as it is);
+        any other tensor as it is."""
         out = {k: v for k, v in tensors.items() if k not in self.stacked}
         for name, s in self.stacked.items():
             if name not in tensors:
@@ -155,8 +161,9 @@ class ExpertView:
             if len(s.files) > 1:
                 out.update({f: t[e].contiguous() for e, f in enumerate(s.files)})
             elif s.rows is None:
-                out[s.files[0]] = t.contiguous()
+                out[s.files[0]] = (t.transpose(1, 2) if s.transposed else t).contiguous()
             elif s.rows[0] == 0:  # the gate; the up half follows it
                 up = tensors[name.removesuffix("gate_proj") + "up_proj"]
-                out[s.files[0]] = torch.cat([t, up], dim=1).contiguous()
+                fused = torch.cat([t, up], dim=1)
+                out[s.files[0]] = (fused.transpose(1, 2) if s.transposed else fused).contiguous()
         return out

@@ -10,7 +10,7 @@ No token is dropped for capacity: every layout computes what one process compute
 
 Router statistics (`MoE.forward`'s second output, one [2, E] per sparse layer): row 0 the number
 of top-k picks of each expert, row 1 the sum of each expert's router probability, over this
-rank's tokens, each token weighted by `SeqLayout.token_weights` (1 for a token this rank owns,
+rank's tokens, each token weighted 1 / `SeqLayout.token_shares` (1 for a token this rank owns,
 1/cp for an image-prefix token every CP rank holds, 0 for padding), so that their sum over the
 dp x cp ranks counts each token of the global batch exactly once. `aux_loss` turns them into
 transformers' load_balancing_loss_func over the whole global batch (one all-reduce of the
@@ -64,9 +64,10 @@ class MoE(nn.Module):
         self.router = nn.Linear(dim, m.num_experts, bias=False)
         self.experts = Experts(m.num_experts, dim, m.ffn_dim)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, L, dim], weights [B, L] (each slot's share of its token: SeqLayout.token_weights)
-        -> the output [B, L, dim] and the router statistics [2, E] (module docstring)."""
+    def forward(self, x: torch.Tensor, shares: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, L, dim], shares [B, L] (of how many ranks' slots each slot's token is one:
+        SeqLayout.token_shares; 0 padding) -> the output [B, L, dim] and the router statistics
+        [2, E] (module docstring), each slot weighted 1 / share."""
         m = self.args
         b, n, dim = x.shape
         flat = x.reshape(-1, dim)
@@ -84,7 +85,8 @@ class MoE(nn.Module):
         picked = self.experts(flat[token], counts)
         picked = picked * top_p.to(x.dtype).flatten()[order, None]
         out = torch.zeros_like(flat).index_add(0, token, picked)
-        w = weights.reshape(-1).to(torch.float32)
+        share = shares.reshape(-1).to(torch.float32)
+        w = torch.where(share > 0, 1 / share.clamp(min=1), 0.0)
         hits = torch.zeros(m.num_experts, device=x.device).index_add(
             0, chosen, w.repeat_interleave(m.top_k)
         )

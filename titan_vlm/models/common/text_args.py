@@ -52,6 +52,8 @@ class MoEArgs:
     aux_loss_coef: float = 0.001
 
     def __post_init__(self) -> None:
+        if not self.layers:
+            raise ConfigError("a mixture of experts in no layer: the decoder is dense (moe None)")
         if not 1 <= self.top_k <= self.num_experts:
             raise ConfigError(
                 f"num_experts_per_tok={self.top_k} must be between 1 and "

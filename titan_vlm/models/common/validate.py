@@ -33,14 +33,16 @@ def decoder_tp_sizes(d: DecoderArgs) -> list[tuple[str, int]]:
 
 
 def check_experts(d: DecoderArgs, dims: ParallelDims, cfg: JobConfig) -> None:
-    """A mixture-of-experts decoder has no TP plan yet; expert parallelism needs experts, whole
+    """A mixture-of-experts decoder's TP plan has no sequence parallelism (its attention is
+    split over tp, its experts whole on every tp rank); expert parallelism needs experts, whole
     experts on every rank of its group, and no torch.compile yet: the experts are an FSDP unit
     of their own inside each decoder block (their mesh is not the block's), and FSDP's hooks
     would break the block's graph."""
-    if d.moe is not None and dims.tp > 1:
+    if d.moe is not None and dims.tp > 1 and cfg.parallelism.enable_sequence_parallel:
         raise ConfigError(
-            f"parallelism.tensor_parallel_degree={dims.tp}: a mixture-of-experts decoder has no "
-            "tensor parallel plan yet (use FSDP, context and expert parallelism)"
+            f"parallelism.enable_sequence_parallel with tensor_parallel_degree={dims.tp}: a "
+            "mixture-of-experts decoder's TP plan splits its attention only, with the experts "
+            "on the whole sequence; set it to false"
         )
     if dims.ep == 1:
         return

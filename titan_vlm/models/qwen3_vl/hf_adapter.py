@@ -100,5 +100,7 @@ def hf_same(args: Qwen3VLArgs, file_keys: set[str]) -> list[tuple[str, str]]:
 
 
 def export_names(args: Qwen3VLArgs) -> dict[str, str]:
-    """{our parameter name: Hugging Face tensor name} as save_pretrained writes them."""
+    """{our parameter name: Hugging Face tensor name} as save_pretrained writes them (a sparse
+    layer's experts under common/hf_experts.py's stacked names, which an export writes in its
+    source's layout)."""
     return _names(args)

@@ -72,6 +72,7 @@ MOE_TEXT_DEFAULTS: dict[str, Any] = dict(
     num_hidden_layers=24,
     num_attention_heads=16,
     num_key_value_heads=16,
+    head_dim=None,  # Qwen3VLMoeTextConfig: hidden_size // num_attention_heads when absent
     **MOE_VL_DEFAULTS,
 )
 VISION_DEFAULTS: dict[str, Any] = dict(

@@ -1,15 +1,16 @@
 """The "qwen3_vl" family's ModelSpec (models/spec.py), the registry's entry `QWEN3_VL`:
-Qwen3-VL dense (Qwen3VLForConditionalGeneration). Where the architecture comes from:
-  model.hf_path = <folder>   a Qwen3-VL folder's config.json; with model.flavor = "hf" it IS
-                             the architecture, with a built-in flavor it must agree with it
-  neither                    the built-in flavor ("debug": CPU-sized, trained from scratch)
+Qwen3-VL dense and mixture-of-experts (Qwen3VLForConditionalGeneration,
+Qwen3VLMoeForConditionalGeneration). Where the architecture comes from:
+  model.hf_path = <folder>   a Qwen3-VL or Qwen3-VL-MoE folder's config.json; with
+                             model.flavor = "hf" it IS the architecture, with a built-in flavor
+                             it must agree with it
+  neither                    a built-in flavor ("debug", "debug_moe": CPU-sized, from scratch)
 
 What it shares with qwen2_5_vl (the data path for images, M-RoPE positions, the processor and
-tokenizer of a folder, the FLOPs and CP cost model, init rule) it imports from there; what
-differs is here (vision.py, model.py, mrope.py, hf_adapter.py, hf_config.py). Not yet: videos
-(images.py refuses them in one line), tensor parallelism (validate.py), export to a Hugging Face
-folder (hf_export_names is the adapter's, export itself is untested for this family), the
-planner (plan_shapes None).
+tokenizer of a folder, the FLOPs and CP cost model, init rule) comes from models/common/qwen_vl;
+the experts from models/common (moe.py, hf_experts.py); what differs is here (vision.py,
+model.py, mrope.py, hf_adapter.py, hf_config.py, parallelize.py). Not yet: videos (images.py
+refuses them in one line), sequence parallelism (validate.py), the planner (plan_shapes None).
 """
 
 from __future__ import annotations
