@@ -1092,6 +1092,7 @@ def family_parity(
     local_router_counts: bool = False,
     ep: int = 1,
     ep_unordered: bool = False,
+    dp_replicate: int = 1,
     dp_shard: int = 1,
     cp: int = 2,
     comm: str = "p2p",
@@ -1123,7 +1124,7 @@ def family_parity(
     mixture-of-experts decoder, whose router loss joins both sides' loss (one process: over its
     whole batch); `local_router_counts` (negative control): `_router_loss_from_local_counts`;
     `ep`: expert parallelism over consecutive ranks of dp_shard x cp; `ep_unordered` (negative
-    control): `_received_rows_not_regrouped`.
+    control): `_received_rows_not_regrouped`; `dp_replicate`: HSDP replicas.
     Gradient errors are per parameter group (ModelSpec.group_of)."""
     from titan_vlm.models.common.moe import aux_loss
     from titan_vlm.models.registry import get_model_spec
@@ -1142,8 +1143,8 @@ def family_parity(
     cfg.compile.backend = compile_backend  # type: ignore[assignment]
     args = spec.args(cfg)
     t = Training(lr=1e-3, warmup_steps=0, steps=10, max_norm=1.0, seq_len=seq_len)
-    mesh = make_mesh(dp_shard, cp, tp=tp, ep=ep)
-    dp = dp_shard
+    mesh = make_mesh(dp_shard, cp, dp_replicate, tp=tp, ep=ep)
+    dp = dp_replicate * dp_shard
     rule, slot_data = spec.data_rule(args, cfg)
     full = FAMILIES[family](args, rule, slot_data, seq_len, seed)
     assert full.num_rows == 2 and dp in (1, 2)

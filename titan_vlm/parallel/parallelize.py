@@ -48,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from titan_vlm.models.common.moe import Experts
+from titan_vlm.models.common.moe import Experts, MoE
 
 if TYPE_CHECKING:
     from titan_vlm.parallel_dims import Mesh
@@ -182,7 +182,10 @@ def keep_first_symbol_proxy() -> None:
 
 
 def apply_compile(
-    stacks: list[nn.ModuleList], fullgraph: bool = True, backend: str = "inductor"
+    stacks: list[nn.ModuleList],
+    fullgraph: bool = True,
+    backend: str = "inductor",
+    expert_parallel: bool = False,
 ) -> None:
     """torch.compile each block of each stack in place (the blocks of a stack share one compiled
     graph). The decoder's attention, local or context-parallel, is one opaque custom op
@@ -191,11 +194,21 @@ def apply_compile(
     compiled block (why: the module docstring). Sizes stay torch's default: static at first,
     dynamic once a batch has changed them (automatic_dynamic_shapes), so a few graphs per block
     cover every batch (docs/parallelism.md, Compile); with TP those recompiles need
-    keep_first_symbol_proxy."""
+    keep_first_symbol_proxy. `expert_parallel`: a block with a mixture of experts compiles its
+    other children instead (below)."""
     keep_first_symbol_proxy()
     # A block past dynamo's recompile limit would otherwise run eager from then on, silently:
     # an error instead (raise torch._dynamo.config.recompile_limit if a run needs more graphs).
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     for layers in stacks:
         for block in layers:
-            block.compile(fullgraph=fullgraph, backend=backend)
+            if expert_parallel and any(isinstance(m, MoE) for m in block.modules()):
+                # its experts become an FSDP unit of their own (apply_fsdp: their mesh is not
+                # the block's), whose hooks no compiled graph can hold: the block's other
+                # children are compiled, each one graph; the routing and the experts' exchange
+                # run eager
+                for child in block.children():
+                    if not isinstance(child, MoE):
+                        child.compile(fullgraph=fullgraph, backend=backend)
+            else:
+                block.compile(fullgraph=fullgraph, backend=backend)

@@ -34,10 +34,8 @@ def decoder_tp_sizes(d: DecoderArgs) -> list[tuple[str, int]]:
 
 def check_experts(d: DecoderArgs, dims: ParallelDims, cfg: JobConfig) -> None:
     """A mixture-of-experts decoder's TP plan has no sequence parallelism (its attention is
-    split over tp, its experts whole on every tp rank); expert parallelism needs experts, whole
-    experts on every rank of its group, and no torch.compile yet: the experts are an FSDP unit
-    of their own inside each decoder block (their mesh is not the block's), and FSDP's hooks
-    would break the block's graph."""
+    split over tp, its experts whole on every tp rank); expert parallelism needs experts, and
+    whole experts on every rank of its group."""
     if d.moe is not None and dims.tp > 1 and cfg.parallelism.enable_sequence_parallel:
         raise ConfigError(
             f"parallelism.enable_sequence_parallel with tensor_parallel_degree={dims.tp}: a "
@@ -46,12 +44,6 @@ def check_experts(d: DecoderArgs, dims: ParallelDims, cfg: JobConfig) -> None:
         )
     if dims.ep == 1:
         return
-    if cfg.compile.enable:
-        raise ConfigError(
-            f"parallelism.expert_parallel_degree={dims.ep} with compile.enable: not yet (the "
-            "experts' own FSDP unit breaks each block's graph); compile without EP, or EP "
-            "without compile"
-        )
     if d.moe is None:
         raise ConfigError(
             f"parallelism.expert_parallel_degree={dims.ep}: the decoder has no experts"

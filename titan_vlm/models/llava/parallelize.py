@@ -77,9 +77,13 @@ def apply_ac(model: VLM, mode: str) -> None:
     shared.apply_ac([model.vision.layers, model.decoder.layers], mode)
 
 
-def apply_compile(model: VLM, fullgraph: bool = True, backend: str = "inductor") -> None:
+def apply_compile(
+    model: VLM, fullgraph: bool = True, backend: str = "inductor", expert_parallel: bool = False
+) -> None:
     """torch.compile of each ViT and decoder block (parallel/parallelize.py apply_compile)."""
-    shared.apply_compile([model.vision.layers, model.decoder.layers], fullgraph, backend)
+    shared.apply_compile(
+        [model.vision.layers, model.decoder.layers], fullgraph, backend, expert_parallel
+    )
 
 
 def parallelize_vlm(
@@ -98,7 +102,7 @@ def parallelize_vlm(
     (why in this order: parallel/parallelize.py)."""
     apply_tp(model, mesh.tp, tp)
     if compile_blocks:
-        apply_compile(model, fullgraph, compile_backend)
+        apply_compile(model, fullgraph, compile_backend, mesh.ep is not None)
     apply_ac(model, ac_mode)
     shared.apply_fsdp(
         [*model.vision.layers, model.vision, model.projector],

@@ -69,7 +69,9 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: JobConfig) -> None:
     apply_tp(model, mesh.tp)
     stacks = [model.vision.layers, model.decoder.layers]
     if cfg.compile.enable:
-        shared.apply_compile(stacks, cfg.compile.fullgraph, cfg.compile.backend)
+        shared.apply_compile(
+            stacks, cfg.compile.fullgraph, cfg.compile.backend, mesh.ep is not None
+        )
     shared.apply_ac(stacks, cfg.activation_checkpoint.mode)
     shared.apply_fsdp(
         [*model.vision.layers, model.vision],
