@@ -40,7 +40,8 @@ def test_cp2_trains_a_qwen3_vl_moe_folder_and_exports_it(tmp_path):
     overrides = [
         "--model.flavor=hf",
         f"--model.hf_path={folder}",
-        "--training.steps=3",
+        "--training.steps=4",
+        "--checkpoint.interval=3",  # steps 3 and 4: the resume below starts from 3
         "--parallelism.expert_parallel_degree=2",  # the experts split over the 2 ranks
         f"--job.dump_folder={tmp_path / 'run'}",
     ]
@@ -57,7 +58,7 @@ def test_cp2_trains_a_qwen3_vl_moe_folder_and_exports_it(tmp_path):
     assert "2 mixture-of-experts layers: 4 experts of width 24, top 2 renormalised" in out.stdout
     assert "| moe aux " in out.stdout and "load max " in out.stdout  # each logged step
     steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
     assert all(s["moe_aux_loss"] > 0 and s["moe_load_max"] >= 1 for s in steps)
 
     cfg = load_config(["--config", str(ROOT / "train_configs/vlm_cp.toml"), *overrides])
@@ -96,26 +97,20 @@ def test_cp2_trains_a_qwen3_vl_moe_folder_and_exports_it(tmp_path):
         again, _, _ = trained.forward_local(batch, CPContext())
     assert torch.equal(ours, again)
 
-    # the uninterrupted run's step 4, for the resume below
-    reference = tmp_path / "reference"
-    done = subprocess.run(
-        ["./run_train.sh", "--config", "train_configs/vlm_cp.toml", *overrides[:-3]]
-        + ["--training.steps=4", overrides[-2], f"--job.dump_folder={reference}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    want4 = json.loads((reference / "metrics.jsonl").read_text().splitlines()[-1])["loss"]
+    # back to step 3, as a user restarting from an older checkpoint: the run's step 4 is what
+    # the resume below must reproduce
+    run_ckpt = tmp_path / "run" / "checkpoint"
+    shutil.rmtree(run_ckpt / "step-4")
+    (run_ckpt / "latest").write_text("3")
+    want4 = steps[-1]["loss"]
 
     # the source folder deleted, the same command resumes without expert parallelism: the
     # launcher's and the workers' checks and the model read the checkpoint's copies (issue 31),
     # not the folder, and the experts saved split over ep = 2 load whole (DCP reshards them)
     shutil.rmtree(folder)
     out = subprocess.run(
-        ["./run_train.sh", "--config", "train_configs/vlm_cp.toml", *overrides[:-3]]
-        + ["--training.steps=4", overrides[-1]],
+        ["./run_train.sh", "--config", "train_configs/vlm_cp.toml", *overrides[:-2]]
+        + [overrides[-1]],
         cwd=ROOT,
         capture_output=True,
         text=True,

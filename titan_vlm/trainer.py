@@ -470,13 +470,13 @@ class Trainer(Stateful):
                 "sharded along the hidden dim" if self.tp.image_embed_shard else "replicated",
             )
         if mesh.ep is not None and mesh.expert_fsdp is not None:
+            more = mesh.shards(mesh.expert_fsdp)
             logger.info(
                 "expert parallel: %d ways (consecutive ranks of dp_shard x cp): each rank holds "
-                "1/%d of every sparse layer's experts, tokens travel to them by all-to-all; "
-                "FSDP shards them %d ways more",
+                "1/%d of every sparse layer's experts, tokens travel to them by all-to-all; %s",
                 mesh.ep.size(),
                 mesh.ep.size(),
-                mesh.shards(mesh.expert_fsdp),
+                f"FSDP shards them {more} ways more" if more > 1 else "no further FSDP sharding",
             )
 
     def log_model(self) -> None:
