@@ -792,9 +792,12 @@ def mismatched_batches(cp: int = 2) -> str:
     return "no error"
 
 
-def built_weights(dp_shard: int, cp: int, tp: int = 1, **overrides) -> dict[str, torch.Tensor]:
+def built_weights(
+    dp_shard: int, cp: int, tp: int = 1, ep: int = 1, **overrides
+) -> dict[str, torch.Tensor]:
     """The trainer's model (models/build.py: meta, parallelize, each rank fills its own shards)
-    on a test mesh, gathered whole; overrides are section__key=value."""
+    on a test mesh (`ep`: expert parallelism), gathered whole; overrides are
+    section__key=value."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from titan_vlm.models.build import build_model
@@ -806,7 +809,7 @@ def built_weights(dp_shard: int, cp: int, tp: int = 1, **overrides) -> dict[str,
         section, key = dotted.split("__")
         setattr(getattr(cfg, section), key, value)
     model, _ = build_model(
-        model_spec(cfg), cfg, make_mesh(dp_shard, cp, 1, tp), torch.device("cpu")
+        model_spec(cfg), cfg, make_mesh(dp_shard, cp, 1, tp, ep), torch.device("cpu")
     )
     weights = {n: _full(p.detach()).clone() for n, p in canonical_parameters(model).items()}
     # the names the weights were seeded by are keys a checkpoint stores them under (which also

@@ -21,6 +21,18 @@ def test_initial_weights_are_the_same_at_every_layout(pool):
     assert len(_equal(one, reseeded)) == len([n for n, t in one.items() if t.std() > 0])
 
 
+def test_experts_start_the_same_at_every_expert_parallel_degree(pool):
+    """A mixture-of-experts decoder's experts (one generator per expert) whatever splits them:
+    FSDP alone, or expert parallelism over 2 or 4 ranks with FSDP over the rest."""
+    one = pool.run("built_weights", dp_shard=1, cp=1, model__flavor="debug_moe")[0]
+    assert any(".experts." in n for n in one)
+    for dp_shard, cp, ep in [(2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 1, 2)]:
+        other = pool.run(
+            "built_weights", dp_shard=dp_shard, cp=cp, ep=ep, model__flavor="debug_moe"
+        )[0]
+        assert _equal(one, other) == [], (dp_shard, cp, ep)
+
+
 def test_activation_checkpointing_and_compile_do_not_change_the_initial_weights(pool):
     """The checkpoint wrapper (and torch.compile's `_orig_mod`) put their own prefixes into
     `named_parameters()`; each parameter is seeded by its canonical name (models/loading.py

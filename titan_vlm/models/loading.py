@@ -35,7 +35,8 @@ from titan_vlm.models.common.hf_adapter import hf_tensor_parts
 from titan_vlm.models.common.hf_experts import ExpertView
 from titan_vlm.models.common.hf_folder import SafetensorsFiles, weight_files
 
-ROW_BLOCK = 64  # rows of dim 0 drawn from one seeded generator (init_from_seed)
+# rows of dim 0 drawn from one seeded generator (init_from_seed); 1 for a 3-D stacked tensor
+ROW_BLOCK = 64
 # What activation checkpointing's wrapper (torch's _CHECKPOINT_PREFIX) and a torch.compile'd
 # module (OptimizedModule) insert into the names of the parameters below them
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -179,12 +180,15 @@ def init_from_seed(
             local.copy_(_draw(init, (), torch.Generator().manual_seed(_seed(seed, name, 0))))
             continue
         rows = box[0]
-        first, last = rows.start // ROW_BLOCK, math.ceil(rows.stop / ROW_BLOCK)
+        # a stacked tensor (a MoE layer's experts [E, ...]): one generator per expert, so a rank
+        # holding a few experts draws only theirs, not 64 whole experts each
+        per = ROW_BLOCK if len(full) < 3 else 1
+        first, last = rows.start // per, math.ceil(rows.stop / per)
         blocks = []
         for b in range(first, last):
-            n = min(ROW_BLOCK, full[0] - b * ROW_BLOCK)
+            n = min(per, full[0] - b * per)
             gen = torch.Generator().manual_seed(_seed(seed, name, b))
             blocks.append(_draw(init, (n, *full[1:]), gen))
-        drawn = torch.cat(blocks)[rows.start - first * ROW_BLOCK : rows.stop - first * ROW_BLOCK]
+        drawn = torch.cat(blocks)[rows.start - first * per : rows.stop - first * per]
         cols = (slice(None), *box[1:])  # this rank's box in the other dims
         local.copy_(drawn[cols].to(local.dtype))
