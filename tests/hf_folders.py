@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -158,18 +159,9 @@ def save_qwen3_moe(folder: Path, hub_layout: bool = False) -> Qwen3VLMoeForCondi
     `folder` as transformers 5 writes it (fused experts [E, 2 ffn, dim], [E, dim, ffn]); with
     `hub_layout`, its expert tensors rewritten transposed, as the hub's Qwen3-VL-MoE folders hold
     them (which transformers transposes back on load)."""
-    torch.manual_seed(0)
-    config = Qwen3VLMoeConfig(
-        vision_config=QWEN3_VISION,
-        text_config=QWEN3_MOE_TEXT,
-        image_token_id=IMAGE,
-        video_token_id=VIDEO,
-        vision_start_token_id=START,
-        vision_end_token_id=END,
+    model = _save_qwen3_kind(
+        folder, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration, QWEN3_MOE_TEXT
     )
-    model = Qwen3VLMoeForConditionalGeneration(config).eval()
-    perturb(model)
-    model.save_pretrained(folder)
     if hub_layout:
         from safetensors.torch import load_file, save_file
 
@@ -185,17 +177,25 @@ def save_qwen3_moe(folder: Path, hub_layout: bool = False) -> Qwen3VLMoeForCondi
 def save_qwen3(folder: Path, tie: bool = False) -> Qwen3VLForConditionalGeneration:
     """A tiny Qwen3VLForConditionalGeneration (16-pixel patches, 2x2 merging, a 4x4 learned
     position grid, DeepStack features from tower blocks 0 and 1), saved to `folder`."""
+    return _save_qwen3_kind(folder, Qwen3VLConfig, Qwen3VLForConditionalGeneration, QWEN3_TEXT, tie)
+
+
+def _save_qwen3_kind(
+    folder: Path, config_class: Any, model_class: Any, text: dict, tie: bool = False
+) -> Any:
+    """A tiny Qwen3-VL of `model_class` (dense or MoE): QWEN3_VISION, `text`, the placeholder
+    ids, seeded 0, perturbed and saved to `folder`."""
     torch.manual_seed(0)
-    config = Qwen3VLConfig(
+    config = config_class(
         vision_config=QWEN3_VISION,
-        text_config=QWEN3_TEXT,
+        text_config=text,
         image_token_id=IMAGE,
         video_token_id=VIDEO,
         vision_start_token_id=START,
         vision_end_token_id=END,
         tie_word_embeddings=tie,
     )
-    model = Qwen3VLForConditionalGeneration(config).eval()
+    model = model_class(config).eval()
     perturb(model)
     model.save_pretrained(folder)
     return model

@@ -283,7 +283,7 @@ class Decoder(nn.Module):
                 h = layer(h, cos, sin, layout)
             if after is not None:
                 h = after(i, h)
-        if self.args.moe is not None and stats:
+        if self.args.moe is not None:  # MoEArgs has a sparse layer: stats holds its statistics
             self.router_stats = RouterStats(torch.stack(stats), self.args.moe)
         return h
 

@@ -44,6 +44,10 @@ TEXT_COMMON: dict[str, Any] = dict(
     tie_word_embeddings=False,
     attention_dropout=0.0,
 )
+# the sparse-layer keys whose defaults every Qwen3 MoE config class shares (5.25)
+MOE_COMMON: dict[str, Any] = dict(
+    decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001
+)
 TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(
         TEXT_COMMON,
@@ -100,25 +104,16 @@ TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
         max_position_embeddings=32768,
         attention_bias=False,
         use_sliding_window=False,
-        **dict(
-            moe_intermediate_size=768,
-            num_experts_per_tok=8,
-            num_experts=128,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            norm_topk_prob=False,
-            router_aux_loss_coef=0.001,
-        ),
+        moe_intermediate_size=768,
+        num_experts_per_tok=8,
+        num_experts=128,
+        norm_topk_prob=False,
+        **MOE_COMMON,
     ),
 }
 # Qwen3-VL-MoE's text model (Qwen3VLMoeTextConfig, 5.25): its router always renormalises
 MOE_VL_DEFAULTS: dict[str, Any] = dict(
-    moe_intermediate_size=1408,
-    num_experts_per_tok=4,
-    num_experts=60,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-    router_aux_loss_coef=0.001,
+    moe_intermediate_size=1408, num_experts_per_tok=4, num_experts=60, **MOE_COMMON
 )
 
 
@@ -326,9 +321,7 @@ def with_aux_coef(d: DecoderArgs, cfg: JobConfig) -> DecoderArgs:
     """`d` with training.moe_aux_loss_coef as its load-balancing weight, where it is set (>= 0)
     and the decoder has experts."""
     coef = cfg.training.moe_aux_loss_coef
-    if d.moe is None or coef < 0:
-        return d
-    return dataclasses.replace(d, moe=dataclasses.replace(d.moe, aux_loss_coef=coef))
+    return d if coef < 0 else d.with_router_weight(coef)
 
 
 def first_difference(a: object, b: object, prefix: str = "") -> str | None:

@@ -5,6 +5,7 @@ Qwen3-VL's): `DecoderArgs`, its RoPE scaling `Rope` and its mixture-of-experts l
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from titan_vlm.errors import ConfigError
@@ -109,6 +110,13 @@ class DecoderArgs:
             )
         n_sparse = len(self.sparse)
         return self.n_layers * attention + (self.n_layers - n_sparse) * dense + n_sparse * sparse
+
+    def with_router_weight(self, coef: float) -> DecoderArgs:
+        """These args with the router's load-balancing loss weighted `coef` (unchanged without
+        experts)."""
+        if self.moe is None:
+            return self
+        return dataclasses.replace(self, moe=dataclasses.replace(self.moe, aux_loss_coef=coef))
 
     @property
     def sparse(self) -> frozenset[int]:

@@ -121,9 +121,8 @@ def args_from_hf_config(config: dict, where: str) -> VLMArgs:
     v_type = model_type_of(vision_cfg, where, "vision_config.", VISION_TYPES, "clip_vision_model")
     t_type = model_type_of(text_cfg, where, "text_config.", TEXT_TYPES, "llama")
     vision = _vision(top.sub("vision_config", _VISION_DEFAULTS[v_type]), v_type)
-    decoder = text_args(top.sub("text_config", TEXT_DEFAULTS[t_type]), t_type)
-    if decoder.moe:  # LlavaForConditionalGeneration's loss has no router term, whatever the text
-        decoder = replace(decoder, moe=replace(decoder.moe, aux_loss_coef=0.0))
+    # LlavaForConditionalGeneration's loss has no router term, whatever its text model
+    decoder = text_args(top.sub("text_config", TEXT_DEFAULTS[t_type]), t_type).with_router_weight(0)
 
     layer = top.get("vision_feature_layer")
     n = vision.n_layers

@@ -75,8 +75,8 @@ def llava_args(cfg: JobConfig) -> VLMArgs:
             path = config_path(Path(m.hf_text_path), "model.hf_text_path")
             text = text_args_from_hf(read_json(path, "model.hf_text_path"), str(path))
         base = get_flavor(m.flavor) if m.flavor != "hf" else VLMArgs()
-        if text is not None and text.moe:  # a LLaVA trains without a router term (hf_config.py)
-            text = dataclasses.replace(text, moe=dataclasses.replace(text.moe, aux_loss_coef=0.0))
+        if text is not None:  # a LLaVA trains without a router term (hf_config.py)
+            text = text.with_router_weight(0)
         from_hf = dataclasses.replace(
             base, vision=vision or base.vision, decoder=text or base.decoder
         )
