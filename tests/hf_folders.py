@@ -174,25 +174,39 @@ def save_qwen3_moe(folder: Path, hub_layout: bool = False) -> Qwen3VLMoeForCondi
     return model
 
 
-def save_qwen3(folder: Path, tie: bool = False) -> Qwen3VLForConditionalGeneration:
+def save_qwen3(
+    folder: Path,
+    tie: bool = False,
+    vocab: int = VOCAB,
+    ids: tuple[int, ...] = (IMAGE, VIDEO, START, END),
+) -> Qwen3VLForConditionalGeneration:
     """A tiny Qwen3VLForConditionalGeneration (16-pixel patches, 2x2 merging, a 4x4 learned
-    position grid, DeepStack features from tower blocks 0 and 1), saved to `folder`."""
-    return _save_qwen3_kind(folder, Qwen3VLConfig, Qwen3VLForConditionalGeneration, QWEN3_TEXT, tie)
+    position grid, DeepStack features from tower blocks 0 and 1), saved to `folder`; `vocab`
+    and the (image, video, vision start, vision end) `ids`: a tokenizer's, where it has one."""
+    text = {**QWEN3_TEXT, "vocab_size": vocab}
+    model_class = Qwen3VLForConditionalGeneration
+    return _save_qwen3_kind(folder, Qwen3VLConfig, model_class, text, tie, ids)
 
 
 def _save_qwen3_kind(
-    folder: Path, config_class: Any, model_class: Any, text: dict, tie: bool = False
+    folder: Path,
+    config_class: Any,
+    model_class: Any,
+    text: dict,
+    tie: bool = False,
+    ids: tuple[int, ...] = (IMAGE, VIDEO, START, END),
 ) -> Any:
     """A tiny Qwen3-VL of `model_class` (dense or MoE): QWEN3_VISION, `text`, the placeholder
     ids, seeded 0, perturbed and saved to `folder`."""
     torch.manual_seed(0)
+    image, video, start, end = ids
     config = config_class(
         vision_config=QWEN3_VISION,
         text_config=text,
-        image_token_id=IMAGE,
-        video_token_id=VIDEO,
-        vision_start_token_id=START,
-        vision_end_token_id=END,
+        image_token_id=image,
+        video_token_id=video,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
         tie_word_embeddings=tie,
     )
     model = model_class(config).eval()

@@ -202,8 +202,8 @@ def ask_hf(
     if video and is_video_file(video):
         path = Path(video[0])
         try:  # the frames the folder's processor keeps, at the rate they were sampled
-            indices, fps, _ = video_file_frames(proc, path, None)
-            parts.append(proc.preprocess_video_file(path, indices, fps))
+            ref, _ = video_file_frames(proc, path, None)
+            parts.append(proc.preprocess_video_file(ref))
         except ValueError as e:  # VideoError among them
             raise ConfigError(f"--video: {e}") from None
     elif video:

@@ -15,13 +15,12 @@ import torch
 from hf_folders import END, IMAGE, START, VOCAB, save_qwen3
 
 from titan_vlm.data.batch import Sample
-from titan_vlm.errors import UserError
 from titan_vlm.models.common.hf_folder import SafetensorsFiles, weight_files
-from titan_vlm.models.common.qwen_vl.images import MROPE_POSITIONS
+from titan_vlm.models.common.qwen_vl.images import MROPE_POSITIONS, QwenRule
 from titan_vlm.models.common.qwen_vl.mrope import batch_rope_index, mrope_cos_sin
 from titan_vlm.models.qwen3_vl.args import Qwen3VLArgs
 from titan_vlm.models.qwen3_vl.hf_adapter import export_names, hf_names
-from titan_vlm.models.qwen3_vl.images import NO_VIDEO, Qwen3Rule
+from titan_vlm.models.qwen3_vl.images import Qwen3Rule
 from titan_vlm.models.qwen3_vl.model import Qwen3VL, from_hf_folder
 from titan_vlm.models.qwen3_vl.mrope import interleaved_mrope_cos_sin
 
@@ -158,23 +157,66 @@ def test_hf_names_map_every_parameter(pair: tuple[Any, Qwen3VL, Path]) -> None:
     assert export_names(ours.args) == names
 
 
-def test_a_video_is_refused_in_one_line_not_skipped(pair: tuple[Any, Qwen3VL, Path]) -> None:
-    """Videos are not built for Qwen3-VL (its frame timestamps): sizing one from a file header or
-    taking a decoded one's positions is a UserError (not a bad sample a run would skip); images
-    take Qwen2.5-VL's rule."""
+def test_video_sizing_sampling_and_timestamps_are_transformers(
+    pair: tuple[Any, Qwen3VL, Path],
+) -> None:
+    """Qwen3VLVideoProcessor's rules, called from transformers itself: a video's frame size from
+    the frames' size AND count (with and without cap_pixels_per_frame), which frames of a file
+    it keeps, and each frame group's timestamp. Controls: Qwen2.5-VL's per-frame smart_resize
+    gives another size; a video part not cut into frame groups is refused, not positioned."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
+        Qwen3VLVideoProcessor,
+        smart_resize,
+    )
+    from transformers.video_utils import VideoMetadata
+
+    from titan_vlm.models.qwen3_vl.video import VIDEO_DEFAULTS, Qwen3Sampling, group_times
+
     _, ours, _ = pair
-    rule = Qwen3Rule(ours.args)
-    assert rule.fit(64, 96) == (64, 96)
-    image = Sample([[1, 2], torch.zeros(3, 64, 96), [3]])
-    assert rule.positions(image)[MROPE_POSITIONS].shape == (3, 2 + 6 + 1)
-    for call in (
-        lambda: rule.fit(64, 96, video=True),
-        lambda: rule.positions(Sample([[1], torch.zeros(4, 3, 64, 64), [2]])),
-    ):
-        with pytest.raises(UserError) as error:
-            call()
-        assert not isinstance(error.value, ValueError)
-        assert str(error.value) == NO_VIDEO and "\n" not in NO_VIDEO
+    low, high = 64 * 32 * 32, 32 * 32 * 60
+    rule = Qwen3Rule(ours.args, video_bounds=(low, high))
+    capped = Qwen3Rule(ours.args, video_bounds=(low, high), frame_cap=12)
+    hf = Qwen3VLVideoProcessor(size={"shortest_edge": low, "longest_edge": high})
+    sizes = [(64, 96), (480, 270), (17, 700), (1080, 1920), (20, 20)]
+    for (height, width), frames in zip(sizes * 2, [2, 3, 4, 9, 16, 40, 5, 7, 2, 31]):
+        want = smart_resize(frames, height, width, 2, 32, low, high)
+        assert rule.fit(height, width, frames) == want, (height, width, frames)
+        per_frame = max(min(12 * 32 * 32, high // frames), int(low * 1.05))
+        want = smart_resize(frames, height, width, 2, 32, low, per_frame * frames)
+        assert capped.fit(height, width, frames) == want
+        # what the processor's own count says (cap off): the same grid
+        patches = hf.get_num_of_video_patches(frames, height, width, {})
+        h, w = rule.fit(height, width, frames)
+        assert patches == -(-frames // 2) * (h // 16) * (w // 16)
+    assert rule.fit(480, 270, 40) != QwenRule(ours.args, video_bounds=(low, high)).fit(480, 270, 40)
+
+    for total, fps, settings in [(16, 8.0, {}), (300, 30.0, {}), (3, 24.0, {}),
+                                 (100, 25.0, {"fps": 1}),
+                                 (50, 10.0, {"fps": None, "num_frames": 7}),
+                                 (90, 30.0, {"fps": None, "max_frames": 20})]:  # fmt: skip
+        # what preprocess passes sample_frames: the merged settings' fps and num_frames
+        hf_sampler = Qwen3VLVideoProcessor(**settings)
+        merged = {k: getattr(hf_sampler, k) for k in SAMPLING_KEYS}
+        meta = VideoMetadata(total_num_frames=total, fps=fps)
+        want = hf_sampler.sample_frames(
+            meta, fps=merged["fps"], num_frames=merged["num_frames"]
+        ).tolist()
+        mine = Qwen3Sampling(True, merged["fps"], merged["num_frames"], merged["min_frames"],
+                             merged["max_frames"], 2).indices(total, fps)  # fmt: skip
+        assert mine == want, (total, fps, settings)
+        times = tuple(i / fps for i in want)
+        hf_times = Qwen3VLProcessor._calculate_timestamps(None, want, fps, 2)
+        assert group_times(times, 2) == pytest.approx(hf_times, abs=0)
+    assert VIDEO_DEFAULTS["size"] == dict(Qwen3VLVideoProcessor().size)
+
+    group = Sample([[1, 2], torch.zeros(2, 3, 64, 96), [3]])  # one frame group: t = 1
+    assert rule.positions(group)[MROPE_POSITIONS].shape == (3, 2 + 6 + 1)
+    with pytest.raises(ValueError, match="frame groups of 2"):
+        rule.positions(Sample([[1], torch.zeros(4, 3, 64, 64), [2]]))
+
+
+SAMPLING_KEYS = ("fps", "num_frames", "min_frames", "max_frames")
 
 
 def test_a_built_in_qwen3_vl_model_is_asked_with_its_rule(tmp_path: Path) -> None:

@@ -51,10 +51,13 @@ class VideoFrames:
     """A decoded video file, read whole by a family's processor: its kept frames' pixels
     [T, C, H, W] and the rate they were sampled at (kept frames / the stream's frames x its
     frames per second), which a family's positions may read (Qwen2.5-VL's M-RoPE). In a batch
-    its pixels are one image of the ImageRule's (`frames`), like a video given as frame files."""
+    its pixels are one image of the ImageRule's (`frames`), like a video given as frame files.
+    `times`: each kept frame's time in seconds (its index / the stream's rate: Qwen3-VL writes
+    them into the prompt)."""
 
     frames: torch.Tensor
     fps: float
+    times: tuple[float, ...] = ()
 
 
 # How many slots an image takes: an int, the same for every image (each at the model's native

@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -111,12 +111,15 @@ class FolderVision(ABC):
     made at that size). `tokens_per_image`: what the settings imply, None where they do not say.
     `video_token` / `video_token_id`: the token the chat template writes for a {"type": "video"}
     item, where the family reads a video whole (one part, [T, 3, H, W] pixels); None: a video is
-    its frames, each one image."""
+    its frames, each one image. `splits_videos`: the processor writes text between a video's
+    frame groups (`split_videos`), so a video is one part per frame group, and only a chat
+    template's rendering (not a caption) can hold one."""
 
     image_size: int | None = None
     tokens_per_image: int | None = None
     video_token: str | None = None
     video_token_id: int | None = None
+    splits_videos: ClassVar[bool] = False
 
     @abstractmethod
     def image(self, image: PILImage.Image, size: tuple[int, int] | None) -> torch.Tensor:
@@ -132,6 +135,42 @@ class FolderVision(ABC):
         """Which frames of a video file of `frames` frames at `fps` (its header) the processor
         keeps; ValueError where it keeps none."""
         raise ValueError("this model folder's processor reads a video as its frames")
+
+    def split_videos(self, text: str, videos: list[Part]) -> tuple[list[Edit], list[Part]]:
+        """Where the processor writes text inside a video (`splits_videos`; Qwen3-VL: each frame
+        group's timestamp, and its own vision start / end tokens): the edits that make the
+        rendered `text` what the processor tokenizes, each video token's place then holding
+        one of the returned parts (each video's frame groups, in order). ChatError where the
+        video tokens are not one per video."""
+        raise NotImplementedError(f"{type(self).__name__} keeps each video one part")
+
+
+# One edit of a rendered chat: the characters [start, end) replaced by the text.
+Edit = tuple[int, int, str]
+
+
+def apply_edits(
+    text: str, edits: list[Edit], trained: list[tuple[int, int]]
+) -> tuple[str, list[tuple[int, int]]]:
+    """`text` with `edits` (in order, none overlapping) made, and the `trained` character spans
+    moved with it. ChatError where an edit falls inside a trained span (a video inside an
+    assistant turn)."""
+    pieces: list[str] = []
+    shifts: list[tuple[int, int]] = []  # (old end of an edit, total shift after it)
+    at, shift = 0, 0
+    for start, end, new in edits:
+        if any(s < end and start < e for s, e in trained):
+            raise ChatError("a video inside an assistant turn")
+        pieces += [text[at:start], new]
+        at = end
+        shift += len(new) - (end - start)
+        shifts.append((end, shift))
+
+    def moved(pos: int) -> int:  # by the shift of the edits that end at or before it
+        return pos + next((d for end, d in reversed(shifts) if end <= pos), 0)
+
+    pieces.append(text[at:])
+    return "".join(pieces), [(moved(s), moved(e)) for s, e in trained]
 
 
 @dataclass(frozen=True)
@@ -356,13 +395,18 @@ class HFProcessor:
         trained: list[tuple[int, int]],
     ) -> list[Part]:
         """`text` tokenized whole, cut into parts: each image token becomes the next image (of
-        `images`, the videos left out), each video token the next video, tokens inside a
-        `trained` character span plain lists, the rest Prompt."""
+        `images`, the videos left out), each video token the next video (or, where the vision
+        half splits videos, `FolderVision.split_videos`, the next frame group, the text it
+        writes tokenized with the rest), tokens inside a `trained` character span plain lists,
+        the rest Prompt."""
+        videos = [p for p in images if is_video(p)]
+        if videos and self.vision.splits_videos:  # each frame group, with text between them
+            edits, videos = self.vision.split_videos(text, videos)
+            text, trained = apply_edits(text, edits, trained)
         enc = self.tokenizer.tok.encode(text, add_special_tokens=add_special_tokens)
         queues: dict[int, list[Part]] = {
             self.image_token_id: [p for p in images if not is_video(p)],
         }
-        videos = [p for p in images if is_video(p)]
         if self.vision.video_token_id is not None:
             queues[self.vision.video_token_id] = videos
         elif videos:
@@ -439,31 +483,35 @@ class HFProcessor:
                     )
             return self.vision.video(images, size)
 
-    def preprocess_video_file(
-        self, path: Path, indices: Sequence[int], fps: float, size: tuple[int, int] | None = None
-    ) -> VideoFrames:
-        """A video file's kept frames (`indices`, from video_file_frames) decoded and made the
-        pixels the folder's processor makes (as `preprocess_video`), with the rate they were
-        sampled at. VideoError (data/video.py) where decoding fails."""
+    def preprocess_video_file(self, ref: VideoRef) -> VideoFrames:
+        """A video file's kept frames (`ref`, from video_file_frames: its indices, sampled rate
+        and stream rate) decoded and made the pixels the folder's processor makes (as
+        `preprocess_video`, at ref.frame_size: None, the processor's choice), with the rate
+        they were sampled at and their times. VideoError (data/video.py) where decoding
+        fails."""
         from PIL import Image
 
-        frames = [Image.fromarray(frame) for frame in decode_video(path, indices)]
-        return VideoFrames(self.vision.video(frames, size), fps)
+        assert ref.fps is not None, "a video file's header was not read"
+        frames = [Image.fromarray(frame) for frame in decode_video(ref.path, ref.indices)]
+        return VideoFrames(self.vision.video(frames, ref.frame_size), ref.fps, ref.times())
 
 
 def video_file_frames(
     processor: HFProcessor, path: Path, max_pixels: int | None
-) -> tuple[tuple[int, ...], float, tuple[int, int]]:
-    """A video file's header read for its sample (data/video.py probe_video): the frames the
-    folder's processor keeps, the rate they were sampled at (kept / total x the stream's rate,
-    transformers' sampled_fps) and the frames' (height, width). VideoError (data/video.py) for
-    a file that cannot be read, ImageTooLarge for frames of more than `max_pixels` pixels,
-    ValueError where the processor keeps no frame."""
+) -> tuple[VideoRef, tuple[int, int]]:
+    """A video file's header read for its sample (data/video.py probe_video): its VideoRef
+    (the frames the folder's processor keeps, the rate they were sampled at: kept / total x the
+    stream's rate, transformers' sampled_fps; the stream's rate; frame_size not yet chosen) and
+    the frames' (height, width). VideoError (data/video.py) for a file that cannot be read,
+    ImageTooLarge for frames of more than `max_pixels` pixels, ValueError where the processor
+    keeps no frame."""
     info = probe_video(path)
     if max_pixels is not None and info.height * info.width > max_pixels:
         raise ImageTooLarge(f"{info.width}x{info.height} frames > {max_pixels} pixels")
-    indices = processor.vision.video_indices(info.frames, info.fps)
-    return tuple(indices), len(indices) / info.frames * info.fps, (info.height, info.width)
+    indices = tuple(processor.vision.video_indices(info.frames, info.fps))
+    fps = len(indices) / info.frames * info.fps
+    ref = VideoRef(path, indices=indices, fps=fps, rate=info.fps)
+    return ref, (info.height, info.width)
 
 
 def is_video(part: Part) -> bool:

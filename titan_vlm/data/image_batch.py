@@ -79,10 +79,11 @@ class ImageRule(ABC):
         for a family that reads videos)."""
 
     @abstractmethod
-    def fit(self, height: int, width: int, video: bool = False) -> tuple[int, int]:
+    def fit(self, height: int, width: int, frames: int = 0) -> tuple[int, int]:
         """(H, W) an image of height x width pixels (from its file's header) enters the encoder
-        at (`video`: each frame of a video read whole, for a family whose videos have their own
-        bounds). ValueError for a size the family cannot take."""
+        at (`frames` > 0: each frame of a video of that many kept frames read whole, for a
+        family whose videos have their own bounds, which may depend on the frame count).
+        ValueError for a size the family cannot take."""
 
     @abstractmethod
     def size_slots(self, height: int, width: int, frames: int = 1) -> int:

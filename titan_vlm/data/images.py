@@ -26,12 +26,17 @@ if TYPE_CHECKING:
     from PIL import Image as PILImage
 
 
+# transformers' frames per second for a video given without metadata (frame files): its
+# VideoMetadata.sampled_fps and Qwen3-VL's timestamps both take it
+DEFAULT_FPS = 24.0
+
+
 @dataclass(frozen=True)
 class VideoRef(ImageRef):
     """A video part before decoding, where a folder's processor reads a video whole (one part,
     [T, 3, H, W] pixels once decoded; data/hf_processor.py FolderVision): `frames`, its kept
     frame files in order (`path` is the first); `frame_size`, the (H, W) each frame enters the
-    encoder at (the family's ImageRule.fit of the frames' header size, video=True), None until
+    encoder at (the family's ImageRule.fit of the frames' header size and count), None until
     read. `size` stays None, so that core code that counts an ImageRef's slots from one image's
     size (data/batch.py image_slots) refuses it instead of counting one frame: its slots are
     `rule.size_slots(*frame_size, len(frames))` (data/jsonl.py).
@@ -39,12 +44,17 @@ class VideoRef(ImageRef):
     A video FILE (`frames` empty, `path` the file: data/video.py) keeps, once its header is
     read, `indices`, the stream's frames the folder's processor keeps (its frame sampling), and
     `fps`, the rate they were sampled at (kept / total x the stream's rate: transformers'
-    sampled_fps); its slots count `indices`."""
+    sampled_fps), and `rate`, the stream's own frames per second; its slots count `indices`.
+
+    A family that cuts a video into frame groups with text between them (Qwen3-VL's timestamps:
+    FolderVision.split_videos) makes one VideoRef per group: the same file (or that group's
+    frame files) with that group's `indices`, and the whole video's frame_size."""
 
     frames: tuple[Path, ...] = ()
     frame_size: tuple[int, int] | None = None
     indices: tuple[int, ...] = ()
     fps: float | None = None
+    rate: float | None = None
 
     @property
     def is_file(self) -> bool:
@@ -55,6 +65,12 @@ class VideoRef(ImageRef):
     def num_frames(self) -> int:
         """The frames it keeps: the sampled ones of a file, else its frame files."""
         return len(self.indices) if self.is_file else len(self.frames)
+
+    def times(self) -> tuple[float, ...]:
+        """A video file's kept frames' times in seconds: each index / the stream's rate (frame
+        files carry no rate: models/qwen3_vl/video.py frame_times)."""
+        assert self.is_file and self.rate is not None, "not a video file whose header was read"
+        return tuple(i / self.rate for i in self.indices)
 
 
 class ImageTooLarge(ValueError):
@@ -112,7 +128,7 @@ class NativeResolution(ImageRule):
     image_size: int
     image_tokens: Callable[[int, int], int]
 
-    def fit(self, height: int, width: int, video: bool = False) -> tuple[int, int]:
+    def fit(self, height: int, width: int, frames: int = 0) -> tuple[int, int]:
         """(H, W) for an image (a video's frames are images) of height x width pixels: the
         aspect ratio kept, scaled by
         s = min(1, sqrt(max_pixels / (height * width))), each side rounded DOWN to a multiple of

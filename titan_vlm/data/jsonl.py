@@ -44,8 +44,12 @@ QwenRule, with its folder's `processor`): the same, with the rule's `fit` (the p
 smart_resize) in place of NativeResolution's, and the processor making each image's pixels at
 that size. Where the processor reads a video whole (HFProcessor.reads_videos), a record's video
 is one part (data/images.py VideoRef): all its kept frames' headers are read at start-up (frames
-of different sizes are a bad sample), the frames enter at `fit(h, w, video=True)` of their size,
-the part takes `rule.size_slots(h, w, frames)` slots, and decodes to [T, 3, H, W].
+of different sizes are a bad sample), the frames enter at `fit(h, w, frames)` of their size and
+count, the part takes `rule.size_slots(h, w, frames)` slots, and decodes to [T, 3, H, W]. The
+parts are sized before the chat template is rendered (data/records.py parse_record's `sized`),
+so a processor that writes text inside a video (Qwen3-VL's timestamps: one VideoRef per frame
+group, FolderVision.split_videos) knows its frames; the groups of one video file are decoded in
+one pass.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from __future__ import annotations
 import random
 from array import array
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -230,8 +235,8 @@ class JsonlDataset(Dataset):
                     check_files=True,
                     processor=processor,
                     max_frames=max_frames,
+                    sized=self._sized,
                 )
-                parts = self._sized(parts)
             except BadSample as bad:
                 self.bad.report(line, str(bad), log_startup)
                 self.skipped[bad.kind] += 1
@@ -252,8 +257,10 @@ class JsonlDataset(Dataset):
             self.starts.append(start)
             self.ends.append(end)
             sizes.append(size)
-            self.num_images += sample.num_images()
-            self.num_videos += sum(isinstance(p, VideoRef) for p in sample.parts)
+            # a record holds at most one video, in one part or one per frame group
+            video_parts = sum(isinstance(p, VideoRef) for p in sample.parts)
+            self.num_images += sample.num_images() - video_parts
+            self.num_videos += video_parts > 0
         self.records = len(spans)
         self.bad_at_startup = sum(self.skipped.values())
         self.rows = self._pack(sizes)
@@ -283,9 +290,10 @@ class JsonlDataset(Dataset):
                         f"({', '.join(f'{w}x{h}' for h, w in sorted(sizes))})",
                     )
                 (size,) = sizes
-                part = VideoRef(part.path, None, part.frames, self._fit(part.path, size, True))
+                fit = self._fit(part.path, size, len(part.frames))
+                part = VideoRef(part.path, None, part.frames, fit)
             elif isinstance(part, ImageRef):
-                part = ImageRef(part.path, self._fit(part.path, self._header(part.path), False))
+                part = ImageRef(part.path, self._fit(part.path, self._header(part.path), 0))
             out.append(part)
         return out
 
@@ -298,7 +306,7 @@ class JsonlDataset(Dataset):
         if ref.path in self._video_files:
             return self._video_files[ref.path]
         try:
-            indices, fps, size = video_file_frames(self.processor, ref.path, self.max_image_pixels)
+            kept, size = video_file_frames(self.processor, ref.path, self.max_image_pixels)
         except ConfigError:  # a ValueError too, but no bad sample
             raise
         except VideoError as e:
@@ -307,7 +315,7 @@ class JsonlDataset(Dataset):
             raise BadSample("image too large", f"image too large: {ref.path} ({e})") from None
         except ValueError as e:
             raise BadSample("video frames", f"{ref.path}: {e}") from None
-        sized = VideoRef(ref.path, None, (), self._fit(ref.path, size, True), indices, fps)
+        sized = replace(kept, frame_size=self._fit(ref.path, size, kept.num_frames))
         self._video_files[ref.path] = sized
         return sized
 
@@ -325,11 +333,12 @@ class JsonlDataset(Dataset):
                 f"image cannot be decoded: {path} ({type(e).__name__}: {e})",
             ) from None
 
-    def _fit(self, path: Path, size: tuple[int, int], video: bool) -> tuple[int, int]:
-        """The rule's fit of a header's size, or BadSample where the rule refuses it."""
+    def _fit(self, path: Path, size: tuple[int, int], frames: int) -> tuple[int, int]:
+        """The rule's fit of a header's size (`frames` > 0: a video's frames, that many), or
+        BadSample where the rule refuses it."""
         assert self.rule is not None
         try:
-            return self.rule.fit(*size, video=video)
+            return self.rule.fit(*size, frames=frames)
         except ValueError as e:
             raise BadSample("image size", f"image size not usable: {path} ({e})") from None
 
@@ -386,8 +395,7 @@ class JsonlDataset(Dataset):
         videos = f" and {self.num_videos} video(s)" if self.num_videos else ""
         return (
             f"{self.name}: {self.records} record(s) -> {len(self.starts)} samples with "
-            f"{self.num_images - self.num_videos} "
-            f"image(s){videos} in {len(self.rows)} rows of {self.seq_len} slots "
+            f"{self.num_images} image(s){videos} in {len(self.rows)} rows of {self.seq_len} slots "
             f"({'packed' if self.packing else 'one sample per row'}"
             f"{', rows shuffled per epoch' if self.shuffle else ''}"
             f"{native}); "
@@ -430,6 +438,15 @@ class JsonlDataset(Dataset):
         sample counted as dropped) if, under native resolution, an image header can no longer
         be read."""
         f.seek(self.starts[i])
+        unusable: list[BadSample] = []  # a header that can no longer be read, not a new record
+
+        def sized(parts: list[Part]) -> list[Part]:
+            try:
+                return self._sized(parts)
+            except BadSample as bad:
+                unusable.append(bad)
+                raise
+
         try:
             parts = parse_record(
                 decode_record(f.read(self.ends[i] - self.starts[i])),
@@ -438,27 +455,33 @@ class JsonlDataset(Dataset):
                 check_files=False,
                 processor=self.processor,
                 max_frames=self.max_frames,
+                sized=sized,
             )
-        except BadSample:
+        except BadSample as bad:
+            if unusable:
+                self.bad.report(self.lines[i], str(bad), self.log_batches)
+                self.dropped.add(i)
+                return None
             raise ConfigError(
                 f"data.dataset: {self.name}:{self.lines[i]} changed since start-up (batches read "
                 "their records back from the file)"
             ) from None
-        try:
-            parts = self._sized(parts)
-        except BadSample as bad:
-            self.bad.report(self.lines[i], str(bad), self.log_batches)
-            self.dropped.add(i)
-            return None
         return self._truncated(Sample(parts))
 
     def _decoded(self, i: int, sample: Sample | None) -> Sample | None:
         """The sample with its images decoded, or None (reported) if one cannot be used."""
         if sample is None:
             return None
+        whole = self._whole_files(i, sample)
+        if whole is None:
+            return None
         parts: list[Part] = []
         for part in sample.parts:
-            if isinstance(part, ImageRef):
+            if isinstance(part, VideoRef) and part.path in whole:  # a frame group of a file
+                video, kept = whole[part.path]
+                at = [kept.index(j) for j in part.indices]
+                part = VideoFrames(video.frames[at], video.fps, tuple(video.times[j] for j in at))
+            elif isinstance(part, ImageRef):
                 image = self._image(i, part)
                 if image is None:
                     return None
@@ -466,15 +489,34 @@ class JsonlDataset(Dataset):
             parts.append(part)
         return Sample(parts)
 
+    def _whole_files(
+        self, i: int, sample: Sample
+    ) -> dict[Path, tuple[VideoFrames, list[int]]] | None:
+        """Each video file the sample holds in several parts (its frame groups: a processor that
+        splits videos) decoded once, all their frames, with the indices decoded; None (reported)
+        if one cannot be used."""
+        refs: dict[Path, list[VideoRef]] = {}
+        for part in sample.parts:
+            if isinstance(part, VideoRef) and part.is_file:
+                refs.setdefault(part.path, []).append(part)
+        whole: dict[Path, tuple[VideoFrames, list[int]]] = {}
+        for path, groups in refs.items():
+            if len(groups) < 2:
+                continue
+            kept = sorted({j for g in groups for j in g.indices})
+            video = self._image(i, replace(groups[0], indices=tuple(kept)))
+            if video is None:
+                return None
+            assert isinstance(video, VideoFrames)
+            whole[path] = (video, kept)
+        return whole
+
     def _image(self, i: int, ref: ImageRef) -> torch.Tensor | VideoFrames | None:
         """Sample i's image `ref` decoded, or None (reported, and the sample counted as dropped)
         if it cannot be decoded or is too large."""
         try:
             if isinstance(ref, VideoRef) and ref.is_file and self.processor is not None:
-                assert ref.fps is not None  # read with its header (_video_file)
-                return self.processor.preprocess_video_file(
-                    ref.path, ref.indices, ref.fps, ref.frame_size
-                )
+                return self.processor.preprocess_video_file(ref)
             if isinstance(ref, VideoRef) and self.processor is not None:
                 return self.processor.preprocess_video(
                     ref.frames, self.max_image_pixels, ref.frame_size

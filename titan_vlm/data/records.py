@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from titan_vlm.data.batch import ImageRef, Part
@@ -101,12 +102,16 @@ def parse_record(
     check_files: bool,
     processor: HFProcessor | None = None,
     max_frames: int = 8,
+    sized: Callable[[list[Part]], list[Part]] | None = None,
 ) -> list[Part]:
     """One record into Sample parts (images, and a video's kept frames, as ImageRef; the video
     as one VideoRef where `processor` reads videos whole), or BadSample saying why not.
     `check_files`: an image (or kept frame) file that does not exist is a bad sample.
     `processor`: conversations in its chat template (else the built-in one). `max_frames`: a
-    video's frames are sampled to at most this many (data.max_frames)."""
+    video's frames are sampled to at most this many (data.max_frames). `sized`: the refs with
+    the sizes they enter the encoder at (data/jsonl.py; BadSample where a header says no), made
+    before the text is assembled: a processor that writes text inside a video
+    (FolderVision.splits_videos) needs its frames."""
     if not isinstance(record, dict):
         raise BadSample("bad record", f"expected a JSON object, got {type(record).__name__}")
     paths = _paths(record)
@@ -171,7 +176,14 @@ def parse_record(
             refs.append(VideoRef(found[0], frames=() if video_file else tuple(found)))
         else:
             refs.append(ImageRef(found[0]))
-    images: list[Part] = list(refs)
+    images: list[Part] = list(refs) if sized is None else sized(list(refs))
+    splits = processor is not None and processor.vision.splits_videos
+    if splits and not turns and frames is not None:
+        raise BadSample(
+            "bad record",
+            "a video in a caption ('text'): this model folder's processor writes the video's "
+            "frame timestamps into a chat template's text; give it as 'conversations'",
+        )
     if not turns:
         caption = texts[0].replace(VIDEO, PLACEHOLDER)  # a whole video takes one image's place
         return assemble(caption_segments(caption, images, tok), tok)

@@ -9,8 +9,9 @@ Qwen3VLMoeForConditionalGeneration). Where the architecture comes from:
 What it shares with qwen2_5_vl (the data path for images, M-RoPE positions, the processor and
 tokenizer of a folder, the FLOPs and CP cost model, init rule) comes from models/common/qwen_vl;
 the experts from models/common (moe.py, hf_experts.py); what differs is here (vision.py,
-model.py, mrope.py, hf_adapter.py, hf_config.py, parallelize.py). Not yet: videos (images.py
-refuses them in one line), sequence parallelism (validate.py), the planner (plan_shapes None).
+model.py, mrope.py, hf_adapter.py, hf_config.py, parallelize.py, and videos: video.py, their
+frame timestamps, and images.py). Not yet: sequence parallelism (validate.py), the planner
+(plan_shapes None).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from titan_vlm.models.common.hf_config import whole_model_args, with_aux_coef
 from titan_vlm.models.common.qwen_vl.flops import batch_train_flops, layout_cost
 from titan_vlm.models.common.qwen_vl.images import folder_rule
 from titan_vlm.models.common.qwen_vl.model import init_rule
-from titan_vlm.models.common.qwen_vl.processor import model_inputs
 from titan_vlm.models.common.text_args import MoEArgs
 from titan_vlm.models.qwen3_vl.args import Qwen3VLArgs
 from titan_vlm.models.qwen3_vl.hf_adapter import (
@@ -39,6 +39,7 @@ from titan_vlm.models.qwen3_vl.images import Qwen3Rule
 from titan_vlm.models.qwen3_vl.model import Qwen3VL
 from titan_vlm.models.qwen3_vl.parallelize import parallelize
 from titan_vlm.models.qwen3_vl.validate import validate
+from titan_vlm.models.qwen3_vl.video import QWEN3_VIDEO, qwen3_inputs
 from titan_vlm.models.spec import ModelSpec
 
 # "debug": a 3-block tower (16-pixel patches, a 4x4 learned position grid, DeepStack from blocks
@@ -63,9 +64,9 @@ def qwen3_args(cfg: JobConfig) -> Qwen3VLArgs:
 
 
 def data_rule(args: Qwen3VLArgs, cfg: JobConfig) -> tuple[ImageRule | None, SlotData | None]:
-    """Images at their own sizes (images.py Qwen3Rule, with model.hf_path's processor bounds),
-    and each sample's M-RoPE positions."""
-    rule = folder_rule(args, cfg.model.hf_path, Qwen3Rule)
+    """Images and videos at their own sizes (images.py Qwen3Rule, with model.hf_path's
+    processor settings), and each sample's M-RoPE positions."""
+    rule = folder_rule(args, cfg.model.hf_path, Qwen3Rule, QWEN3_VIDEO)
     return rule, rule.positions
 
 
@@ -85,7 +86,7 @@ QWEN3_VL = ModelSpec(
     layout_cost=layout_cost,
     validate=validate,
     data_rule=data_rule,
-    inputs=model_inputs,
+    inputs=qwen3_inputs,
     plan_shapes=None,  # the planner does not price this family yet (docs/limits.md)
     # the mergers (main and DeepStack) map the tower's features into the decoder: the projector
     param_groups=(

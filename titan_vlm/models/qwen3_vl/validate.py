@@ -10,6 +10,7 @@ from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError
 from titan_vlm.models.common.qwen_vl.validate import validate as qwen2_5_vl_validate
 from titan_vlm.models.qwen3_vl.args import Qwen3VLArgs
+from titan_vlm.models.qwen3_vl.video import qwen3_inputs
 from titan_vlm.parallel_dims import ParallelDims
 
 
@@ -27,4 +28,4 @@ def validate(args: Qwen3VLArgs, dims: ParallelDims, cfg: JobConfig) -> None:
             "parallelism.image_embed_tp_shard: a Qwen3-VL image slot's row holds its embedding "
             "and its DeepStack features, kept whole over tp; set it to false"
         )
-    qwen2_5_vl_validate(args, dims, cfg)
+    qwen2_5_vl_validate(args, dims, cfg, qwen3_inputs)

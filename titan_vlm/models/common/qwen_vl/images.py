@@ -32,8 +32,10 @@ from titan_vlm.models.common.qwen_vl.mrope import Grid, vision_positions
 from titan_vlm.models.common.qwen_vl.processor import (
     DEFAULT_FPS,
     KEY,
+    QWEN2_VIDEO,
     VIDEO_DEFAULTS,
     QwenVLProcessor,
+    VideoClass,
     has_processor_files,
     smart_resize,
 )
@@ -62,6 +64,11 @@ class QwenRule(ImageRule):
         VIDEO_DEFAULTS["size"]["longest_edge"],
     )
 
+    @classmethod
+    def from_processor(cls, args: Qwen25VLArgs, proc: QwenVLProcessor) -> QwenRule:
+        """The rule with a folder's processor's image and video pixel bounds."""
+        return cls(args, proc.image.pixel_bounds, video_bounds=proc.video.pixel_bounds)
+
     @property
     def image_size(self) -> int:  # type: ignore[override]
         """The side of the built-in data's square images (Qwen25VLArgs.image_size)."""
@@ -81,14 +88,14 @@ class QwenRule(ImageRule):
     def slots(self, image: torch.Tensor) -> int:
         return self.args.vision.tokens(*self.grid(image))
 
-    def fit(self, height: int, width: int, video: bool = False) -> tuple[int, int]:
-        """(H, W) an image (`video`: a video's frames) of height x width pixels is processed at:
-        smart_resize with the image (video) bounds, as the folder's processor
+    def fit(self, height: int, width: int, frames: int = 0) -> tuple[int, int]:
+        """(H, W) an image (`frames` > 0: a video's frames) of height x width pixels is
+        processed at: smart_resize with the image (video) bounds, as the folder's processor
         (processor.py VisionSettings.resized). ValueError where smart_resize refuses it, or
         (no resizing) a side is not whole merge units."""
         v = self.args.vision
         unit = v.patch_size * v.spatial_merge_size
-        bounds = self.video_bounds if video else self.pixel_bounds
+        bounds = self.video_bounds if frames else self.pixel_bounds
         if bounds is None:
             if height % unit or width % unit:
                 raise ValueError(
@@ -144,14 +151,20 @@ class QwenRule(ImageRule):
         return {MROPE_POSITIONS: positions}
 
 
-def folder_rule(args: Qwen25VLArgs, hf_path: str, kind: type[QwenRule] = QwenRule) -> QwenRule:
-    """The QwenRule (of class `kind`: a family's own, e.g. Qwen3-VL's) of a model folder: its
-    processor's image and video pixel bounds where the folder has processor files (processor.py
-    has_processor_files), else the class defaults. A processor whose patch, merge or temporal
-    patch size is not the model's is a ConfigError naming its file."""
+def folder_rule(
+    args: Qwen25VLArgs,
+    hf_path: str,
+    kind: type[QwenRule] = QwenRule,
+    video_class: VideoClass = QWEN2_VIDEO,
+) -> QwenRule:
+    """The QwenRule (of class `kind`: a family's own, e.g. Qwen3-VL's, with its video processor
+    class) of a model folder: its processor's image and video settings where the folder has
+    processor files (processor.py has_processor_files: `kind.from_processor`), else the class
+    defaults. A processor whose patch, merge or temporal patch size is not the model's is a
+    ConfigError naming its file."""
     if not (hf_path and has_processor_files(Path(hf_path))):
         return kind(args)
-    proc = QwenVLProcessor.from_folder(hf_path)
+    proc = QwenVLProcessor.from_folder(hf_path, video_class)
     v = args.vision
     for settings, where in ((proc.image, proc.image_file), (proc.video, proc.video_file)):
         ours = (settings.patch_size, settings.merge_size, settings.temporal_patch_size)
@@ -161,7 +174,7 @@ def folder_rule(args: Qwen25VLArgs, hf_path: str, kind: type[QwenRule] = QwenRul
                 f"{KEY}: {where}: patch_size, merge_size, temporal_patch_size {ours}, the "
                 f"model's config.json has {model}"
             )
-    return kind(args, proc.image.pixel_bounds, video_bounds=proc.video.pixel_bounds)
+    return kind.from_processor(args, proc)
 
 
 @dataclass(frozen=True)

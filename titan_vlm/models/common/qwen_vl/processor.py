@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -67,7 +67,7 @@ from titan_vlm.data.hf_processor import (
     FolderVision,
     HFProcessor,
 )
-from titan_vlm.data.images import ImageProcessing, open_image
+from titan_vlm.data.images import DEFAULT_FPS, ImageProcessing, open_image
 from titan_vlm.errors import ConfigError
 from titan_vlm.files import read_json, read_text
 
@@ -81,7 +81,7 @@ Grid = tuple[int, int, int]  # (t, h, w): frames / temporal_patch_size, patch ro
 
 IMAGE_TOKEN = "<|image_pad|>"  # Qwen2_5_VLProcessor's placeholders where the tokenizer names none
 VIDEO_TOKEN = "<|video_pad|>"
-DEFAULT_FPS = 24.0  # transformers' VideoMetadata.sampled_fps for frames given without metadata
+VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 MAX_ASPECT_RATIO = 200  # smart_resize refuses longer / shorter side above this
 
 # The class defaults transformers 5.25 gives settings a file leaves out: Qwen2VLImageProcessorPil
@@ -108,22 +108,25 @@ VIDEO_DEFAULTS: dict[str, Any] = {
     "size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768},
 }
 IMAGE_CLASS = "Qwen2VLImageProcessor"  # with or without transformers' Pil / Fast suffix
-VIDEO_CLASS = "Qwen2VLVideoProcessor"
-# Qwen3-VL folders name their own video processor; the qwen3_vl family refuses videos until its
-# frame timestamps are built (models/qwen3_vl/images.py), so its settings are read and checked
-# here but never process a video
-VIDEO_CLASSES = (VIDEO_CLASS, "Qwen3VLVideoProcessor")
 
 
 def smart_resize(
-    height: int, width: int, factor: int, min_pixels: int, max_pixels: int
+    height: int,
+    width: int,
+    factor: int,
+    min_pixels: int,
+    max_pixels: int,
+    frames: int = 1,
+    temporal: int = 1,
 ) -> tuple[int, int]:
     """(H, W) transformers' Qwen2-VL smart_resize gives an image of height x width pixels: each
     side rounded to the nearest multiple of `factor` (Python's round: halves to even); where
     that has more than `max_pixels` pixels, both sides scaled by sqrt(max_pixels / (h * w)) and
     rounded DOWN to multiples (at least `factor`); where fewer than `min_pixels`, scaled by
     sqrt(min_pixels / (h * w)) and rounded UP. ValueError where the longer side is more than
-    MAX_ASPECT_RATIO times the shorter (or a side is not positive)."""
+    MAX_ASPECT_RATIO times the shorter (or a side is not positive). With `frames` (Qwen3-VL's
+    video rule, models/qwen3_vl/video.py): the pixels compared are those of round(frames /
+    `temporal`) x temporal frames, and the scale counts `frames` frames."""
     if height <= 0 or width <= 0:
         raise ValueError(f"an image of {width}x{height} pixels")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
@@ -133,12 +136,13 @@ def smart_resize(
         )
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
+    t_bar = round(frames / temporal) * temporal
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((frames * height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
@@ -338,11 +342,32 @@ class FrameSampling:
         return torch.arange(0, total, total / n).int().tolist()
 
 
-def frame_sampling(settings: dict[str, Any], where: str, temporal_patch_size: int) -> FrameSampling:
-    """A video processor file's frame sampling settings over SAMPLING_DEFAULTS; fps and
-    num_frames together (transformers refuses them when it samples) or a value of the wrong
-    kind is a one-line ConfigError naming `where` and the key."""
-    s = {**SAMPLING_DEFAULTS, **{k: v for k, v in settings.items() if k in SAMPLING_DEFAULTS}}
+@dataclass(frozen=True)
+class VideoClass:
+    """A transformers video processor class a family's folders name (video_processor_type): its
+    name, the defaults it gives settings a file leaves out (`defaults`: the VisionSettings keys;
+    `sampling_defaults`: SAMPLING_DEFAULTS' keys), its frame sampling rule (a FrameSampling
+    class) and whether it may cap each frame's pixels (cap_pixels_per_frame)."""
+
+    name: str
+    defaults: dict[str, Any]
+    sampling_defaults: dict[str, Any]
+    sampling: type[FrameSampling] = FrameSampling
+    caps_frames: bool = False
+
+
+QWEN2_VIDEO = VideoClass("Qwen2VLVideoProcessor", VIDEO_DEFAULTS, SAMPLING_DEFAULTS)
+
+
+def frame_sampling(
+    settings: dict[str, Any], where: str, temporal_patch_size: int, kind: VideoClass = QWEN2_VIDEO
+) -> FrameSampling:
+    """A video processor file's frame sampling settings over the class's defaults
+    (kind.sampling_defaults; Qwen2-VL's SAMPLING_DEFAULTS) as kind.sampling; fps and num_frames
+    together (transformers refuses them when it samples) or a value of the wrong kind is a
+    one-line ConfigError naming `where` and the key."""
+    defaults = kind.sampling_defaults
+    s = {**defaults, **{k: v for k, v in settings.items() if k in defaults}}
     if not isinstance(s["do_sample_frames"], bool):
         raise ConfigError(
             f"{KEY}: {where}: do_sample_frames must be true or false, got {s['do_sample_frames']!r}"
@@ -357,7 +382,7 @@ def frame_sampling(settings: dict[str, Any], where: str, temporal_patch_size: in
         raise ConfigError(
             f"{KEY}: {where}: fps and num_frames are both set (transformers takes one of them)"
         )
-    return FrameSampling(
+    return kind.sampling(
         s["do_sample_frames"],
         None if s["fps"] is None else float(s["fps"]),
         s["num_frames"],
@@ -381,12 +406,15 @@ def second_per_grid_t(fps: float, temporal_patch_size: int) -> float:
 class VisionTokens:
     """The placeholder tokens and their ids: Qwen2_5_VLProcessor takes the strings from its
     tokenizer's `image_token` / `video_token` where the tokenizer names them, else IMAGE_TOKEN /
-    VIDEO_TOKEN."""
+    VIDEO_TOKEN; Qwen3VLProcessor the vision start / end strings likewise (`start`, `end`: what
+    it wraps each frame group of a video in)."""
 
     image: str
     video: str
     image_id: int
     video_id: int
+    start: str = VISION_START
+    end: str = VISION_END
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> VisionTokens:
@@ -407,6 +435,13 @@ class VisionTokens:
             name: _token_name(name, default, config, legacy, folder)
             for name, default in (("image_token", IMAGE_TOKEN), ("video_token", VIDEO_TOKEN))
         }
+        start, end = (
+            _token_name(name, default, config, legacy, folder)
+            for name, default in (
+                ("vision_start_token", VISION_START),
+                ("vision_end_token", VISION_END),
+            )
+        )
         path = folder / "tokenizer.json"
         text = read_text(path, KEY)  # missing, a folder or unreadable: one line
         try:
@@ -425,7 +460,12 @@ class VisionTokens:
                 f"{names['image_token']!r}"
             )
         return cls(
-            names["image_token"], names["video_token"], ids["image_token"], ids["video_token"]
+            names["image_token"],
+            names["video_token"],
+            ids["image_token"],
+            ids["video_token"],
+            start,
+            end,
         )
 
 
@@ -527,17 +567,21 @@ def expand_ids(
     return out
 
 
-def vision_settings(settings: dict[str, Any], where: str, video: bool) -> VisionSettings:
-    """A preprocessor file's settings (`video`: a video processor's, with its class defaults) as
-    transformers 5.25 reads them: the class defaults (IMAGE_DEFAULTS / VIDEO_DEFAULTS) for keys
-    the file leaves out; the resize bounds from top-level min_pixels / max_pixels where present,
-    else the file's `size` {"shortest_edge", "longest_edge"} (not merged with the default size:
-    a file's size must name both). Anything transformers would refuse or this module does not
-    do is a one-line ConfigError naming `where` and the key."""
+def vision_settings(
+    settings: dict[str, Any], where: str, video: VideoClass | None
+) -> VisionSettings:
+    """A preprocessor file's settings (`video`: a video processor's, of that class, with its
+    defaults; None: the image processor's) as transformers 5.25 reads them: the class defaults
+    (IMAGE_DEFAULTS / video.defaults) for keys the file leaves out; the resize bounds from
+    top-level min_pixels / max_pixels where present, else the file's `size` {"shortest_edge",
+    "longest_edge"} (not merged with the default size: a file's size must name both). Anything
+    transformers would refuse or this module does not do is a one-line ConfigError naming
+    `where` and the key."""
     _check_class(settings, where, video)
-    if video and settings.get("cap_pixels_per_frame"):
+    if video and not video.caps_frames and settings.get("cap_pixels_per_frame"):
         raise ConfigError(f"{KEY}: {where}: cap_pixels_per_frame=true is not supported")
-    s = {**(VIDEO_DEFAULTS if video else IMAGE_DEFAULTS), **settings}
+    defaults = video.defaults if video else IMAGE_DEFAULTS
+    s = {**defaults, **settings}
     flags = {}
     for key in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
         if not isinstance(s[key], bool):
@@ -556,7 +600,7 @@ def vision_settings(settings: dict[str, Any], where: str, video: bool) -> Vision
         patch_size=_positive(s, "patch_size", where),
         temporal_patch_size=_positive(s, "temporal_patch_size", where),
         merge_size=_positive(s, "merge_size", where),
-        pixel_bounds=_pixel_bounds(s, video, where) if flags["do_resize"] else None,
+        pixel_bounds=_pixel_bounds(s, defaults, where) if flags["do_resize"] else None,
         resample=int(resample),
         convert_rgb=flags["do_convert_rgb"],
         rescale_factor=float(rescale) if flags["do_rescale"] else None,
@@ -565,15 +609,15 @@ def vision_settings(settings: dict[str, Any], where: str, video: bool) -> Vision
     )
 
 
-def _check_class(settings: dict[str, Any], where: str, video: bool) -> None:
-    """The file's processor class, where it names one, must be Qwen2-VL's (a video processor
-    read from an image processor's file: transformers infers the video class from the image
-    class)."""
+def _check_class(settings: dict[str, Any], where: str, video: VideoClass | None) -> None:
+    """The file's processor class, where it names one, must be Qwen2-VL's image processor, or
+    the family's video processor class `video` (a video processor read from an image
+    processor's file: transformers infers the video class from the model)."""
     if video and "video_processor_type" in settings:
-        if settings["video_processor_type"] not in VIDEO_CLASSES:
+        if settings["video_processor_type"] != video.name:
             raise ConfigError(
                 f"{KEY}: {where}: video_processor_type {settings['video_processor_type']!r} is "
-                f"not supported (supported: {', '.join(VIDEO_CLASSES)})"
+                f"not supported by this model family (supported: {video.name})"
             )
         return
     kind = settings.get("image_processor_type")
@@ -591,11 +635,11 @@ def _positive(s: dict[str, Any], key: str, where: str) -> int:
     return value
 
 
-def _pixel_bounds(s: dict[str, Any], video: bool, where: str) -> tuple[int, int]:
+def _pixel_bounds(s: dict[str, Any], defaults: dict[str, Any], where: str) -> tuple[int, int]:
     """(min_pixels, max_pixels): the top-level keys over the size dict's (see vision_settings)."""
     size = s["size"]
     if size is None:  # transformers: a null size is the class default
-        size = (VIDEO_DEFAULTS if video else IMAGE_DEFAULTS)["size"]
+        size = defaults["size"]
     if not isinstance(size, dict):
         raise ConfigError(
             f"{KEY}: {where}: size must be a dict {{shortest_edge, longest_edge}}, got {size!r}"
@@ -652,9 +696,15 @@ class QwenVLProcessor:
     image_file: str  # where the image settings came from, for errors
     video_file: str
     sampling: FrameSampling  # which frames of a video file are kept (the video settings')
+    # cap_pixels_per_frame's per-frame token ceiling (max_video_tokens), None: no cap
+    frame_cap: int | None = None
 
     @classmethod
-    def from_folder(cls, path: str | Path) -> QwenVLProcessor:
+    def from_folder(
+        cls, path: str | Path, video_class: VideoClass = QWEN2_VIDEO
+    ) -> QwenVLProcessor:
+        """The folder's files (module docstring); the video settings as `video_class` reads
+        them (the family's video processor: Qwen2-VL's by default)."""
         folder = Path(path)
         if not folder.is_dir():
             raise ConfigError(f"{KEY}: folder not found: {path}")
@@ -670,15 +720,26 @@ class QwenVLProcessor:
             "video_processor",
             ("video_preprocessor_config.json", "preprocessor_config.json"),
         )
-        video_settings = vision_settings(video, video_file, video=True)
+        video_settings = vision_settings(video, video_file, video_class)
+        frame_cap = None
+        if video_class.caps_frames and video.get("cap_pixels_per_frame"):
+            frame_cap = video.get("max_video_tokens", video_class.defaults["max_video_tokens"])
+            if isinstance(frame_cap, bool) or not isinstance(frame_cap, int) or frame_cap <= 0:
+                raise ConfigError(
+                    f"{KEY}: {video_file}: max_video_tokens must be a positive integer, got "
+                    f"{frame_cap!r}"
+                )
         return cls(
             folder=str(path),
-            image=vision_settings(image, image_file, video=False),
+            image=vision_settings(image, image_file, None),
             video=video_settings,
             tokens=VisionTokens.from_folder(folder),
             image_file=image_file,
             video_file=video_file,
-            sampling=frame_sampling(video, video_file, video_settings.temporal_patch_size),
+            sampling=frame_sampling(
+                video, video_file, video_settings.temporal_patch_size, video_class
+            ),
+            frame_cap=frame_cap,
         )
 
     def image_grid(self, path: str | Path, max_pixels: int | None = None) -> Grid:
@@ -748,12 +809,17 @@ class QwenVision(FolderVision):
         return self.processor.image.pixels(image, size)
 
     def video(self, frames: list[PILImage.Image], size: tuple[int, int] | None) -> torch.Tensor:
-        """[T, 3, H, W] float32, every frame at `size` (None: the video settings' smart_resize
-        of the frames' size), as preprocess_frames makes them before patchifying."""
+        """[T, 3, H, W] float32, every frame at `size` (None: `video_size` of the frames' size
+        and count), as preprocess_frames makes them before patchifying."""
         if size is None:
             width, height = frames[0].size
-            size = self.processor.video.resized(height, width)
+            size = self.video_size(height, width, len(frames))
         return torch.stack([self.processor.video.pixels(frame, size) for frame in frames])
+
+    def video_size(self, height: int, width: int, frames: int) -> tuple[int, int]:
+        """(H, W) each of a video's `frames` frames of height x width pixels is processed at:
+        Qwen2VLVideoProcessor's smart_resize of one frame (the count does not matter)."""
+        return self.processor.video.resized(height, width)
 
     def video_indices(self, frames: int, fps: float) -> list[int]:
         """The frames of a video file Qwen2VLVideoProcessor keeps (FrameSampling.indices with
@@ -770,14 +836,19 @@ def has_processor_files(folder: Path) -> bool:
     return path.is_file() and isinstance(read_json(path, KEY).get("image_processor"), dict)
 
 
-def chat_processor(path: str | Path) -> HFProcessor:
+def chat_processor(
+    path: str | Path,
+    video_class: VideoClass = QWEN2_VIDEO,
+    vision: type[QwenVision] = QwenVision,
+) -> HFProcessor:
     """A Qwen2.5-VL folder's HFProcessor (module docstring): its tokenizer with the image token
-    as IMAGE, its chat template, QwenVision. config.json's image_token_id / video_token_id,
-    where it has them, must be the tokenizer's ids of the placeholders (a ConfigError)."""
+    as IMAGE, its chat template, `vision` (QwenVision; a family's own, with its `video_class`:
+    Qwen3-VL's). config.json's image_token_id / video_token_id, where it has them, must be the
+    tokenizer's ids of the placeholders (a ConfigError)."""
     from titan_vlm.data.tokenizer import HFTokenizer
 
     folder = Path(path)
-    qwen = QwenVLProcessor.from_folder(folder)
+    qwen = QwenVLProcessor.from_folder(folder, video_class)
     tokens = qwen.tokens
     tokenizer = HFTokenizer.from_folder(folder, tokens.image)
     if (folder / "config.json").is_file():
@@ -791,24 +862,26 @@ def chat_processor(path: str | Path) -> HFProcessor:
     settings: dict[str, Any] = {}
     if (folder / "processor_config.json").is_file():
         settings = read_json(folder / "processor_config.json", KEY)
-    vision = QwenVision(qwen, tokens.video, tokens.video_id)
-    return HFProcessor.with_vision(folder, settings, tokenizer, tokens.image, vision)
+    half = vision(qwen, tokens.video, tokens.video_id)
+    return HFProcessor.with_vision(folder, settings, tokenizer, tokens.image, half)
 
 
-def model_inputs(cfg: JobConfig) -> tuple[ByteTokenizer | HFTokenizer, HFProcessor | None]:
+def model_inputs(
+    cfg: JobConfig, chat: Callable[[Path], HFProcessor] = chat_processor
+) -> tuple[ByteTokenizer | HFTokenizer, HFProcessor | None]:
     """The tokenizer the job's text is encoded with and the folder's processor (ModelSpec.inputs):
     for model.hf_path with a tokenizer.json and processor settings (`has_processor_files`), its
-    `chat_processor` (a dataset file's conversations in its chat template, images and videos as
-    its processor makes them), else none. The tokenizer: model.tokenizer_path's; else the
-    processor's; else model.hf_path's, as transformers loads it, where the folder has a
-    tokenizer.json; else the built-in byte tokenizer."""
+    `chat` (the family's chat_processor: a dataset file's conversations in its chat template,
+    images and videos as its processor makes them), else none. The tokenizer:
+    model.tokenizer_path's; else the processor's; else model.hf_path's, as transformers loads
+    it, where the folder has a tokenizer.json; else the built-in byte tokenizer."""
     from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
     m = cfg.model
     folder = Path(m.hf_path) if m.hf_path else None
     processor = None
     if folder and (folder / "tokenizer.json").is_file() and has_processor_files(folder):
-        processor = chat_processor(folder)
+        processor = chat(folder)
     if m.tokenizer_path:
         return build_tokenizer(m.tokenizer_path), processor
     if processor is not None:

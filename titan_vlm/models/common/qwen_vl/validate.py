@@ -6,16 +6,31 @@ vocabulary. Each finding is a one-line ConfigError naming the key."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from titan_vlm.config import JobConfig
 from titan_vlm.errors import ConfigError
 from titan_vlm.models.common.qwen_vl.args import Qwen25VLArgs
+from titan_vlm.models.common.qwen_vl.processor import model_inputs
 from titan_vlm.models.common.validate import check_experts, check_tp_divides, decoder_tp_sizes
 from titan_vlm.parallel_dims import ParallelDims
 
+if TYPE_CHECKING:
+    from titan_vlm.data.hf_processor import HFProcessor
+    from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 
-def validate(args: Qwen25VLArgs, dims: ParallelDims, cfg: JobConfig) -> None:
+
+def validate(
+    args: Qwen25VLArgs,
+    dims: ParallelDims,
+    cfg: JobConfig,
+    inputs: Callable[[JobConfig], tuple[ByteTokenizer | HFTokenizer, HFProcessor | None]] = (
+        model_inputs
+    ),
+) -> None:
     """ModelSpec.validate: every check of the module docstring, in order; the first finding is
-    raised."""
+    raised. `inputs`: the family's ModelSpec.inputs (its tokenizer's vocabulary is checked)."""
     flavor = cfg.model.flavor
     p = cfg.parallelism
     check_experts(args.decoder, dims, cfg)
@@ -43,7 +58,7 @@ def validate(args: Qwen25VLArgs, dims: ParallelDims, cfg: JobConfig) -> None:
             f"parallelism.cp_comm_type='a2a' needs the {local_heads} attention heads (per tp "
             f"rank) of flavor '{flavor}' to divide by context_parallel_degree={dims.cp}"
         )
-    vocab = tokenizer_vocab(cfg)
+    vocab = inputs(cfg)[0].vocab_size
     if vocab > d.vocab_size:
         key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.hf_path"
         raise ConfigError(
@@ -59,11 +74,3 @@ def vision_tp_sizes(args: Qwen25VLArgs) -> list[tuple[str, int]]:
     sequence parallelism pads it (vision.py)."""
     v = args.vision
     return [("vision num_heads", v.num_heads), ("vision intermediate_size", v.intermediate_size)]
-
-
-def tokenizer_vocab(cfg: JobConfig) -> int:
-    """The vocabulary size of the tokenizer the job's text is encoded with (the family's
-    model_inputs: not data.model_inputs, whose LLaVA processor a Qwen2.5-VL folder is not)."""
-    from titan_vlm.models.common.qwen_vl.processor import model_inputs
-
-    return model_inputs(cfg)[0].vocab_size
