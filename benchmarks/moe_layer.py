@@ -9,8 +9,9 @@
 2. The whole layer (router, experts, combine; forward + backward) at ep = 1 and ep = 2 on 2 gloo
    processes, each with its own tokens: step time (slowest rank) and the bytes each rank sends
    by all-to-all per step, counted by wrapping torch.distributed.all_to_all_single, beside the
-   analytic value for a balanced router: 4 x tokens x top_k x (ep - 1) / ep rows of dim (the
-   rows out and back, in the forward and in the backward) plus the counts.
+   planner's figure (titan_vlm/plan/comm.py ep_layer_bytes: a router that spreads the picks
+   evenly, 4 x tokens x top_k x (ep - 1) / ep rows of dim, out and back in the forward and in
+   the backward, plus the forward's rows per expert).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from titan_vlm.models.common.grouped import experts
 from titan_vlm.models.common.moe import MoE
 from titan_vlm.models.common.text_args import MoEArgs
+from titan_vlm.plan.comm import ep_layer_bytes
 
 TOP_K = 2
 
@@ -135,8 +137,7 @@ def ep_worker(rank: int, size: int, results, token_counts: list[int], dim: int, 
                 step()
                 took = torch.tensor(time.perf_counter() - start)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            rows = 4 * tokens * TOP_K * (ep - 1) / ep
-            analytic = rows * dim * 4 + 2 * 2 * e * 8 * (ep - 1) / ep if ep > 1 else 0
+            planned = ep_layer_bytes(tokens * TOP_K, dim, 4, ep, e)
             if rank == 0:
                 results.put(
                     dict(
@@ -144,7 +145,7 @@ def ep_worker(rank: int, size: int, results, token_counts: list[int], dim: int, 
                         tokens=tokens,
                         step_s=float(took),
                         sent_mib=sent["bytes"] / 2**20,
-                        analytic_mib=analytic / 2**20,
+                        planned_mib=planned / 2**20,
                     )
                 )
 
@@ -162,13 +163,13 @@ def main() -> None:
         f"ffn {opts.ffn}, {opts.experts} experts, top {TOP_K}, fp32\n"
     )
     grouped_table(token_counts, opts.dim, opts.ffn, opts.experts)
-    print("\n| ep | tokens per rank | layer fwd+bwd s | all-to-all sent MiB | analytic MiB |")
+    print("\n| ep | tokens per rank | layer fwd+bwd s | all-to-all sent MiB | planner MiB |")
     print("|---|---|---|---|---|")
     args = (token_counts, opts.dim, opts.ffn, opts.experts)
     for r in run_group(ep_worker, 2, 2 * len(token_counts), *args):
         print(
             f"| {r['ep']} | {r['tokens']} | {r['step_s']:.4f} | {r['sent_mib']:.2f} | "
-            f"{r['analytic_mib']:.2f} |"
+            f"{r['planned_mib']:.2f} |"
         )
 
 

@@ -699,12 +699,17 @@ def freeze_run(dp_shard: int, cp: int, steps: int, tp: int = 1, **overrides) -> 
 
 
 def saved_for_backward(
-    cp: int, comm: str = "p2p", seq_len: int = 528, batch_size: int = 1, ac: str = "none"
+    cp: int,
+    comm: str = "p2p",
+    seq_len: int = 528,
+    batch_size: int = 1,
+    ac: str = "none",
+    flavor: str = "debug",
 ) -> dict:
     """What autograd saves for backward on this rank during one forward (CP only, no FSDP):
     bytes, counting each storage once and leaving out the parameters, and the longest dim of
     any saved tensor (a whole-sequence K/V would show up there)."""
-    args = get_flavor("debug")
+    args = get_flavor(flavor)
     mesh = make_mesh(1, cp)
     torch.manual_seed(0)
     model = VLM(args)
@@ -719,18 +724,18 @@ def saved_for_backward(
     return {"bytes": saved.bytes, "longest_dim": saved.longest_dim}
 
 
-def _cp_scaling() -> ModuleType:
-    """benchmarks/cp_scaling.py as a module (its worker and its byte counter)."""
+def _benchmark(name: str) -> ModuleType:
+    """benchmarks/<name>.py as a module (its worker, its byte counter)."""
     benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
     if benchmarks not in sys.path:
         sys.path.insert(0, benchmarks)
-    return importlib.import_module("cp_scaling")
+    return importlib.import_module(name)
 
 
 def cp_scaling_measured(cp: int, configs: list[tuple[str, int]]) -> list[dict]:
     """benchmarks/cp_scaling.py's own worker on this group (cp processes): the reports of its rank
     0, one per (comm, seq_len) of `configs`."""
-    cp_scaling = _cp_scaling()
+    cp_scaling = _benchmark("cp_scaling")
     reports: list[dict] = []
     cp_scaling.worker(dist.get_rank(), cp, SimpleNamespace(put=reports.append), configs, "debug")
     return reports
@@ -744,7 +749,7 @@ def placed_step_measured(
     family's cost model as the trainer passes it: what autograd saves and the bytes the CP
     attention sends (benchmarks/cp_scaling.py's counter), the most over the CP ranks; and the
     batch's slot metadata, so that the planner prices the same rows."""
-    count_sent_bytes = _cp_scaling().count_sent_bytes
+    count_sent_bytes = _benchmark("cp_scaling").count_sent_bytes
     args = get_flavor("debug")
     mesh = make_mesh(1, cp)
     torch.manual_seed(0)
@@ -819,16 +824,23 @@ def built_weights(
 
 
 def model_state_bytes(
-    dp_shard: int, cp: int, dp_replicate: int = 1, tp: int = 1, vision: str = "shard"
+    dp_shard: int,
+    cp: int,
+    dp_replicate: int = 1,
+    tp: int = 1,
+    vision: str = "shard",
+    flavor: str = "debug",
+    ep: int = 1,
 ) -> int:
     """The trainer's "model state per rank" on this rank, in bytes: STATE_BYTES_PER_PARAM times
     the local elements of every parameter after parallelize_vlm (run_training's expression)."""
     from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM
 
-    mesh = make_mesh(dp_shard, cp, dp_replicate, tp)
+    mesh = make_mesh(dp_shard, cp, dp_replicate, tp, ep)
     torch.manual_seed(0)
+    sp = tp > 1 and flavor == "debug"  # a MoE decoder's TP plan has no sequence parallelism
     model = parallelize_vlm(
-        VLM(get_flavor("debug")), mesh, cp_vision=vision, tp=TPOptions(sequence_parallel=tp > 1)
+        VLM(get_flavor(flavor)), mesh, cp_vision=vision, tp=TPOptions(sequence_parallel=sp)
     )
     local = sum(local_tensor(p).numel() for p in model.parameters())
     return STATE_BYTES_PER_PARAM * local
@@ -1261,3 +1273,39 @@ def qwen_fused_qkv_parity(cp: int = 1, tp: int = 2, **kwargs) -> dict:
         mock.patch.object(qwen_parallelize, "block_plan", fused_plan),
     ):
         return family_parity("qwen2_5_vl", cp=cp, tp=tp, **kwargs)
+
+
+def experts_all_to_all_bytes(dp_shard: int = 2, tokens: int = 64, balanced: bool = True) -> int:
+    """Bytes this rank sends by all_to_all_single in one forward + backward of a MoE layer (4
+    experts, top 2, dim 32) under expert parallelism over the dp_shard ranks (each its own
+    tokens), counted by benchmarks/moe_layer.py's counter. `balanced`: the router picks experts
+    (t, t + 1) mod 4 for token t, so half of every rank's picks leave it and as many arrive (what
+    the planner assumes); else every token picks its own rank's experts (none leaves)."""
+    from titan_vlm.models.common.moe import MoE
+    from titan_vlm.models.common.text_args import MoEArgs
+    from titan_vlm.parallel.parallelize import apply_ep
+
+    moe_layer = _benchmark("moe_layer")
+    mesh = make_mesh(dp_shard, 1, ep=dp_shard)
+    assert mesh.ep is not None
+    dim, e = 32, 4
+    torch.manual_seed(0)
+    layer = MoE(dim, MoEArgs(num_experts=e, top_k=2, ffn_dim=16))
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    apply_ep([layer.experts], mesh.ep)
+    with torch.no_grad():  # the router reads the first e features
+        layer.router.weight.zero_()
+        layer.router.weight[:, :e] = torch.eye(e)
+    x = torch.zeros(tokens, dim)
+    t = torch.arange(tokens)
+    if balanced:
+        x[t, t % e], x[t, (t + 1) % e] = 2.0, 1.0
+    else:
+        mine = 2 * mesh.ep.get_local_rank()  # this rank's experts: mine, mine + 1
+        x[:, mine], x[:, mine + 1] = 2.0, 1.0
+    x = x[None].requires_grad_()
+    with moe_layer.count_all_to_all() as sent:
+        out, _ = layer(x, torch.ones(1, tokens))
+        out.sum().backward()
+    return sent["bytes"]

@@ -17,7 +17,7 @@ from titan_vlm.models.llava.args import get_flavor
 from titan_vlm.models.llava.flops import layout_cost
 from titan_vlm.models.llava.shapes import plan_shapes
 from titan_vlm.plan.__main__ import main as plan_main
-from titan_vlm.plan.comm import cp_attention_bytes
+from titan_vlm.plan.comm import cp_attention_bytes, ep_layer_bytes
 from titan_vlm.plan.memory import activation_bytes, state_bytes
 from titan_vlm.plan.spec import Layout, Workload
 
@@ -143,17 +143,24 @@ def test_activation_checkpointing_matches_what_autograd_saves(pool, ac):
 
 
 @pytest.mark.parametrize(
-    "dp_shard, cp, dp_replicate, tp, vision",
+    "dp_shard, cp, dp_replicate, tp, vision, ep",
     [
-        (1, 2, 1, 1, "shard"),
-        (2, 2, 1, 1, "shard"),
-        (4, 1, 1, 1, "shard"),
-        (1, 2, 2, 1, "broadcast"),
-        (1, 2, 1, 2, "shard"),
-        (2, 1, 1, 2, "replicate"),
+        (1, 2, 1, 1, "shard", 0),
+        (2, 2, 1, 1, "shard", 0),
+        (4, 1, 1, 1, "shard", 0),
+        (1, 2, 2, 1, "broadcast", 0),
+        (1, 2, 1, 2, "shard", 0),
+        (2, 1, 1, 2, "replicate", 0),
+        # a mixture-of-experts decoder (ep 0: the dense "debug"): its experts with the decoder
+        # (ep 1), split over ep and sharded over the rest of dp_shard x cp, with HSDP, with TP
+        (2, 1, 1, 1, "shard", 1),
+        (2, 2, 1, 1, "shard", 2),
+        (1, 2, 2, 1, "shard", 2),
+        (1, 2, 1, 2, "shard", 2),
     ],
 )
-def test_model_state_is_the_trainers_exactly(pool, dp_shard, cp, dp_replicate, tp, vision):
+def test_model_state_is_the_trainers_exactly(pool, dp_shard, cp, dp_replicate, tp, vision, ep):
+    flavor = "debug_moe" if ep else "debug"
     per_rank = pool.run(
         "model_state_bytes",
         dp_shard=dp_shard,
@@ -161,9 +168,45 @@ def test_model_state_is_the_trainers_exactly(pool, dp_shard, cp, dp_replicate, t
         dp_replicate=dp_replicate,
         tp=tp,
         vision=vision,
+        flavor=flavor,
+        ep=max(ep, 1),
     )
-    layout = Layout(dp_replicate, dp_shard, cp, tp, cp_vision=vision, sequence_parallel=tp > 1)
-    assert state_bytes(SHAPES, layout).total == per_rank[0] == max(per_rank)
+    sp = tp > 1 and not ep
+    layout = Layout(
+        dp_replicate, dp_shard, cp, tp, cp_vision=vision, sequence_parallel=sp, ep=max(ep, 1)
+    )
+    assert state_bytes(plan_shapes(get_flavor(flavor)), layout).total == per_rank[0]
+    assert per_rank[0] == max(per_rank)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_mixture_of_experts_activations_are_what_autograd_saves(pool, cp):
+    """A decoder with q / k norms and two sparse layers (debug_moe): what autograd saves is the
+    plan's within 1% (its experts' picks, router and norms priced block by block); the control:
+    priced as the dense decoder of the same widths, it is not."""
+    measured = max(
+        r["bytes"] for r in pool.run("saved_for_backward", cp=cp, seq_len=528, flavor="debug_moe")
+    )
+    work = cp_scaling_workload(528, sentences=40)
+    layout = Layout(cp=cp, mixed_precision="fp32")
+    moe = get_flavor("debug_moe")
+    saved = sum(activation_bytes(plan_shapes(moe), layout, work, "none").values())
+    print(f"cp={cp}: saved {measured}, planned {saved}")
+    assert abs(saved / measured - 1) < 0.01
+    dense = dataclasses.replace(moe, decoder=dataclasses.replace(moe.decoder, moe=None))
+    control = sum(activation_bytes(plan_shapes(dense), layout, work, "none").values())
+    assert abs(control / measured - 1) > 0.01
+
+
+def test_experts_all_to_all_bytes_are_the_plans(pool):
+    """Expert parallelism over 2 ranks, a router that spreads the picks evenly over the ranks
+    (what the planner assumes): each rank sends exactly comm.ep_layer_bytes; the control, a
+    router that keeps every pick on its own rank, sends other bytes."""
+    tokens = 64
+    want = ep_layer_bytes(2 * tokens, 32, 4, 2, 4)
+    assert pool.run("experts_all_to_all_bytes", dp_shard=2, tokens=tokens) == [want, want]
+    skewed = pool.run("experts_all_to_all_bytes", dp_shard=2, tokens=tokens, balanced=False)
+    assert skewed != [want, want], skewed
 
 
 def test_plan_prints_every_part(capsys):
@@ -207,7 +250,30 @@ def test_search_lists_layouts_that_fit_fastest_first(capsys):
     assert rows, out
     speeds = [float(r[-1].replace(",", "")) for r in rows]
     assert speeds == sorted(speeds, reverse=True)
-    assert all(float(r[7]) <= 0.9 * 80e9 / 2**30 for r in rows)  # peak GiB within the H100's
+    assert all(float(r[8]) <= 0.9 * 80e9 / 2**30 for r in rows)  # peak GiB within the H100's
+
+
+def test_a_mixture_of_experts_is_priced_and_searched_over_ep(capsys):
+    """debug_moe (4 experts, top 2, 2 of 3 layers sparse): the plan of ep=2 x cp=2 names the
+    experts' line, their all-to-all and their own FSDP units (ep=2 of dp_shard 2 x cp 2: each
+    expert sharded over 2 ranks); --search tries every expert-parallel degree of dp_shard x cp
+    (4 experts: 1, 2, 4; not 8)."""
+    base = ["--config", "train_configs/vlm_cp.toml", "--model.flavor=debug_moe", "--gpu=cpu"]
+    plan_main([*base, "--parallelism.data_parallel_shard_degree=2",
+               "--parallelism.expert_parallel_degree=2"])  # fmt: skip
+    out = capsys.readouterr().out
+    for part in (
+        "ep=2",
+        "experts: 2 of 3 decoder layers sparse (4 experts of width 64, top 2)",
+        "each rank 2 experts, ep=2, FSDP over 2 rank(s)",
+        "experts all-to-all",
+        "fsdp all-gather (experts)",
+    ):
+        assert part in out, part
+    plan_main([*base, "--search", "--gpus=8", "--top=1000"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    eps = {int(r[4]) for r in rows if len(r) > 8 and r[0].isdigit()}
+    assert eps == {1, 2, 4}, eps
 
 
 def test_bad_input_is_one_line(capsys):

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
+from collections.abc import Callable
 from typing import get_args
 
 from titan_vlm.config import ConfigError, CPCommType, JobConfig, load_config, world_size_of
+from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM
 from titan_vlm.models.registry import model_spec
 from titan_vlm.plan.comm import cp_attention_bytes
 from titan_vlm.plan.cost import EFFICIENCY, Plan, make_plan, span
 from titan_vlm.plan.hardware import HARDWARE, get_hardware
-from titan_vlm.plan.memory import AC_MODES
+from titan_vlm.plan.memory import AC_MODES, local_shape
 from titan_vlm.plan.search import search
 from titan_vlm.plan.shapes import ModelShapes
 from titan_vlm.plan.spec import Layout, Workload
@@ -86,6 +89,32 @@ def placement_line(layout: Layout, work: Workload) -> str:
     )
 
 
+def experts_lines(
+    shapes: ModelShapes, lay: Layout, gib: Callable[[float], str], unit: str
+) -> list[str]:
+    """A mixture-of-experts decoder's line: its sparse layers, the parameters a token uses, and
+    the experts' part of the model state per rank (split over ep, sharded over efsdp)."""
+    m = shapes.decoder.moe
+    if m is None:
+        return []
+    total = sum(math.prod(p.shape) for p in shapes.params)
+    active = total - sum(
+        math.prod(p.shape) * (m.num_experts - m.top_k) // m.num_experts
+        for p in shapes.params
+        if p.expert
+    )
+    expert_state = STATE_BYTES_PER_PARAM * sum(
+        math.prod(local_shape(p, lay)) for p in shapes.params if p.expert
+    )
+    return [
+        f"  experts: {len(m.layers)} of {shapes.decoder.n_layers} decoder layers sparse "
+        f"({m.num_experts} experts of width {m.ffn_dim}, top {m.top_k}); {active:,} of "
+        f"{total:,} parameters active per token; the experts' state {gib(expert_state)} {unit} "
+        f"of it (each rank {m.num_experts // lay.ep} experts, ep={lay.ep}, FSDP over "
+        f"{lay.expert_fsdp} rank(s))"
+    ]
+
+
 def report(plan: Plan, shapes: ModelShapes, work: Workload, args_line: str) -> list[str]:
     lay, hw = plan.layout, plan.hardware
     unit = "GiB" if plan.state.total >= GIB else "MiB"
@@ -102,6 +131,7 @@ def report(plan: Plan, shapes: ModelShapes, work: Workload, args_line: str) -> l
         f"  parameters {gib(plan.state.params)} | gradients {gib(plan.state.grads)} | "
         f"optimizer {gib(plan.state.optimizer)} | model state {plan.state.total / GIB:.3f} GiB "
         "(the trainer's 'model state per rank' line)",
+        *experts_lines(shapes, lay, gib, unit),
         "",
         f"activations saved for backward per rank (the busiest), {unit}:",
         f"  {'module':<30}" + "".join(f"{m:>11}" for m in AC_MODES),
@@ -192,13 +222,14 @@ def main(argv: list[str] | None = None) -> None:
                 f"{len(fitting)} fit; fastest first:"
             )
             print(
-                f"  {'dp_rep':>6}{'dp_shard':>9}{'cp':>5}{'tp':>4}  {'comm':<10}{'vision':<10}"
+                f"  {'dp_rep':>6}{'dp_shard':>9}{'cp':>5}{'tp':>4}{'ep':>4}  {'comm':<10}"
+                f"{'vision':<10}"
                 f"{'ac':<10}{'peak GiB':>9}{'step s':>9}{'MFU %':>7}{'tokens/s':>12}"
             )
             for p in fitting[: opts.top]:
                 lay = p.layout
                 print(
-                    f"  {lay.dp_replicate:>6}{lay.dp_shard:>9}{lay.cp:>5}{lay.tp:>4}  "
+                    f"  {lay.dp_replicate:>6}{lay.dp_shard:>9}{lay.cp:>5}{lay.tp:>4}{lay.ep:>4}  "
                     f"{lay.cp_comm_type:<10}{lay.cp_vision:<10}{lay.ac_mode:<10}"
                     f"{p.peak.total / GIB:>9.1f}{p.step_s:>9.3f}{100 * p.mfu:>7.1f}"
                     f"{p.tokens_per_s:>12,.0f}"

@@ -18,7 +18,13 @@ reduce-scatter or all-to-all (P-1)/P of its input, a point-to-point send its ten
     broadcast   broadcast and reduce of all of them, then the vision gradients broadcast
   fsdp          all-gather of each rank's padded shard in the compute dtype in forward and again
                 in backward (the root modules stay gathered), reduce-scatter of fp32 gradients;
-                with dp_replicate > 1 the shards' all-reduce over the replicas (HSDP)
+                with dp_replicate > 1 the shards' all-reduce over the replicas (HSDP); under
+                expert parallelism the experts' own units over efsdp (dp_shard x cp / ep)
+  ep            (mixture-of-experts layers, expert parallelism) each pick's row (dim, compute
+                dtype) to its expert's rank and back in forward, their gradients both ways in
+                backward, and the rows per expert (E int64) in forward: `ep_layer_bytes`, the
+                picks spread evenly over the experts' ranks (a router's real spread moves it);
+                a checkpointed sparse layer's forward again
   tp            Megatron's count: two all-reduces of a block's activations in forward and two
                 in backward (sequence parallelism moves the same bytes as all-gather +
                 reduce-scatter), the embedding's all-reduce and the logits' all-gather.
@@ -32,6 +38,7 @@ from dataclasses import dataclass
 from titan_vlm.parallel.cp_attention import a2a_kv_heads
 from titan_vlm.plan.memory import (
     checkpointed,
+    is_checkpointed,
     padded_shard_numel,
     shards,
     vision_images_on_rank,
@@ -100,18 +107,63 @@ def image_embedding_bytes(shapes: ModelShapes, layout: Layout, work: Workload) -
     return 2 * n * one + vision_grads
 
 
+def ep_layer_bytes(
+    picks: int, dim: int, act_bytes: int, ep: int, num_experts: int, recomputed: bool = False
+) -> int:
+    """Bytes one rank sends in one sparse layer's forward + backward under expert parallelism
+    (parallel/expert_parallel.py), its `picks` (tokens x top_k) spread evenly over the `ep`
+    ranks' experts: (ep - 1) / ep of the rows leave, and as many come in to be sent back, in
+    the forward (the rows, the outputs) and the backward (their gradients), and the forward's
+    rows per expert; `recomputed`: the forward once more (activation checkpointing)."""
+    if ep == 1:
+        return 0
+    rows = picks * (ep - 1) // ep * dim * act_bytes  # one exchange of one direction's rows
+    counts = num_experts * 8 * (ep - 1) // ep
+    forward = 2 * rows + counts
+    return forward * (1 + recomputed) + 2 * rows
+
+
+def ep_bytes(shapes: ModelShapes, layout: Layout, work: Workload) -> int:
+    """Bytes one rank (the busiest) sends per step in the experts' all-to-alls: every sparse
+    layer's `ep_layer_bytes` over its local slots."""
+    d = shapes.decoder
+    if d.moe is None:
+        return 0
+    g = work.placed(layout)
+    picks = d.moe.top_k * g.rows * g.local_slots
+    return sum(
+        ep_layer_bytes(
+            picks,
+            d.dim,
+            layout.act_bytes,
+            layout.ep,
+            d.moe.num_experts,
+            is_checkpointed(i, layout.ac_mode),
+        )
+        for i in d.moe.layers
+    )
+
+
 def fsdp_collectives(shapes: ModelShapes, layout: Layout) -> list[Collective]:
     out = []
-    for side, groups in (("decoder", ("decoder",)), ("vision", ("vision", "projector"))):
-        s, r = shards(layout, groups[0])
-        params = [q for q in shapes.params if q.group in groups]
+    split = layout.ep > 1  # the experts are FSDP units of their own, over efsdp
+    sides = (
+        ("decoder", lambda q: q.group == "decoder" and not (split and q.expert), "fsdp"),
+        ("experts", lambda q: split and q.expert, "efsdp"),
+        ("vision", lambda q: q.group in ("vision", "projector"), "fsdp"),
+    )
+    for side, member, group in sides:
+        params = [q for q in shapes.params if member(q)]
+        if not params:
+            continue
+        s, r = shards(layout, params[0].group, params[0].expert)
         shard = sum(padded_shard_numel(q, layout) for q in params)
         in_blocks = sum(padded_shard_numel(q, layout) for q in params if ".layers." in q.name)
         if s > 1:
             gathers = (shard + in_blocks) * layout.act_bytes * (s - 1)
-            out.append(Collective(f"fsdp all-gather ({side})", "fsdp", s, gathers, True))
+            out.append(Collective(f"fsdp all-gather ({side})", group, s, gathers, True))
             out.append(
-                Collective(f"fsdp reduce-scatter ({side})", "fsdp", s, shard * 4 * (s - 1), True)
+                Collective(f"fsdp reduce-scatter ({side})", group, s, shard * 4 * (s - 1), True)
             )
         if r > 1:
             out.append(
@@ -170,5 +222,8 @@ def collectives(shapes: ModelShapes, layout: Layout, work: Workload) -> list[Col
         out.append(
             Collective("tp activations", "tp", layout.tp, tp_bytes(shapes, layout, work), False)
         )
+    if layout.ep > 1 and shapes.decoder.moe is not None:
+        sent = ep_bytes(shapes, layout, work)
+        out.append(Collective("experts all-to-all", "ep", layout.ep, sent, False))
     out.extend(fsdp_collectives(shapes, layout))
     return out

@@ -37,7 +37,9 @@ def span(layout: Layout, group: str) -> int:
     inner = {
         "tp": layout.tp,
         "cp": layout.cp * layout.tp,
+        "ep": layout.ep * layout.tp,  # mesh (dp_replicate, efsdp, ep, tp)
         "fsdp": layout.dp_shard * layout.cp * layout.tp,
+        "efsdp": layout.dp_shard * layout.cp * layout.tp,
         "dp_replicate": layout.world,
     }
     return inner[group]
@@ -63,17 +65,27 @@ def executed_flops(shapes: ModelShapes, layout: Layout, work: Workload) -> float
         pairs = max(g.pairs)
     text = g.rows * g.section_slots
     flops = shapes.train_flops(n_vis, text, pairs)
-    block_params = sum(  # the decoder blocks' matrices: 2 FLOPs per token forward, 6 in all
-        math.prod(p.shape)
-        for p in shapes.params
-        if p.group == "decoder" and ".layers." in p.name and len(p.shape) > 1
-    )
+    block_params = active_block_params(shapes)
     other_image_slots = g.rows * g.image_slots - n_vis * shapes.tokens_per_image
     flops += 6 * block_params * other_image_slots
     d = shapes.decoder
     share = checkpointed(d.n_layers, layout.ac_mode) / d.n_layers
     flops += share * flops / 3  # one more forward of the checkpointed share (head included: small)
     return flops / layout.tp
+
+
+def active_block_params(shapes: ModelShapes) -> float:
+    """The decoder blocks' matrix weights one token meets (2 FLOPs each forward, 6 in all): a
+    mixture-of-experts layer's router and top_k of its E experts (top_k / E of the stacked
+    experts' weights; under expert parallelism the busiest rank's share when the router spreads
+    the picks evenly)."""
+    d = shapes.decoder
+    active = d.moe.top_k / d.moe.num_experts if d.moe else 1.0
+    return sum(
+        math.prod(p.shape) * (active if p.expert else 1.0)
+        for p in shapes.params
+        if p.group == "decoder" and ".layers." in p.name and len(p.shape) > 1
+    )
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,16 @@ them (each storage once; checked against `metrics.SavedForBackward` by tests/tes
                       kept slots for every head (each algorithm's `keeps`: the attention op
                       saves only the inputs its backward reads)
     SwiGLU MLP        4 a.f (w1 and w3 outputs, silu output, their product)
+    q / k norms       (Qwen3's qk_norm) an RMSNorm's 4 + a bytes per q and k element and 4 per
+                      head (the fp32 input, the normalised output, the rsqrt)
+    mixture of        (a sparse layer, in place of the SwiGLU; E experts, k picks a token, f
+      experts         their width, all on every tp rank) the router's fp32 probabilities 4E,
+                      the picks' indices (top-k's, the sort order, the token of each pick) 3 x 8k,
+                      the picked probabilities and their sum 4k + 4, the token's statistics
+                      weight 4, and per pick: the expert's input, output and weighted output
+                      3 a.d, its SwiGLU's w1 and w3 outputs 2 a.f, its weight a (under expert
+                      parallelism the picks a rank's experts receive: k per token when the
+                      router spreads them evenly); 8E a layer (the rows per expert)
   ViT block, per patch: two LayerNorms (a.dv + 8 each), their outputs, q, k, v, out (a.dv each,
     over tp), 4 bytes per head, the GELU's input and output (a.mlp each, over tp)
   once: the pixels, the final norms, the projector; RoPE cos/sin (fp32, shared by all layers);
@@ -45,25 +55,35 @@ def checkpointed(n_layers: int, mode: str) -> int:
     return {"none": 0, "full": n_layers, "selective": (n_layers + 1) // 2}[mode]
 
 
+def is_checkpointed(layer: int, mode: str) -> bool:
+    """Whether apply_ac wraps block `layer` (`checkpointed`'s blocks)."""
+    return mode == "full" or (mode == "selective" and layer % 2 == 0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Parameters, gradients, optimizer state
 
 
-def shards(layout: Layout, group: str) -> tuple[int, int]:
+def shards(layout: Layout, group: str, expert: bool = False) -> tuple[int, int]:
     """(FSDP shard count, replicate count) of a parameter group (parallel/parallelize.py):
-    the decoder over dp_shard x cp, the vision side too except with cp_vision = broadcast."""
+    the decoder over dp_shard x cp, the vision side too except with cp_vision = broadcast; a
+    stacked experts' tensor (`expert`) over dp_shard x cp / ep (its ep split aside)."""
+    if expert:
+        return layout.expert_fsdp, layout.dp_replicate
     if group != "decoder" and layout.cp_vision == "broadcast":
         return layout.dp_shard, layout.dp_replicate
     return layout.dp_shard * layout.cp, layout.dp_replicate
 
 
 def local_shape(p: Param, layout: Layout) -> tuple[int, ...]:
-    """The shape rank 0 holds: tp's split, then FSDP's dim-0 chunk (torch.chunk sizes: rank 0
-    gets the first, largest chunk)."""
+    """The shape rank 0 holds: tp's split (ep's of a stacked experts' tensor), then FSDP's dim-0
+    chunk (torch.chunk sizes: rank 0 gets the first, largest chunk)."""
     shape = list(p.shape)
     if p.tp_dim is not None and layout.tp > 1:
         shape[p.tp_dim] //= layout.tp
-    s, _ = shards(layout, p.group)
+    if p.expert:
+        shape[0] //= layout.ep
+    s, _ = shards(layout, p.group, p.expert)
     if shape:
         shape[0] = min(shape[0], math.ceil(shape[0] / s))
     return tuple(shape)
@@ -111,7 +131,9 @@ def vision_images_on_rank(layout: Layout, num_images: int) -> int:
     return math.ceil(num_images / layout.cp)
 
 
-def decoder_block_bytes(shapes: ModelShapes, layout: Layout, g: Geometry) -> int:
+def decoder_block_bytes(shapes: ModelShapes, layout: Layout, g: Geometry, sparse: bool) -> int:
+    """One decoder block's saved bytes (module docstring); `sparse`: a mixture-of-experts
+    layer's."""
     d = shapes.decoder
     a, t, p = layout.act_bytes, layout.tp, layout.cp
     L, W = g.local_slots, g.kept
@@ -130,8 +152,28 @@ def decoder_block_bytes(shapes: ModelShapes, layout: Layout, g: Geometry) -> int
         attn = L * (2 * a * h + 4 * heads) + (g.image_slots + p * g.text_slots + W) * 2 * a * kv
     else:
         attn = L * (2 * a * h + 4 * heads) + L * 2 * a * kv
-    mlp = 4 * a * (d.ffn_dim // t) * L
-    return g.rows * (norms + attn + mlp)
+    if d.qk_norm:
+        norms += L * ((4 + a) * (h + kv) + 4 * (heads + d.n_kv_heads // t))
+    if not sparse:
+        return g.rows * (norms + attn + 4 * a * (d.ffn_dim // t) * L)
+    assert d.moe is not None
+    e, k, f = d.moe.num_experts, d.moe.top_k, d.moe.ffn_dim
+    per_pick = 3 * a * d.dim + 2 * a * f + a
+    moe = L * (4 * e + 3 * 8 * k + 4 * k + 4 + 4 + k * per_pick)
+    return g.rows * (norms + attn + moe) + 8 * e  # the rows per expert: one for the batch
+
+
+def decoder_blocks_bytes(shapes: ModelShapes, layout: Layout, g: Geometry, mode: str) -> int:
+    """The saved bytes of the decoder blocks AC `mode` does not checkpoint."""
+    d = shapes.decoder
+    kinds = {s: decoder_block_bytes(shapes, layout, g, s) for s in {d.moe is not None, False}}
+    return sum(kinds[d.is_sparse(i)] for i in range(d.n_layers) if not is_checkpointed(i, mode))
+
+
+def largest_decoder_block(shapes: ModelShapes, layout: Layout, g: Geometry) -> int:
+    """The saved bytes of the largest decoder block (a sparse one where it is larger)."""
+    d = shapes.decoder
+    return max(decoder_block_bytes(shapes, layout, g, d.is_sparse(i)) for i in range(d.n_layers))
 
 
 def vision_block_bytes(shapes: ModelShapes, layout: Layout, images: int) -> int:
@@ -151,7 +193,6 @@ def activation_bytes(
     g = work.placed(layout)
     B, L, T = g.rows, g.local_slots, g.section_slots
     n_vis = vision_images_on_rank(layout, work.num_images)
-    dec_block = decoder_block_bytes(shapes, layout, g)
     vit_block = vision_block_bytes(shapes, layout, n_vis)
     dec_ckpt = checkpointed(d.n_layers, mode)
     vit_ckpt = checkpointed(v.n_layers, mode)
@@ -161,7 +202,7 @@ def activation_bytes(
         "vision blocks": (v.n_layers - vit_ckpt) * vit_block,
         "vision pixels and final norm": n_vis * (v.pixels * a + v.patches * (a * v.dim + 8)),
         "projector": n_vis * v.patches * (a * v.dim + 2 * a * d.dim // t),
-        "decoder blocks": (d.n_layers - dec_ckpt) * dec_block,
+        "decoder blocks": decoder_blocks_bytes(shapes, layout, g, mode),
         "rope tables": B * L * 2 * 4 * d.head_dim,
         "token ids": B * T * 8,
         "head and loss": B * (last_hidden + T * (4 + 2 * a * d.dim + 4 * d.vocab_size + 8)),
@@ -176,10 +217,7 @@ def recompute_bytes(shapes: ModelShapes, layout: Layout, work: Workload, mode: s
         return 0
     g = work.placed(layout)
     n_vis = vision_images_on_rank(layout, work.num_images)
-    return max(
-        decoder_block_bytes(shapes, layout, g),
-        vision_block_bytes(shapes, layout, n_vis),
-    )
+    return max(largest_decoder_block(shapes, layout, g), vision_block_bytes(shapes, layout, n_vis))
 
 
 @dataclass(frozen=True)
@@ -201,20 +239,21 @@ def peak_memory(shapes: ModelShapes, layout: Layout, work: Workload, mode: str) 
     fp32 copy and gradient) and a block's activation gradients plus its recomputation."""
     a, t = layout.act_bytes, layout.tp
 
-    def full(p: Param) -> int:
+    def full(p: Param) -> int:  # unsharded by FSDP: the tp (ep) rank's
         n = math.prod(p.shape)
-        return n // t if p.tp_dim is not None else n
+        return n // t if p.tp_dim is not None else n // layout.ep if p.expert else n
 
     roots = sum(full(p) for p in shapes.params if ".layers." not in p.name)
     block = max(
-        sum(full(p) for p in shapes.params if p.name.startswith(f"{prefix}.layers.0."))
-        for prefix in ("decoder", "vision")
+        sum(full(p) for p in shapes.params if p.name.startswith(f"{prefix}.layers.{i}."))
+        for prefix, n in (("decoder", shapes.decoder.n_layers), ("vision", shapes.vision.n_layers))
+        for i in range(n)
     )
     g = work.placed(layout)
     logits = g.rows * g.section_slots * shapes.decoder.vocab_size * (a + 4 + 4)
     n_vis = vision_images_on_rank(layout, work.num_images)
     one_block = max(
-        decoder_block_bytes(shapes, layout, g), vision_block_bytes(shapes, layout, n_vis)
+        largest_decoder_block(shapes, layout, g), vision_block_bytes(shapes, layout, n_vis)
     )
     return PeakMemory(
         state=state_bytes(shapes, layout).total,

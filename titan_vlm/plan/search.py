@@ -19,11 +19,16 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def candidate_layouts(cfg: JobConfig, world: int, gpus_per_node: int) -> list[Layout]:
+def candidate_layouts(
+    cfg: JobConfig, world: int, gpus_per_node: int, experts: bool = False
+) -> list[Layout]:
     """(dp_replicate, dp_shard, cp, tp) with product `world` and tp within a node, each with every
-    cp_comm_type and cp_vision (cp > 1) and AC mode; sequence parallelism on whenever tp > 1; the
-    config's cp_sample_placement and cp_image_tokens.
-    Layouts the trainer would refuse (validate.validate_job: heads, a2a, ...) are left out."""
+    cp_comm_type and cp_vision (cp > 1) and AC mode, and (`experts`: a mixture-of-experts
+    decoder) every expert-parallel degree dividing dp_shard x cp; sequence parallelism on
+    whenever tp > 1 (not with experts: their TP plan has none); the config's
+    cp_sample_placement and cp_image_tokens.
+    Layouts the trainer would refuse (validate.validate_job: heads, a2a, experts that do not
+    split, ...) are left out."""
     out = []
     for tp in (t for t in divisors(world) if t <= gpus_per_node):
         for cp in divisors(world // tp):
@@ -31,7 +36,10 @@ def candidate_layouts(cfg: JobConfig, world: int, gpus_per_node: int) -> list[La
                 shard = world // (tp * cp * rep)
                 comms: tuple[CPCommType, ...] = get_args(CPCommType) if cp > 1 else ("p2p",)
                 visions: tuple[CPVision, ...] = get_args(CPVision) if cp > 1 else ("shard",)
-                for comm, vision, ac in itertools.product(comms, visions, get_args(ACMode)):
+                eps = divisors(shard * cp) if experts else [1]
+                for comm, vision, ac, ep in itertools.product(
+                    comms, visions, get_args(ACMode), eps
+                ):
                     layout = Layout(
                         rep,
                         shard,
@@ -41,9 +49,10 @@ def candidate_layouts(cfg: JobConfig, world: int, gpus_per_node: int) -> list[La
                         vision,
                         ac,
                         cfg.training.mixed_precision,
-                        sequence_parallel=tp > 1,
+                        sequence_parallel=tp > 1 and not experts,
                         cp_sample_placement=cfg.parallelism.cp_sample_placement,
                         cp_image_tokens=cfg.parallelism.cp_image_tokens,
+                        ep=ep,
                     )
                     if accepted(cfg, layout):
                         out.append(layout)
@@ -60,6 +69,7 @@ def accepted(cfg: JobConfig, layout: Layout) -> bool:
     p.cp_comm_type, p.cp_vision = layout.cp_comm_type, layout.cp_vision
     p.enable_sequence_parallel = layout.sequence_parallel
     p.image_embed_tp_shard = False
+    p.expert_parallel_degree = layout.ep
     c.activation_checkpoint.mode = layout.ac_mode
     try:
         validate_job(c, layout.world)
@@ -80,7 +90,7 @@ def search(
     """(the plans that fit, fastest first; how many layouts were priced)."""
     plans = [
         make_plan(shapes, layout, work, hw, gpus_per_node, efficiency)
-        for layout in candidate_layouts(cfg, world, gpus_per_node)
+        for layout in candidate_layouts(cfg, world, gpus_per_node, shapes.decoder.moe is not None)
     ]
     fitting = sorted((p for p in plans if p.fits), key=lambda p: (-p.tokens_per_s, p.peak.total))
     return fitting, len(plans)

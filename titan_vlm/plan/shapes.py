@@ -15,14 +15,30 @@ import torch.nn as nn
 
 
 @dataclass(frozen=True)
+class MoEShape:
+    """The mixture-of-experts layers: `layers` (their indices) each route a token to `top_k` of
+    `num_experts` SwiGLUs of width `ffn_dim`."""
+
+    num_experts: int
+    top_k: int
+    ffn_dim: int
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class DecoderShape:
     dim: int
     n_layers: int
     n_heads: int
     n_kv_heads: int
     head_dim: int
-    ffn_dim: int
+    ffn_dim: int  # the dense layers' SwiGLU
     vocab_size: int
+    qk_norm: bool = False  # an RMSNorm on every query and key head (Qwen3)
+    moe: MoEShape | None = None
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.layers
 
 
 @dataclass(frozen=True)
@@ -41,6 +57,9 @@ class Param:
     name: str
     shape: tuple[int, ...]
     tp_dim: int | None  # the dim tensor parallelism splits, None: replicated over tp
+    # a stacked experts' tensor (dim 0: the expert): expert parallelism splits dim 0 over ep,
+    # FSDP shards the rest over the ranks of dp_shard x cp that hold the same experts
+    expert: bool = False
 
 
 @dataclass(frozen=True)
@@ -63,12 +82,14 @@ def tp_params(
     colwise: tuple[str, ...],
     rowwise: tuple[str, ...],
     embedding: tuple[str, ...],
+    experts: tuple[str, ...] = ("experts",),
 ) -> tuple[Param, ...]:
     """Every parameter of `model` (built on the meta device) with the dim tensor parallelism
     splits: leaf modules named in `colwise` (weight and bias dim 0), `rowwise` (weight dim 1,
     bias replicated) and `embedding` (rows, dim 0), as the family's apply_tp splits them;
-    everything else (norms, patch and position embeddings) replicated over tp (None). A
-    parameter's group is its top-level module ("vision", "projector", "decoder", ...)."""
+    everything else (norms, patch and position embeddings, routers, experts) replicated over
+    tp (None). A parameter's group is its top-level module ("vision", "projector", "decoder",
+    ...); the parameters of the modules named in `experts` are stacked experts (Param.expert)."""
 
     def tp_dim(name: str) -> int | None:
         module, kind = name.split(".")[-2:]
@@ -79,6 +100,12 @@ def tp_params(
         return None
 
     return tuple(
-        Param(name.split(".")[0], name, tuple(p.shape), tp_dim(name))
+        Param(
+            name.split(".")[0],
+            name,
+            tuple(p.shape),
+            tp_dim(name),
+            name.split(".")[-2] in experts,
+        )
         for name, p in model.named_parameters()
     )

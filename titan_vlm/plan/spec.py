@@ -40,6 +40,8 @@ class Layout:
     # what the trainer's CPOptions default to; from_config takes the config's (auto / auto)
     cp_sample_placement: CPSamplePlacement = "split"
     cp_image_tokens: CPImageTokens = "replicate"
+    # expert parallelism: consecutive ranks of dp_shard x cp that split a MoE layer's experts
+    ep: int = 1
 
     @property
     def world(self) -> int:
@@ -50,12 +52,18 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def expert_fsdp(self) -> int:
+        """The ranks FSDP shards each expert parallel rank's experts over: dp_shard x cp / ep."""
+        return self.dp_shard * self.cp // self.ep
+
+    @property
     def act_bytes(self) -> int:
         """Bytes of one element of the compute dtype (activations, FSDP's all-gathered params)."""
         return 2 if self.mixed_precision == "bf16" else 4
 
     def describe(self) -> str:
         extra = " sp" if self.sequence_parallel else ""
+        extra += f" ep={self.ep}" if self.ep > 1 else ""
         return (
             f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp}"
             f"{extra} cp_comm_type={self.cp_comm_type} cp_vision={self.cp_vision} "
@@ -84,6 +92,7 @@ class Layout:
             p.image_embed_tp_shard,
             p.cp_sample_placement,
             p.cp_image_tokens,
+            p.expert_parallel_degree,
         )
 
 

@@ -8,10 +8,9 @@ from functools import cache, partial
 
 import torch
 
-from titan_vlm.errors import ConfigError
 from titan_vlm.models.llava.args import VLMArgs
 from titan_vlm.models.llava.flops import train_flops
-from titan_vlm.plan.shapes import DecoderShape, ModelShapes, VisionShape, tp_params
+from titan_vlm.plan.shapes import DecoderShape, ModelShapes, MoEShape, VisionShape, tp_params
 
 # the leaf modules apply_tp splits column-wise, row-wise and by vocabulary rows
 TP_COLWISE = ("q", "k", "v", "fc1", "wq", "wk", "wv", "w1", "w3", "output")
@@ -23,14 +22,22 @@ TP_EMBEDDING = ("tok_embeddings",)
 def plan_shapes(args: VLMArgs) -> ModelShapes:
     from titan_vlm.models.llava.model import VLM
 
-    if args.decoder.moe:  # its experts' memory, all-to-all and active FLOPs: issue 28's EP step
-        raise ConfigError("the planner does not price mixture-of-experts decoders yet")
     with torch.device("meta"):
         model = VLM(args)
     d, v = args.decoder, args.vision
+    m = d.moe
+    moe = MoEShape(m.num_experts, m.top_k, m.ffn_dim, tuple(sorted(d.sparse))) if m else None
     return ModelShapes(
         DecoderShape(
-            d.dim, d.n_layers, d.n_heads, d.n_kv_heads, d.head_dim, d.ffn_dim, d.vocab_size
+            d.dim,
+            d.n_layers,
+            d.n_heads,
+            d.n_kv_heads,
+            d.head_dim,
+            d.ffn_dim,
+            d.vocab_size,
+            d.qk_norm,
+            moe,
         ),
         VisionShape(
             v.dim, v.n_layers, v.n_heads, v.mlp_dim, v.num_patches, v.channels * v.image_size**2
