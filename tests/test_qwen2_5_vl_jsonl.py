@@ -32,7 +32,7 @@ from hf_folders import save_qwen
 from PIL import Image
 from test_qwen2_5_vl_processor import hf_processor, noise_image, video_frames
 
-from titan_vlm.data.batch import IGNORE_INDEX, Prompt
+from titan_vlm.data.batch import IGNORE_INDEX, Prompt, VideoFrames
 from titan_vlm.data.images import VideoRef
 from titan_vlm.data.jsonl import JsonlDataset
 from titan_vlm.models.common.qwen_vl.args import Qwen25VLArgs
@@ -306,7 +306,8 @@ def test_samples_equal_transformers(setup):
                 ids += part
                 trained += [] if isinstance(part, Prompt) else part
                 continue
-            video = part.ndim == 4
+            video = isinstance(part, VideoFrames)  # frame files: their rate (24 fps) with them
+            part = part.frames if video else part
             frames = part if video else part.unsqueeze(0).expand(2, -1, -1, -1)
             patches, grid = patchify_frames(frames, 14, 2, 2)
             (videos if video else pixels).append((patches, grid))

@@ -3,8 +3,10 @@ Qwen3VLForConditionalGeneration; the Qwen2.5-VL jsonl tests' byte-level tokenize
 template; Qwen2VLImageProcessorPil with 16-pixel patches; Qwen3VLVideoProcessor's own
 video_preprocessor_config.json, sampling at 2 frames per second):
 
-- a JSONL conversation about an mp4 file, and one about three frame files, become the samples
-  Qwen3VLProcessor makes: the frames Qwen3VLVideoProcessor.sample_frames keeps (its own method),
+- a JSONL conversation about an mp4 file, and one about five frame files, become the samples
+  Qwen3VLProcessor makes: the frames Qwen3VLVideoProcessor.sample_frames keeps (its own method;
+  of frame files, as its _decode_and_sample_videos samples frames given without metadata, at
+  24 frames a second: 4 of the 5),
   at the size its smart_resize gives the frames' size and count, each frame group's
   "<t seconds>" and its own vision start / end tokens in the ids (the chat template's wrapper
   collapsed), the patches, and M-RoPE positions equal to get_rope_index's;
@@ -21,6 +23,7 @@ Qwen2.5-VL video tests do); the layout is Qwen3VLVideoProcessor.patchify's.
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -66,7 +69,7 @@ CONVERSATION = [
 ]
 RECORDS = [
     {"video": "clip.mp4", "conversations": CONVERSATION},
-    {"video": ["f0.png", "f1.png", "f2.png"], "conversations": CONVERSATION},
+    {"video": [f"f{i}.png" for i in range(5)], "conversations": CONVERSATION},
     {"video": "clip.mp4", "text": "A caption <video> of a dot."},  # bad: a caption
 ]
 MESSAGES = [
@@ -79,7 +82,9 @@ class StandInVideoProcessor:
     """What Qwen3VLProcessor asks of its video processor: transformers' Qwen3VLVideoProcessor
     sizes (its smart_resize of the frames' size and count) and lays out (its patchify) the
     frames; each frame is resized, rescaled and normalized by the PIL image processor's steps
-    (module docstring). `metadata`: the video's, as transformers' reader returns it."""
+    (module docstring). `metadata`: the video's, as transformers' reader returns it (its frames
+    were sampled from the file); None: frames given without metadata, which transformers'
+    _decode_and_sample_videos samples (its own code)."""
 
     def __init__(self, image: Qwen2VLImageProcessorPil, video: Qwen3VLVideoProcessor):
         self.image, self.hf = image, video
@@ -89,6 +94,13 @@ class StandInVideoProcessor:
     def __call__(self, videos, **kwargs):
         (frames,) = videos
         v, factor = self.hf, self.hf.patch_size * self.hf.merge_size
+        metadata = self.metadata
+        if metadata is None:  # frame files: transformers samples them (fps assumed 24)
+            sample = partial(v.sample_frames, fps=v.fps, num_frames=v.num_frames)
+            (kept,), (metadata,) = v._decode_and_sample_videos(
+                [frames], video_metadata=None, do_sample_frames=True, sample_indices_fn=sample
+            )
+            frames = [Image.fromarray(f) for f in kept]
         height, width = frames[0].height, frames[0].width
         size = smart_resize(len(frames), height, width, v.temporal_patch_size, factor,
                             v.size.shortest_edge, v.size.longest_edge)  # fmt: skip
@@ -107,7 +119,7 @@ class StandInVideoProcessor:
         return {
             "pixel_values_videos": patches[0],
             "video_grid_thw": torch.tensor([[t, h, w]]),
-            "video_metadata": [self.metadata],
+            "video_metadata": [metadata],
         }
 
 
@@ -149,7 +161,7 @@ def setup(tmp_path_factory):
     image = Qwen2VLImageProcessorPil(patch_size=16, min_pixels=32 * 32 * 2,
                                      max_pixels=32 * 32 * 12, **mean)  # fmt: skip
     image.save_pretrained(folder)
-    video = Qwen3VLVideoProcessor(size=VIDEO_SIZE, min_frames=2)
+    video = Qwen3VLVideoProcessor(size=VIDEO_SIZE)
     video.save_pretrained(folder)
     eos = tok.token_to_id("<|im_end|>")
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
@@ -158,7 +170,7 @@ def setup(tmp_path_factory):
     data.mkdir()
     clip = write_mp4(data / "clip.mp4", FRAMES, fps=RATE)
     rng = np.random.default_rng(1)
-    for i in range(3):
+    for i in range(5):
         pixels = rng.integers(0, 256, (70, 90, 3), dtype=np.uint8)
         Image.fromarray(pixels).save(data / f"f{i}.png")
     path = data / "train.jsonl"
@@ -200,16 +212,16 @@ def test_video_samples_equal_transformers(setup):
     assert data.bad_at_startup == 1 and set(data.skipped) == {"bad record"}, data.skipped
     assert "2 samples with 0 image(s) and 2 video(s)" in data.describe()
     text = proc.apply_chat_template(MESSAGES, tokenize=False)
-    frame_files = [Image.open(path.parent / f"f{i}.png") for i in range(3)]
-    as_files = VideoMetadata(total_num_frames=3, fps=None, frames_indices=[0, 1, 2])
+    frame_files = [Image.open(path.parent / f"f{i}.png") for i in range(5)]
     ours_model = from_hf_folder(folder).eval()
     video_id = proc.tokenizer.convert_tokens_to_ids("<|video_pad|>")
     image_id = ours_model.args.image_token_id
-    for row, (video, video_meta) in enumerate([(frames, meta), (frame_files, as_files)]):
+    for row, (video, video_meta) in enumerate([(frames, meta), (frame_files, None)]):
         want = reference(proc, video, video_meta, text)
         ((sample,),) = data.read(range(row, row + 1))
         groups = [p for p in sample.parts if isinstance(p, (VideoFrames, torch.Tensor))]
         assert len(groups) == want["video_grid_thw"][0, 0] == (3 if row == 0 else 2)
+        assert [p.frames.shape[0] for p in groups] == ([2, 2, 1] if row == 0 else [2, 2])
         pixels = [g.frames if isinstance(g, VideoFrames) else g for g in groups]
         patches = torch.cat([patchify_frames(p, 16, 2, 2)[0] for p in pixels])
         assert torch.equal(patches, want["pixel_values_videos"])

@@ -41,7 +41,12 @@ import torch
 from titan_vlm.config import JobConfig
 from titan_vlm.data.batch import Part, Sample, SlotData, SlotRule, collate
 from titan_vlm.data.chat import chat_question
-from titan_vlm.data.hf_processor import ChatError, chat_prompt, video_file_frames
+from titan_vlm.data.hf_processor import (
+    ChatError,
+    chat_prompt,
+    kept_frame_files,
+    video_file_frames,
+)
 from titan_vlm.data.image_batch import ImageRule
 from titan_vlm.data.images import load_image, load_native_image
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
@@ -203,11 +208,15 @@ def ask_hf(
         path = Path(video[0])
         try:  # the frames the folder's processor keeps, at the rate they were sampled
             ref, _ = video_file_frames(proc, path, None)
-            parts.append(proc.preprocess_video_file(ref))
+            parts.append(proc.preprocess_video_ref(ref))
         except ValueError as e:  # VideoError among them
             raise ConfigError(f"--video: {e}") from None
-    elif video:
-        parts.append(proc.preprocess_video(video))
+    elif video:  # the frames the folder's sampling keeps of them
+        try:
+            ref = kept_frame_files(proc, [Path(f) for f in video])
+        except ValueError as e:
+            raise ConfigError(f"--video: {e}") from None
+        parts.append(proc.preprocess_video_ref(ref))
     if raw:
         prefix = proc.prompt_parts(prompt, parts)
     else:

@@ -171,7 +171,13 @@ def test_video_sizing_sampling_and_timestamps_are_transformers(
     )
     from transformers.video_utils import VideoMetadata
 
-    from titan_vlm.models.qwen3_vl.video import VIDEO_DEFAULTS, Qwen3Sampling, group_times
+    from titan_vlm.models.common.qwen_vl.processor import vision_settings
+    from titan_vlm.models.qwen3_vl.video import (
+        QWEN3_VIDEO,
+        VIDEO_DEFAULTS,
+        Qwen3Sampling,
+        group_times,
+    )
 
     _, ours, _ = pair
     low, high = 64 * 32 * 32, 32 * 32 * 60
@@ -191,10 +197,15 @@ def test_video_sizing_sampling_and_timestamps_are_transformers(
         assert patches == -(-frames // 2) * (h // 16) * (w // 16)
     assert rule.fit(480, 270, 40) != QwenRule(ours.args, video_bounds=(low, high)).fit(480, 270, 40)
 
-    for total, fps, settings in [(16, 8.0, {}), (300, 30.0, {}), (3, 24.0, {}),
-                                 (100, 25.0, {"fps": 1}),
-                                 (50, 10.0, {"fps": None, "num_frames": 7}),
-                                 (90, 30.0, {"fps": None, "max_frames": 20})]:  # fmt: skip
+    for total, fps, settings in [
+        (16, 8.0, {}),
+        (300, 30.0, {}),
+        (3, 24.0, {}),
+        (100, 25.0, {"fps": 1}),
+        (50, 10.0, {"fps": None, "num_frames": 7}),
+        (90, 30.0, {"fps": None, "max_frames": 20}),
+        (3, 24.0, {"fps": None}),
+    ]:  # fmt: skip (more than 3: repeats)
         # what preprocess passes sample_frames: the merged settings' fps and num_frames
         hf_sampler = Qwen3VLVideoProcessor(**settings)
         merged = {k: getattr(hf_sampler, k) for k in SAMPLING_KEYS}
@@ -209,6 +220,11 @@ def test_video_sizing_sampling_and_timestamps_are_transformers(
         hf_times = Qwen3VLProcessor._calculate_timestamps(None, want, fps, 2)
         assert group_times(times, 2) == pytest.approx(hf_times, abs=0)
     assert VIDEO_DEFAULTS["size"] == dict(Qwen3VLVideoProcessor().size)
+    # Qwen3VLVideoProcessor reads `size` alone: top-level min / max pixels change nothing
+    file = {"min_pixels": 1000, "max_pixels": 50000, "size": {"shortest_edge": low,
+                                                              "longest_edge": high}}  # fmt: skip
+    assert dict(Qwen3VLVideoProcessor(**file).size) == file["size"]
+    assert vision_settings(file, "f.json", QWEN3_VIDEO).pixel_bounds == (low, high)
 
     group = Sample([[1, 2], torch.zeros(2, 3, 64, 96), [3]])  # one frame group: t = 1
     assert rule.positions(group)[MROPE_POSITIONS].shape == (3, 2 + 6 + 1)

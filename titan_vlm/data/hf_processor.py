@@ -52,7 +52,13 @@ import torch
 
 from titan_vlm.data.batch import Part, Prompt, VideoFrames, is_image
 from titan_vlm.data.chat import PLACEHOLDER
-from titan_vlm.data.images import ImageProcessing, ImageTooLarge, VideoRef, open_image
+from titan_vlm.data.images import (
+    DEFAULT_FPS,
+    ImageProcessing,
+    ImageTooLarge,
+    VideoRef,
+    open_image,
+)
 from titan_vlm.data.tokenizer import HFTokenizer
 from titan_vlm.data.video import decode_video, probe_video
 from titan_vlm.errors import ConfigError
@@ -483,17 +489,34 @@ class HFProcessor:
                     )
             return self.vision.video(images, size)
 
-    def preprocess_video_file(self, ref: VideoRef) -> VideoFrames:
-        """A video file's kept frames (`ref`, from video_file_frames: its indices, sampled rate
-        and stream rate) decoded and made the pixels the folder's processor makes (as
+    def preprocess_video_ref(self, ref: VideoRef, max_pixels: int | None = None) -> VideoFrames:
+        """A video's kept frames (`ref`: a file's from video_file_frames, decoded; frame files'
+        from kept_frame_files, opened) made the pixels the folder's processor makes (as
         `preprocess_video`, at ref.frame_size: None, the processor's choice), with the rate
-        they were sampled at and their times. VideoError (data/video.py) where decoding
-        fails."""
+        they were sampled at and their times. VideoError (data/video.py) where a file cannot be
+        decoded; Pillow's errors and ImageTooLarge (`max_pixels`) for frame files."""
         from PIL import Image
 
-        assert ref.fps is not None, "a video file's header was not read"
-        frames = [Image.fromarray(frame) for frame in decode_video(ref.path, ref.indices)]
-        return VideoFrames(self.vision.video(frames, ref.frame_size), ref.fps, ref.times())
+        assert ref.fps is not None, "a video whose frames were not chosen"
+        if ref.is_file:
+            frames = [Image.fromarray(frame) for frame in decode_video(ref.path, ref.indices)]
+            pixels = self.vision.video(frames, ref.frame_size)
+        else:
+            pixels = self.preprocess_video(ref.frames, max_pixels, ref.frame_size)
+        return VideoFrames(pixels, ref.fps, ref.times())
+
+
+def kept_frame_files(processor: HFProcessor, frames: Sequence[Path]) -> VideoRef:
+    """A video given as frame files, as the folder's processor keeps them: its frame sampling
+    (FolderVision.video_indices) applied to them as to a video of that many frames at
+    DEFAULT_FPS (what transformers assumes of frames given without metadata: Qwen2-VL's
+    processor keeps every one by default, Qwen3-VL's 2 a second), their indices among the files,
+    the rate they were kept at and DEFAULT_FPS as their rate (frame_size not yet chosen).
+    ValueError where the sampling keeps none."""
+    indices = tuple(processor.vision.video_indices(len(frames), DEFAULT_FPS))
+    kept = tuple(Path(frames[i]) for i in indices)
+    fps = len(indices) / len(frames) * DEFAULT_FPS
+    return VideoRef(kept[0], frames=kept, indices=indices, fps=fps, rate=DEFAULT_FPS)
 
 
 def video_file_frames(

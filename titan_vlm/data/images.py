@@ -45,6 +45,8 @@ class VideoRef(ImageRef):
     read, `indices`, the stream's frames the folder's processor keeps (its frame sampling), and
     `fps`, the rate they were sampled at (kept / total x the stream's rate: transformers'
     sampled_fps), and `rate`, the stream's own frames per second; its slots count `indices`.
+    Frame files, once sized, likewise: `frames` the kept files, `indices` their places among
+    the record's, `rate` DEFAULT_FPS (data/hf_processor.py kept_frame_files).
 
     A family that cuts a video into frame groups with text between them (Qwen3-VL's timestamps:
     FolderVision.split_videos) makes one VideoRef per group: the same file (or that group's
@@ -67,9 +69,9 @@ class VideoRef(ImageRef):
         return len(self.indices) if self.is_file else len(self.frames)
 
     def times(self) -> tuple[float, ...]:
-        """A video file's kept frames' times in seconds: each index / the stream's rate (frame
-        files carry no rate: models/qwen3_vl/video.py frame_times)."""
-        assert self.is_file and self.rate is not None, "not a video file whose header was read"
+        """The kept frames' times in seconds: each index / the rate (a file's stream's; frame
+        files', DEFAULT_FPS: data/hf_processor.py kept_frame_files)."""
+        assert self.rate is not None, "a video whose frames were not chosen"
         return tuple(i / self.rate for i in self.indices)
 
 

@@ -75,7 +75,7 @@ from titan_vlm.data.batch import (
     part_slots,
 )
 from titan_vlm.data.dataset import Dataset, batch_rows
-from titan_vlm.data.hf_processor import HFProcessor, video_file_frames
+from titan_vlm.data.hf_processor import HFProcessor, kept_frame_files, video_file_frames
 from titan_vlm.data.image_batch import ImageRule
 from titan_vlm.data.images import (
     ImageTooLarge,
@@ -282,6 +282,11 @@ class JsonlDataset(Dataset):
             if isinstance(part, VideoRef) and part.is_file:
                 part = self._video_file(part)
             elif isinstance(part, VideoRef):
+                assert self.processor is not None  # records.py: a video part needs one
+                try:  # the folder's frame sampling, as transformers samples frames it is given
+                    part = kept_frame_files(self.processor, part.frames)
+                except ValueError as e:
+                    raise BadSample("video frames", f"{part.path}: {e}") from None
                 sizes = {self._header(path) for path in part.frames}
                 if len(sizes) > 1:
                     raise BadSample(
@@ -290,8 +295,7 @@ class JsonlDataset(Dataset):
                         f"({', '.join(f'{w}x{h}' for h, w in sorted(sizes))})",
                     )
                 (size,) = sizes
-                fit = self._fit(part.path, size, len(part.frames))
-                part = VideoRef(part.path, None, part.frames, fit)
+                part = replace(part, frame_size=self._fit(part.path, size, len(part.frames)))
             elif isinstance(part, ImageRef):
                 part = ImageRef(part.path, self._fit(part.path, self._header(part.path), 0))
             out.append(part)
@@ -515,12 +519,8 @@ class JsonlDataset(Dataset):
         """Sample i's image `ref` decoded, or None (reported, and the sample counted as dropped)
         if it cannot be decoded or is too large."""
         try:
-            if isinstance(ref, VideoRef) and ref.is_file and self.processor is not None:
-                return self.processor.preprocess_video_file(ref)
             if isinstance(ref, VideoRef) and self.processor is not None:
-                return self.processor.preprocess_video(
-                    ref.frames, self.max_image_pixels, ref.frame_size
-                )
+                return self.processor.preprocess_video_ref(ref, self.max_image_pixels)
             if self.processor is not None:
                 return self.processor.preprocess_image(ref.path, self.max_image_pixels, ref.size)
             if self.native is not None:

@@ -100,12 +100,13 @@ def count_packets(path: str | Path, container: Any) -> int:
 
 def decode_video(path: str | Path, indices: Sequence[int]) -> list[np.ndarray]:
     """The frames at `indices` (increasing, within the header's count) as RGB uint8 [H, W, 3],
-    decoded in stream order from the first frame, stopping after the last index. VideoError
-    where decoding fails or the stream ends before an index."""
+    decoded in stream order from the first frame, stopping after the last index; an index given
+    twice (a sampling rule that asks for more frames than the video has) gives its frame twice.
+    VideoError where decoding fails or the stream ends before an index."""
     if not indices:
         raise VideoError(f"{path}: no frames asked for")
     wanted, last = set(indices), indices[-1]
-    frames: list[np.ndarray] = []
+    frames: dict[int, np.ndarray] = {}
     av = _av(path)
     with _open(path) as container:
         try:
@@ -113,7 +114,7 @@ def decode_video(path: str | Path, indices: Sequence[int]) -> list[np.ndarray]:
                 if i > last:
                     break
                 if i in wanted:
-                    frames.append(frame.to_ndarray(format="rgb24"))
+                    frames[i] = frame.to_ndarray(format="rgb24")
         except av.error.FFmpegError as e:
             raise VideoError(f"{path}: cannot be decoded ({type(e).__name__}: {e})") from None
     if len(frames) != len(wanted):
@@ -121,4 +122,4 @@ def decode_video(path: str | Path, indices: Sequence[int]) -> list[np.ndarray]:
             f"{path}: the stream ended after {len(frames)} of the {len(wanted)} frames asked for "
             "(its header's frame count is wrong, or the file is truncated)"
         )
-    return frames
+    return [frames[i] for i in indices]

@@ -4,8 +4,9 @@ What differs from Qwen2.5-VL (models/common/qwen_vl/processor.py):
 
     sampling   a video file's frames: fps (2 by default) x its duration, within [min_frames,
                max_frames] and its frame count, at np.linspace(0, total - 1, n).round()
-               (`Qwen3Sampling`); frame files are taken as given (pre-sampled frames: what
-               transformers computes with do_sample_frames=False)
+               (`Qwen3Sampling`); frame files the same, as a video of 24 frames a second
+               (data/hf_processor.py kept_frame_files: what transformers assumes of frames
+               given without metadata)
     size       every frame at one (H, W) chosen from the frames' size AND count (`video_size`:
                the frame count rounded to whole temporal patches counts against the pixel
                bounds; with cap_pixels_per_frame, each frame's share capped), so a video of
@@ -71,10 +72,11 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
 
 
 class Qwen3Sampling(FrameSampling):
-    """Which frames of a video file Qwen3VLVideoProcessor keeps (its sample_frames): every
-    frame without do_sample_frames; else num_frames, or by fps int(total / video_fps x fps)
-    within [min_frames, max_frames] and the frame count (neither: the frame count within
-    [min_frames, max_frames]); the indices np.linspace(0, total - 1, n).round()."""
+    """Which frames of a video Qwen3VLVideoProcessor keeps (its sample_frames): every frame
+    without do_sample_frames; else num_frames, or by fps int(total / video_fps x fps) within
+    [min_frames, max_frames] and the frame count (neither: the frame count within [min_frames,
+    max_frames]); the indices np.linspace(0, total - 1, n).round(), an index repeated where n
+    is more than the frames (as transformers repeats it)."""
 
     def indices(self, total: int, video_fps: float) -> list[int]:
         if not self.do_sample_frames:
@@ -85,13 +87,16 @@ class Qwen3Sampling(FrameSampling):
             n = min(max(int(total / video_fps * self.fps), self.min_frames), self.max_frames, total)
         else:
             n = min(max(total, self.min_frames), self.max_frames)
-        if n > total:
-            raise ValueError(f"{n} frames to sample from a video of {total}")
         return np.linspace(0, total - 1, n).round().astype(int).tolist()
 
 
 QWEN3_VIDEO = VideoClass(
-    "Qwen3VLVideoProcessor", VIDEO_DEFAULTS, SAMPLING_DEFAULTS, Qwen3Sampling, caps_frames=True
+    "Qwen3VLVideoProcessor",
+    VIDEO_DEFAULTS,
+    SAMPLING_DEFAULTS,
+    Qwen3Sampling,
+    caps_frames=True,
+    reads_min_max_pixels=False,
 )
 
 
@@ -132,20 +137,17 @@ def group_times(times: tuple[float, ...], temporal: int) -> list[float]:
 
 
 def frame_times(video: Part) -> tuple[float, ...]:
-    """A video part's kept frames' times in seconds: a file's (its indices / its stream's rate),
-    else (frame files, or a decoded video that carries none) each frame's position / DEFAULT_FPS,
+    """A video part's kept frames' times in seconds: a VideoRef's or a decoded video's own (their
+    indices / the rate: a file's stream's, frame files' DEFAULT_FPS); a bare [T, C, H, W] tensor
+    (frames given with no record of their choice) each frame's position / DEFAULT_FPS,
     transformers' rate for frames given without metadata."""
     if isinstance(video, VideoRef):
-        count = len(video.frames)
-        if video.is_file:
-            return video.times()
-    elif isinstance(video, VideoFrames) and video.times:
+        return video.times()
+    if isinstance(video, VideoFrames) and video.times:
         return video.times
-    else:
-        frames = video.frames if isinstance(video, VideoFrames) else video
-        assert isinstance(frames, torch.Tensor), f"not a video: {video!r}"
-        count = frames.shape[0]
-    return tuple(i / DEFAULT_FPS for i in range(count))
+    frames = video.frames if isinstance(video, VideoFrames) else video
+    assert isinstance(frames, torch.Tensor), f"not a video: {video!r}"
+    return tuple(i / DEFAULT_FPS for i in range(frames.shape[0]))
 
 
 def frame_groups(video: Part, temporal: int) -> list[Part]:
@@ -161,9 +163,11 @@ def frame_groups(video: Part, temporal: int) -> list[Part]:
             return [
                 replace(video, indices=ids[i : i + temporal]) for i in range(0, len(ids), temporal)
             ]
-        files = video.frames
+        files, ids = video.frames, video.indices
         return [
-            replace(video, path=files[i], frames=files[i : i + temporal])
+            replace(
+                video, path=files[i], frames=files[i : i + temporal], indices=ids[i : i + temporal]
+            )
             for i in range(0, len(files), temporal)
         ]
     if isinstance(video, VideoFrames):

@@ -347,13 +347,16 @@ class VideoClass:
     """A transformers video processor class a family's folders name (video_processor_type): its
     name, the defaults it gives settings a file leaves out (`defaults`: the VisionSettings keys;
     `sampling_defaults`: SAMPLING_DEFAULTS' keys), its frame sampling rule (a FrameSampling
-    class) and whether it may cap each frame's pixels (cap_pixels_per_frame)."""
+    class), whether it may cap each frame's pixels (cap_pixels_per_frame) and whether it reads
+    top-level min_pixels / max_pixels keys over its `size` (Qwen2-VL's does; Qwen3-VL's reads
+    `size` alone)."""
 
     name: str
     defaults: dict[str, Any]
     sampling_defaults: dict[str, Any]
     sampling: type[FrameSampling] = FrameSampling
     caps_frames: bool = False
+    reads_min_max_pixels: bool = True
 
 
 QWEN2_VIDEO = VideoClass("Qwen2VLVideoProcessor", VIDEO_DEFAULTS, SAMPLING_DEFAULTS)
@@ -600,7 +603,11 @@ def vision_settings(
         patch_size=_positive(s, "patch_size", where),
         temporal_patch_size=_positive(s, "temporal_patch_size", where),
         merge_size=_positive(s, "merge_size", where),
-        pixel_bounds=_pixel_bounds(s, defaults, where) if flags["do_resize"] else None,
+        pixel_bounds=(
+            _pixel_bounds(s, defaults, where, not video or video.reads_min_max_pixels)
+            if flags["do_resize"]
+            else None
+        ),
         resample=int(resample),
         convert_rgb=flags["do_convert_rgb"],
         rescale_factor=float(rescale) if flags["do_rescale"] else None,
@@ -635,8 +642,11 @@ def _positive(s: dict[str, Any], key: str, where: str) -> int:
     return value
 
 
-def _pixel_bounds(s: dict[str, Any], defaults: dict[str, Any], where: str) -> tuple[int, int]:
-    """(min_pixels, max_pixels): the top-level keys over the size dict's (see vision_settings)."""
+def _pixel_bounds(
+    s: dict[str, Any], defaults: dict[str, Any], where: str, top_level: bool
+) -> tuple[int, int]:
+    """(min_pixels, max_pixels): the top-level keys (`top_level`: where the class reads them)
+    over the size dict's (see vision_settings)."""
     size = s["size"]
     if size is None:  # transformers: a null size is the class default
         size = defaults["size"]
@@ -646,7 +656,7 @@ def _pixel_bounds(s: dict[str, Any], defaults: dict[str, Any], where: str) -> tu
         )
     bounds = []
     for top, key in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
-        value = s[top] if s.get(top) is not None else size.get(key)
+        value = s[top] if top_level and s.get(top) is not None else size.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ConfigError(
                 f"{KEY}: {where}: no {top}: neither {top} nor size.{key} is a positive integer "
@@ -723,7 +733,9 @@ class QwenVLProcessor:
         video_settings = vision_settings(video, video_file, video_class)
         frame_cap = None
         if video_class.caps_frames and video.get("cap_pixels_per_frame"):
-            frame_cap = video.get("max_video_tokens", video_class.defaults["max_video_tokens"])
+            frame_cap = video.get("max_video_tokens")
+            if frame_cap is None:  # transformers: the class default
+                frame_cap = video_class.defaults["max_video_tokens"]
             if isinstance(frame_cap, bool) or not isinstance(frame_cap, int) or frame_cap <= 0:
                 raise ConfigError(
                     f"{KEY}: {video_file}: max_video_tokens must be a positive integer, got "
