@@ -393,14 +393,15 @@ QUESTIONS = [
 @pytest.mark.parametrize(
     "case", range(len(QUESTIONS)), ids=["image", "two_images", "video", "raw_prompt"]
 )
-def test_generate_equals_transformers_greedy(setup, tmp_path, case):
-    """python -m titan_vlm.generate --hf-path on the folder, asked about one image, two images of
-    different aspect ratios, or a video's frames in its chat template, or with --raw-prompt (the
-    text the processor takes, each pad its image's tokens): the generated ids equal
-    transformers' greedy generate on the processor's inputs for the same text."""
+def test_generate_equals_transformers_greedy(setup, tmp_path, capsys, case):
+    """titan_vlm.generate's command line (its main, in this process: the subprocess run of the
+    same CLI is tests/test_qwen2_5_vl_video.py's) with --hf-path on the folder, asked about one
+    image, two images of different aspect ratios, or a video's frames in its chat template, or
+    with --raw-prompt (the text the processor takes, each pad its image's tokens): the generated
+    ids equal transformers' greedy generate on the processor's inputs for the same text."""
     import shutil
 
-    from cli import python_m
+    from titan_vlm.generate import main as generate_main
 
     folder, hf, path = setup
     asked = tmp_path / "qwen"
@@ -416,9 +417,8 @@ def test_generate_equals_transformers_greedy(setup, tmp_path, case):
         argv += ["--image", str(path.parent / name)]
     if frames:
         argv += ["--video", *(str(path.parent / f) for f in frames)]
-    done = python_m("titan_vlm.generate", *argv)
-    assert done.returncode == 0, done.stderr[-2000:]
-    ours = [int(i) for i in done.stdout.strip().splitlines()[-1].split()]
+    generate_main(argv)
+    ours = [int(i) for i in capsys.readouterr().out.strip().splitlines()[-1].split()]
 
     proc = hf_processor(hf, tok)
     proc.chat_template = TEMPLATE

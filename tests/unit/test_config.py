@@ -4,7 +4,6 @@ from pathlib import Path
 from typing import get_args
 
 import pytest
-from cli import python_m
 
 from titan_vlm import config
 from titan_vlm.config import ConfigError, load_config, world_size_of
@@ -171,33 +170,43 @@ def test_a2a_needs_heads_divisible_by_cp():
         validate_job(cfg, 8)
 
 
+def check(*argv: str) -> tuple[int, str, str]:
+    """`python -m titan_vlm.launch --check <argv>` run in this process (its main; the subprocess
+    run is tests/test_failure_keys.py's): (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+    from unittest import mock
+
+    from titan_vlm.launch import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with (
+        mock.patch("sys.argv", ["titan_vlm.launch", "--check", *argv]),
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+    ):
+        try:
+            main()
+        except SystemExit as e:
+            code = int(e.code or 0)
+    return code, out.getvalue(), err.getvalue()
+
+
 def test_restarts_need_checkpoints():
-    bad = python_m(
-        "titan_vlm.launch",
-        "--check",
-        "--config",
-        DEFAULT,
-        "--job.max_restarts=2",
-        "--checkpoint.enable=false",
-    )
-    assert bad.returncode == 2 and "job.max_restarts needs checkpoint.enable" in bad.stderr
+    code, _, err = check("--config", DEFAULT, "--job.max_restarts=2", "--checkpoint.enable=false")
+    assert code == 2 and "job.max_restarts needs checkpoint.enable" in err
     # the default run checkpoints
-    ok = python_m("titan_vlm.launch", "--check", "--config", DEFAULT, "--job.max_restarts=2")
-    assert ok.returncode == 0 and ok.stdout.split() == ["2", "2"]
+    code, out, _ = check("--config", DEFAULT, "--job.max_restarts=2")
+    assert code == 0 and out.split() == ["2", "2"]
 
 
 def test_config_cli_prints_process_count_or_one_line_error():
-    ok = python_m(
-        "titan_vlm.launch",
-        "--check",
-        "--config",
-        DEFAULT,
-        "--parallelism.context_parallel_degree=4",
-    )
-    assert ok.returncode == 0 and ok.stdout.split() == ["4", "0"]  # processes, job.max_restarts
-    bad = python_m("titan_vlm.launch", "--check", "--config", DEFAULT, "--training.stepz=1")
-    assert bad.returncode == 2
-    assert bad.stderr.strip().count("\n") == 0 and "training.stepz" in bad.stderr
+    code, out, _ = check("--config", DEFAULT, "--parallelism.context_parallel_degree=4")
+    assert code == 0 and out.split() == ["4", "0"]  # processes, job.max_restarts
+    code, _, err = check("--config", DEFAULT, "--training.stepz=1")
+    assert code == 2
+    assert err.strip().count("\n") == 0 and "training.stepz" in err
 
 
 def test_tensor_and_sequence_parallel_keys():
