@@ -1,11 +1,14 @@
 """A mixture-of-experts layer on this machine:
 
     python benchmarks/moe_layer.py [--tokens 4096,16384] [--dim 512] [--ffn 256] [--experts 8]
+    python benchmarks/moe_layer.py --kernels-only --device cuda --dtype bfloat16   # a GPU
 
-1. The experts' matmuls, one process: titan_vlm's op (models/common/grouped.py: one matmul per
-   expert on its rows, forward + backward) against torch._grouped_mm (one call over all experts;
-   forward only: its CPU backward fails on torch 2.13, "Invalid strides/sizes"), on the same
-   routed rows. Rows of tokens x top_k, routed by a random router.
+1. The experts' matmuls, one process: titan_vlm's op with its two kernels
+   (models/common/grouped.py KERNELS, model.experts_kernel: "loop", one matmul per expert on
+   its rows, and "grouped_mm", torch._grouped_mm, one call over all the experts per
+   projection), forward and forward + backward, on the same routed rows, and the largest
+   relative difference of the output and the gradients between them. Rows of tokens x top_k,
+   routed by a random router.
 2. The whole layer (router, experts, combine; forward + backward) at ep = 1 and ep = 2 on 2 gloo
    processes, each with its own tokens: step time (slowest rank) and the bytes each rank sends
    by all-to-all per step, counted by wrapping torch.distributed.all_to_all_single, beside the
@@ -24,7 +27,6 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from _group import run_group
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -37,53 +39,65 @@ from titan_vlm.plan.comm import ep_layer_bytes
 TOP_K = 2
 
 
-def routed(tokens: int, dim: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def routed(
+    tokens: int, dim: int, num_experts: int, device: str, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens x TOP_K rows grouped by expert, and the rows per expert, from a random router."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, dim, generator=g)
     picks = torch.randn(tokens, num_experts, generator=g).topk(TOP_K, dim=-1).indices.flatten()
     order = picks.argsort(stable=True)
     counts = torch.zeros(num_experts, dtype=torch.long).index_add(0, picks, torch.ones_like(picks))
-    return x[order // TOP_K], counts
+    return x[order // TOP_K].to(device, dtype), counts.to(device)
 
 
-def timed(fn, repeats: int = 3) -> float:
+def timed(fn, device: str, repeats: int = 3) -> float:
     fn()  # warm-up
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
     start = time.perf_counter()
     for _ in range(repeats):
         fn()
+    sync()
     return (time.perf_counter() - start) / repeats
 
 
-def loop_forward(x, counts, w1, w3, w2) -> torch.Tensor:
-    return experts(x, counts, w1, w3, w2)
+def forward(kernel: str, x, counts, w1, w3, w2) -> torch.Tensor:
+    return experts(x, counts, w1, w3, w2, kernel)
 
 
-def loop_forward_backward(x, counts, w1, w3, w2) -> None:
-    ws = [w.clone().requires_grad_() for w in (w1, w3, w2)]
-    experts(x.clone().requires_grad_(), counts, *ws).sum().backward()
+def forward_backward(kernel: str, x, counts, w1, w3, w2) -> list[torch.Tensor]:
+    xs, ws = x.clone().requires_grad_(), [w.clone().requires_grad_() for w in (w1, w3, w2)]
+    experts(xs, counts, *ws, kernel).float().square().sum().backward()
+    return [xs.grad, *(w.grad for w in ws)]
 
 
-def grouped_forward(x, counts, w1, w3, w2) -> torch.Tensor:
-    offs = counts.cumsum(0).to(torch.int32)
-    gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
-    up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
-
-
-def grouped_table(token_counts: list[int], dim: int, ffn: int, num_experts: int) -> None:
-    print("| tokens | rows | loop fwd s | loop fwd+bwd s | _grouped_mm fwd s | max diff |")
-    print("|---|---|---|---|---|---|")
+def kernel_table(
+    token_counts: list[int], dim: int, ffn: int, num_experts: int, device: str, dtype: torch.dtype
+) -> None:
+    print(
+        "| tokens | rows | loop fwd s | loop fwd+bwd s | grouped_mm fwd s | "
+        "grouped_mm fwd+bwd s | max rel diff (out, grads) |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for tokens in token_counts:
-        x, counts = routed(tokens, dim, num_experts)
+        x, counts = routed(tokens, dim, num_experts, device, dtype)
         w1, w3 = (torch.randn(num_experts, ffn, dim) * dim**-0.5 for _ in range(2))
         w2 = torch.randn(num_experts, dim, ffn) * ffn**-0.5
-        case = (x, counts, w1, w3, w2)
-        diff = float((loop_forward(*case) - grouped_forward(*case)).abs().max())
-        times = [timed(partial(f, *case)) for f in (loop_forward, loop_forward_backward)]
+        case = (x, counts, *(w.to(device, dtype) for w in (w1, w3, w2)))
+        outs = [[forward(k, *case), *forward_backward(k, *case)] for k in ("loop", "grouped_mm")]
+        diff = max(
+            float((a.float() - b.float()).abs().max() / a.float().abs().max())
+            for a, b in zip(*outs)
+        )
+        times = [
+            timed(partial(f, k, *case), device)
+            for k in ("loop", "grouped_mm")
+            for f in (forward, forward_backward)
+        ]
         print(
-            f"| {tokens} | {x.shape[0]} | {times[0]:.4f} | {times[1]:.4f} | "
-            f"{timed(partial(grouped_forward, *case)):.4f} | {diff:.1e} |"
+            f"| {tokens} | {x.shape[0]} | {times[0]:.4f} | {times[1]:.4f} | {times[2]:.4f} | "
+            f"{times[3]:.4f} | {diff:.1e} |"
         )
 
 
@@ -156,13 +170,22 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--ffn", type=int, default=256)
     parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--device", default="cpu", help="the kernel table's device (cuda: a GPU)")
+    parser.add_argument("--dtype", default="float32", help="the kernel table's (bfloat16, ...)")
+    parser.add_argument(
+        "--kernels-only", action="store_true", help="the kernel table alone (no gloo processes)"
+    )
     opts = parser.parse_args()
+    dtype = getattr(torch, opts.dtype)
     token_counts = [int(t) for t in opts.tokens.split(",")]
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; dim {opts.dim}, "
-        f"ffn {opts.ffn}, {opts.experts} experts, top {TOP_K}, fp32\n"
+        f"ffn {opts.ffn}, {opts.experts} experts, top {TOP_K}; kernels on {opts.device} in "
+        f"{opts.dtype}, the layer on the CPU in fp32\n"
     )
-    grouped_table(token_counts, opts.dim, opts.ffn, opts.experts)
+    kernel_table(token_counts, opts.dim, opts.ffn, opts.experts, opts.device, dtype)
+    if opts.kernels_only:
+        return
     print("\n| ep | tokens per rank | layer fwd+bwd s | all-to-all sent MiB | planner MiB |")
     print("|---|---|---|---|---|")
     args = (token_counts, opts.dim, opts.ffn, opts.experts)

@@ -1275,12 +1275,15 @@ def qwen_fused_qkv_parity(cp: int = 1, tp: int = 2, **kwargs) -> dict:
         return family_parity("qwen2_5_vl", cp=cp, tp=tp, **kwargs)
 
 
-def experts_all_to_all_bytes(dp_shard: int = 2, tokens: int = 64, balanced: bool = True) -> int:
-    """Bytes this rank sends by all_to_all_single in one forward + backward of a MoE layer (4
-    experts, top 2, dim 32) under expert parallelism over the dp_shard ranks (each its own
-    tokens), counted by benchmarks/moe_layer.py's counter. `balanced`: the router picks experts
-    (t, t + 1) mod 4 for token t, so half of every rank's picks leave it and as many arrive (what
-    the planner assumes); else every token picks its own rank's experts (none leaves)."""
+def experts_all_to_all(
+    dp_shard: int = 2, tokens: int = 64, balanced: bool = True, kernel: str = "loop"
+) -> dict:
+    """One forward + backward of a MoE layer (4 experts, top 2, dim 32) under expert
+    parallelism over the dp_shard ranks (each its own tokens), the experts' matmuls by `kernel`:
+    the bytes this rank sends by all_to_all_single (benchmarks/moe_layer.py's counter), its
+    output and its input's and experts' gradients. `balanced`: the router picks experts (t, t +
+    1) mod 4 for token t, so half of every rank's picks leave it and as many arrive (what the
+    planner assumes); else every token picks its own rank's experts (none leaves)."""
     from titan_vlm.models.common.moe import MoE
     from titan_vlm.models.common.text_args import MoEArgs
     from titan_vlm.parallel.parallelize import apply_ep
@@ -1290,7 +1293,7 @@ def experts_all_to_all_bytes(dp_shard: int = 2, tokens: int = 64, balanced: bool
     assert mesh.ep is not None
     dim, e = 32, 4
     torch.manual_seed(0)
-    layer = MoE(dim, MoEArgs(num_experts=e, top_k=2, ffn_dim=16))
+    layer = MoE(dim, MoEArgs(num_experts=e, top_k=2, ffn_dim=16, kernel=kernel))
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.1)
     apply_ep([layer.experts], mesh.ep)
@@ -1307,5 +1310,6 @@ def experts_all_to_all_bytes(dp_shard: int = 2, tokens: int = 64, balanced: bool
     x = x[None].requires_grad_()
     with moe_layer.count_all_to_all() as sent:
         out, _ = layer(x, torch.ones(1, tokens))
-        out.sum().backward()
-    return sent["bytes"]
+        (out * out).sum().backward()
+    grads = [x.grad, *(local_tensor(p.grad) for p in layer.experts.parameters())]
+    return {"bytes": sent["bytes"], "out": out.detach(), "grads": grads}

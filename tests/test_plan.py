@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from titan_vlm.data.synthetic import SyntheticCaptions
 from titan_vlm.models.llava.args import get_flavor
@@ -201,12 +202,21 @@ def test_mixture_of_experts_activations_are_what_autograd_saves(pool, cp):
 def test_experts_all_to_all_bytes_are_the_plans(pool):
     """Expert parallelism over 2 ranks, a router that spreads the picks evenly over the ranks
     (what the planner assumes): each rank sends exactly comm.ep_layer_bytes; the control, a
-    router that keeps every pick on its own rank, sends other bytes."""
+    router that keeps every pick on its own rank, sends other bytes. The grouped_mm kernel
+    sends the same and computes the same as the loop."""
     tokens = 64
     want = ep_layer_bytes(2 * tokens, 32, 4, 2, 4)
-    assert pool.run("experts_all_to_all_bytes", dp_shard=2, tokens=tokens) == [want, want]
-    skewed = pool.run("experts_all_to_all_bytes", dp_shard=2, tokens=tokens, balanced=False)
-    assert skewed != [want, want], skewed
+    loop = pool.run("experts_all_to_all", dp_shard=2, tokens=tokens)
+    assert [r["bytes"] for r in loop] == [want, want]
+    skewed = pool.run("experts_all_to_all", dp_shard=2, tokens=tokens, balanced=False)
+    assert [r["bytes"] for r in skewed] != [want, want], skewed
+    # the same exchange with torch._grouped_mm for the experts' matmuls: the same bytes, output
+    # and gradients on every rank
+    grouped = pool.run("experts_all_to_all", dp_shard=2, tokens=tokens, kernel="grouped_mm")
+    for a, b in zip(loop, grouped):
+        assert a["bytes"] == b["bytes"]
+        for x, y in zip([a["out"], *a["grads"]], [b["out"], *b["grads"]]):
+            assert torch.allclose(x, y, rtol=1e-5, atol=1e-6), (x - y).abs().max()
 
 
 def test_plan_prints_every_part(capsys):

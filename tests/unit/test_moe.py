@@ -267,3 +267,71 @@ def test_a_config_json_with_experts_reads_both_key_spellings(tmp_path: Path) -> 
             json.dumps({**config, "text_config": {**text, **change}})
         )
         assert model_spec(args).args(args).decoder.moe is None, change
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 7, 4], [0, 0, 16, 0], [0, 0, 0, 0]])
+def test_grouped_mm_kernel_equals_the_loop(counts: list[int]) -> None:
+    """The experts' two kernels (models/common/grouped.py KERNELS): torch._grouped_mm's output
+    and every gradient (the rows', each expert's weights') equal one matmul per expert's, fp32,
+    with experts that get no row and a batch of no rows; the registry and model.experts_kernel
+    name the same kernels. The control: a grouping off by one row gives other outputs."""
+    from typing import get_args
+
+    from titan_vlm.config import ExpertsKernel
+    from titan_vlm.models.common.grouped import KERNELS, experts
+
+    assert set(KERNELS) == set(get_args(ExpertsKernel))
+    g = torch.Generator().manual_seed(0)
+    e, dim, ffn = 4, 24, 16
+    sizes = torch.tensor(counts)
+    x = torch.randn(int(sizes.sum()), dim, generator=g)
+    weights = [torch.randn(e, ffn, dim, generator=g), torch.randn(e, ffn, dim, generator=g)]
+    weights.append(torch.randn(e, dim, ffn, generator=g))
+    dy = torch.randn(x.shape[0], dim, generator=g)
+
+    def run(kernel: str, groups: torch.Tensor) -> list[torch.Tensor]:
+        xs = x.clone().requires_grad_()
+        ws = [w.clone().requires_grad_() for w in weights]
+        y = experts(xs, groups, *ws, kernel=kernel)
+        (y * dy).sum().backward()
+        return [y.detach(), xs.grad, *(w.grad for w in ws)]  # type: ignore[misc]
+
+    loop, grouped = run("loop", sizes), run("grouped_mm", sizes)
+    for a, b in zip(loop, grouped):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (a - b).abs().max()
+    if counts[0] > 0:
+        shifted = sizes.clone()
+        shifted[0] -= 1
+        shifted[1] += 1
+        assert not torch.allclose(run("grouped_mm", shifted)[0], loop[0], atol=1e-3)
+
+
+def test_the_config_chooses_the_experts_kernel() -> None:
+    """model.experts_kernel reaches every MoE layer's experts, and a LLaVA + MoE model computes
+    the same loss and gradients with either kernel."""
+    from titan_vlm.config import JobConfig
+
+    losses, grads = [], []
+    for kernel in ("loop", "grouped_mm"):
+        cfg = JobConfig()
+        cfg.model.flavor = "debug_moe"
+        cfg.model.experts_kernel = kernel  # type: ignore[assignment]
+        args = model_spec(cfg).args(cfg)
+        torch.manual_seed(0)
+        model = VLM(args)
+        kernels = {m.kernel for m in model.modules() if hasattr(m, "ep_group")}
+        assert kernels == {kernel}
+        torch.manual_seed(1)
+        tokens = torch.randint(0, 200, (1, 40))
+        images = torch.randn(1, 3, args.vision.image_size, args.vision.image_size)
+        embeds = model.encode_images(images)
+        rows = collate([[Sample([images[0], tokens[0].tolist()])]], 40 + args.tokens_per_image,
+                       args.tokens_per_image, args.vision.image_size, 0)  # fmt: skip
+        placed_tokens, _, layout = CPContext().place(rows, model.bidirectional_images)
+        logits = model.decode(placed_tokens, embeds, layout)
+        loss = logits.float().logsumexp(-1).mean()
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert torch.allclose(losses[0], losses[1], rtol=1e-6)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(*grads))

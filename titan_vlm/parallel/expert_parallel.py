@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from titan_vlm.models.common.grouped import swiglu_backward, swiglu_forward
+from titan_vlm.models.common.grouped import KERNELS
 
 
 def _group(name: str) -> dist.ProcessGroup:
@@ -78,6 +78,7 @@ def _ep_op(
     w3: torch.Tensor,
     w2: torch.Tensor,
     group: str,
+    kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, the received rows grouped by local expert, their gate and up projections, recv)."""
     pg = _group(group)
@@ -86,7 +87,7 @@ def _ep_op(
     send_rows, recv_rows = _sizes(counts, recv)
     order = _by_expert(recv)
     grouped = _exchange(x, send_rows, recv_rows, pg)[order]
-    out, gate, up = swiglu_forward(grouped, recv.sum(0).tolist(), w1, w3, w2)
+    out, gate, up = KERNELS[kernel][0](grouped, recv.sum(0).tolist(), w1, w3, w2)
     back = torch.empty_like(out)
     back[order] = out
     return _exchange(back, recv_rows, send_rows, pg), grouped, gate, up, recv
@@ -100,6 +101,7 @@ def _(
     w3: torch.Tensor,
     w2: torch.Tensor,
     group: str,
+    kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     rows = torch.library.get_ctx().new_dynamic_size()  # what the router sends here: data
     local, ffn = w1.shape[0], w1.shape[1]
@@ -121,13 +123,14 @@ def _ep_backward_op(
     w3: torch.Tensor,
     w2: torch.Tensor,
     group: str,
+    kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dx, dw1, dw3, dw2 (this rank's experts) of `_ep_op`."""
     pg = _group(group)
     send_rows, recv_rows = _sizes(counts, recv)
     order = _by_expert(recv)
     d_grouped = _exchange(dy, send_rows, recv_rows, pg)[order]
-    dx, dw1, dw3, dw2 = swiglu_backward(
+    dx, dw1, dw3, dw2 = KERNELS[kernel][1](
         d_grouped, grouped, recv.sum(0).tolist(), gate, up, w1, w3, w2
     )
     back = torch.empty_like(dx)
@@ -147,6 +150,7 @@ def _(
     w3: torch.Tensor,
     w2: torch.Tensor,
     group: str,
+    kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return (
         dy.new_empty(dy.shape),
@@ -157,16 +161,18 @@ def _(
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    _, counts, w1, w3, w2, group = inputs
+    _, counts, w1, w3, w2, group, kernel = inputs
     _, grouped, gate, up, recv = output
     ctx.save_for_backward(grouped, gate, up, recv, counts, w1, w3, w2)
-    ctx.group = group
+    ctx.group, ctx.kernel = group, kernel
 
 
 def _backward(ctx: Any, dy: torch.Tensor, *_: Any) -> tuple[Any, ...]:
     grouped, gate, up, recv, counts, w1, w3, w2 = ctx.saved_tensors
-    dx, dw1, dw3, dw2 = _ep_backward_op(dy, grouped, gate, up, recv, counts, w1, w3, w2, ctx.group)
-    return dx, None, dw1, dw3, dw2, None
+    dx, dw1, dw3, dw2 = _ep_backward_op(
+        dy, grouped, gate, up, recv, counts, w1, w3, w2, ctx.group, ctx.kernel
+    )
+    return dx, None, dw1, dw3, dw2, None, None
 
 
 _ep_op.register_autograd(_backward, setup_context=_setup)
@@ -179,8 +185,9 @@ def ep_experts(
     w3: torch.Tensor,
     w2: torch.Tensor,
     group: str,
+    kernel: str = "loop",
 ) -> torch.Tensor:
     """y [N, dim] of this rank's rows x [N, dim] grouped by expert (counts [E]), the experts
     spread over the ranks of process group `group` (its name), this rank's w1, w3, w2 [E / ep,
-    ...] (module docstring)."""
-    return _ep_op(x, counts, w1, w3, w2, group)[0]
+    ...] (module docstring), their matmuls by `kernel` (models/common/grouped.py KERNELS)."""
+    return _ep_op(x, counts, w1, w3, w2, group, kernel)[0]

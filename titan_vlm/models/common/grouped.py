@@ -4,10 +4,21 @@ how many rows each expert gets is data (the router's choice), which torch.compil
 split by; behind the op a compiled block stays one graph (the fake implementations' shapes come
 from the arguments alone).
 
-`swiglu_forward` / `swiglu_backward` are the math, shared with expert parallelism
-(parallel/expert_parallel.py, which runs them on the rows its all-to-all brings): one matmul per
-expert on its rows, on any device and dtype. The forward keeps the gate and up projections,
-which the backward reads instead of recomputing them.
+The math, shared with expert parallelism (parallel/expert_parallel.py, which runs it on the rows
+its all-to-all brings), comes in two kernels of one interface, the registry `KERNELS`
+(model.experts_kernel picks one):
+
+    "loop"        `swiglu_forward` / `swiglu_backward`: one matmul per expert on its rows, on any
+                  device and dtype
+    "grouped_mm"  `grouped_forward` / `grouped_backward`: torch._grouped_mm, one call for all
+                  the experts per projection (forward: x @ W^T and the down projection;
+                  backward: dy @ W, and dy^T @ x with the groups along the reduced dim for the
+                  weights' gradients); checked equal to "loop" on the CPU
+                  (tests/unit/test_moe.py); on CUDA its bf16 kernel is the grouped GEMM of
+                  H100-class GPUs
+
+The forward keeps the gate and up projections, which the backward reads instead of recomputing
+them.
 
     x [N, dim] (rows of expert 0, then 1, ...; sizes[e] each)
     gate = x_e @ w1[e].T, up = x_e @ w3[e].T   [N, ffn]
@@ -16,6 +27,7 @@ which the backward reads instead of recomputing them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,17 +72,75 @@ def swiglu_backward(
     return torch.cat(dx), dw1, dw3, dw2
 
 
+def _offsets(sizes: list[int], device: torch.device) -> torch.Tensor:
+    """torch._grouped_mm's offs: where each group ends, int32."""
+    return torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+
+
+def grouped_forward(
+    x: torch.Tensor, sizes: list[int], w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`swiglu_forward` by torch._grouped_mm: each projection one call over all the experts."""
+    offs = _offsets(sizes, x.device)
+    gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+    up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs), gate, up
+
+
+def grouped_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    sizes: list[int],
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`swiglu_backward` by torch._grouped_mm: the inputs' gradient dy @ W per group, the
+    weights' dy_e^T @ x_e (the groups along the reduced dim; an expert without rows gets 0)."""
+    offs = _offsets(sizes, x.device)
+    act = F.silu(gate)  # as the forward computed it
+    dw2 = torch._grouped_mm(dy.t(), act * up, offs=offs)
+    dh = torch._grouped_mm(dy, w2, offs=offs)  # [N, ffn]
+    dup = dh * act
+    dgate = torch.ops.aten.silu_backward(dh * up, gate)
+    dw1 = torch._grouped_mm(dgate.t(), x, offs=offs)
+    dw3 = torch._grouped_mm(dup.t(), x, offs=offs)
+    dx = torch._grouped_mm(dgate, w1, offs=offs) + torch._grouped_mm(dup, w3, offs=offs)
+    return dx, dw1, dw3, dw2
+
+
+Forward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+# the experts' kernels (module docstring): name -> (forward, backward)
+KERNELS: dict[str, tuple[Forward, Backward]] = {
+    "loop": (swiglu_forward, swiglu_backward),
+    "grouped_mm": (grouped_forward, grouped_backward),
+}
+
+
 @torch.library.custom_op("titan_vlm::experts", mutates_args=())
 def _experts_op(
-    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`swiglu_forward` with the sizes as a tensor, counts [E]."""
-    return swiglu_forward(x, counts.tolist(), w1, w3, w2)
+    """The `kernel`'s forward with the sizes as a tensor, counts [E]."""
+    return KERNELS[kernel][0](x, counts.tolist(), w1, w3, w2)
 
 
 @_experts_op.register_fake
 def _(
-    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, ffn = x.shape[0], w1.shape[1]
     return x.new_empty(x.shape), x.new_empty(n, ffn), x.new_empty(n, ffn)
@@ -86,9 +156,10 @@ def _experts_backward_op(
     w1: torch.Tensor,
     w3: torch.Tensor,
     w2: torch.Tensor,
+    kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`swiglu_backward` with the sizes as a tensor."""
-    return swiglu_backward(dy, x, counts.tolist(), gate, up, w1, w3, w2)
+    """The `kernel`'s backward with the sizes as a tensor."""
+    return KERNELS[kernel][1](dy, x, counts.tolist(), gate, up, w1, w3, w2)
 
 
 @_experts_backward_op.register_fake
@@ -101,6 +172,7 @@ def _(
     w1: torch.Tensor,
     w3: torch.Tensor,
     w2: torch.Tensor,
+    kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return (
         x.new_empty(x.shape),
@@ -111,22 +183,29 @@ def _(
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    x, counts, w1, w3, w2 = inputs
+    x, counts, w1, w3, w2, kernel = inputs
     _, gate, up = output
     ctx.save_for_backward(x, counts, gate, up, w1, w3, w2)
+    ctx.kernel = kernel
 
 
 def _backward(ctx: Any, dy: torch.Tensor, *_: Any) -> tuple[Any, ...]:
     x, counts, gate, up, w1, w3, w2 = ctx.saved_tensors
-    dx, dw1, dw3, dw2 = _experts_backward_op(dy, x, counts, gate, up, w1, w3, w2)
-    return dx, None, dw1, dw3, dw2
+    dx, dw1, dw3, dw2 = _experts_backward_op(dy, x, counts, gate, up, w1, w3, w2, ctx.kernel)
+    return dx, None, dw1, dw3, dw2, None
 
 
 _experts_op.register_autograd(_backward, setup_context=_setup)
 
 
 def experts(
-    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    kernel: str = "loop",
 ) -> torch.Tensor:
-    """y [N, dim] of x [N, dim], its rows grouped by expert (counts [E] each): the op's output."""
-    return _experts_op(x, counts, w1, w3, w2)[0]
+    """y [N, dim] of x [N, dim], its rows grouped by expert (counts [E] each), by `kernel`
+    (KERNELS): the op's output."""
+    return _experts_op(x, counts, w1, w3, w2, kernel)[0]

@@ -317,10 +317,11 @@ def moe_args(s: Section, norm_topk_prob: bool) -> MoEArgs | None:
         raise ConfigError(f"{s.where}: {s.prefix}{e}") from None
 
 
-def with_aux_coef(d: DecoderArgs, cfg: JobConfig) -> DecoderArgs:
-    """`d` with training.moe_aux_loss_coef as its load-balancing weight, where it is set (>= 0)
-    and the decoder has experts."""
+def with_moe_config(d: DecoderArgs, cfg: JobConfig) -> DecoderArgs:
+    """`d` with the config's say over its experts (none without them): model.experts_kernel,
+    and training.moe_aux_loss_coef as the load-balancing weight where it is set (>= 0)."""
     coef = cfg.training.moe_aux_loss_coef
+    d = d.with_experts_kernel(cfg.model.experts_kernel)
     return d if coef < 0 else d.with_router_weight(coef)
 
 

@@ -35,8 +35,9 @@ class Experts(nn.Module):
     """`num_experts` SwiGLUs held as stacked weights (what expert parallelism shards along dim 0):
     w1 (gate) and w3 (up) [E, ffn_dim, dim], w2 (down) [E, dim, ffn_dim]."""
 
-    def __init__(self, num_experts: int, dim: int, ffn_dim: int):
+    def __init__(self, num_experts: int, dim: int, ffn_dim: int, kernel: str = "loop"):
         super().__init__()
+        self.kernel = kernel  # how the matmuls run (models/common/grouped.py KERNELS)
         self.w1 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
@@ -51,8 +52,8 @@ class Experts(nn.Module):
         parallelism `titan_vlm::ep_experts` (the rows travel to their experts' ranks and back)."""
         w1, w3, w2 = (local_tensor(w) for w in (self.w1, self.w3, self.w2))
         if self.ep_group is None:
-            return experts(x, counts, w1, w3, w2)
-        return ep_experts(x, counts, w1, w3, w2, self.ep_group)
+            return experts(x, counts, w1, w3, w2, self.kernel)
+        return ep_experts(x, counts, w1, w3, w2, self.ep_group, self.kernel)
 
 
 class MoE(nn.Module):
@@ -62,7 +63,7 @@ class MoE(nn.Module):
         super().__init__()
         self.args = m
         self.router = nn.Linear(dim, m.num_experts, bias=False)
-        self.experts = Experts(m.num_experts, dim, m.ffn_dim)
+        self.experts = Experts(m.num_experts, dim, m.ffn_dim, m.kernel)
 
     def forward(self, x: torch.Tensor, shares: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, L, dim], shares [B, L] (of how many ranks' slots each slot's token is one:

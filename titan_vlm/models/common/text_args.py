@@ -43,7 +43,10 @@ class MoEArgs:
     `layers`: which decoder layers are sparse (the others keep the dense FeedForward of
     DecoderArgs.ffn_dim): transformers' rule, layer i unless i is in mlp_only_layers, when
     (i + 1) % decoder_sparse_step == 0 (`sparse_layers`). `aux_loss_coef`: the weight of the
-    router's load-balancing loss in the training loss (models/common/moe.py aux_loss)."""
+    router's load-balancing loss in the training loss (models/common/moe.py aux_loss).
+    `kernel`: how the experts' matmuls run (model.experts_kernel: models/common/grouped.py
+    KERNELS), not part of the architecture (a folder's args and a flavor's compare equal without
+    it)."""
 
     num_experts: int = 4
     top_k: int = 2
@@ -51,6 +54,7 @@ class MoEArgs:
     norm_topk_prob: bool = True
     layers: tuple[int, ...] = (0, 1, 2)
     aux_loss_coef: float = 0.001
+    kernel: str = field(default="loop", compare=False)
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -117,6 +121,12 @@ class DecoderArgs:
         if self.moe is None:
             return self
         return dataclasses.replace(self, moe=dataclasses.replace(self.moe, aux_loss_coef=coef))
+
+    def with_experts_kernel(self, kernel: str) -> DecoderArgs:
+        """These args with the experts' matmuls by `kernel` (unchanged without experts)."""
+        if self.moe is None:
+            return self
+        return dataclasses.replace(self, moe=dataclasses.replace(self.moe, kernel=kernel))
 
     @property
     def sparse(self) -> frozenset[int]:

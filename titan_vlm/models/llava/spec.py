@@ -28,7 +28,7 @@ from titan_vlm.data.image_batch import ImageRule
 from titan_vlm.errors import ConfigError
 from titan_vlm.files import read_json
 from titan_vlm.models.common.decoder import after_to_empty, decoder_weight_init
-from titan_vlm.models.common.hf_config import first_difference, text_args_from_hf, with_aux_coef
+from titan_vlm.models.common.hf_config import first_difference, text_args_from_hf, with_moe_config
 from titan_vlm.models.common.hf_folder import config_path, hf_sources
 from titan_vlm.models.llava.args import IMAGE_ATTENTION, VLMArgs, get_flavor
 from titan_vlm.models.llava.flops import batch_train_flops, layout_cost
@@ -94,7 +94,7 @@ def llava_args(cfg: JobConfig) -> VLMArgs:
             )
     return dataclasses.replace(
         from_hf,
-        decoder=with_aux_coef(from_hf.decoder, cfg),
+        decoder=with_moe_config(from_hf.decoder, cfg),
         image_attention=m.image_attention,
         attention_kernel=m.attention_kernel,
     )

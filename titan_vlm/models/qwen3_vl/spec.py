@@ -22,7 +22,7 @@ from titan_vlm.config import JobConfig
 from titan_vlm.data.batch import SlotData
 from titan_vlm.data.image_batch import ImageRule
 from titan_vlm.models.common.decoder import after_to_empty
-from titan_vlm.models.common.hf_config import whole_model_args, with_aux_coef
+from titan_vlm.models.common.hf_config import whole_model_args, with_moe_config
 from titan_vlm.models.common.qwen_vl.flops import batch_train_flops, layout_cost
 from titan_vlm.models.common.qwen_vl.images import folder_rule
 from titan_vlm.models.common.qwen_vl.model import init_rule
@@ -58,7 +58,7 @@ def qwen3_args(cfg: JobConfig) -> Qwen3VLArgs:
     args = whole_model_args(cfg, "qwen3_vl", FLAVORS, args_from_hf_config)
     return dataclasses.replace(
         args,
-        decoder=with_aux_coef(args.decoder, cfg),
+        decoder=with_moe_config(args.decoder, cfg),
         attention_kernel=cfg.model.attention_kernel,
     )
 
