@@ -25,6 +25,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -33,6 +34,7 @@ from multiprocessing.queues import Queue
 from typing import Any
 
 CHECKS_MODULE = "dist_checks"
+CLOSE_GRACE_S = 3.0  # how long the session's end waits for the workers to leave their groups
 MESH_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp")  # the checks' mesh keywords (make_mesh)
 
 
@@ -177,9 +179,14 @@ class DistPools:
         return self.pools[world].run(check, **kwargs)
 
     def close(self) -> None:
-        """Every pool's workers told to stop at once, then joined: they shut down side by side."""
+        """Every pool's workers told to stop at once, then joined: they shut down side by side,
+        for at most `CLOSE_GRACE_S` in all (the session is over: a worker still leaving its
+        group then is killed, which costs nothing but its own cleanup)."""
         for p in self.pools.values():
             p.ask_to_stop()
+        deadline = time.monotonic() + CLOSE_GRACE_S
         for p in self.pools.values():
-            p.close()
+            for proc in p.procs:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            p.close(graceful=False)
         self.pools = {}

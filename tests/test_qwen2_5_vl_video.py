@@ -197,15 +197,16 @@ def test_without_pyav_a_video_file_stops_the_run_in_one_line(setup, monkeypatch)
     assert "\n" not in str(e.value)
 
 
-def test_generate_about_a_video_file_equals_transformers_greedy(setup):
-    from cli import python_m
+def test_generate_about_a_video_file_equals_transformers_greedy(setup, capsys):
+    """titan_vlm.generate's command line, its main in this process (tests/
+    test_checkpoint_damage.py runs it as a subprocess)."""
+    from titan_vlm.generate import main as generate_main
 
     folder, hf, path, frames, meta = setup
     argv = ["--hf-path", str(folder), "--video", str(path.parent / "clip.mp4")]
     argv += ["--prompt", QUESTION, "--max-new-tokens", "6", "--print-ids"]
-    done = python_m("titan_vlm.generate", *argv)
-    assert done.returncode == 0, done.stderr[-2000:]
-    ours = [int(i) for i in done.stdout.strip().splitlines()[-1].split()]
+    generate_main(argv)
+    ours = [int(i) for i in capsys.readouterr().out.strip().splitlines()[-1].split()]
 
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     template = hf_processor(hf, tok)
@@ -219,10 +220,12 @@ def test_generate_about_a_video_file_equals_transformers_greedy(setup):
     theirs = out[0, inputs["input_ids"].shape[1] :].tolist()
     assert len(ours) > 1 and ours == theirs, (ours, theirs)
 
-    bad = python_m("titan_vlm.generate", "--hf-path", str(folder), "--video",
-                   str(path.parent / "cut.mp4"), "--prompt", "?")  # fmt: skip
-    assert bad.returncode == 1 and bad.stderr.strip().count("\n") == 0, bad.stderr
-    assert bad.stderr.startswith("error: --video: ") and "cut.mp4: cannot be opened" in bad.stderr
+    with pytest.raises(SystemExit) as stop:
+        generate_main(["--hf-path", str(folder), "--video", str(path.parent / "cut.mp4"),
+                       "--prompt", "?"])  # fmt: skip
+    err = str(stop.value.code)  # sys.exit's message: the interpreter prints it, exit status 1
+    assert err.count("\n") == 0, err
+    assert err.startswith("error: --video: ") and "cut.mp4: cannot be opened" in err
 
 
 def test_run_train_cp2_on_a_video_file(setup, tmp_path):
