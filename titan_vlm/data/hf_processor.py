@@ -513,10 +513,17 @@ def kept_frame_files(processor: HFProcessor, frames: Sequence[Path]) -> VideoRef
     processor keeps every one by default, Qwen3-VL's 2 a second), their indices among the files,
     the rate they were kept at and DEFAULT_FPS as their rate (frame_size not yet chosen).
     ValueError where the sampling keeps none."""
-    indices = tuple(processor.vision.video_indices(len(frames), DEFAULT_FPS))
+    indices, fps = kept_frames(processor, len(frames), DEFAULT_FPS)
     kept = tuple(Path(frames[i]) for i in indices)
-    fps = len(indices) / len(frames) * DEFAULT_FPS
     return VideoRef(kept[0], frames=kept, indices=indices, fps=fps, rate=DEFAULT_FPS)
+
+
+def kept_frames(processor: HFProcessor, total: int, rate: float) -> tuple[tuple[int, ...], float]:
+    """The frames of a video of `total` frames at `rate` frames per second the folder's
+    processor keeps (FolderVision.video_indices), and the rate they were kept at (kept / total x
+    rate: transformers' sampled_fps)."""
+    indices = tuple(processor.vision.video_indices(total, rate))
+    return indices, len(indices) / total * rate
 
 
 def video_file_frames(
@@ -531,8 +538,7 @@ def video_file_frames(
     info = probe_video(path)
     if max_pixels is not None and info.height * info.width > max_pixels:
         raise ImageTooLarge(f"{info.width}x{info.height} frames > {max_pixels} pixels")
-    indices = tuple(processor.vision.video_indices(info.frames, info.fps))
-    fps = len(indices) / info.frames * info.fps
+    indices, fps = kept_frames(processor, info.frames, info.fps)
     ref = VideoRef(path, indices=indices, fps=fps, rate=info.fps)
     return ref, (info.height, info.width)
 

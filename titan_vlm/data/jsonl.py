@@ -482,8 +482,8 @@ class JsonlDataset(Dataset):
         parts: list[Part] = []
         for part in sample.parts:
             if isinstance(part, VideoRef) and part.path in whole:  # a frame group of a file
-                video, kept = whole[part.path]
-                at = [kept.index(j) for j in part.indices]
+                video, place = whole[part.path]
+                at = [place[j] for j in part.indices]
                 part = VideoFrames(video.frames[at], video.fps, tuple(video.times[j] for j in at))
             elif isinstance(part, ImageRef):
                 image = self._image(i, part)
@@ -495,15 +495,15 @@ class JsonlDataset(Dataset):
 
     def _whole_files(
         self, i: int, sample: Sample
-    ) -> dict[Path, tuple[VideoFrames, list[int]]] | None:
+    ) -> dict[Path, tuple[VideoFrames, dict[int, int]]] | None:
         """Each video file the sample holds in several parts (its frame groups: a processor that
-        splits videos) decoded once, all their frames, with the indices decoded; None (reported)
-        if one cannot be used."""
+        splits videos) decoded once, all their frames, with each decoded index's place among
+        them; None (reported) if one cannot be used."""
         refs: dict[Path, list[VideoRef]] = {}
         for part in sample.parts:
             if isinstance(part, VideoRef) and part.is_file:
                 refs.setdefault(part.path, []).append(part)
-        whole: dict[Path, tuple[VideoFrames, list[int]]] = {}
+        whole: dict[Path, tuple[VideoFrames, dict[int, int]]] = {}
         for path, groups in refs.items():
             if len(groups) < 2:
                 continue
@@ -512,7 +512,7 @@ class JsonlDataset(Dataset):
             if video is None:
                 return None
             assert isinstance(video, VideoFrames)
-            whole[path] = (video, kept)
+            whole[path] = (video, {j: n for n, j in enumerate(kept)})
         return whole
 
     def _image(self, i: int, ref: ImageRef) -> torch.Tensor | VideoFrames | None:

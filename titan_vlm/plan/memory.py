@@ -50,14 +50,15 @@ from titan_vlm.plan.spec import Geometry, Layout, Workload
 AC_MODES = ("none", "selective", "full")
 
 
-def checkpointed(n_layers: int, mode: str) -> int:
-    """Blocks that parallelize.apply_ac wraps: all ("full"), every other from 0 ("selective")."""
-    return {"none": 0, "full": n_layers, "selective": (n_layers + 1) // 2}[mode]
-
-
 def is_checkpointed(layer: int, mode: str) -> bool:
-    """Whether apply_ac wraps block `layer` (`checkpointed`'s blocks)."""
+    """Whether parallelize.apply_ac wraps block `layer`: all ("full"), every other from 0
+    ("selective")."""
     return mode == "full" or (mode == "selective" and layer % 2 == 0)
+
+
+def checkpointed(n_layers: int, mode: str) -> int:
+    """How many of `n_layers` blocks apply_ac wraps (`is_checkpointed`)."""
+    return sum(is_checkpointed(i, mode) for i in range(n_layers))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,8 +167,13 @@ def decoder_block_bytes(shapes: ModelShapes, layout: Layout, g: Geometry, sparse
 def decoder_blocks_bytes(shapes: ModelShapes, layout: Layout, g: Geometry, mode: str) -> int:
     """The saved bytes of the decoder blocks AC `mode` does not checkpoint."""
     d = shapes.decoder
-    kinds = {s: decoder_block_bytes(shapes, layout, g, s) for s in {d.moe is not None, False}}
-    return sum(kinds[d.is_sparse(i)] for i in range(d.n_layers) if not is_checkpointed(i, mode))
+    dense = decoder_block_bytes(shapes, layout, g, False)
+    sparse = decoder_block_bytes(shapes, layout, g, True) if d.moe is not None else 0
+    return sum(
+        sparse if d.is_sparse(i) else dense
+        for i in range(d.n_layers)
+        if not is_checkpointed(i, mode)
+    )
 
 
 def largest_decoder_block(shapes: ModelShapes, layout: Layout, g: Geometry) -> int:

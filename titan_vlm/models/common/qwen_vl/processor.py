@@ -434,17 +434,16 @@ class VisionTokens:
         legacy: dict[str, Any] = {}
         if "added_tokens_decoder" not in config and (folder / "special_tokens_map.json").is_file():
             legacy = read_json(folder / "special_tokens_map.json", KEY)
+        defaults = {
+            "image_token": IMAGE_TOKEN,
+            "video_token": VIDEO_TOKEN,
+            "vision_start_token": VISION_START,
+            "vision_end_token": VISION_END,
+        }
         names = {
             name: _token_name(name, default, config, legacy, folder)
-            for name, default in (("image_token", IMAGE_TOKEN), ("video_token", VIDEO_TOKEN))
+            for name, default in defaults.items()
         }
-        start, end = (
-            _token_name(name, default, config, legacy, folder)
-            for name, default in (
-                ("vision_start_token", VISION_START),
-                ("vision_end_token", VISION_END),
-            )
-        )
         path = folder / "tokenizer.json"
         text = read_text(path, KEY)  # missing, a folder or unreadable: one line
         try:
@@ -452,7 +451,8 @@ class VisionTokens:
         except Exception as e:  # the library's own parse errors
             raise ConfigError(f"{KEY}: {path} is not a tokenizer.json ({e})") from None
         ids = {}
-        for name, token in names.items():
+        for name in ("image_token", "video_token"):  # the placeholders: their ids
+            token = names[name]
             token_id = tokenizer.token_to_id(token)
             if token_id is None:
                 raise ConfigError(f"{KEY}: {path}: the {name} {token!r} is not a token")
@@ -467,8 +467,8 @@ class VisionTokens:
             names["video_token"],
             ids["image_token"],
             ids["video_token"],
-            start,
-            end,
+            names["vision_start_token"],
+            names["vision_end_token"],
         )
 
 
