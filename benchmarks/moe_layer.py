@@ -1,14 +1,17 @@
 """A mixture-of-experts layer on this machine:
 
     python benchmarks/moe_layer.py [--tokens 4096,16384] [--dim 512] [--ffn 256] [--experts 8]
-    python benchmarks/moe_layer.py --kernels-only --device cuda --dtype bfloat16   # a GPU
+    python benchmarks/moe_layer.py --kernels-only --device cuda --dtype bfloat16 \
+        --tokens 4096,16384 --dim 2048 --ffn 768 --experts 128 --top-k 8   # a GPU, 30B-A3B shapes
 
 1. The experts' matmuls, one process: titan_vlm's op with its two kernels
    (models/common/grouped.py KERNELS, model.experts_kernel: "loop", one matmul per expert on
    its rows, and "grouped_mm", torch._grouped_mm, one call over all the experts per
-   projection), forward and forward + backward, on the same routed rows, and the largest
-   relative difference of the output and the gradients between them. Rows of tokens x top_k,
-   routed by a random router.
+   projection), forward and forward + backward, on the same routed rows, and each kernel's
+   largest error (the output's and the gradients', relative to their largest entry) against an
+   fp32 loop on the same inputs (in fp32: the two kernels' difference). Rows of tokens x
+   top_k, routed by a random router; the "skewed" rows send every pick to a quarter of the
+   experts, so most experts get no rows (the grouped kernel's empty groups).
 2. The whole layer (router, experts, combine; forward + backward) at ep = 1 and ep = 2 on 2 gloo
    processes, each with its own tokens: step time (slowest rank) and the bytes each rank sends
    by all-to-all per step, counted by wrapping torch.distributed.all_to_all_single, beside the
@@ -36,19 +39,20 @@ from titan_vlm.models.common.moe import MoE
 from titan_vlm.models.common.text_args import MoEArgs
 from titan_vlm.plan.comm import ep_layer_bytes
 
-TOP_K = 2
+TOP_K = 2  # the EP table's
 
 
 def routed(
-    tokens: int, dim: int, num_experts: int, device: str, dtype: torch.dtype
+    tokens: int, dim: int, num_experts: int, top_k: int, used: int, device: str, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """tokens x TOP_K rows grouped by expert, and the rows per expert, from a random router."""
+    """tokens x top_k rows grouped by expert, and the rows per expert, from a random router
+    that picks among the first `used` experts."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, dim, generator=g)
-    picks = torch.randn(tokens, num_experts, generator=g).topk(TOP_K, dim=-1).indices.flatten()
+    picks = torch.randn(tokens, used, generator=g).topk(top_k, dim=-1).indices.flatten()
     order = picks.argsort(stable=True)
     counts = torch.zeros(num_experts, dtype=torch.long).index_add(0, picks, torch.ones_like(picks))
-    return x[order // TOP_K].to(device, dtype), counts.to(device)
+    return x[order // top_k].to(device, dtype), counts.to(device)
 
 
 def timed(fn, device: str, repeats: int = 3) -> float:
@@ -73,31 +77,48 @@ def forward_backward(kernel: str, x, counts, w1, w3, w2) -> list[torch.Tensor]:
 
 
 def kernel_table(
-    token_counts: list[int], dim: int, ffn: int, num_experts: int, device: str, dtype: torch.dtype
+    token_counts: list[int],
+    dim: int,
+    ffn: int,
+    num_experts: int,
+    top_k: int,
+    device: str,
+    dtype: torch.dtype,
 ) -> None:
     print(
-        "| tokens | rows | loop fwd s | loop fwd+bwd s | grouped_mm fwd s | "
-        "grouped_mm fwd+bwd s | max rel diff (out, grads) |"
+        "| tokens | routing | rows | loop fwd s | loop fwd+bwd s | grouped_mm fwd s | "
+        "grouped_mm fwd+bwd s | max rel err loop | max rel err grouped_mm |"
     )
-    print("|---|---|---|---|---|---|---|")
-    for tokens in token_counts:
-        x, counts = routed(tokens, dim, num_experts, device, dtype)
-        w1, w3 = (torch.randn(num_experts, ffn, dim) * dim**-0.5 for _ in range(2))
-        w2 = torch.randn(num_experts, dim, ffn) * ffn**-0.5
+    print("|---|---|---|---|---|---|---|---|---|")
+    cases = [(t, "random", num_experts) for t in token_counts]
+    cases.append((token_counts[0], "skewed", max(top_k, num_experts // 4)))
+    for tokens, routing, used in cases:
+        x, counts = routed(tokens, dim, num_experts, top_k, used, device, dtype)
+        g = torch.Generator().manual_seed(1)
+        w1, w3 = (torch.randn(num_experts, ffn, dim, generator=g) * dim**-0.5 for _ in range(2))
+        w2 = torch.randn(num_experts, dim, ffn, generator=g) * ffn**-0.5
         case = (x, counts, *(w.to(device, dtype) for w in (w1, w3, w2)))
-        outs = [[forward(k, *case), *forward_backward(k, *case)] for k in ("loop", "grouped_mm")]
-        diff = max(
-            float((a.float() - b.float()).abs().max() / a.float().abs().max())
-            for a, b in zip(*outs)
-        )
+        # the reference: the loop in fp32 on the same (rounded) inputs; in fp32, the loop itself
+        ref_case = (x.float(), counts, *(w.to(device, dtype).float() for w in (w1, w3, w2)))
+        ref = [forward("loop", *ref_case), *forward_backward("loop", *ref_case)]
+        errs = []
+        for kernel in ("loop", "grouped_mm"):
+            got = [forward(kernel, *case), *forward_backward(kernel, *case)]
+            errs.append(
+                max(
+                    float((a.float() - b).abs().max() / b.abs().max().clamp_min(1e-30))
+                    for a, b in zip(got, ref)
+                )
+            )
         times = [
             timed(partial(f, k, *case), device)
             for k in ("loop", "grouped_mm")
             for f in (forward, forward_backward)
         ]
         print(
-            f"| {tokens} | {x.shape[0]} | {times[0]:.4f} | {times[1]:.4f} | {times[2]:.4f} | "
-            f"{times[3]:.4f} | {diff:.1e} |"
+            f"| {tokens} | {routing} | {x.shape[0]} | {times[0]:.4f} | {times[1]:.4f} | "
+            f"{times[2]:.4f} | {times[3]:.4f} | {errs[0]:.1e} | {errs[1]:.1e} |",
+            flush=True,
         )
 
 
@@ -170,6 +191,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--ffn", type=int, default=256)
     parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=TOP_K, help="the kernel table's")
     parser.add_argument("--device", default="cpu", help="the kernel table's device (cuda: a GPU)")
     parser.add_argument("--dtype", default="float32", help="the kernel table's (bfloat16, ...)")
     parser.add_argument(
@@ -180,10 +202,10 @@ def main() -> None:
     token_counts = [int(t) for t in opts.tokens.split(",")]
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; dim {opts.dim}, "
-        f"ffn {opts.ffn}, {opts.experts} experts, top {TOP_K}; kernels on {opts.device} in "
-        f"{opts.dtype}, the layer on the CPU in fp32\n"
+        f"ffn {opts.ffn}, {opts.experts} experts; kernels top {opts.top_k} on {opts.device} in "
+        f"{opts.dtype}, the layer top {TOP_K} on the CPU in fp32\n"
     )
-    kernel_table(token_counts, opts.dim, opts.ffn, opts.experts, opts.device, dtype)
+    kernel_table(token_counts, opts.dim, opts.ffn, opts.experts, opts.top_k, opts.device, dtype)
     if opts.kernels_only:
         return
     print("\n| ep | tokens per rank | layer fwd+bwd s | all-to-all sent MiB | planner MiB |")

@@ -34,7 +34,7 @@ ModelName = Literal["llava", "qwen2_5_vl", "qwen3_vl"]  # models/registry.py MOD
 # the families' FLAVORS (models/*/args.py, spec.py), plus "hf"
 Flavor = Literal["debug", "debug_moe", "small", "llava7b", "hf"]
 AttentionKernel = Literal["auto", "cpu_flash", "cuda_flash", "cuda_efficient", "cuda_cudnn"]
-ExpertsKernel = Literal["loop", "grouped_mm"]
+ExpertsKernel = Literal["auto", "loop", "grouped_mm"]
 ImageAttention = Literal["causal", "bidirectional"]
 MixedPrecision = Literal["fp32", "bf16"]
 OnNonfinite = Literal["stop", "skip"]
@@ -97,11 +97,13 @@ class Model:
     image_attention: ImageAttention = "causal"
     """How the tokens of one image see each other in the decoder: "causal" (in slot order, like
     text) or "bidirectional" (all of them). Text is causal either way."""
-    experts_kernel: ExpertsKernel = "loop"
-    """How a mixture-of-experts layer's expert matmuls run: "loop" (one matmul per expert on its
-    rows, any device) or "grouped_mm" (torch._grouped_mm, one call over all the experts per
-    projection, forward and backward: the grouped GEMM of CUDA GPUs, bf16 on H100-class ones;
-    it also runs on the CPU). The two compute the same (tests/unit/test_moe.py)."""
+    experts_kernel: ExpertsKernel = "auto"
+    """How a mixture-of-experts layer's expert matmuls run: "auto" picks by device (CUDA:
+    grouped_mm; CPU: loop), "loop" (one matmul per expert on its rows, any device) or
+    "grouped_mm" (torch._grouped_mm, one call over all the experts per projection, forward and
+    backward: the grouped GEMM of CUDA GPUs, bf16 on H100-class ones; it also runs on the CPU).
+    The two compute the same (tests/unit/test_moe.py; an H200's bf16 table in
+    docs/performance.md)."""
 
 
 @dataclass

@@ -431,9 +431,11 @@ KERNEL_NAMES: tuple[str, ...] = ("auto", *KERNELS)
 def select_kernel(name: str, device: torch.device, dtype: torch.dtype) -> Kernel:
     """The kernel `name` (model.attention_kernel) means for tensors on `device` in `dtype`.
     "auto": CPU flash on CPU; on CUDA FlashAttention-2 for 16-bit, memory-efficient for fp32
-    (the only one that takes fp32). cuDNN is faster on Hopper (docs/performance.md) but opt-in
-    (model.attention_kernel = "cuda_cudnn"): it is checked at the kernel level only, not yet in
-    a full training run. A kernel forced for another device is an error."""
+    (the only one that takes fp32). cuDNN's block kernel is faster on Hopper at long lengths
+    but opt-in (model.attention_kernel = "cuda_cudnn"): in a training step it trains the same
+    but 6x slower at the debug shapes, since a packed plan calls it once per sequence and it
+    builds an execution plan per new length (docs/performance.md). A kernel forced for another
+    device is an error."""
     if name != "auto":
         if name not in KERNELS:
             raise ConfigError(

@@ -492,8 +492,8 @@ class Trainer(Stateful):
             ", ".join(f"{part} {n:,}" for part, n in counts.items()),
             f"; {active:,} active per token (top-k of the experts)" if active < total else "",
         )
-        if moe_summary(self.model):
-            logger.info("%s", moe_summary(self.model))
+        if moe_summary(self.model, self.device):
+            logger.info("%s", moe_summary(self.model, self.device))
         vision_fsdp = mesh.fsdp_no_cp if self.cp.vision == "broadcast" else mesh.fsdp
         tp_note = (
             f"; TP splits the matrices {mesh.tp.size()} ways more" if mesh.tp.size() > 1 else ""

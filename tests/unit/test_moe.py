@@ -274,13 +274,17 @@ def test_grouped_mm_kernel_equals_the_loop(counts: list[int]) -> None:
     """The experts' two kernels (models/common/grouped.py KERNELS): torch._grouped_mm's output
     and every gradient (the rows', each expert's weights') equal one matmul per expert's, fp32,
     with experts that get no row and a batch of no rows; the registry and model.experts_kernel
-    name the same kernels. The control: a grouping off by one row gives other outputs."""
+    name the same kernels, and "auto" is the loop on the CPU and grouped_mm on CUDA. The
+    control: a grouping off by one row gives other outputs."""
     from typing import get_args
 
     from titan_vlm.config import ExpertsKernel
-    from titan_vlm.models.common.grouped import KERNELS, experts
+    from titan_vlm.models.common.grouped import KERNEL_NAMES, experts, resolve
 
-    assert set(KERNELS) == set(get_args(ExpertsKernel))
+    assert set(KERNEL_NAMES) == set(get_args(ExpertsKernel))
+    assert resolve("auto", torch.device("cpu")) == "loop"
+    assert resolve("auto", torch.device("cuda")) == "grouped_mm"
+    assert resolve("grouped_mm", torch.device("cpu")) == "grouped_mm"
     g = torch.Generator().manual_seed(0)
     e, dim, ffn = 4, 24, 16
     sizes = torch.tensor(counts)
@@ -312,6 +316,7 @@ def test_the_config_chooses_the_experts_kernel() -> None:
     from titan_vlm.config import JobConfig
 
     losses, grads = [], []
+    assert JobConfig().model.experts_kernel == "auto"
     for kernel in ("loop", "grouped_mm"):
         cfg = JobConfig()
         cfg.model.flavor = "debug_moe"

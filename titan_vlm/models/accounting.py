@@ -3,8 +3,10 @@ nothing). A family's FLOPs are its own (ModelSpec.flops, e.g. llava/flops.py).""
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
+from titan_vlm.models.common.grouped import resolve
 from titan_vlm.models.common.moe import MoE
 
 
@@ -23,16 +25,18 @@ def active_params(model: nn.Module) -> int:
     return count_params(model) - inactive
 
 
-def moe_summary(model: nn.Module) -> str:
-    """One line on the model's mixture-of-experts layers ("": none)."""
+def moe_summary(model: nn.Module, device: torch.device) -> str:
+    """One line on the model's mixture-of-experts layers, their experts' matmuls on `device`
+    ("": none)."""
     layers = [m.args for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         return ""
     m = layers[0]
     return (
         f"{len(layers)} mixture-of-experts layers: {m.num_experts} experts of width {m.ffn_dim}, "
-        f"top {m.top_k}{' renormalised' if m.norm_topk_prob else ''}, dropless; router "
-        f"load-balancing loss weight {m.aux_loss_coef:g} (training.moe_aux_loss_coef)"
+        f"top {m.top_k}{' renormalised' if m.norm_topk_prob else ''}, dropless, their matmuls by "
+        f"{resolve(m.kernel, device)} (model.experts_kernel={m.kernel}); router load-balancing "
+        f"loss weight {m.aux_loss_coef:g} (training.moe_aux_loss_coef)"
     )
 
 

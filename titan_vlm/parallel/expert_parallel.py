@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from titan_vlm.models.common.grouped import KERNELS
+from titan_vlm.models.common.grouped import KERNELS, resolve
 
 
 def _group(name: str) -> dist.ProcessGroup:
@@ -185,9 +185,10 @@ def ep_experts(
     w3: torch.Tensor,
     w2: torch.Tensor,
     group: str,
-    kernel: str = "loop",
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """y [N, dim] of this rank's rows x [N, dim] grouped by expert (counts [E]), the experts
     spread over the ranks of process group `group` (its name), this rank's w1, w3, w2 [E / ep,
-    ...] (module docstring), their matmuls by `kernel` (models/common/grouped.py KERNELS)."""
-    return _ep_op(x, counts, w1, w3, w2, group, kernel)[0]
+    ...] (module docstring), their matmuls by `kernel` (models/common/grouped.py
+    KERNEL_NAMES)."""
+    return _ep_op(x, counts, w1, w3, w2, group, resolve(kernel, x.device))[0]

@@ -35,9 +35,9 @@ class Experts(nn.Module):
     """`num_experts` SwiGLUs held as stacked weights (what expert parallelism shards along dim 0):
     w1 (gate) and w3 (up) [E, ffn_dim, dim], w2 (down) [E, dim, ffn_dim]."""
 
-    def __init__(self, num_experts: int, dim: int, ffn_dim: int, kernel: str = "loop"):
+    def __init__(self, num_experts: int, dim: int, ffn_dim: int, kernel: str = "auto"):
         super().__init__()
-        self.kernel = kernel  # how the matmuls run (models/common/grouped.py KERNELS)
+        self.kernel = kernel  # how the matmuls run (models/common/grouped.py KERNEL_NAMES)
         self.w1 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))

@@ -45,8 +45,8 @@ class MoEArgs:
     (i + 1) % decoder_sparse_step == 0 (`sparse_layers`). `aux_loss_coef`: the weight of the
     router's load-balancing loss in the training loss (models/common/moe.py aux_loss).
     `kernel`: how the experts' matmuls run (model.experts_kernel: models/common/grouped.py
-    KERNELS), not part of the architecture (a folder's args and a flavor's compare equal without
-    it)."""
+    KERNEL_NAMES), not part of the architecture (a folder's args and a flavor's compare equal
+    without it)."""
 
     num_experts: int = 4
     top_k: int = 2
@@ -54,7 +54,7 @@ class MoEArgs:
     norm_topk_prob: bool = True
     layers: tuple[int, ...] = (0, 1, 2)
     aux_loss_coef: float = 0.001
-    kernel: str = field(default="loop", compare=False)
+    kernel: str = field(default="auto", compare=False)
 
     def __post_init__(self) -> None:
         if not self.layers:
