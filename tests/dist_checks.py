@@ -724,6 +724,71 @@ def saved_for_backward(
     return {"bytes": saved.bytes, "longest_dim": saved.longest_dim}
 
 
+def family_saved_for_backward(
+    family: str, cp: int, flavor: str = "debug", seq_len: int = 256, images: int = 6
+) -> dict:
+    """`saved_for_backward` for a family through its ModelSpec: rows of one sample each,
+    `images` images of the family's built-in size first, then text to the end of the row (the
+    planner's workload), on a plain model (CP only, no FSDP); every sample split, images
+    replicated. Returns the bytes, the rows' slot metadata (doc, image) for the planner, and
+    the family's model FLOPs of the batch as the trainer counts them (ModelSpec.flops)."""
+    from titan_vlm.models.registry import get_model_spec
+
+    spec = get_model_spec(family)
+    cfg = JobConfig()
+    cfg.model.name = family  # type: ignore[assignment]
+    cfg.model.flavor = flavor  # type: ignore[assignment]
+    args = spec.args(cfg)
+    rule, slot_data = spec.data_rule(args, cfg)
+    g = torch.Generator().manual_seed(0)
+    size = args.image_size
+    pixels = [torch.randn(3, size, size, generator=g) for _ in range(images)]
+    text = seq_len - images * args.tokens_per_image
+    ids = torch.randint(0, args.image_token_id, (text,), generator=g).tolist()
+    rows = [[Sample([*pixels, ids])] for _ in range(2)]
+    batch = collate(rows, seq_len, rule, rule.image_size, 0, slot_data=slot_data)
+    mesh = make_mesh(1, cp)
+    torch.manual_seed(0)
+    model = spec.build(args)
+    with SavedForBackward(model.parameters()) as saved:
+        options = CPOptions(sample_placement="split", image_tokens="replicate")
+        layout = forward_backward(model, batch, mesh, options).layout
+    flops = spec.flops(args, batch, layout)
+    return {"bytes": saved.bytes, "doc": batch.doc, "image": batch.image, "flops": flops}
+
+
+def model_state_bytes(
+    dp_shard: int,
+    cp: int,
+    dp_replicate: int = 1,
+    tp: int = 1,
+    vision: str = "shard",
+    flavor: str = "debug",
+    ep: int = 1,
+    sp: bool = False,
+    family: str = "llava",
+) -> int:
+    """The trainer's "model state per rank" on this rank, in bytes: STATE_BYTES_PER_PARAM times
+    the local elements of every parameter of a family's model parallelized through its
+    ModelSpec (as build_model does) with parallelism.cp_vision `vision` and sequence
+    parallelism `sp` (run_training's expression)."""
+    from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM
+    from titan_vlm.models.registry import get_model_spec
+
+    spec = get_model_spec(family)
+    cfg = JobConfig()
+    cfg.model.name, cfg.model.flavor = family, flavor  # type: ignore[assignment]
+    cfg.parallelism.cp_vision = vision  # type: ignore[assignment]
+    cfg.parallelism.tensor_parallel_degree = tp
+    cfg.parallelism.enable_sequence_parallel = sp
+    cfg.parallelism.expert_parallel_degree = ep
+    torch.manual_seed(0)
+    model = spec.build(spec.args(cfg))
+    spec.parallelize(model, make_mesh(dp_shard, cp, dp_replicate, tp, ep), cfg)
+    local = sum(local_tensor(p).numel() for p in model.parameters())
+    return STATE_BYTES_PER_PARAM * local
+
+
 def _benchmark(name: str) -> ModuleType:
     """benchmarks/<name>.py as a module (its worker, its byte counter)."""
     benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
@@ -821,29 +886,6 @@ def built_weights(
     # holds a tied head under its own name)
     assert weights.keys() <= get_model_state_dict(model).keys()
     return weights
-
-
-def model_state_bytes(
-    dp_shard: int,
-    cp: int,
-    dp_replicate: int = 1,
-    tp: int = 1,
-    vision: str = "shard",
-    flavor: str = "debug",
-    ep: int = 1,
-) -> int:
-    """The trainer's "model state per rank" on this rank, in bytes: STATE_BYTES_PER_PARAM times
-    the local elements of every parameter after parallelize_vlm (run_training's expression)."""
-    from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM
-
-    mesh = make_mesh(dp_shard, cp, dp_replicate, tp, ep)
-    torch.manual_seed(0)
-    sp = tp > 1 and flavor == "debug"  # a MoE decoder's TP plan has no sequence parallelism
-    model = parallelize_vlm(
-        VLM(get_flavor(flavor)), mesh, cp_vision=vision, tp=TPOptions(sequence_parallel=sp)
-    )
-    local = sum(local_tensor(p).numel() for p in model.parameters())
-    return STATE_BYTES_PER_PARAM * local
 
 
 @contextlib.contextmanager

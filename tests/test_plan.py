@@ -162,6 +162,7 @@ def test_activation_checkpointing_matches_what_autograd_saves(pool, ac):
 )
 def test_model_state_is_the_trainers_exactly(pool, dp_shard, cp, dp_replicate, tp, vision, ep):
     flavor = "debug_moe" if ep else "debug"
+    sp = tp > 1 and not ep  # a MoE decoder's TP plan has no sequence parallelism
     per_rank = pool.run(
         "model_state_bytes",
         dp_shard=dp_shard,
@@ -171,8 +172,8 @@ def test_model_state_is_the_trainers_exactly(pool, dp_shard, cp, dp_replicate, t
         vision=vision,
         flavor=flavor,
         ep=max(ep, 1),
+        sp=sp,
     )
-    sp = tp > 1 and not ep
     layout = Layout(
         dp_replicate, dp_shard, cp, tp, cp_vision=vision, sequence_parallel=sp, ep=max(ep, 1)
     )
@@ -260,7 +261,7 @@ def test_search_lists_layouts_that_fit_fastest_first(capsys):
     assert rows, out
     speeds = [float(r[-1].replace(",", "")) for r in rows]
     assert speeds == sorted(speeds, reverse=True)
-    assert all(float(r[8]) <= 0.9 * 80e9 / 2**30 for r in rows)  # peak GiB within the H100's
+    assert all(float(r[9]) <= 0.9 * 80e9 / 2**30 for r in rows)  # peak GiB within the H100's
 
 
 def test_a_mixture_of_experts_is_priced_and_searched_over_ep(capsys):
@@ -282,8 +283,63 @@ def test_a_mixture_of_experts_is_priced_and_searched_over_ep(capsys):
         assert part in out, part
     plan_main([*base, "--search", "--gpus=8", "--top=1000"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
-    eps = {int(r[4]) for r in rows if len(r) > 8 and r[0].isdigit()}
+    eps = {int(r[5]) for r in rows if len(r) > 8 and r[0].isdigit()}
     assert eps == {1, 2, 4}, eps
+
+
+def test_qwen_vl_models_are_priced_at_their_image_size(capsys, tmp_path):
+    """A Qwen3-VL-MoE folder holding only the config.json transformers writes (the planner reads
+    shapes, not weights) at --image-size 64x96: 24 ViT patches and 6 slots an image, its experts
+    priced. --search: tensor-parallel layouts without sequence parallelism for Qwen3-VL (which
+    has none), with it for Qwen2.5-VL. An image size that is not whole merge units, and another
+    size for a llava model, are one line each."""
+    from hf_folders import QWEN3_MOE_TEXT, QWEN3_VISION
+    from transformers import Qwen3VLMoeConfig
+
+    Qwen3VLMoeConfig(vision_config=QWEN3_VISION, text_config=QWEN3_MOE_TEXT).save_pretrained(
+        tmp_path
+    )
+    qwen3 = ["--model.name=qwen3_vl", "--model.flavor=hf", f"--model.hf_path={tmp_path}"]
+    plan_main([*qwen3, "--image-size=64x96", "--gpu=cpu"])
+    out = capsys.readouterr().out
+    for part in (
+        f"plan: qwen3_vl {tmp_path}, ",
+        "(1 image(s) of 64x96 px per row, 6 slots and 24 ViT patches each)",
+        "experts: 2 of 3 decoder layers sparse (4 experts of width 24, top 2)",
+    ):
+        assert part in out, part
+
+    def search(argv: list[str]) -> dict[str, set[str]]:
+        """The search rows' sequence-parallel column, by whether tp > 1."""
+        plan_main([*argv, "--search", "--gpus=4", "--top=1000", "--gpu=cpu"])
+        rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+        rows = [r for r in rows if len(r) > 9 and r[0].isdigit()]
+        return {tp: {r[4] for r in rows if (r[3] != "1") == (tp == "tp")} for tp in ("tp", "no")}
+
+    assert search(qwen3) == {"tp": {"off"}, "no": {"off"}}
+    assert search(["--model.name=qwen2_5_vl"]) == {"tp": {"on"}, "no": {"off"}}
+    plan_main(["--model.name=qwen2_5_vl", "--image-size=448x672", "--seq-len=2048", "--gpu=cpu"])
+    assert "384 slots and 1536 ViT patches each" in capsys.readouterr().out
+    for argv, line in (
+        (
+            ["--model.name=qwen2_5_vl", "--image-size=448x672"],
+            "config error: training.seq_len=256: 1 image(s) of 384 slots (data.images_per_sample, "
+            "--image-size) leave no text in a row",
+        ),
+        (
+            [*qwen3, "--image-size=64x90"],
+            "config error: --image-size 64x90: a side must be a positive multiple of 32 pixels "
+            "(patch_size 16 x spatial_merge_size 2)",
+        ),
+        (
+            ["--image-size=64"],
+            "config error: --image-size: a llava model is priced on its own 32x32 images (its "
+            "ViT's image_size)",
+        ),
+    ):
+        with pytest.raises(SystemExit):
+            plan_main(argv)
+        assert capsys.readouterr().err.strip() == line
 
 
 def test_bad_input_is_one_line(capsys):
@@ -293,3 +349,78 @@ def test_bad_input_is_one_line(capsys):
     assert capsys.readouterr().err.strip() == (
         "config error: --gpu: unknown hardware 'tpu' (known: h100, h200, a100, cpu)"
     )
+
+
+@pytest.mark.parametrize(
+    "family, flavor", [("qwen2_5_vl", "debug"), ("qwen3_vl", "debug"), ("qwen3_vl", "debug_moe")]
+)
+def test_qwen_vl_activations_are_what_autograd_saves(pool, family, flavor):
+    """The Qwen-VL families, through their ModelSpec: rows of six images then text, cp 1 and 2;
+    what autograd saves is the plan's within 1% (Qwen2.5-VL's RMSNorm / SwiGLU tower and its
+    window order, Qwen3-VL's LayerNorm / GELU tower, position taps and DeepStack mergers, the
+    tower's patches distinct from the decoder's slots). The control: the tower priced on the
+    decoder's slots (one patch a slot, as a LLaVA ViT) is off. The plan's model FLOPs of the rows
+    are the trainer's (ModelSpec.flops, what MFU counts)."""
+    from titan_vlm.config import JobConfig
+    from titan_vlm.models.registry import get_model_spec
+
+    spec = get_model_spec(family)
+    cfg = JobConfig()
+    cfg.model.name, cfg.model.flavor = family, flavor  # type: ignore[assignment]
+    args = spec.args(cfg)
+    shapes = spec.plan_shapes(args, None)
+    v = shapes.vision
+    slot_per_patch = dataclasses.replace(
+        shapes,
+        vision=dataclasses.replace(v, patches=v.tokens, pixels=v.pixels // v.merger.unit),
+    )
+    for cp in (1, 2):
+        runs = pool.run("family_saved_for_backward", family=family, flavor=flavor, cp=cp)
+        measured = max(r["bytes"] for r in runs)
+        work = Workload(runs[0]["doc"], runs[0]["image"])
+        layout = Layout(cp=cp, mixed_precision="fp32")
+        saved = sum(activation_bytes(shapes, layout, work, "none").values())
+        print(f"{family} {flavor} cp={cp}: saved {measured}, planned {saved}")
+        assert abs(saved / measured - 1) < 0.01
+        control = sum(activation_bytes(slot_per_patch, layout, work, "none").values())
+        assert abs(control / measured - 1) > 0.01
+        flops = shapes.train_flops(work.num_images, work.text_tokens, work.whole().whole_pairs)
+        assert flops == pytest.approx(runs[0]["flops"], rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "family, flavor, dp_shard, cp, tp, vision, ep, sp",
+    [
+        ("qwen2_5_vl", "debug", 2, 2, 1, "shard", 1, False),
+        ("qwen2_5_vl", "debug", 1, 2, 2, "broadcast", 1, True),
+        ("qwen3_vl", "debug", 1, 2, 2, "shard", 1, False),
+        ("qwen3_vl", "debug_moe", 2, 2, 1, "shard", 2, False),
+    ],
+)
+def test_qwen_vl_model_state_is_the_trainers_exactly(
+    pool, family, flavor, dp_shard, cp, tp, vision, ep, sp
+):
+    """The Qwen-VL families' parameters with their TP dims (tower, mergers, DeepStack mergers,
+    decoder, experts) give the trainer's model state per rank to the byte: FSDP over dp_shard x
+    cp (the tower over dp_shard alone with cp_vision = broadcast), TP (with SP for Qwen2.5-VL),
+    experts split over ep."""
+    from titan_vlm.config import JobConfig
+    from titan_vlm.models.registry import get_model_spec
+
+    per_rank = pool.run(
+        "model_state_bytes",
+        family=family,
+        flavor=flavor,
+        dp_shard=dp_shard,
+        cp=cp,
+        tp=tp,
+        vision=vision,
+        ep=ep,
+        sp=sp,
+    )
+    spec = get_model_spec(family)
+    cfg = JobConfig()
+    cfg.model.name, cfg.model.flavor = family, flavor  # type: ignore[assignment]
+    shapes = spec.plan_shapes(spec.args(cfg), None)
+    layout = Layout(1, dp_shard, cp, tp, cp_vision=vision, sequence_parallel=sp, ep=ep)
+    assert state_bytes(shapes, layout).total == per_rank[0] == max(per_rank)

@@ -27,9 +27,10 @@ from titan_vlm.optim import frozen_groups
 from titan_vlm.parallel_dims import ParallelDims, device_type
 
 
-def validate_job(cfg: JobConfig, world_size: int) -> ParallelDims:
+def validate_job(cfg: JobConfig, world_size: int, weights: bool = True) -> ParallelDims:
     """The mesh degrees `cfg` asks for on `world_size` ranks, after every check (module
-    docstring)."""
+    docstring). `weights=False` (the planner, which needs the shapes alone): a Hugging Face
+    source's config.json is read and checked, its safetensors need not be there."""
     from titan_vlm.checkpoint import resume_sources
     from titan_vlm.data.jsonl import validate_data_config
     from titan_vlm.models.build import hf_files
@@ -42,7 +43,7 @@ def validate_job(cfg: JobConfig, world_size: int) -> ParallelDims:
     sources, resuming = resume_sources(cfg)
     spec = model_spec(sources)
     args = spec.args(sources)  # reads and checks any HF config.json
-    if not resuming:
+    if weights and not resuming:
         hf_files(sources)  # each HF source's safetensors are there
     t = cfg.training
     k = cfg.data.images_per_sample

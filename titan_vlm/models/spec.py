@@ -24,9 +24,9 @@ this interface and never reach into module names:
                 M-RoPE positions): what the dataset collates with (data/image_batch.py)
     inputs      its tokenizer and processor for the config (data/__init__.py model_inputs for a
                 LLaVA folder)
-    plan_shapes what the planner (python -m titan_vlm.plan) prices: its shapes, its parameters
-                with the dim its TP plan splits, its FLOPs (plan/shapes.py ModelShapes); None:
-                not priced yet (one line)
+    plan_shapes what the planner (python -m titan_vlm.plan) prices: its shapes on images of a
+                size (None: its own), its parameters with the dim its TP plan splits, its FLOPs
+                (plan/shapes.py ModelShapes)
     param_groups  which of PARAM_GROUPS (vision, projector, decoder) each parameter is in, by
                 name prefix: what training.freeze and the per-group learning rates name
 
@@ -192,9 +192,9 @@ class ModelSpec:
     # the tokenizer the job's text is encoded with, and the folder's processor (chat template,
     # image preprocessing) where the family reads a dataset file through one (else None)
     inputs: Callable[[JobConfig], tuple[ByteTokenizer | HFTokenizer, HFProcessor | None]]
-    # what the planner (titan_vlm/plan) prices of the model: shapes, parameters with their TP
-    # dims, FLOPs (None: the planner does not price this family yet, one line)
-    plan_shapes: Callable[[Any], ModelShapes] | None
+    # what the planner (titan_vlm/plan) prices of the model on images of a size (None: its
+    # own): shapes, parameters with their TP dims, FLOPs
+    plan_shapes: Callable[[Any, tuple[int, int] | None], ModelShapes]
     # its parameters' groups (PARAM_GROUPS), as (name prefix, group) pairs, the longest matching
     # prefix winning (`param_group`): what training.freeze freezes and vision_lr / projector_lr
     # set (pairs, not a dict: a spec stays hashable)

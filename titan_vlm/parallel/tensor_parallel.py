@@ -124,6 +124,14 @@ def sp_stack_boundaries(layers: nn.ModuleList, tp_mesh: DeviceMesh, n_args: int,
     )
 
 
+# The leaf modules the families' TP plans split (block_plan and apply_decoder_tp here, the
+# projector's and mergers' own plans: llava, qwen2_5_vl, qwen3_vl parallelize.py) column-wise,
+# row-wise and by vocabulary rows: what the planner prices (plan/shapes.py tp_params).
+TP_COLWISE = ("q", "k", "v", "fc1", "wq", "wk", "wv", "w1", "w3", "output")
+TP_ROWWISE = ("proj", "fc2", "wo", "w2")
+TP_EMBEDDING = ("tok_embeddings",)
+
+
 def block_plan(
     attn: str,
     qkv: tuple[str, ...],

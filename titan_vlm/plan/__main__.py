@@ -2,11 +2,14 @@
 
     python -m titan_vlm.plan --config train_configs/vlm_cp.toml [--section.key=value ...]
         [--gpu h100|h200|a100|cpu] [--nodes N --gpus-per-node G] [--seq-len L]
+        [--image-size HxW]
     python -m titan_vlm.plan [--config F] [--section.key=value ...] --search --seq-len L --gpus N
         [--gpu h100] [--top K]
 
 The workload is `training.local_batch_size` rows of `training.seq_len` slots per data-parallel
 rank, each row one sample: `data.images_per_sample` images, then text to the end of the row.
+The images are the model's own size (LLaVA's image_size); a Qwen-VL model (native resolution)
+takes `--image-size` (default: its built-in data's images).
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
     parser.add_argument("--gpus-per-node", type=int, help="default: the hardware's")
     parser.add_argument("--gpus", type=int, help="total devices (default: nodes x gpus per node)")
     parser.add_argument("--seq-len", type=int, help="overrides training.seq_len")
+    parser.add_argument(
+        "--image-size",
+        help="HxW pixels of each image (a Qwen-VL model's native resolution; default: the "
+        "model's own size)",
+    )
     parser.add_argument("--search", action="store_true", help="list the layouts that fit")
     parser.add_argument("--top", type=int, default=10, help="--search: rows to print")
     parser.add_argument(
@@ -53,6 +61,17 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
     if opts.seq_len is not None:
         cfg.training.seq_len = opts.seq_len
     return opts, cfg
+
+
+def image_hw(text: str | None) -> tuple[int, int] | None:
+    """--image-size "HxW" (or "S": a square) as (height, width); None: not given."""
+    if text is None:
+        return None
+    parts = text.lower().split("x")
+    if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
+        raise ConfigError(f"--image-size: expected HxW in pixels (e.g. 448x672), got {text!r}")
+    height, width = int(parts[0]), int(parts[-1])
+    return height, width
 
 
 def world_of(opts: argparse.Namespace, cfg: JobConfig, gpus_per_node: int) -> int:
@@ -193,12 +212,15 @@ def main(argv: list[str] | None = None) -> None:
         world = world_of(opts, cfg, gpn)
         spec = model_spec(cfg)
         args = spec.args(cfg)  # a flavor or a Hugging Face folder
-        if spec.plan_shapes is None:
-            raise ConfigError(
-                f"model.name: the planner does not price {spec.name} models yet (docs/limits.md)"
-            )
-        shapes = spec.plan_shapes(args)
+        shapes = spec.plan_shapes(args, image_hw(opts.image_size))
         t = cfg.training
+        image_slots = cfg.data.images_per_sample * shapes.tokens_per_image
+        if image_slots >= t.seq_len:
+            raise ConfigError(
+                f"training.seq_len={t.seq_len}: {cfg.data.images_per_sample} image(s) of "
+                f"{shapes.tokens_per_image} slots (data.images_per_sample, --image-size) leave no "
+                "text in a row"
+            )
         work = Workload.uniform(
             t.seq_len,
             t.local_batch_size,
@@ -208,9 +230,11 @@ def main(argv: list[str] | None = None) -> None:
             bidirectional_images=cfg.model.image_attention == "bidirectional",
         )
         head = (
-            f"plan: flavor {cfg.model.flavor}, {t.local_batch_size} row(s) x {t.seq_len} slots "
-            f"per data-parallel rank ({cfg.data.images_per_sample} image(s) of "
-            f"{shapes.tokens_per_image} slots per row), {t.mixed_precision}, on {hw.name} "
+            f"plan: {spec.name} {cfg.model.hf_path or cfg.model.flavor}, {t.local_batch_size} "
+            f"row(s) x {t.seq_len} slots per data-parallel rank ({cfg.data.images_per_sample} "
+            f"image(s) of {shapes.image_hw[0]}x{shapes.image_hw[1]} px per row, "
+            f"{shapes.tokens_per_image} slots and {shapes.vision.patches} ViT patches each), "
+            f"{t.mixed_precision}, on {hw.name} "
             f"(peak {flops(hw.peak_flops)}/s bf16, {hw.hbm_gib:.1f} GiB, "
             f"{hw.intra_gbps:.0f} / {hw.inter_gbps:.0f} GB/s in / between nodes)"
         )
@@ -222,14 +246,15 @@ def main(argv: list[str] | None = None) -> None:
                 f"{len(fitting)} fit; fastest first:"
             )
             print(
-                f"  {'dp_rep':>6}{'dp_shard':>9}{'cp':>5}{'tp':>4}{'ep':>4}  {'comm':<10}"
+                f"  {'dp_rep':>6}{'dp_shard':>9}{'cp':>5}{'tp':>4}{'sp':>4}{'ep':>4}  {'comm':<10}"
                 f"{'vision':<10}"
                 f"{'ac':<10}{'peak GiB':>9}{'step s':>9}{'MFU %':>7}{'tokens/s':>12}"
             )
             for p in fitting[: opts.top]:
                 lay = p.layout
                 print(
-                    f"  {lay.dp_replicate:>6}{lay.dp_shard:>9}{lay.cp:>5}{lay.tp:>4}{lay.ep:>4}  "
+                    f"  {lay.dp_replicate:>6}{lay.dp_shard:>9}{lay.cp:>5}{lay.tp:>4}"
+                    f"{'on' if lay.sequence_parallel else 'off':>4}{lay.ep:>4}  "
                     f"{lay.cp_comm_type:<10}{lay.cp_vision:<10}{lay.ac_mode:<10}"
                     f"{p.peak.total / GIB:>9.1f}{p.step_s:>9.3f}{100 * p.mfu:>7.1f}"
                     f"{p.tokens_per_s:>12,.0f}"
@@ -237,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
             if not fitting:
                 print("  none: more devices, a shorter sequence or a smaller model")
             return
-        validate_job(cfg, world)
+        validate_job(cfg, world, weights=False)
         layout = Layout.from_config(cfg, world)
         print(
             "\n".join(

@@ -95,7 +95,9 @@ def image_embedding_bytes(shapes: ModelShapes, layout: Layout, work: Workload) -
     p, n = layout.cp, work.num_images
     if p == 1 or n == 0:
         return 0
-    width = shapes.decoder.dim // (layout.tp if layout.image_embed_tp_shard else 1)
+    # a slot's row: the embedding and any DeepStack features (each the decoder's width)
+    width = shapes.vision.embed_width * shapes.decoder.dim
+    width //= layout.tp if layout.image_embed_tp_shard else 1
     one = shapes.tokens_per_image * width * 4  # fp32 on the wire
     if layout.cp_vision == "shard":
         return 2 * (p - 1) * math.ceil(n / p) * one

@@ -26,10 +26,13 @@ them (each storage once; checked against `metrics.SavedForBackward` by tests/tes
                       3 a.d, its SwiGLU's w1 and w3 outputs 2 a.f, its weight a (under expert
                       parallelism the picks a rank's experts receive: k per token when the
                       router spreads them evenly); 8E a layer (the rows per expert)
-  ViT block, per patch: two LayerNorms (a.dv + 8 each), their outputs, q, k, v, out (a.dv each,
-    over tp), 4 bytes per head, the GELU's input and output (a.mlp each, over tp)
-  once: the pixels, the final norms, the projector; RoPE cos/sin (fp32, shared by all layers);
-    token ids; the last hidden state, the head's input and the log-softmax of the text (fp32).
+  ViT block, per patch (the tower's patches, not the decoder's slots: a Qwen-VL image has
+    merge-unit x more): two norms (a LayerNorm a.dv + 8, an RMSNorm 4 dv + 4 + a.dv), their
+    outputs, q, k, v, out (a.dv each, over tp), 4 bytes per head, the MLP's hidden activations
+    (a GELU MLP 2 a.mlp, a SwiGLU 4 a.mlp, over tp)
+  once: the pixels and the tower's tables (rotary cos / sin, position taps, window order), the
+    mergers (`merger_bytes`); RoPE cos/sin (fp32, shared by all layers); token ids; the last
+    hidden state, the head's input and the log-softmax of the text (fp32).
 
 The replicated image slots are in L on every CP rank; token ids, the head and the loss run on the
 text section (T + W). Activation checkpointing keeps, for each
@@ -182,12 +185,39 @@ def largest_decoder_block(shapes: ModelShapes, layout: Layout, g: Geometry) -> i
     return max(decoder_block_bytes(shapes, layout, g, d.is_sparse(i)) for i in range(d.n_layers))
 
 
+def norm_bytes(kind: str, width: int, a: int) -> int:
+    """What one norm saves per row of `width` (a: the compute dtype's bytes), its output aside:
+    a LayerNorm its input and fp32 mean and rstd; an RMSNorm its fp32 input, rsqrt and the
+    normalised input."""
+    return a * width + 8 if kind == "layernorm" else 4 * width + 4 + a * width
+
+
 def vision_block_bytes(shapes: ModelShapes, layout: Layout, images: int) -> int:
+    """One tower block's saved bytes for `images` images: per patch two norms (`norm_bytes`, cut
+    by sequence parallelism) and their outputs; q, k, v and out, 4 bytes per head; the MLP's
+    hidden activations (GELU: its input and output; SwiGLU: w1's and w3's outputs, the
+    activation and the product), over tp."""
     v = shapes.vision
     a, t = layout.act_bytes, layout.tp
-    norms = 2 * (a * v.dim + 8) // (t if layout.sequence_parallel else 1) + 2 * a * v.dim
-    per_patch = norms + 4 * a * v.dim // t + 4 * v.n_heads // t + 2 * a * v.mlp_dim // t
+    norms = 2 * norm_bytes(v.norm, v.dim, a) // (t if layout.sequence_parallel else 1)
+    norms += 2 * a * v.dim
+    mlp = (4 if v.mlp == "swiglu" else 2) * a * v.mlp_dim // t
+    per_patch = norms + 4 * a * v.dim // t + 4 * v.n_heads // t + mlp
     return images * v.patches * per_patch
+
+
+def merger_bytes(shapes: ModelShapes, layout: Layout, images: int) -> int:
+    """The mergers' (projector's) saved bytes for `images` images: per patch its norm
+    (`norm_bytes`) and the norm's output, and fc1's output and the GELU's (per unit of
+    `unit` patches, over tp); each DeepStack merger its LayerNorm's statistics per unit (its
+    input is a block's output, kept by the next block or the main merger), its output and its
+    own fc1 and GELU outputs."""
+    v, m = shapes.vision, shapes.vision.merger
+    a, t = layout.act_bytes, layout.tp
+    hidden = 2 * a * m.hidden // (m.unit * t)  # fc1's and GELU's outputs, per patch
+    main = norm_bytes(m.norm, v.dim, a) + a * v.dim + hidden
+    deepstack = m.deepstack * (8 // m.unit + a * v.dim + hidden)
+    return images * v.patches * (main + deepstack)
 
 
 def activation_bytes(
@@ -206,8 +236,8 @@ def activation_bytes(
     last_hidden = 4 * L * d.dim if a == 4 else 4 * T * d.dim  # fp32: the norm keeps h itself
     return {
         "vision blocks": (v.n_layers - vit_ckpt) * vit_block,
-        "vision pixels and final norm": n_vis * (v.pixels * a + v.patches * (a * v.dim + 8)),
-        "projector": n_vis * v.patches * (a * v.dim + 2 * a * d.dim // t),
+        "vision pixels and tables": n_vis * (v.pixels * a + v.patches * v.tables),
+        "projector": merger_bytes(shapes, layout, n_vis),
         "decoder blocks": decoder_blocks_bytes(shapes, layout, g, mode),
         "rope tables": B * L * 2 * 4 * d.head_dim,
         "token ids": B * T * 8,

@@ -25,8 +25,8 @@ def candidate_layouts(
     """(dp_replicate, dp_shard, cp, tp) with product `world` and tp within a node, each with every
     cp_comm_type and cp_vision (cp > 1) and AC mode, and (`experts`: a mixture-of-experts
     decoder) every expert-parallel degree dividing dp_shard x cp; sequence parallelism on
-    whenever tp > 1 (not with experts: their TP plan has none); the config's
-    cp_sample_placement and cp_image_tokens.
+    whenever tp > 1 and the trainer takes it (not with experts: their TP plan has none; not for
+    a family without it); the config's cp_sample_placement and cp_image_tokens.
     Layouts the trainer would refuse (validate.validate_job: heads, a2a, experts that do not
     split, ...) are left out."""
     out = []
@@ -37,24 +37,29 @@ def candidate_layouts(
                 comms: tuple[CPCommType, ...] = get_args(CPCommType) if cp > 1 else ("p2p",)
                 visions: tuple[CPVision, ...] = get_args(CPVision) if cp > 1 else ("shard",)
                 eps = divisors(shard * cp) if experts else [1]
+                sps = (True, False) if tp > 1 and not experts else (False,)
                 for comm, vision, ac, ep in itertools.product(
                     comms, visions, get_args(ACMode), eps
                 ):
-                    layout = Layout(
-                        rep,
-                        shard,
-                        cp,
-                        tp,
-                        comm,
-                        vision,
-                        ac,
-                        cfg.training.mixed_precision,
-                        sequence_parallel=tp > 1 and not experts,
-                        cp_sample_placement=cfg.parallelism.cp_sample_placement,
-                        cp_image_tokens=cfg.parallelism.cp_image_tokens,
-                        ep=ep,
+                    layouts = (
+                        Layout(
+                            rep,
+                            shard,
+                            cp,
+                            tp,
+                            comm,
+                            vision,
+                            ac,
+                            cfg.training.mixed_precision,
+                            sequence_parallel=sp,
+                            cp_sample_placement=cfg.parallelism.cp_sample_placement,
+                            cp_image_tokens=cfg.parallelism.cp_image_tokens,
+                            ep=ep,
+                        )
+                        for sp in sps
                     )
-                    if accepted(cfg, layout):
+                    layout = next((x for x in layouts if accepted(cfg, x)), None)
+                    if layout is not None:
                         out.append(layout)
     return out
 
@@ -72,7 +77,7 @@ def accepted(cfg: JobConfig, layout: Layout) -> bool:
     p.expert_parallel_degree = layout.ep
     c.activation_checkpoint.mode = layout.ac_mode
     try:
-        validate_job(c, layout.world)
+        validate_job(c, layout.world, weights=False)
     except ConfigError:
         return False
     return True

@@ -1,6 +1,7 @@
 """The one place the planner reads the model: its shapes and its parameter tensors, as a
-family's ModelSpec.plan_shapes gives them (models/<family>/shapes.py: the model built on the
-meta device, so a 7B model costs nothing, and which dim its TP plan splits of each tensor).
+family's ModelSpec.plan_shapes gives them for images of one size (models/llava/shapes.py,
+models/common/qwen_vl/shapes.py: the model built on the meta device, so a 7B model costs
+nothing, and which dim its TP plan splits of each tensor).
 
 Everything the planner prices is a function of these numbers, so a change to a family (a new
 field, biases) touches only its plan_shapes.
@@ -10,8 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch.nn as nn
+
+from titan_vlm.models.common.text_args import DecoderArgs
 
 
 @dataclass(frozen=True)
@@ -41,14 +45,66 @@ class DecoderShape:
         return self.moe is not None and layer in self.moe.layers
 
 
+def decoder_shape(d: DecoderArgs) -> DecoderShape:
+    """The shape of a decoder of common/decoder.py (every family's)."""
+    m = d.moe
+    moe = MoEShape(m.num_experts, m.top_k, m.ffn_dim, tuple(sorted(d.sparse))) if m else None
+    return DecoderShape(
+        d.dim,
+        d.n_layers,
+        d.n_heads,
+        d.n_kv_heads,
+        d.head_dim,
+        d.ffn_dim,
+        d.vocab_size,
+        d.qk_norm,
+        moe,
+    )
+
+
+Norm = Literal["layernorm", "rmsnorm"]
+Mlp = Literal["gelu", "swiglu"]
+
+
+@dataclass(frozen=True)
+class MergerShape:
+    """What maps the tower's patches into decoder slots (LLaVA's projector, the Qwen-VL patch
+    mergers): a `norm` of each patch, then each `unit` consecutive patches concatenated through
+    fc1 (to `hidden`), an exact GELU and fc2 (to the decoder's width). `deepstack`: more mergers
+    of the same shape that LayerNorm the concatenated unit instead (Qwen3-VL's DeepStack: each
+    slot's row is (1 + deepstack) x the decoder's width)."""
+
+    norm: Norm
+    unit: int
+    hidden: int
+    deepstack: int = 0
+
+
 @dataclass(frozen=True)
 class VisionShape:
+    """The tower on one image: `patches` tokens through `n_layers` pre-norm blocks (`norm`, and
+    an MLP of width `mlp_dim`: "gelu" fc2(act(fc1 x)) or "swiglu" w2(act(w1 x) * w3 x)), then the
+    `merger` into `tokens` decoder slots. `pixels`: the values of one image as it enters (LLaVA's
+    C x H x W, a Qwen-VL image's patches x patch values); `tables`: bytes per patch of the
+    tower's own fp32 / int64 tables that backward keeps (2-D rotary cos / sin, position-embedding
+    taps, window order)."""
+
     dim: int
     n_layers: int
     n_heads: int
     mlp_dim: int
-    patches: int  # tokens per image, in the ViT and in the decoder's sequence
-    pixels: int  # channels x height x width of one image
+    patches: int
+    tokens: int
+    pixels: int
+    merger: MergerShape
+    norm: Norm = "layernorm"
+    mlp: Mlp = "gelu"
+    tables: int = 0
+
+    @property
+    def embed_width(self) -> int:
+        """Multiples of the decoder's width in one image slot's row (1 + DeepStack features)."""
+        return 1 + self.merger.deepstack
 
 
 @dataclass(frozen=True)
@@ -65,16 +121,19 @@ class Param:
 @dataclass(frozen=True)
 class ModelShapes:
     """`train_flops(num_images, text_tokens, attention_pairs)`: the family's model FLOPs of
-    forward + backward (image tokens counted once), for images of the model's native size."""
+    forward + backward (image tokens counted once), for images of the priced size
+    (`image_hw`: height, width in pixels)."""
 
     decoder: DecoderShape
     vision: VisionShape
     params: tuple[Param, ...]
     train_flops: Callable[[int, int, float], float]
+    image_hw: tuple[int, int]
 
     @property
     def tokens_per_image(self) -> int:
-        return self.vision.patches
+        """Decoder slots of one image."""
+        return self.vision.tokens
 
 
 def tp_params(

@@ -30,6 +30,7 @@ from titan_vlm.models.qwen2_5_vl.hf_adapter import (
 from titan_vlm.models.qwen2_5_vl.hf_config import args_from_hf_config
 from titan_vlm.models.qwen2_5_vl.model import Qwen25VL
 from titan_vlm.models.qwen2_5_vl.parallelize import parallelize
+from titan_vlm.models.qwen2_5_vl.shapes import plan_shapes
 from titan_vlm.models.spec import ModelSpec
 
 # The built-in shapes: "debug" trains in well under a second a step on a CPU (a 4-block tower
@@ -67,7 +68,7 @@ QWEN2_5_VL = ModelSpec(
     validate=validate,
     data_rule=data_rule,
     inputs=model_inputs,
-    plan_shapes=None,  # the planner does not price this family yet (docs/limits.md)
+    plan_shapes=plan_shapes,
     # the patch merger maps the tower's features into the decoder: the family's projector
     param_groups=(("vision.", "vision"), ("vision.merger.", "projector"), ("decoder.", "decoder")),
 )

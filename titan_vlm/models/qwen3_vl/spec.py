@@ -10,8 +10,8 @@ What it shares with qwen2_5_vl (the data path for images, M-RoPE positions, the 
 tokenizer of a folder, the FLOPs and CP cost model, init rule) comes from models/common/qwen_vl;
 the experts from models/common (moe.py, hf_experts.py); what differs is here (vision.py,
 model.py, mrope.py, hf_adapter.py, hf_config.py, parallelize.py, and videos: video.py, their
-frame timestamps, and images.py). Not yet: sequence parallelism (validate.py), the planner
-(plan_shapes None).
+frame timestamps, and images.py). The planner's shapes: shapes.py. Not
+yet: sequence parallelism (validate.py).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from titan_vlm.models.qwen3_vl.hf_config import args_from_hf_config
 from titan_vlm.models.qwen3_vl.images import Qwen3Rule
 from titan_vlm.models.qwen3_vl.model import Qwen3VL
 from titan_vlm.models.qwen3_vl.parallelize import parallelize
+from titan_vlm.models.qwen3_vl.shapes import plan_shapes
 from titan_vlm.models.qwen3_vl.validate import validate
 from titan_vlm.models.qwen3_vl.video import QWEN3_VIDEO, qwen3_inputs
 from titan_vlm.models.spec import ModelSpec
@@ -87,7 +88,7 @@ QWEN3_VL = ModelSpec(
     validate=validate,
     data_rule=data_rule,
     inputs=qwen3_inputs,
-    plan_shapes=None,  # the planner does not price this family yet (docs/limits.md)
+    plan_shapes=plan_shapes,
     # the mergers (main and DeepStack) map the tower's features into the decoder: the projector
     param_groups=(
         ("vision.", "vision"),
