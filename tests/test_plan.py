@@ -336,10 +336,59 @@ def test_qwen_vl_models_are_priced_at_their_image_size(capsys, tmp_path):
             "config error: --image-size: a llava model is priced on its own 32x32 images (its "
             "ViT's image_size)",
         ),
+        (
+            [*qwen3, "--image-size=\u00b2x64"],  # a superscript two: a digit to str.isdigit
+            "config error: --image-size: expected HxW in pixels (e.g. 448x672), got '\u00b2x64'",
+        ),
     ):
         with pytest.raises(SystemExit):
             plan_main(argv)
         assert capsys.readouterr().err.strip() == line
+
+
+def test_a_search_whose_every_layout_fails_for_the_same_reason_says_it(capsys, tmp_path):
+    """A LLaVA folder without its image processor's files: --search says what is wrong in one
+    line (as the plan of one layout does), not "no layout fits"."""
+    from hf_folders import TEXT, TOWER, save_llava
+
+    save_llava(tmp_path, TOWER, TEXT)
+    capsys.readouterr()  # save_pretrained's progress bar
+    with pytest.raises(SystemExit):
+        plan_main([f"--model.hf_path={tmp_path}", "--model.flavor=hf", "--search", "--gpus=2"])
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "preprocessor_config.json" in err, err
+
+
+def test_qwen_vl_images_weigh_in_the_placement_as_the_trainers_do():
+    """A Qwen2.5-VL image's tower work in the plan (ModelShapes.image_work) is what the
+    trainer's images report (QwenVisuals.work, what cp_vision and the "auto" placement weigh);
+    with cp_vision = broadcast the rank that encodes the images keeps less text than the
+    other. The control: images weighed as one unit each, as a LLaVA image, are placed
+    evenly."""
+    from titan_vlm.config import JobConfig
+    from titan_vlm.data.batch import Sample, collate
+    from titan_vlm.models.registry import get_model_spec
+
+    spec = get_model_spec("qwen2_5_vl")
+    cfg = JobConfig()
+    cfg.model.name = "qwen2_5_vl"  # type: ignore[assignment]
+    args = spec.args(cfg)
+    rule, slot_data = spec.data_rule(args, cfg)
+    shapes = spec.plan_shapes(args, (448, 448))
+    image = torch.zeros(3, 448, 448)
+    batch = collate([[Sample([image, [1] * 8])]], 264, rule, rule.image_size, 0,
+                    slot_data=slot_data)  # fmt: skip
+    assert shapes.image_work == pytest.approx(batch.images.work()[0], rel=1e-12)
+
+    def kept(image_work: float) -> list[int]:
+        work = Workload.uniform(2048, 4, 1, shapes.tokens_per_image, cost=spec.layout_cost(args),
+                                bidirectional_images=False, image_work=image_work)  # fmt: skip
+        layout = Layout(cp=2, cp_vision="broadcast", cp_sample_placement="auto")
+        return work.placed(layout).kept_slots
+
+    # four one-image samples kept whole: rank 0 encodes all four images, so it keeps one sample
+    assert kept(shapes.image_work) == [2048, 4096]
+    assert kept(1.0) == [4096, 4096]
 
 
 def test_bad_input_is_one_line(capsys):

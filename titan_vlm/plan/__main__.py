@@ -28,7 +28,7 @@ from titan_vlm.plan.comm import cp_attention_bytes
 from titan_vlm.plan.cost import EFFICIENCY, Plan, make_plan, span
 from titan_vlm.plan.hardware import HARDWARE, get_hardware
 from titan_vlm.plan.memory import AC_MODES, local_shape
-from titan_vlm.plan.search import search
+from titan_vlm.plan.search import check_without_layout, search
 from titan_vlm.plan.shapes import ModelShapes
 from titan_vlm.plan.spec import Layout, Workload
 from titan_vlm.validate import validate_job
@@ -68,7 +68,7 @@ def image_hw(text: str | None) -> tuple[int, int] | None:
     if text is None:
         return None
     parts = text.lower().split("x")
-    if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
+    if len(parts) > 2 or not all(p.strip().isascii() and p.strip().isdigit() for p in parts):
         raise ConfigError(f"--image-size: expected HxW in pixels (e.g. 448x672), got {text!r}")
     height, width = int(parts[0]), int(parts[-1])
     return height, width
@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg.data.images_per_sample,
             shapes.tokens_per_image,
             cost=spec.layout_cost(args),  # what cp_sample_placement = "auto" balances
+            image_work=shapes.image_work,
             bidirectional_images=cfg.model.image_attention == "bidirectional",
         )
         head = (
@@ -239,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{hw.intra_gbps:.0f} / {hw.inter_gbps:.0f} GB/s in / between nodes)"
         )
         if opts.search:
+            check_without_layout(cfg)
             fitting, priced = search(cfg, shapes, work, hw, world, gpn, opts.efficiency)
             print(head)
             print(
@@ -274,6 +276,12 @@ def main(argv: list[str] | None = None) -> None:
                 )
             )
         )
+        if cfg.training.freeze:
+            print(
+                f"\nnote: training.freeze={cfg.training.freeze!r} is not priced: the model state "
+                "above counts every parameter as trained (the trainer counts 4 bytes, not 16, "
+                "for a frozen one)"
+            )
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)

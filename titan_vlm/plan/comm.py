@@ -195,8 +195,11 @@ def tp_bytes(shapes: ModelShapes, layout: Layout, work: Workload) -> int:
 
     blocks = d.n_layers * 4 * all_reduce(B * L * d.dim * a)
     blocks += v.n_layers * 4 * all_reduce(n_vis * v.patches * v.dim * a)
+    # each merger (the projector; DeepStack's too): fc2's row-wise output in forward, fc1's
+    # input gradient in backward
+    mergers = v.embed_width * 2 * all_reduce(n_vis * v.tokens * d.dim * a)
     edges = 2 * all_reduce(B * T * d.dim * a) + B * T * d.vocab_size // t * a * (t - 1)
-    return blocks + edges
+    return blocks + mergers + edges
 
 
 def collectives(shapes: ModelShapes, layout: Layout, work: Workload) -> list[Collective]:

@@ -64,7 +64,8 @@ def candidate_layouts(
     return out
 
 
-def accepted(cfg: JobConfig, layout: Layout) -> bool:
+def configured(cfg: JobConfig, layout: Layout) -> JobConfig:
+    """A copy of `cfg` with `layout`'s degrees and choices."""
     c = copy.deepcopy(cfg)
     p = c.parallelism
     p.data_parallel_replicate_degree = layout.dp_replicate
@@ -76,11 +77,23 @@ def accepted(cfg: JobConfig, layout: Layout) -> bool:
     p.image_embed_tp_shard = False
     p.expert_parallel_degree = layout.ep
     c.activation_checkpoint.mode = layout.ac_mode
+    return c
+
+
+def accepted(cfg: JobConfig, layout: Layout) -> bool:
     try:
-        validate_job(c, layout.world, weights=False)
+        validate_job(configured(cfg, layout), layout.world, weights=False)
     except ConfigError:
         return False
     return True
+
+
+def check_without_layout(cfg: JobConfig) -> None:
+    """What no layout changes (the model's sources, the data and recipe keys), checked on one
+    device, so that a search whose every layout the trainer would refuse for such a reason says
+    it in one line (a ConfigError) instead of listing no layout."""
+    one = Layout(mixed_precision=cfg.training.mixed_precision, ac_mode="none")
+    validate_job(configured(cfg, one), 1, weights=False)
 
 
 def search(

@@ -122,13 +122,15 @@ class Param:
 class ModelShapes:
     """`train_flops(num_images, text_tokens, attention_pairs)`: the family's model FLOPs of
     forward + backward (image tokens counted once), for images of the priced size
-    (`image_hw`: height, width in pixels)."""
+    (`image_hw`: height, width in pixels). `image_work`: one image's tower work in the family's
+    LayoutCost.image unit, what its images report to the trainer's placement (Workload)."""
 
     decoder: DecoderShape
     vision: VisionShape
     params: tuple[Param, ...]
     train_flops: Callable[[int, int, float], float]
     image_hw: tuple[int, int]
+    image_work: float = 1.0
 
     @property
     def tokens_per_image(self) -> int:

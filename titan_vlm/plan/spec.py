@@ -101,12 +101,15 @@ class Workload:
     """One data-parallel rank's rows of one step, as slot metadata [B, S] (layout/: `doc` the
     sample of each slot, -1 padding; `image` the image it belongs to, -1 text), and the cost
     model cp_sample_placement = "auto" balances them by (the family's ModelSpec.layout_cost,
-    as the trainer passes it)."""
+    as the trainer passes it). `image_work`: each image's tower work in the cost model's
+    `image` unit, as the trainer's images report it (ModelShapes.image_work: a LLaVA image 1,
+    a Qwen-VL image its tower cost in patches' matmuls)."""
 
     doc: torch.Tensor
     image: torch.Tensor
     bidirectional_images: bool = False
     cost: LayoutCost = field(default_factory=LayoutCost)
+    image_work: float = 1.0
     _geometries: dict = field(default_factory=dict, repr=False)  # placement -> Geometry
 
     @classmethod
@@ -119,17 +122,18 @@ class Workload:
         *,
         cost: LayoutCost,
         bidirectional_images: bool,
+        image_work: float = 1.0,
     ) -> Workload:
         """`rows` full rows of one sample each: `images_per_row` images first, then text (the
         LLaVA layout; packed rows of several samples cost the same linear work and less
         attention). `cost` and `bidirectional_images`: the model's, as the trainer places
-        rows with them."""
+        rows with them; `image_work` (the class docstring)."""
         n = images_per_row * tokens_per_image
         image = torch.full((rows, seq_len), -1, dtype=torch.long)
         per_row = torch.arange(n) // tokens_per_image
         image[:, :n] = per_row + images_per_row * torch.arange(rows)[:, None]
         doc = torch.zeros(rows, seq_len, dtype=torch.long)
-        return cls(doc, image, bidirectional_images, cost)
+        return cls(doc, image, bidirectional_images, cost, image_work)
 
     @property
     def rows(self) -> int:
@@ -155,8 +159,9 @@ class Workload:
         pad = layout.tp if layout.sequence_parallel else 1
         placement, tokens = layout.cp_sample_placement, layout.cp_image_tokens
         # each rank's ViT share weighs only in the choices "auto" makes
-        n = self.num_images  # native-size images, in batch order
-        shares = vit_shares([1.0] * n, [1] * n, layout.cp, layout.cp_vision)
+        n = self.num_images  # images of one size, in batch order
+        w = self.image_work
+        shares = vit_shares([w] * n, [max(1, round(w))] * n, layout.cp, layout.cp_vision)
         weighed = tuple(shares) if "auto" in (placement, tokens) else ()
         key = (layout.cp, pad, placement, tokens, weighed)
         cache = self._geometries

@@ -24,7 +24,7 @@ from titan_vlm.models.common.qwen_vl.flops import (
     decoder_slot_flops,
 )
 from titan_vlm.models.common.qwen_vl.mrope import Grid
-from titan_vlm.models.common.qwen_vl.vision_cost import image_train_flops
+from titan_vlm.models.common.qwen_vl.vision_cost import image_train_flops, vision_patch_flops
 from titan_vlm.parallel.tensor_parallel import TP_COLWISE, TP_EMBEDDING, TP_ROWWISE
 from titan_vlm.plan.shapes import (
     MergerShape,
@@ -112,4 +112,6 @@ def qwen_plan_shapes(
         tp_params(model, TP_COLWISE, TP_ROWWISE, TP_EMBEDDING),
         partial(train_flops, args, grid),
         (grid[1] * p, grid[2] * p),
+        # what images.py QwenVisuals.work reports of such an image
+        image_train_flops(args, grid) / vision_patch_flops(v),
     )
