@@ -939,6 +939,29 @@ def train_run_with_nan_images(dp_shard: int, cp: int, steps: int, nan_step: int,
         return train_run_warnings(dp_shard, cp, steps, **kwargs)
 
 
+def train_run_with_slow_data(dp_shard: int, cp: int, steps: int, delay_s: float, **kwargs) -> dict:
+    """train_run whose dataset takes `delay_s` longer to build each batch on CP rank 1 only (as
+    a slow disk or a large JPEG would). Returns {"history", "warnings"}."""
+    import titan_vlm.trainer as train_module
+
+    real = train_module.build_dataset
+
+    def build_dataset(*args, **kw):
+        data = real(*args, **kw)
+        batch = data.batch
+
+        def slow(*a) -> Batch:
+            if dist.get_rank() == 1:
+                time.sleep(delay_s)
+            return batch(*a)
+
+        data.batch = slow
+        return data
+
+    with mock.patch.object(train_module, "build_dataset", build_dataset):
+        return train_run_warnings(dp_shard, cp, steps, **kwargs)
+
+
 def train_run_with_file_size_limit(
     dp_shard: int, cp: int, steps: int, limit_bytes: int, **kwargs
 ) -> list[dict]:

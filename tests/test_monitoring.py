@@ -114,3 +114,21 @@ def test_wandb_gets_the_metrics_offline(pool, tmp_path):
             assert logged[h["step"]][key] == h[key]
     assert logged[2]["validation_loss"] == history[1]["validation_loss"]
     assert "validation_loss" not in logged[1]
+
+
+def test_data_wait_is_the_slowest_ranks_and_a_data_bound_step_says_so(pool, tmp_path):
+    """data_wait_s (metrics.jsonl, TensorBoard, the log line): how long the step waited for its
+    batch, the slowest rank's. CP rank 1's dataset sleeps 0.5 s a batch: every step's
+    data_wait_s is at least that, within its step time, on every rank's record, and rank 0 (the
+    one that logs) warns at each logged step that it is data-bound. The control: the same run
+    without the delay waits less than the delay."""
+    run = dict(dp_shard=1, cp=2, steps=3, metrics__log_freq=1, **RUN)
+    slow = pool.run(
+        "train_run_with_slow_data", delay_s=0.5, job__dump_folder=str(tmp_path / "s"), **run
+    )
+    for rank, out in enumerate(slow):
+        assert all(0.5 <= h["data_wait_s"] <= h["step_time_s"] for h in out["history"])
+        bound = [w for w in out["warnings"] if "for its batch: data-bound" in w]
+        assert len(bound) == (3 if rank == 0 else 0), out["warnings"]
+    fast = pool.run("train_run", job__dump_folder=str(tmp_path / "f"), **run)
+    assert all(h["data_wait_s"] < 0.5 for rank in fast for h in rank)

@@ -49,13 +49,17 @@ def test_default_config_trains_and_writes_metrics(tmp_path):
             "cp_whole_samples",
             "cp_replicated_images",
             "cp_sharded_images",
+            "step_time_s",
+            "data_wait_s",
         } <= s.keys()
+        assert 0 < s["data_wait_s"] < s["step_time_s"]
         assert 1.0 <= s["cp_balance"] <= 1.10
         assert 0.0 <= s["cp_padding"] <= 0.05
         assert s["loss"] > 0 and s["tokens_per_sec"] > 0 and s["ntokens"] > 0
     assert steps[-1]["loss"] < steps[0]["loss"]
     assert any((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert "step     2 | loss" in stdout and "step     4 | loss" in stdout  # every log_freq steps
+    assert re.search(r"step     4 \| loss .* \| data_wait \d+\.\d{3} s", stdout)
     assert "step     3 | loss" not in stdout  # ... while metrics.jsonl has every step
 
 

@@ -139,7 +139,7 @@ class MetricsLogger:
             logger.info(
                 "step %5d | loss %.4f | grad_norm %.3f | lr %.2e%s | tokens/s %9.1f | "
                 "peak mem %.2f GiB | "
-                "cp_balance %.3f | cp_padding %.3f%s",
+                "cp_balance %.3f | cp_padding %.3f%s | data_wait %.3f s",
                 step,
                 metrics["loss"],
                 metrics["grad_norm"],
@@ -150,6 +150,7 @@ class MetricsLogger:
                 metrics.get("cp_balance", 1.0),
                 metrics.get("cp_padding", 0.0),
                 moe,
+                metrics.get("data_wait_s", 0.0),
             )
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.tb is not None:

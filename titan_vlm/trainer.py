@@ -70,6 +70,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("titan_vlm")
 
 RECOMPILE_LIMIT = 8  # torch._dynamo.config.recompile_limit's default
+# a step that waited longer than this share of its time for its batch is logged as data-bound
+DATA_BOUND = 0.2
 
 
 class NonFiniteError(UserError):
@@ -86,6 +88,7 @@ class StepResult:
 
     stats: dict[str, float]  # train_step's (loss, grad_norm, ntokens, lr, cp_balance, nonfinite)
     elapsed_s: float
+    data_wait_s: float  # how long the step waited for its batch (the slowest rank's)
     flops: float  # the global batch's model FLOPs
     peak_memory_gib: float  # the worst rank's
     stop: bool  # some rank was asked to stop (SIGINT / SIGTERM)
@@ -232,6 +235,7 @@ class Trainer(Stateful):
         host = self.data.batch(step - 1, self.dp_rank, self.dp, rows)
         new_drops = sorted(self.data.dropped - self.dropped)  # this rank's, new to the job
         batch = host.to(self.device)
+        waited = time.perf_counter() - begin  # the batch built (in this process) and copied
         check_same_batch(batch, self.mesh.rows, step)
         stats, layouts = train_step(
             self.model,
@@ -253,7 +257,9 @@ class Trainer(Stateful):
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - begin
-        peak_stop = torch.tensor([peak_memory_gib(self.device), STOP.requested], device=self.device)
+        peak_stop = torch.tensor(
+            [peak_memory_gib(self.device), STOP.requested, waited], device=self.device
+        )
         dist_max(peak_stop, self.mesh.world.get_group())
         dist_sum(sums, self.mesh.dp.get_group())
         if sums[1]:  # some dp rank dropped a sample new to the job: everyone learns which
@@ -261,7 +267,14 @@ class Trainer(Stateful):
             dist.all_gather_object(everyone, new_drops, group=self.mesh.dp.get_group())
             self.dropped.update(i for ids in everyone for i in ids or ())
         self.step = step
-        return StepResult(stats, elapsed, float(sums[0]), float(peak_stop[0]), bool(peak_stop[1]))
+        return StepResult(
+            stats,
+            elapsed,
+            float(peak_stop[2]),
+            float(sums[0]),
+            float(peak_stop[0]),
+            bool(peak_stop[1]),
+        )
 
     def validate(self, step: int, data: Dataset) -> float:
         """validation_loss: the mean loss over the loss tokens of validation.steps batches of the
@@ -322,6 +335,7 @@ class Trainer(Stateful):
             / result.elapsed_s,
             "tflops_per_sec": result.flops / result.elapsed_s / 1e12,
             "step_time_s": result.elapsed_s,
+            "data_wait_s": result.data_wait_s,
             "peak_memory_gib": result.peak_memory_gib,
             "data_bad_samples": self.data.bad_at_startup + len(self.dropped),
             "data_truncated": self.data.truncated,
@@ -329,6 +343,17 @@ class Trainer(Stateful):
         }
         echo = step % self.cfg.metrics.log_freq == 0 or step == t.steps
         self.metrics.log(step, record, echo=echo)
+        # rank 0's line, as the metrics' (data_wait_s is the slowest rank's on every rank)
+        bound = result.data_wait_s > DATA_BOUND * result.elapsed_s
+        if echo and bound and dist.get_rank() == 0:
+            logger.warning(
+                "step %d waited %.3f s of its %.3f s (%.0f%%) for its batch: data-bound (the "
+                "batch is read, decoded and packed in the training process)",
+                step,
+                result.data_wait_s,
+                result.elapsed_s,
+                100 * result.data_wait_s / result.elapsed_s,
+            )
         self.history.append({"step": step, **record})
 
     def check_empty_batches(self, step: int, ntokens: int) -> None:
