@@ -13,7 +13,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -46,6 +46,7 @@ from titan_vlm.models.llava.model import VLM
 from titan_vlm.models.llava.parallelize import apply_ac, parallelize_vlm
 from titan_vlm.models.loading import canonical_name, local_box
 from titan_vlm.models.qwen2_5_vl import vision as qwen_vision
+from titan_vlm.models.spec import ModelSpec
 from titan_vlm.optim import build_optimizer, build_scheduler
 from titan_vlm.parallel import context_parallel, tensor_parallel
 from titan_vlm.parallel.context_parallel import CPContext, CPOptions
@@ -724,6 +725,16 @@ def saved_for_backward(
     return {"bytes": saved.bytes, "longest_dim": saved.longest_dim}
 
 
+def family_config(family: str, flavor: str) -> tuple[ModelSpec, JobConfig]:
+    """A family's ModelSpec and a default JobConfig naming it and its `flavor`."""
+    from titan_vlm.models.registry import get_model_spec
+
+    cfg = JobConfig()
+    cfg.model.name = family  # type: ignore[assignment]
+    cfg.model.flavor = flavor  # type: ignore[assignment]
+    return get_model_spec(family), cfg
+
+
 def family_saved_for_backward(
     family: str, cp: int, flavor: str = "debug", seq_len: int = 256, images: int = 6
 ) -> dict:
@@ -732,12 +743,7 @@ def family_saved_for_backward(
     planner's workload), on a plain model (CP only, no FSDP); every sample split, images
     replicated. Returns the bytes, the rows' slot metadata (doc, image) for the planner, and
     the family's model FLOPs of the batch as the trainer counts them (ModelSpec.flops)."""
-    from titan_vlm.models.registry import get_model_spec
-
-    spec = get_model_spec(family)
-    cfg = JobConfig()
-    cfg.model.name = family  # type: ignore[assignment]
-    cfg.model.flavor = flavor  # type: ignore[assignment]
+    spec, cfg = family_config(family, flavor)
     args = spec.args(cfg)
     rule, slot_data = spec.data_rule(args, cfg)
     g = torch.Generator().manual_seed(0)
@@ -773,11 +779,8 @@ def model_state_bytes(
     ModelSpec (as build_model does) with parallelism.cp_vision `vision` and sequence
     parallelism `sp` (run_training's expression)."""
     from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM
-    from titan_vlm.models.registry import get_model_spec
 
-    spec = get_model_spec(family)
-    cfg = JobConfig()
-    cfg.model.name, cfg.model.flavor = family, flavor  # type: ignore[assignment]
+    spec, cfg = family_config(family, flavor)
     cfg.parallelism.cp_vision = vision  # type: ignore[assignment]
     cfg.parallelism.tensor_parallel_degree = tp
     cfg.parallelism.enable_sequence_parallel = sp
@@ -915,51 +918,56 @@ def train_run_warnings(dp_shard: int, cp: int, steps: int, **kwargs) -> dict:
     return {"history": history, "warnings": records}
 
 
-def train_run_with_nan_images(dp_shard: int, cp: int, steps: int, nan_step: int, **kwargs) -> dict:
-    """train_run whose batch of step `nan_step` has NaN pixels (as a corrupt image would give):
-    its loss and gradients are NaN. Returns {"history", "warnings"}."""
+def _train_run_wrapping_batches(
+    wrap: Callable[[Callable[..., Batch]], Callable[..., Batch]],
+    dp_shard: int,
+    cp: int,
+    steps: int,
+    **kwargs,
+) -> dict:
+    """train_run_warnings whose dataset's `batch` is `wrap(batch)`: {"history", "warnings"}."""
     import titan_vlm.trainer as train_module
 
     real = train_module.build_dataset
 
     def build_dataset(*args, **kw):
         data = real(*args, **kw)
-        batch = data.batch
+        data.batch = wrap(data.batch)
+        return data
 
+    with mock.patch.object(train_module, "build_dataset", build_dataset):
+        return train_run_warnings(dp_shard, cp, steps, **kwargs)
+
+
+def train_run_with_nan_images(dp_shard: int, cp: int, steps: int, nan_step: int, **kwargs) -> dict:
+    """train_run whose batch of step `nan_step` has NaN pixels (as a corrupt image would give):
+    its loss and gradients are NaN. Returns {"history", "warnings"}."""
+
+    def poisoning(batch: Callable[..., Batch]) -> Callable[..., Batch]:
         def poisoned(index: int, *rest) -> Batch:
             out = batch(index, *rest)
             if index == nan_step - 1:
                 out.images[:] = float("nan")
             return out
 
-        data.batch = poisoned
-        return data
+        return poisoned
 
-    with mock.patch.object(train_module, "build_dataset", build_dataset):
-        return train_run_warnings(dp_shard, cp, steps, **kwargs)
+    return _train_run_wrapping_batches(poisoning, dp_shard, cp, steps, **kwargs)
 
 
 def train_run_with_slow_data(dp_shard: int, cp: int, steps: int, delay_s: float, **kwargs) -> dict:
     """train_run whose dataset takes `delay_s` longer to build each batch on CP rank 1 only (as
     a slow disk or a large JPEG would). Returns {"history", "warnings"}."""
-    import titan_vlm.trainer as train_module
 
-    real = train_module.build_dataset
-
-    def build_dataset(*args, **kw):
-        data = real(*args, **kw)
-        batch = data.batch
-
-        def slow(*a) -> Batch:
+    def slowing(batch: Callable[..., Batch]) -> Callable[..., Batch]:
+        def slow(*args) -> Batch:
             if dist.get_rank() == 1:
                 time.sleep(delay_s)
-            return batch(*a)
+            return batch(*args)
 
-        data.batch = slow
-        return data
+        return slow
 
-    with mock.patch.object(train_module, "build_dataset", build_dataset):
-        return train_run_warnings(dp_shard, cp, steps, **kwargs)
+    return _train_run_wrapping_batches(slowing, dp_shard, cp, steps, **kwargs)
 
 
 def train_run_with_file_size_limit(
@@ -1207,12 +1215,8 @@ def family_parity(
     control): `_received_rows_not_regrouped`; `dp_replicate`: HSDP replicas.
     Gradient errors are per parameter group (ModelSpec.group_of)."""
     from titan_vlm.models.common.moe import aux_loss
-    from titan_vlm.models.registry import get_model_spec
 
-    spec = get_model_spec(family)
-    cfg = JobConfig()
-    cfg.model.name = family  # type: ignore[assignment]
-    cfg.model.flavor = flavor  # type: ignore[assignment]
+    spec, cfg = family_config(family, flavor)
     cfg.training.moe_aux_loss_coef = aux_coef
     cfg.parallelism.cp_vision = vision  # type: ignore[assignment]
     cfg.parallelism.tensor_parallel_degree = tp

@@ -365,13 +365,11 @@ def test_qwen_vl_images_weigh_in_the_placement_as_the_trainers_do():
     with cp_vision = broadcast the rank that encodes the images keeps less text than the
     other. The control: images weighed as one unit each, as a LLaVA image, are placed
     evenly."""
-    from titan_vlm.config import JobConfig
-    from titan_vlm.data.batch import Sample, collate
-    from titan_vlm.models.registry import get_model_spec
+    from dist_checks import family_config
 
-    spec = get_model_spec("qwen2_5_vl")
-    cfg = JobConfig()
-    cfg.model.name = "qwen2_5_vl"  # type: ignore[assignment]
+    from titan_vlm.data.batch import Sample, collate
+
+    spec, cfg = family_config("qwen2_5_vl", "debug")
     args = spec.args(cfg)
     rule, slot_data = spec.data_rule(args, cfg)
     shapes = spec.plan_shapes(args, (448, 448))
@@ -410,14 +408,10 @@ def test_qwen_vl_activations_are_what_autograd_saves(pool, family, flavor):
     tower's patches distinct from the decoder's slots). The control: the tower priced on the
     decoder's slots (one patch a slot, as a LLaVA ViT) is off. The plan's model FLOPs of the rows
     are the trainer's (ModelSpec.flops, what MFU counts)."""
-    from titan_vlm.config import JobConfig
-    from titan_vlm.models.registry import get_model_spec
+    from dist_checks import family_config
 
-    spec = get_model_spec(family)
-    cfg = JobConfig()
-    cfg.model.name, cfg.model.flavor = family, flavor  # type: ignore[assignment]
-    args = spec.args(cfg)
-    shapes = spec.plan_shapes(args, None)
+    spec, cfg = family_config(family, flavor)
+    shapes = spec.plan_shapes(spec.args(cfg), None)
     v = shapes.vision
     slot_per_patch = dataclasses.replace(
         shapes,
@@ -453,8 +447,7 @@ def test_qwen_vl_model_state_is_the_trainers_exactly(
     decoder, experts) give the trainer's model state per rank to the byte: FSDP over dp_shard x
     cp (the tower over dp_shard alone with cp_vision = broadcast), TP (with SP for Qwen2.5-VL),
     experts split over ep."""
-    from titan_vlm.config import JobConfig
-    from titan_vlm.models.registry import get_model_spec
+    from dist_checks import family_config
 
     per_rank = pool.run(
         "model_state_bytes",
@@ -467,9 +460,7 @@ def test_qwen_vl_model_state_is_the_trainers_exactly(
         ep=ep,
         sp=sp,
     )
-    spec = get_model_spec(family)
-    cfg = JobConfig()
-    cfg.model.name, cfg.model.flavor = family, flavor  # type: ignore[assignment]
+    spec, cfg = family_config(family, flavor)
     shapes = spec.plan_shapes(spec.args(cfg), None)
     layout = Layout(1, dp_shard, cp, tp, cp_vision=vision, sequence_parallel=sp, ep=ep)
     assert state_bytes(shapes, layout).total == per_rank[0] == max(per_rank)

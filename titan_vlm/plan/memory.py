@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM
 from titan_vlm.parallel.cp_attention import a2a_kv_heads
-from titan_vlm.plan.shapes import ModelShapes, Param
+from titan_vlm.plan.shapes import ModelShapes, Norm, Param
 from titan_vlm.plan.spec import Geometry, Layout, Workload
 
 AC_MODES = ("none", "selective", "full")
@@ -185,7 +185,7 @@ def largest_decoder_block(shapes: ModelShapes, layout: Layout, g: Geometry) -> i
     return max(decoder_block_bytes(shapes, layout, g, d.is_sparse(i)) for i in range(d.n_layers))
 
 
-def norm_bytes(kind: str, width: int, a: int) -> int:
+def norm_bytes(kind: Norm, width: int, a: int) -> int:
     """What one norm saves per row of `width` (a: the compute dtype's bytes), its output aside:
     a LayerNorm its input and fp32 mean and rstd; an RMSNorm its fp32 input, rsqrt and the
     normalised input."""

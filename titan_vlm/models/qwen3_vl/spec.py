@@ -10,8 +10,8 @@ What it shares with qwen2_5_vl (the data path for images, M-RoPE positions, the 
 tokenizer of a folder, the FLOPs and CP cost model, init rule) comes from models/common/qwen_vl;
 the experts from models/common (moe.py, hf_experts.py); what differs is here (vision.py,
 model.py, mrope.py, hf_adapter.py, hf_config.py, parallelize.py, and videos: video.py, their
-frame timestamps, and images.py). The planner's shapes: shapes.py. Not
-yet: sequence parallelism (validate.py).
+frame timestamps, and images.py; what the planner prices: shapes.py). Not yet: sequence
+parallelism (validate.py).
 """
 
 from __future__ import annotations
