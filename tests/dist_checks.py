@@ -1382,3 +1382,47 @@ def experts_all_to_all(
         (out * out).sum().backward()
     grads = [x.grad, *(local_tensor(p.grad) for p in layer.experts.parameters())]
     return {"bytes": sent["bytes"], "out": out.detach(), "grads": grads}
+
+
+def shared_index(path: str, dp_shard: int, on_bad_sample: str = "skip") -> dict:
+    """The JsonlDataset of `path` (test_jsonl_data.py's shapes) built with the start-up pass
+    shared over the world of `dp_shard` ranks (data/shared_pass.py GroupShare), rank 0 logging
+    the start-up
+    warnings: its index, counters, description and warnings, how many records this rank parsed
+    ({"parsed"}), or the one line it raised ({"error"})."""
+    import titan_vlm.data.jsonl as jsonl
+    from titan_vlm.data.shared_pass import GroupShare
+    from titan_vlm.data.tokenizer import ByteTokenizer
+    from titan_vlm.errors import UserError
+
+    assert dist.get_world_size() == dp_shard
+    parsed = []
+    real = jsonl.decode_record
+
+    def counting(raw, *args, **kwargs):
+        parsed.append(raw)
+        return real(raw, *args, **kwargs)
+
+    with mock.patch.object(jsonl, "decode_record", counting), _captured_warnings() as warnings:
+        try:
+            data = jsonl.JsonlDataset(
+                path,
+                ByteTokenizer(),
+                32,
+                16,
+                96,
+                0,
+                max_image_pixels=48 * 48,
+                on_bad_sample=on_bad_sample,
+                log_startup=dist.get_rank() == 0,
+                share=GroupShare(dist.group.WORLD),
+            )
+        except UserError as e:
+            return {"error": str(e), "parsed": len(parsed)}
+    return {
+        "index": [list(data.lines), list(data.starts), list(data.ends), data.rows],
+        "counts": [data.records, data.bad_at_startup, dict(data.skipped), data.truncated],
+        "describe": data.describe(),
+        "warnings": warnings,
+        "parsed": len(parsed),
+    }

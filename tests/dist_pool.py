@@ -18,6 +18,7 @@ pool uses them, and so does benchmarks/_group.py (its one-shot groups).
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import inspect
 import math
@@ -60,11 +61,13 @@ def init_gloo(rank: int, world: int, port: int, threads: int, timeout_s: float |
 
 def spawn_group(target: Callable[..., None], world: int, *args: Any) -> list[BaseProcess]:
     """Start `world` spawned processes running `target(rank, world, port, *args)` (the port is a
-    free one for init_gloo's rendezvous); returns them started."""
+    free one for init_gloo's rendezvous); returns them started. Not daemonic: a trainer in them
+    forks its loader workers (data.num_workers), which a daemonic process may not; the caller
+    joins them (DistPools.close, also at exit)."""
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [
-        ctx.Process(target=target, args=(r, world, port, *args), daemon=True) for r in range(world)
+        ctx.Process(target=target, args=(r, world, port, *args), daemon=False) for r in range(world)
     ]
     for p in procs:
         p.start()
@@ -163,6 +166,9 @@ class DistPools:
         self.timeout_s = timeout_s
         self.defaults = defaults or {}
         self.pools: dict[int, DistPool] = {}
+        # the workers are not daemonic: an exit that skips the fixture's close still stops them
+        # (this runs before multiprocessing's own exit handler joins them)
+        atexit.register(self.close)
 
     def world_of(self, check: str, kwargs: dict[str, Any]) -> int:
         """dp_replicate x dp_shard x cp x tp of the call, the check's defaults filling in."""

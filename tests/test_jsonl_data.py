@@ -481,6 +481,45 @@ def test_max_frames_must_be_positive(files):
 
 # One real training run on the file (2 ranks: dp_shard=2, one row each, so a rank's whole batch
 # is sometimes a dropped sample), interrupted and resumed.
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_the_ranks_share_the_start_up_pass_and_hold_one_processs_index(pool, files, ranks, caplog):
+    """Each of 2 (4) ranks parses its contiguous run of the 13 records (7 and 6; 4, 3, 3, 3) and
+    every rank ends with the index one process builds alone: the same kept samples, spans,
+    packing rows, counters and description; rank 0 logs every start-up warning, in file order,
+    the others none (control: no rank parsed them all)."""
+    path = files / "train.jsonl"
+    with caplog.at_level(logging.WARNING, logger="titan_vlm"):
+        alone = dataset(path, shuffle=True)
+    out = pool.run("shared_index", path=str(path), dp_shard=ranks)
+    parsed = [o["parsed"] for o in out]
+    assert sum(parsed) == alone.records == 13 and max(parsed) <= -(-13 // ranks)
+    for rank, o in enumerate(out):
+        assert o["index"] == [list(alone.lines), list(alone.starts), list(alone.ends), alone.rows]
+        assert o["counts"] == [13, 4, dict(alone.skipped), 1]
+        assert o["describe"] == alone.describe()
+        assert o["warnings"] == ([] if rank else warnings_of(caplog))
+    lines = [int(w.split(".jsonl:")[1].split(":")[0]) for w in out[0]["warnings"]]
+    assert lines == [3, 4, 5, 6, 7], out[0]["warnings"]  # every start-up bad sample, in order
+
+
+def test_a_bad_sample_in_one_ranks_share_stops_every_rank_with_the_first(pool, files):
+    """data.on_bad_sample = "error": the first bad record in file order (line 3, in rank 0's
+    share) stops both ranks with its line, although rank 1's share has bad records of its own;
+    with only rank 1's share bad, rank 0 raises rank 1's line (no rank waits for another)."""
+    out = pool.run(
+        "shared_index", path=str(files / "train.jsonl"), dp_shard=2, on_bad_sample="error"
+    )
+    assert [o["error"] for o in out] == [
+        f"data.on_bad_sample='error': {files / 'train.jsonl'}:3: malformed JSON (Expecting ',' "
+        f"delimiter at column {len(RECORDS[2][0]) + 1})"
+    ] * 2
+    good = json.dumps(RECORDS[0][0])
+    late = files / "late.jsonl"
+    late.write_text("\n".join([good] * 3 + ['{"text": "  "}']) + "\n")
+    out = pool.run("shared_index", path=str(late), dp_shard=2, on_bad_sample="error")
+    assert [o["error"] for o in out] == [f"data.on_bad_sample='error': {late}:4: empty text"] * 2
+
+
 TRAIN = dict(
     steps=4,
     training__seq_len=SEQ,
@@ -492,10 +531,18 @@ TRAIN = dict(
 
 
 def test_training_on_a_jsonl_file_resumes_bit_exact(pool, files, tmp_path):
+    """Uninterrupted with every batch built in the training process (data.num_workers=0); the
+    run that dies after step 3 with 2 loader workers a rank, resumed with 1: the same losses to
+    the bit and the same bad-sample counts (workers change when a batch is built, not what)."""
     path = str(files / "train.jsonl")
     run = dict(data__dataset=path, **TRAIN)
     whole = pool.run(
-        "train_run", dp_shard=2, cp=1, job__dump_folder=str(tmp_path / "whole"), **run
+        "train_run",
+        dp_shard=2,
+        cp=1,
+        job__dump_folder=str(tmp_path / "whole"),
+        data__num_workers=0,
+        **run,
     )[0]
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in whole)
     ckpt = dict(
@@ -504,9 +551,10 @@ def test_training_on_a_jsonl_file_resumes_bit_exact(pool, files, tmp_path):
         job__dump_folder=str(tmp_path / "ckpt"),
         **run,
     )
-    pool.run("train_run", dp_shard=2, cp=1, stop_after=3, **ckpt)  # dies after step 3, saved at 2
+    # dies after step 3, saved at 2
+    pool.run("train_run", dp_shard=2, cp=1, stop_after=3, data__num_workers=2, **ckpt)
     shutil.copytree(tmp_path / "ckpt", tmp_path / "first")  # to resume once more below, at cp=2
-    resumed = pool.run("train_run", dp_shard=2, cp=1, **ckpt)[0]
+    resumed = pool.run("train_run", dp_shard=2, cp=1, data__num_workers=1, **ckpt)[0]
     assert [h["step"] for h in resumed] == [3, 4]
     for h in resumed:
         assert h["loss"] == whole[h["step"] - 1]["loss"], h["step"]

@@ -34,8 +34,9 @@ def wait_for_step(proc, dump: Path, step: int, timeout: float = 240) -> None:
 
 
 def test_one_job_per_dump_folder_and_nothing_outlives_a_killed_launcher_nor_its_lock(tmp_path):
-    """A second job on a busy dump folder is refused; a killed launcher takes torchrun and its
-    workers with it, and its stale lock is taken over; a job that ended leaves no lock."""
+    """A second job on a busy dump folder is refused; a killed launcher takes torchrun, its
+    workers and their loader workers with it, and its stale lock is taken over; a job that ended
+    leaves no lock."""
     first = start(tmp_path, 200)
     try:
         wait_for_step(first, tmp_path, 1)
@@ -48,8 +49,9 @@ def test_one_job_per_dump_folder_and_nothing_outlives_a_killed_launcher_nor_its_
             + " ".join(first.args[3:])
             + "); wait for it to end, or use another job.dump_folder"
         ], err
-        job = descendants(first.pid)  # torchrun and its 2 workers
-        assert len(job) == 3
+        # torchrun, its 2 workers and their loader workers (data.num_workers = 2 each)
+        job = descendants(first.pid)
+        assert len(job) == 3 + 2 * 2
         os.kill(first.pid, signal.SIGKILL)  # the launcher dies
         deadline = time.monotonic() + 30
         while any(alive(p) for p in job) and time.monotonic() < deadline:

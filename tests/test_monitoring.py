@@ -120,15 +120,33 @@ def test_data_wait_is_the_slowest_ranks_and_a_data_bound_step_says_so(pool, tmp_
     """data_wait_s (metrics.jsonl, TensorBoard, the log line): how long the step waited for its
     batch, the slowest rank's. CP rank 1's dataset sleeps 0.5 s a batch: every step's
     data_wait_s is at least that, within its step time, on every rank's record, and rank 0 (the
-    one that logs) warns at each logged step that it is data-bound. The control: the same run
-    without the delay waits less than the delay."""
+    one that logs) warns at each logged step that it is data-bound, saying the batches are built
+    in the training process (data.num_workers=0). With 2 loader workers, step 2's batch is built
+    while step 1 waits for its own: step 2 waits for nothing like the delay, and the warnings
+    name the workers. The control: the same run without the delay waits less than the delay."""
     run = dict(dp_shard=1, cp=2, steps=3, metrics__log_freq=1, **RUN)
-    slow = pool.run(
-        "train_run_with_slow_data", delay_s=0.5, job__dump_folder=str(tmp_path / "s"), **run
-    )
-    for rank, out in enumerate(slow):
+
+    def slow_run(workers: int) -> list[dict]:
+        return pool.run(
+            "train_run_with_slow_data",
+            delay_s=0.5,
+            job__dump_folder=str(tmp_path / f"slow{workers}"),
+            data__num_workers=workers,
+            **run,
+        )
+
+    for rank, out in enumerate(slow_run(0)):
         assert all(0.5 <= h["data_wait_s"] <= h["step_time_s"] for h in out["history"])
         bound = [w for w in out["warnings"] if "for its batch: data-bound" in w]
         assert len(bound) == (3 if rank == 0 else 0), out["warnings"]
+        assert all(
+            "data.num_workers=0 builds each batch in the training process" in w for w in bound
+        )
+    for rank, out in enumerate(slow_run(2)):
+        first, second = (h["data_wait_s"] for h in out["history"][:2])
+        assert first >= 0.5 and second < 0.25, out["history"]
+        bound = [w for w in out["warnings"] if "for its batch: data-bound" in w]
+        assert bool(bound) == (rank == 0), out["warnings"]
+        assert all("2 loader workers per rank do not keep up" in w for w in bound)
     fast = pool.run("train_run", job__dump_folder=str(tmp_path / "f"), **run)
     assert all(h["data_wait_s"] < 0.5 for rank in fast for h in rank)

@@ -1,24 +1,32 @@
-"""A worker killed under a real torchrun (./run_train.sh, job.max_restarts=1) while an async
-checkpoint is being written: torchrun restarts the job, `latest` still names a checkpoint that
-loads, the job resumes from it and every step's loss equals an uninterrupted run's.
+"""Processes killed under a real torchrun (./run_train.sh, job.max_restarts=1): a worker while an
+async checkpoint is being written (torchrun restarts the job, `latest` still names a checkpoint
+that loads, the job resumes from it), and a rank's loader worker (data.num_workers: the rank
+stops with one line, torchrun restarts the job); every step's loss equals an uninterrupted run's.
 benchmarks/restart_trials.py repeats the kill (synchronous checkpoints) many times."""
 
-from torchrun_kill import kill_worker_when, logged_steps, run
+import pytest
+from torchrun_kill import kill_worker_when, loader_worker_of, logged_steps, run
 
 STEPS = 8
 
 
-def test_a_kill_during_an_async_save_restarts_from_a_latest_that_loads(tmp_path):
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> dict[int, float]:
+    """The uninterrupted run's step -> loss (the default config, small)."""
+    dump = tmp_path_factory.mktemp("whole")
+    rc, _, err = run(dump, STEPS)
+    assert rc == 0, err[-3000:]
+    losses = logged_steps(dump)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return losses
+
+
+def test_a_kill_during_an_async_save_restarts_from_a_latest_that_loads(tmp_path, whole):
     """checkpoint.async_mode='async', a checkpoint every 3 steps: a worker is killed as soon as
     step 6's save has begun writing (its folder exists; it is committed only at step 7's
     boundary, a whole step later, which the 10 ms poll does not miss); the restarted job passes
     over step-6, resumes from step-3 and matches the uninterrupted synchronous run bit for bit
     (same layout, CPU)."""
-    rc, _, err = run(tmp_path / "whole", STEPS)
-    assert rc == 0, err[-3000:]
-    whole = logged_steps(tmp_path / "whole")
-    assert sorted(whole) == list(range(1, STEPS + 1))
-
     dump = tmp_path / "killed"
     step6 = dump / "checkpoint" / "step-6"
     rc, out, err = kill_worker_when(
@@ -29,3 +37,27 @@ def test_a_kill_during_an_async_save_restarts_from_a_latest_that_loads(tmp_path)
     assert f"resumed from {dump / 'checkpoint' / 'step-3'}" in out, out[-3000:]
     assert logged_steps(dump) == whole  # every step once
     assert (dump / "checkpoint" / "latest").read_text().strip() == str(STEPS)
+
+
+def test_a_killed_loader_worker_is_one_line_and_the_job_restarts(tmp_path, whole):
+    """One of CP rank 1's two loader workers SIGKILLed (as the OOM killer would) once step 4 is
+    logged: that rank stops with one line naming data.num_workers and the worker, torchrun
+    restarts the job, which resumes from step-3 and matches the uninterrupted run bit for bit."""
+    dump = tmp_path / "killed"
+    rc, out, err = kill_worker_when(
+        dump,
+        STEPS,
+        lambda: max(logged_steps(dump), default=0) >= 4,
+        "step 4",
+        "--data.num_workers=2",
+        victim=loader_worker_of,
+    )
+    assert rc == 0, err[-3000:]
+    lines = [line for line in (out + err).splitlines() if "a loader worker (pid" in line]
+    assert lines and all(
+        "data.num_workers=2: a loader worker (pid" in line
+        and "(out of host memory, or killed)" in line
+        for line in lines
+    ), (out + err)[-3000:]
+    assert f"resumed from {dump / 'checkpoint' / 'step-3'}" in out, out[-3000:]
+    assert logged_steps(dump) == whole

@@ -109,6 +109,14 @@ def kill_worker_and_resume(
     )
 
 
+def loader_worker_of(launcher: int, local_rank: int) -> int | None:
+    """The pid of a loader worker (data.num_workers: a process the rank forked) of the job's
+    worker with that LOCAL_RANK, or None if it has none (yet)."""
+    rank = worker_of(launcher, local_rank)
+    workers = children(rank) if rank is not None else []
+    return workers[0] if workers else None
+
+
 def kill_worker_when(
     dump: Path,
     steps: int,
@@ -117,9 +125,11 @@ def kill_worker_when(
     *extra: str,
     local_rank: int = 1,
     timeout: float = 300,
+    victim: Callable[[int, int], int | None] = worker_of,
 ) -> tuple[int, str, str]:
     """Start a job with job.max_restarts=1 (and `extra` arguments); as soon as `ready()` (polled
-    every 10 ms; `what` names it in errors), SIGKILL the worker of `local_rank`; wait for torchrun
+    every 10 ms; `what` names it in errors), SIGKILL `victim(launcher pid, local_rank)` (the
+    worker of `local_rank`, or one of its loader workers: loader_worker_of); wait for torchrun
     to restart and finish. Returns (exit code, stdout, stderr)."""
     proc = start(dump, steps, "--job.max_restarts=1", *extra)
     deadline = time.monotonic() + timeout
@@ -129,10 +139,10 @@ def kill_worker_when(
                 out, err = proc.communicate()
                 raise RuntimeError(f"job ended before {what}: {err[-2000:]}")
             time.sleep(0.01)
-        victim = worker_of(proc.pid, local_rank)
-        if victim is None:
-            raise RuntimeError(f"no worker with LOCAL_RANK={local_rank} under pid {proc.pid}")
-        os.kill(victim, signal.SIGKILL)
+        pid = victim(proc.pid, local_rank)
+        if pid is None:
+            raise RuntimeError(f"no {victim.__name__}({proc.pid}, LOCAL_RANK={local_rank})")
+        os.kill(pid, signal.SIGKILL)
         out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
     finally:
         stop(proc)

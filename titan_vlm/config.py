@@ -201,6 +201,14 @@ class Data:
     """A dataset file's rows in a new order every epoch (seeded by training.seed)."""
     max_empty_steps: int = 3
     """Stop the run when this many steps in a row carry no loss token (every sample bad)."""
+    num_workers: int = 2
+    """Loader worker processes per rank that build the batches (read, decode, preprocess, pack)
+    ahead of the step, a step each in turn (data/loader.py); 0: each batch is built in the
+    training process when its step starts. Workers change when a batch is built, never what: the
+    losses are bit-identical at any count, and a run may resume at another."""
+    prefetch: int = 2
+    """Batches each loader worker keeps ready ahead of the step (num_workers x prefetch in all,
+    each in host memory, pinned on CUDA)."""
 
 
 @dataclass

@@ -33,6 +33,8 @@ from titan_vlm.data.batch import SlotData
 from titan_vlm.data.dataset import Dataset
 from titan_vlm.data.hf_processor import HFProcessor
 from titan_vlm.data.image_batch import ImageRule, num_images
+from titan_vlm.data.loader import BatchLoader, worker_died
+from titan_vlm.data.shared_pass import GroupShare
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 from titan_vlm.distributed import dist_max, dist_sum, local_tensor
 from titan_vlm.errors import UserError
@@ -152,6 +154,17 @@ class Trainer(Stateful):
         inputs = self.spec.inputs(self.sources)  # the tokenizer and processor, read once
         self.data = self.dataset(cfg, inputs, rule, slot_data)
         self.log_data()
+        # each step's rows on this dp rank: `accumulation` microbatches of local_batch_size rows
+        self.loader = BatchLoader(
+            self.data,
+            self.dp_rank,
+            self.dp,
+            t.local_batch_size * self.accumulation,
+            cfg.data.num_workers,
+            cfg.data.prefetch,
+            t.steps,
+            device,
+        )
         self.validation: Dataset | None = None
         if cfg.validation.enable:
             self.validation = self.build_validation_data(inputs, rule, slot_data)
@@ -210,7 +223,13 @@ class Trainer(Stateful):
             # (a good checkpoint from before the failure) can run first
             self.finish_checkpoints()
             raise
+        except RuntimeError as e:  # a loader worker died: one line, and torchrun restarts the job
+            died = worker_died(e, self.cfg.data.num_workers)
+            if died is None:
+                raise
+            raise died from e
         finally:
+            self.loader.close()
             self.metrics.close()
         self.finish_checkpoints()
         logger.info("done")
@@ -230,12 +249,9 @@ class Trainer(Stateful):
         (world)."""
         t = self.cfg.training
         begin = time.perf_counter()
-        # the step's rows on this dp rank: `accumulation` microbatches of local_batch_size rows
-        rows, micro = t.local_batch_size * self.accumulation, t.local_batch_size
-        host = self.data.batch(step - 1, self.dp_rank, self.dp, rows)
+        host, batch = self.loader.batch(step - 1)
         new_drops = sorted(self.data.dropped - self.dropped)  # this rank's, new to the job
-        batch = host.to(self.device)
-        waited = time.perf_counter() - begin  # the batch built (in this process) and copied
+        waited = time.perf_counter() - begin  # the batch built (or waited for) and copied
         check_same_batch(batch, self.mesh.rows, step)
         stats, layouts = train_step(
             self.model,
@@ -248,6 +264,7 @@ class Trainer(Stateful):
             self.tp,
             self.accumulation,
         )
+        micro = t.local_batch_size
         flops = sum(
             self.spec.flops(self.args, host.rows(k * micro, (k + 1) * micro), layout)
             for k, layout in enumerate(layouts)
@@ -346,13 +363,19 @@ class Trainer(Stateful):
         # rank 0's line, as the metrics' (data_wait_s is the slowest rank's on every rank)
         bound = result.data_wait_s > DATA_BOUND * result.elapsed_s
         if echo and bound and dist.get_rank() == 0:
+            workers = self.cfg.data.num_workers
+            why = (
+                f"its {workers} loader workers per rank do not keep up: more data.num_workers"
+                if workers
+                else "data.num_workers=0 builds each batch in the training process"
+            )
             logger.warning(
-                "step %d waited %.3f s of its %.3f s (%.0f%%) for its batch: data-bound (the "
-                "batch is read, decoded and packed in the training process)",
+                "step %d waited %.3f s of its %.3f s (%.0f%%) for its batch: data-bound (%s)",
                 step,
                 result.data_wait_s,
                 result.elapsed_s,
                 100 * result.data_wait_s / result.elapsed_s,
+                why,
             )
         self.history.append({"step": step, **record})
 
@@ -441,8 +464,10 @@ class Trainer(Stateful):
         slot_data: SlotData | None,
     ) -> Dataset:
         """The dataset `cfg`'s data keys name, read with the model's inputs (tokenizer, processor)
-        and its image rule. Start-up warnings once (rank 0); batch-time ones once per dp rank
+        and its image rule. A file's start-up pass is split over every rank of the job
+        (data/shared_pass.py). Start-up warnings once (rank 0); batch-time ones once per dp rank
         (its rows are its own)."""
+        world = self.mesh.world.get_group()
         return build_dataset(
             cfg,
             self.args,
@@ -451,6 +476,7 @@ class Trainer(Stateful):
             log_batches=self.mesh.cp.get_local_rank() == 0 and self.mesh.tp.get_local_rank() == 0,
             rule=rule,
             slot_data=slot_data,
+            share=GroupShare(world) if dist.get_world_size(world) > 1 else None,
         )
 
     def build_validation_data(

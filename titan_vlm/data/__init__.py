@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from titan_vlm.data.hf_processor import HFProcessor
     from titan_vlm.data.image_batch import ImageRule
     from titan_vlm.data.images import NativeResolution
+    from titan_vlm.data.jsonl import IndexShare
     from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 
 
@@ -67,6 +68,7 @@ def build_dataset(
     log_batches: bool = True,
     rule: ImageRule | None = None,
     slot_data: SlotData | None = None,
+    share: IndexShare | None = None,
 ) -> Dataset:
     """The dataset data.dataset names: "synthetic" or a .json / .jsonl file. Both read a batch as
     `batch(step, dp_rank, dp_size, local_batch_size)` (rows numbered globally, so the step is the
@@ -78,7 +80,8 @@ def build_dataset(
     `rule`, `slot_data`: the family's (ModelSpec.data_rule): how its images of their own sizes
     take slots and travel (None: every image at the model's size), its per-slot data. A dataset
     file's images under a rule that is not NativeResolution (a family that sizes its images
-    itself) are read through the folder's processor, whose images keep their own sizes."""
+    itself) are read through the folder's processor, whose images keep their own sizes.
+    `share`: how the job's processes split a file's start-up pass (data/shared_pass.py)."""
     from titan_vlm.data.images import NativeResolution
     from titan_vlm.data.jsonl import JsonlDataset
     from titan_vlm.data.synthetic import SyntheticCaptions
@@ -124,6 +127,7 @@ def build_dataset(
         max_frames=d.max_frames,
         rule=rule,
         slot_data=slot_data,
+        share=share,
     )
 
 

@@ -7,12 +7,16 @@ Invariants: a line is warned about at most once per process, whatever its reason
 often its batch is read again, and only the first MAX_WARNINGS are logged (the trainer's metrics
 count them all), so a broken dataset does not bury the training log; a process logs only the
 kinds of warning its caller lets it (`log`), so that the ranks of a job do not repeat each
-other.
+other. A loader worker (data/loader.py) and each process's share of a shared start-up pass
+keep their reports instead (`recorded`): the process that logs reports them, in file order, so
+that they are warned about and counted as when one process does everything.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from titan_vlm.errors import ConfigError
 
@@ -20,6 +24,9 @@ logger = logging.getLogger("titan_vlm")
 
 BAD_SAMPLE_MODES = ("skip", "error")
 MAX_WARNINGS = 100  # per process
+
+# BadSampleLog.report's arguments: (line, reason, log, action)
+Report = tuple[int, str, bool, str]
 
 
 class DataError(ConfigError):
@@ -40,13 +47,29 @@ class BadSampleLog:
         check_on_bad_sample(on_bad_sample)
         self.name, self.on_bad_sample = name, on_bad_sample
         self._warned: set[int] = set()
+        self._recorded: list[Report] | None = None
+
+    @contextmanager
+    def recorded(self) -> Iterator[list[Report]]:
+        """Within: each report is kept in the list this yields instead of warned about (a loader
+        worker's batch, a process's share of the start-up pass); whoever reports them where
+        they should be warned about calls `report(*r)` for each, in order. "error" still
+        raises at the first."""
+        outer, self._recorded = self._recorded, []
+        try:
+            yield self._recorded
+        finally:
+            self._recorded = outer
 
     def report(self, line: int, reason: str, log: bool, action: str = "skipped") -> None:
         """One bad sample at `line`: raise with on_bad_sample = "error", else warn (if `log`)
-        once."""
+        once, or keep it (`recorded`)."""
         where = f"{self.name}:{line}"
         if self.on_bad_sample == "error":
             raise DataError(f"data.on_bad_sample='error': {where}: {reason}")
+        if self._recorded is not None:
+            self._recorded.append((line, reason, log, action))
+            return
         if not log or line in self._warned:
             return
         self._warned.add(line)

@@ -148,14 +148,30 @@ class Batch:
     # local slots (SeqLayout.slot_data, [..., B, L]); core code never reads a key.
     slot_data: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def to(self, device: torch.device | str) -> Batch:
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """On `device`; `non_blocking`: the copies from pinned host memory do not wait."""
+
+        def to(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
         return Batch(
-            self.images.to(device),
-            self.tokens.to(device),
-            self.labels.to(device),
-            self.doc.to(device),
-            self.image.to(device),
-            {k: v.to(device) for k, v in self.slot_data.items()},
+            self.images.to(device, non_blocking=non_blocking),
+            to(self.tokens),
+            to(self.labels),
+            to(self.doc),
+            to(self.image),
+            {k: to(v) for k, v in self.slot_data.items()},
+        )
+
+    def pin_memory(self) -> Batch:
+        """In pinned (page-locked) host memory, for a non-blocking copy to the GPU."""
+        return Batch(
+            self.images.pin_memory(),
+            self.tokens.pin_memory(),
+            self.labels.pin_memory(),
+            self.doc.pin_memory(),
+            self.image.pin_memory(),
+            {k: v.pin_memory() for k, v in self.slot_data.items()},
         )
 
     @property

@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Set
 
+from titan_vlm.data.bad_samples import BadSampleLog
 from titan_vlm.data.batch import Batch, Sample, SlotData, SlotRule, collate
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -43,6 +44,7 @@ class Dataset(ABC):
     truncated: int
     dropped: Set[int]
     slot_data: SlotData | None = None  # a family's per-slot data of each sample (collate)
+    bad: BadSampleLog | None = None  # how a file's bad samples are reported (None: it has none)
 
     @abstractmethod
     def read(self, rows: range) -> list[list[Sample]]:

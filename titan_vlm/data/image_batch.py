@@ -33,7 +33,11 @@ class ImageSet(ABC):
         """The images `index` selects (a contiguous range), in order."""
 
     @abstractmethod
-    def to(self, device: torch.device | str) -> ImageSet: ...
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> ImageSet: ...
+
+    @abstractmethod
+    def pin_memory(self) -> ImageSet:
+        """The same images in pinned host memory (data/loader.py)."""
 
     @property
     @abstractmethod

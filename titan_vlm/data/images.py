@@ -211,8 +211,13 @@ class ImageList(ImageSet):
         first, s = self.tensors[0], self.native.image_size
         return first.new_zeros((0, first.shape[0], s, s))
 
-    def to(self, device: torch.device | str) -> ImageList:
-        return ImageList(tuple(t.to(device) for t in self.tensors), self.native)
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> ImageList:
+        return ImageList(
+            tuple(t.to(device, non_blocking=non_blocking) for t in self.tensors), self.native
+        )
+
+    def pin_memory(self) -> ImageList:
+        return ImageList(tuple(t.pin_memory() for t in self.tensors), self.native)
 
     @property
     def device(self) -> torch.device:

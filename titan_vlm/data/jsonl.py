@@ -5,9 +5,11 @@ or, with a Hugging Face model folder's processor (`JsonlDataset(..., processor=.
 data/hf_processor.py), the folder's chat template and image preprocessing; where each record
 lies in the file data/json_spans.py's.
 
-Deterministic and resumable without any state of its own: at start-up every rank reads the file
-once, parses and tokenizes every record and counts its images (images are only checked to
-exist, not decoded) and builds a fixed packing index, a list of rows of sample numbers
+Deterministic and resumable without any state of its own: at start-up the file's records are
+parsed and tokenized and their images counted (images are only checked to exist, not decoded),
+each process of the job doing a contiguous share of the records and all of them exchanging their
+parts (`share`: IndexShare; the same index, warnings and errors as one process doing them all),
+and every process builds the same fixed packing index, a list of rows of sample numbers
 (`data.packing`: greedily in file order, a sample that does not fit starts the next row, nothing
 dropped; else one sample per row). Global row r of the training run is index row
 `order_e[r mod R]` of epoch e = r div R (R rows; `order_e` a permutation seeded by
@@ -57,13 +59,14 @@ from __future__ import annotations
 import random
 from array import array
 from collections import Counter
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 import torch
 
-from titan_vlm.data.bad_samples import BadSampleLog
+from titan_vlm.data.bad_samples import BadSampleLog, Report
 from titan_vlm.data.batch import (
     ImageRef,
     Part,
@@ -85,11 +88,11 @@ from titan_vlm.data.images import (
     load_native_image,
     open_image,
 )
-from titan_vlm.data.json_spans import FORMATS, record_spans
+from titan_vlm.data.json_spans import FORMATS, Span, record_spans
 from titan_vlm.data.records import BadSample, decode_record, parse_record
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 from titan_vlm.data.video import VideoError
-from titan_vlm.errors import ConfigError
+from titan_vlm.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
     from titan_vlm.config import Data
@@ -104,9 +107,13 @@ def check_dataset_file(key: str, value: str) -> None:
 
 
 def validate_data_config(data: Data) -> None:
-    """The data.* keys of a dataset file, before any process group exists (the file itself is
-    parsed when the dataset is built). data.on_bad_sample, a choice key, is checked with the
-    others by config.check_choices (validate.validate_job runs it first)."""
+    """The data.* keys (the loader's, and a dataset file's), before any process group exists
+    (the file itself is parsed when the dataset is built). data.on_bad_sample, a choice key, is
+    checked with the others by config.check_choices (validate.validate_job runs it first)."""
+    if data.num_workers < 0:
+        raise ConfigError(f"data.num_workers must be >= 0, got {data.num_workers}")
+    if data.prefetch < 1:
+        raise ConfigError(f"data.prefetch must be >= 1, got {data.prefetch}")
     if data.max_image_pixels < 1:
         raise ConfigError(f"data.max_image_pixels must be >= 1, got {data.max_image_pixels}")
     _check_max_frames(data.max_frames)
@@ -137,6 +144,34 @@ def _check_max_frames(max_frames: int) -> None:
         raise ConfigError(f"data.max_frames must be >= 1, got {max_frames}")
 
 
+class IndexShare(Protocol):
+    """How the processes of a job share the start-up pass over a file's records: this process
+    indexes records `part(n)` (a contiguous run of the n), and `gather(mine)` returns every
+    process's part in process order, which is file order (the trainer's: data/index_share.py)."""
+
+    def part(self, n: int) -> range: ...
+
+    def gather(self, mine: IndexPart) -> list[IndexPart]: ...
+
+
+@dataclass
+class IndexPart:
+    """The start-up pass over a run of records: its kept samples (line, byte span, slots), its
+    counters, the reports of its bad samples (BadSampleLog.report's arguments, in file order)
+    and the UserError that stopped it (data.on_bad_sample = "error"), if one did."""
+
+    lines: array = field(default_factory=lambda: array("q"))
+    starts: array = field(default_factory=lambda: array("q"))
+    ends: array = field(default_factory=lambda: array("q"))
+    sizes: array = field(default_factory=lambda: array("q"))
+    skipped: Counter[str] = field(default_factory=Counter)
+    truncated: int = 0
+    num_images: int = 0
+    num_videos: int = 0
+    reports: list[Report] = field(default_factory=list)
+    error: UserError | None = None
+
+
 class JsonlDataset(Dataset):
     """A JSON / JSONL file of LLaVA conversations or captions (see the module docstring), read
     as every Dataset is (data/dataset.py): `batch(step, dp_rank, dp_size, batch_size) -> Batch`.
@@ -156,7 +191,11 @@ class JsonlDataset(Dataset):
     `native`: data.native_resolution_pixels > 0 (module docstring); None: every image is resized
     to image_size x image_size and takes `tokens_per_image` slots. `rule`: instead, a family's
     ImageRule that sizes images itself (module docstring; it needs a `processor` whose images
-    keep their own sizes); `slot_data`: the family's per-slot data of each sample (collate)."""
+    keep their own sizes); `slot_data`: the family's per-slot data of each sample (collate).
+    `share`: how the processes of a job split the start-up pass (IndexShare; None: this process
+    does it all)."""
+
+    bad: BadSampleLog
 
     def __init__(
         self,
@@ -178,6 +217,7 @@ class JsonlDataset(Dataset):
         native: NativeResolution | None = None,
         rule: ImageRule | None = None,
         slot_data: SlotData | None = None,
+        share: IndexShare | None = None,
     ):
         _check_max_frames(max_frames)
         if native is not None and rule is not None and rule is not native:
@@ -213,61 +253,96 @@ class JsonlDataset(Dataset):
         self.dropped: set[int] = set()
         self._orders: dict[int, list[int]] = {}
 
+        # a video file's sized VideoRef, read once (its header: a Matroska file's packets are
+        # counted, a scan of the file) and reused each time its record is read back
+        self._video_files: dict[Path, VideoRef] = {}
         try:
             raw = self.path.read_bytes()
         except OSError as e:
             raise ConfigError(f"data.dataset: cannot read {self.name}: {e.strerror}") from None
         spans = record_spans(raw, self.path, self.name)
+        self.records = len(spans)
+        # The start-up pass (parse, tokenize, read headers), split over the processes `share`
+        # names, each a contiguous run of records; every process then holds the whole index.
+        part = share.part(len(spans)) if share is not None else range(len(spans))
+        mine = self._index_part(raw, spans[part.start : part.stop], log_startup)
+        del raw
+        parts = share.gather(mine) if share is not None else [mine]
+        for index in parts:  # file order: the first error in it stops every process alike
+            if index.error is not None:
+                raise index.error
         # Kept samples: where each record is, and its size in slots (after truncation).
         self.lines, self.starts, self.ends = array("q"), array("q"), array("q")
-        sizes: list[int] = []
+        sizes = array("q")
         self.truncated = self.num_images = self.num_videos = 0
-        # a video file's sized VideoRef, read once (its header: a Matroska file's packets are
-        # counted, a scan of the file) and reused each time its record is read back
-        self._video_files: dict[Path, VideoRef] = {}
-        for line, start, end in spans:
-            try:
-                record = decode_record(raw[start:end])
-                parts = parse_record(
-                    record,
-                    tokenizer,
-                    self.image_root,
-                    check_files=True,
-                    processor=processor,
-                    max_frames=max_frames,
-                    sized=self._sized,
-                )
-            except BadSample as bad:
-                self.bad.report(line, str(bad), log_startup)
-                self.skipped[bad.kind] += 1
-                continue
-            sample = Sample(parts)
-            size = self._num_slots(sample)
-            if size > seq_len:
-                self.bad.report(
-                    line,
-                    f"sample of {size} slots is longer than training.seq_len={seq_len}",
-                    log_startup,
-                    action="truncated",
-                )
-                self.truncated += 1
-                sample = self._truncated(sample)
-                size = self._num_slots(sample)
-            self.lines.append(line)
-            self.starts.append(start)
-            self.ends.append(end)
-            sizes.append(size)
-            # a record holds at most one video, in one part or one per frame group
-            video_parts = sum(isinstance(p, VideoRef) for p in sample.parts)
-            self.num_images += sample.num_images() - video_parts
-            self.num_videos += video_parts > 0
-        self.records = len(spans)
+        for index in parts:
+            for line, reason, _, action in index.reports:  # logged where this process logs
+                self.bad.report(line, reason, log_startup, action)
+            self.lines.extend(index.lines)
+            self.starts.extend(index.starts)
+            self.ends.extend(index.ends)
+            sizes.extend(index.sizes)
+            self.skipped.update(index.skipped)
+            self.truncated += index.truncated
+            self.num_images += index.num_images
+            self.num_videos += index.num_videos
         self.bad_at_startup = sum(self.skipped.values())
         self.rows = self._pack(sizes)
         if not self.rows:
             raise ConfigError(
                 f"data.dataset: {self.name}: no usable samples in {self.records} record(s)"
             )
+
+    def _index_part(self, raw: bytes, spans: list[Span], log: bool) -> IndexPart:
+        """The start-up pass over `spans` (a contiguous run of the file's records): each record
+        parsed, its parts sized and its slots counted (truncated to seq_len); its bad samples'
+        reports kept for the caller to report in file order (`log`: whether this process would
+        log them), a UserError (data.on_bad_sample = "error") returned, not raised, so that every
+        process of a shared pass raises it."""
+        out = IndexPart()
+        with self.bad.recorded() as reports:
+            try:
+                for line, start, end in spans:
+                    try:
+                        record = decode_record(raw[start:end])
+                        parts = parse_record(
+                            record,
+                            self.tokenizer,
+                            self.image_root,
+                            check_files=True,
+                            processor=self.processor,
+                            max_frames=self.max_frames,
+                            sized=self._sized,
+                        )
+                    except BadSample as bad:
+                        self.bad.report(line, str(bad), log)
+                        out.skipped[bad.kind] += 1
+                        continue
+                    sample = Sample(parts)
+                    size = self._num_slots(sample)
+                    if size > self.seq_len:
+                        self.bad.report(
+                            line,
+                            f"sample of {size} slots is longer than training.seq_len="
+                            f"{self.seq_len}",
+                            log,
+                            action="truncated",
+                        )
+                        out.truncated += 1
+                        sample = self._truncated(sample)
+                        size = self._num_slots(sample)
+                    out.lines.append(line)
+                    out.starts.append(start)
+                    out.ends.append(end)
+                    out.sizes.append(size)
+                    # a record holds at most one video, in one part or one per frame group
+                    video_parts = sum(isinstance(p, VideoRef) for p in sample.parts)
+                    out.num_images += sample.num_images() - video_parts
+                    out.num_videos += video_parts > 0
+            except UserError as e:
+                out.error = e
+        out.reports = reports
+        return out
 
     def _sized(self, parts: list[Part]) -> list[Part]:
         """`parts` with each ImageRef's size (the one it enters the encoder at: the rule's `fit`
@@ -375,7 +450,7 @@ class JsonlDataset(Dataset):
                 break
         return Sample(parts)
 
-    def _pack(self, sizes: list[int]) -> list[list[int]]:
+    def _pack(self, sizes: Sequence[int]) -> list[list[int]]:
         """The packing index: rows of sample numbers in file order, none dropped."""
         rows: list[list[int]] = []
         used = self.seq_len  # forces a new row for the first sample

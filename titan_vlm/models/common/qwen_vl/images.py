@@ -193,10 +193,15 @@ class QwenVisuals(ImageSet):
     def __getitem__(self, index: slice) -> QwenVisuals:
         return QwenVisuals(self.tensors[index], self.rule, self.where)
 
-    def to(self, device: torch.device | str) -> QwenVisuals:
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> QwenVisuals:
         return QwenVisuals(
-            tuple(t.to(device) for t in self.tensors), self.rule, torch.device(device)
+            tuple(t.to(device, non_blocking=non_blocking) for t in self.tensors),
+            self.rule,
+            torch.device(device),
         )
+
+    def pin_memory(self) -> QwenVisuals:
+        return QwenVisuals(tuple(t.pin_memory() for t in self.tensors), self.rule, self.where)
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,203 @@
+"""Batches built ahead of the step by loader worker processes (data.num_workers, data.prefetch).
+
+    training process:  step s trains ........ step s+1 trains ........ step s+2 trains ....
+    worker 0:          builds s+2 ........... builds s+4 ............
+    worker 1:          builds s+3 ........... builds s+5 ............
+                       (each worker keeps data.prefetch batches ready; step k's batch is built
+                        by worker (k - first) mod num_workers)
+
+A worker calls the very `Dataset.batch(step, dp_rank, dp_size, rows)` the training process calls
+with num_workers = 0, and a batch is a pure function of its step (data/dataset.py). So:
+
+Invariants: workers change when a batch is built, never what it holds (losses are bit-identical
+at any data.num_workers); the loader has no position of its own beyond the step, so a run
+resumed at step s (at the same or another number of workers, dp or cp layout) builds the same
+batches from step s on; what building a batch reports (each bad sample's warning, the sample
+numbers it dropped) travels back with the batch and is reported by the training process exactly
+as it is with num_workers = 0 (a line warned about once per process, the same counts); a
+DataError in a worker (data.on_bad_sample = "error") is raised in the training process, one line;
+a worker that dies (killed, out of memory) is one line too (`worker_died`), never a hang.
+
+Workers are forked from the training process when its first step asks for a batch: they read
+the dataset the trainer built (its index, tokenizer and processor) without pickling it and touch
+no accelerator. They ignore SIGINT / SIGTERM (torchrun signals a rank's whole process group;
+the rank stops at a step boundary and closes its loader, launch.py) and exit when the rank
+does. On CUDA, batches are copied into pinned host memory by the loader (its pin thread) and
+then to the device without blocking.
+"""
+
+from __future__ import annotations
+
+import signal
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils.data
+
+from titan_vlm.data.bad_samples import Report
+from titan_vlm.errors import UserError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from titan_vlm.data.batch import Batch
+    from titan_vlm.data.dataset import Dataset
+
+# what torch's DataLoader says when a worker process is gone (torch/utils/data/dataloader.py)
+_WORKER_GONE = "DataLoader worker"
+
+
+@dataclass
+class Built:
+    """One batch as a worker built it, with what building it reported: the bad samples'
+    warnings to log (BadSampleLog.report's arguments) and the sample numbers it dropped; or the
+    UserError that building it raised (`error`)."""
+
+    batch: Batch | None
+    dropped: frozenset[int] = frozenset()
+    reports: tuple[Report, ...] = ()
+    error: UserError | None = None
+
+    def pin_memory(self) -> Built:
+        """The batch in pinned host memory (torch's DataLoader calls this in its pin thread)."""
+        if self.batch is None:
+            return self
+        return Built(self.batch.pin_memory(), self.dropped, self.reports, self.error)
+
+
+class _StepBatches(torch.utils.data.Dataset):
+    """Step k's batch of dp rank `dp_rank` (`rows` rows) as item k: what a worker builds."""
+
+    def __init__(self, data: Dataset, dp_rank: int, dp_size: int, rows: int):
+        self.data, self.dp_rank, self.dp_size, self.rows = data, dp_rank, dp_size, rows
+
+    def __getitem__(self, step: int) -> Built:
+        data = self.data
+        before = len(data.dropped)
+        seen = set(data.dropped) if before else set()
+        recording: AbstractContextManager[list[Report]] = (
+            data.bad.recorded() if data.bad is not None else nullcontext([])
+        )
+        with recording as reports:
+            try:
+                batch = data.batch(step, self.dp_rank, self.dp_size, self.rows)
+            except UserError as e:  # raised again in the training process: one line, as there
+                return Built(None, error=e)
+        dropped = frozenset(data.dropped) - seen if len(data.dropped) != before else frozenset()
+        return Built(batch, dropped, tuple(reports))
+
+    def __len__(self) -> int:  # the sampler says which steps; this is only DataLoader's question
+        raise TypeError("_StepBatches has no length: the sampler names the steps")
+
+
+def _start_worker(worker_id: int) -> None:
+    """In each worker, before its first batch: leave SIGINT / SIGTERM to the rank (it stops at a
+    step boundary and closes the loader)."""
+    del worker_id
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _one(built: Any) -> Any:  # typed as DataLoader's collate_fn (a list when it batches)
+    return built  # one Built per step: no collation
+
+
+class LoaderWorkerDied(RuntimeError):
+    """A loader worker died (killed, out of host memory): a failure of the run, not of its
+    config or data, so torchrun restarts the job (job.max_restarts) and it resumes from its
+    latest checkpoint; the message is one line."""
+
+
+def worker_died(e: BaseException, num_workers: int) -> LoaderWorkerDied | None:
+    """The one-line error for torch's DataLoader reporting a dead worker (raised where the rank
+    waits for a batch, or from its SIGCHLD handler anywhere in the step); None for anything
+    else."""
+    if not (isinstance(e, RuntimeError) and str(e).startswith(_WORKER_GONE)):
+        return None
+    what = str(e).splitlines()[0].removeprefix("DataLoader ").rstrip(". ")
+    return LoaderWorkerDied(
+        f"data.num_workers={num_workers}: a loader {what} (out of host memory, or killed); "
+        "data.num_workers=0 builds the batches in the training process"
+    )
+
+
+class BatchLoader:
+    """Dp rank `dp_rank`'s batches of `rows` rows, step by step: `batch(k)` is step k's (the
+    0-based step, as Dataset.batch numbers them), on `device`. num_workers = 0: built in this
+    process when asked for (as the trainer always did); else by `num_workers` processes,
+    `prefetch` batches each ahead, for consecutive steps from the first asked for up to
+    `last` (exclusive)."""
+
+    def __init__(
+        self,
+        data: Dataset,
+        dp_rank: int,
+        dp_size: int,
+        rows: int,
+        num_workers: int,
+        prefetch: int,
+        last: int,
+        device: torch.device,
+    ):
+        self.data, self.dp_rank, self.dp_size, self.rows = data, dp_rank, dp_size, rows
+        self.num_workers, self.prefetch, self.last = num_workers, prefetch, last
+        self.device = device
+        self._batches: Iterator[Built] | None = None
+        self._next = -1  # the step the workers' next batch is for
+
+    def batch(self, step: int) -> tuple[Batch, Batch]:
+        """Step `step`'s batch: (on the host, on `device`). What building it reported is
+        reported here (bad samples logged once, their numbers added to data.dropped)."""
+        if self.num_workers == 0:
+            host = self.data.batch(step, self.dp_rank, self.dp_size, self.rows)
+            return host, host.to(self.device)
+        built = self._from_workers(step)
+        if built.error is not None:
+            raise built.error
+        if self.data.bad is not None:
+            for report in built.reports:
+                self.data.bad.report(*report)
+        if built.dropped:
+            self.data.dropped.update(built.dropped)  # type: ignore[attr-defined]
+        assert built.batch is not None
+        return built.batch, built.batch.to(self.device, non_blocking=True)
+
+    def _from_workers(self, step: int) -> Built:
+        if self._batches is None or step != self._next:
+            self.close()
+            self._batches = iter(self._loader(step))
+            self._next = step
+        try:
+            built = next(self._batches)
+        except RuntimeError as e:
+            died = worker_died(e, self.num_workers)
+            if died is None:
+                raise
+            raise died from e
+        self._next += 1
+        return built
+
+    def _loader(self, first: int) -> torch.utils.data.DataLoader:
+        if first >= self.last:
+            raise ValueError(f"BatchLoader: step {first} is past the last ({self.last - 1})")
+        return torch.utils.data.DataLoader(
+            _StepBatches(self.data, self.dp_rank, self.dp_size, self.rows),
+            batch_size=None,
+            sampler=range(first, self.last),
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch,
+            collate_fn=_one,
+            pin_memory=self.device.type == "cuda",  # the pin thread pins on the rank's device
+            worker_init_fn=_start_worker,
+            multiprocessing_context="fork",
+        )
+
+    def close(self) -> None:
+        """Stop the workers (and the pin thread); a later `batch` starts them again."""
+        if self._batches is not None:
+            shutdown = getattr(self._batches, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+            self._batches = None
