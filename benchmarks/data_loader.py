@@ -156,12 +156,18 @@ def startup_worker(rank: int, size: int, results, path: str) -> None:
         share=GroupShare(dist.group.WORLD) if size > 1 else None,
     )
     seconds = time.perf_counter() - begin
-    # VmHWM: this process's peak resident set since it started (spawned: its own)
-    status = Path("/proc/self/status").read_text().split("VmHWM:")[1]
-    worst = torch.tensor([seconds, int(status.split()[0]) / 1024])
+    # VmHWM: this process's peak resident set since it started (spawned: its own), file pages
+    # it mapped included (the ranks of a node share those: the page cache); RssAnon: its own
+    # memory now, the index it keeps
+    status = Path("/proc/self/status").read_text()
+    kib = {k: int(status.split(f"{k}:")[1].split()[0]) for k in ("VmHWM", "RssAnon")}
+    worst = torch.tensor([seconds, kib["VmHWM"] / 1024, kib["RssAnon"] / 1024])
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if rank == 0:
-        results.put({"s": float(worst[0]), "peak_mib": float(worst[1]), "rows": len(data.rows)})
+        results.put(
+            {"s": float(worst[0]), "peak_mib": float(worst[1]), "own_mib": float(worst[2])}
+            | {"rows": len(data.rows)}  # the index measured is alive
+        )
 
 
 def main() -> None:
@@ -189,14 +195,21 @@ def main() -> None:
         for workers in (int(v) for v in a.workers.split(",")):
             wait, rate, cpu = loader_row(path, workers, a.steps, a.step_s)
             print(f"| {h}x{w} | {workers} | {wait:.3f} | {rate:.2f} | {cpu:.3f} |", flush=True)
-    print("\n| records | file MiB | ranks | start-up s (slowest rank) | peak RSS MiB (largest) |")
-    print("|---|---|---|---|---|")
+    print(
+        "\n| records | file MiB | ranks | start-up s (slowest rank) | peak RSS MiB (largest) | "
+        "own memory after, MiB (largest) |"
+    )
+    print("|---|---|---|---|---|---|")
     for n in (int(v) for v in a.startup_records.split(",")):
         path = write_corpus(folder, n, (64, 64))
         mib = path.stat().st_size / 2**20
         for ranks in (int(v) for v in a.startup_ranks.split(",")):
             (r,) = run_group(startup_worker, ranks, 1, str(path))
-            print(f"| {n} | {mib:.1f} | {ranks} | {r['s']:.2f} | {r['peak_mib']:.0f} |", flush=True)
+            print(
+                f"| {n} | {mib:.1f} | {ranks} | {r['s']:.2f} | {r['peak_mib']:.0f} | "
+                f"{r['own_mib']:.0f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -1420,7 +1420,7 @@ def shared_index(path: str, dp_shard: int, on_bad_sample: str = "skip") -> dict:
         except UserError as e:
             return {"error": str(e), "parsed": len(parsed)}
     return {
-        "index": [list(data.lines), list(data.starts), list(data.ends), data.rows],
+        "index": [list(data.lines), list(data.starts), list(data.ends), list(data.rows)],
         "counts": [data.records, data.bad_at_startup, dict(data.skipped), data.truncated],
         "describe": data.describe(),
         "warnings": warnings,

@@ -59,15 +59,18 @@ def init_gloo(rank: int, world: int, port: int, threads: int, timeout_s: float |
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
 
 
-def spawn_group(target: Callable[..., None], world: int, *args: Any) -> list[BaseProcess]:
+def spawn_group(
+    target: Callable[..., None], world: int, *args: Any, daemon: bool = True
+) -> list[BaseProcess]:
     """Start `world` spawned processes running `target(rank, world, port, *args)` (the port is a
-    free one for init_gloo's rendezvous); returns them started. Not daemonic: a trainer in them
-    forks its loader workers (data.num_workers), which a daemonic process may not; the caller
-    joins them (DistPools.close, also at exit)."""
+    free one for init_gloo's rendezvous); returns them started. `daemon=False` for processes
+    that run a trainer, which forks its loader workers (data.num_workers; a daemonic process may
+    not): the caller then joins them (DistPools.close, also at exit)."""
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [
-        ctx.Process(target=target, args=(r, world, port, *args), daemon=False) for r in range(world)
+        ctx.Process(target=target, args=(r, world, port, *args), daemon=daemon)
+        for r in range(world)
     ]
     for p in procs:
         p.start()
@@ -109,7 +112,7 @@ class DistPool:
         ctx = mp.get_context("spawn")
         self.tasks = [ctx.Queue() for _ in range(self.world_size)]
         self.results = ctx.Queue()
-        self.procs = spawn_group(_worker, self.world_size, self.tasks, self.results)
+        self.procs = spawn_group(_worker, self.world_size, self.tasks, self.results, daemon=False)
 
     def run(self, check: str, **kwargs: Any) -> list[Any]:
         """Run `dist_checks.<check>(**kwargs)` on every rank; results in rank order."""

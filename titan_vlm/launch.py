@@ -197,11 +197,17 @@ def report_user_error(e: UserError) -> int:
     return 2
 
 
+def killed_with_parent() -> None:
+    """From now on this process gets SIGKILL when its parent process dies (Linux's
+    PR_SET_PDEATHSIG): torchrun under the launcher, a loader worker under its rank."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def _die_with_launcher(launcher: int) -> Callable[[], None]:
     """preexec_fn of torchrun: SIGKILL when the launcher dies (or has died already)."""
 
     def preexec() -> None:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        killed_with_parent()
         if os.getppid() != launcher:
             os._exit(1)
 

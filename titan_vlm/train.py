@@ -17,6 +17,7 @@ import sys
 import torch.distributed as dist
 
 from titan_vlm.config import JobConfig, load_config, validate_failure_keys
+from titan_vlm.data.loader import LoaderWorkerDied
 from titan_vlm.distributed import init_distributed
 from titan_vlm.errors import UserError
 from titan_vlm.launch import STOP, die_with_parent, report_user_error
@@ -77,7 +78,9 @@ def shut_down() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """A worker under torchrun (README: When things go wrong): it exits when torchrun is gone,
-    stops at a step boundary on SIGINT / SIGTERM, and reports a UserError in one line."""
+    stops at a step boundary on SIGINT / SIGTERM, and reports a UserError in one line (exit 0
+    under the launcher, no restart), a dead loader worker in one line too (exit 1: torchrun
+    restarts the job under job.max_restarts)."""
     watch = None
     if "TORCHELASTIC_RUN_ID" in os.environ:
         watch = die_with_parent()
@@ -87,6 +90,9 @@ def main(argv: list[str] | None = None) -> None:
         train(cfg)
     except UserError as e:
         sys.exit(report_user_error(e))
+    except LoaderWorkerDied as e:  # not the user's: one line, exit 1, torchrun may restart
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
     finally:  # whichever way the worker ends, no Python thread but this one outlives it
         if watch is not None:
             watch.stop()

@@ -33,7 +33,7 @@ from titan_vlm.data.batch import SlotData
 from titan_vlm.data.dataset import Dataset
 from titan_vlm.data.hf_processor import HFProcessor
 from titan_vlm.data.image_batch import ImageRule, num_images
-from titan_vlm.data.loader import BatchLoader, worker_died
+from titan_vlm.data.loader import BatchLoader
 from titan_vlm.data.shared_pass import GroupShare
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 from titan_vlm.distributed import dist_max, dist_sum, local_tensor
@@ -205,6 +205,9 @@ class Trainer(Stateful):
             self.cfg.profiling, self.cfg.job.dump_folder, dist.get_rank(), self.device, self.step
         )
         try:
+            # the loader workers start building from the first step's batch on: their start-up
+            # is not the first step's wait
+            self.loader.start(self.step)
             with profiler:
                 for step in range(self.step + 1, t.steps + 1):
                     result = self.train_one_step(step)
@@ -223,11 +226,6 @@ class Trainer(Stateful):
             # (a good checkpoint from before the failure) can run first
             self.finish_checkpoints()
             raise
-        except RuntimeError as e:  # a loader worker died: one line, and torchrun restarts the job
-            died = worker_died(e, self.cfg.data.num_workers)
-            if died is None:
-                raise
-            raise died from e
         finally:
             self.loader.close()
             self.metrics.close()

@@ -50,3 +50,28 @@ def test_a_broken_json_array_is_a_file_error_naming_the_line(text, line, why):
 def test_other_endings_are_refused():
     with pytest.raises(ConfigError, match="expected 'synthetic' or a .json / .jsonl file"):
         record_spans(b"", Path("d.csv"), "d.csv")
+
+
+def splitlines_spans(raw: bytes) -> list[Span]:
+    """The reference: the whole file cut by bytes.splitlines at once."""
+    spans, at = [], 0
+    for line, text in enumerate(raw.splitlines(keepends=True), 1):
+        skip = len(BOM) if line == 1 and text.startswith(BOM) else 0
+        if text[skip:].strip():
+            spans.append(Span(line, at + skip, at + len(text.rstrip(b"\r\n"))))
+        at += len(text)
+    return spans
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 8, 13, 64])
+def test_jsonl_read_a_chunk_at_a_time_cuts_the_lines_splitlines_cuts(monkeypatch, chunk):
+    """Chunks of a few bytes (the 64 MiB chunks in small), cut across "\\r\\n", lone "\\r" line
+    breaks, blank lines, a line longer than a chunk, a byte order mark, no final line break."""
+    import titan_vlm.data.json_spans as json_spans
+
+    monkeypatch.setattr(json_spans, "CHUNK", chunk)
+    raw = BOM + b'{"a": 1}\r\n\r\n  \n{"b": "' + b"x" * 40 + b'"}\r{"c": 3}\n\n{"d": 4}'
+    spans = record_spans(raw, Path("d.jsonl"), "d.jsonl")
+    assert list(spans) == splitlines_spans(raw)
+    assert [s.line for s in spans] == [1, 4, 5, 7] and records_of(raw, spans)[-1] == {"d": 4}
+    assert list(record_spans(memoryview(raw), Path("d.jsonl"), "d.jsonl")) == list(spans)

@@ -15,13 +15,21 @@ array cannot be resynchronised: that is a ConfigError naming the file and line.
 from __future__ import annotations
 
 import json
+from array import array
+from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, overload
 
 from titan_vlm.errors import ConfigError
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
 BOM = b"\xef\xbb\xbf"  # UTF-8 byte order mark, skipped at the start of a file
 FORMATS = (".json", ".jsonl")  # the file endings a dataset file may have
+
+
+CHUNK = 1 << 26  # a .jsonl file is scanned 64 MiB at a time (more for a longer line)
 
 
 class Span(NamedTuple):
@@ -32,35 +40,78 @@ class Span(NamedTuple):
     end: int
 
 
-def record_spans(raw: bytes, path: Path, name: str) -> list[Span]:
-    """The records of dataset file `path` (its bytes `raw`), by its ending; `name` is the file
-    as the user wrote it, for the errors."""
+class Spans(Sequence[Span]):
+    """Spans in file order, held as three int64 arrays (24 bytes a record, not a tuple each)."""
+
+    def __init__(self) -> None:
+        self.lines, self.starts, self.ends = array("q"), array("q"), array("q")
+
+    def append(self, span: Span) -> None:
+        self.lines.append(span.line)
+        self.starts.append(span.start)
+        self.ends.append(span.end)
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    @overload
+    def __getitem__(self, i: int) -> Span: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Spans: ...
+
+    def __getitem__(self, i: int | slice) -> Span | Spans:
+        if isinstance(i, slice):
+            out = Spans()
+            out.lines, out.starts, out.ends = self.lines[i], self.starts[i], self.ends[i]
+            return out
+        return Span(self.lines[i], self.starts[i], self.ends[i])
+
+
+def record_spans(raw: Buffer, path: Path, name: str) -> Spans:
+    """The records of dataset file `path` (its bytes `raw`: bytes, or the file memory-mapped),
+    by its ending; `name` is the file as the user wrote it, for the errors."""
     if path.suffix == ".json":
-        return json_array_spans(raw, name)
+        return json_array_spans(bytes(raw), name)
     if path.suffix == ".jsonl":
         return jsonl_spans(raw)
     raise ConfigError(f"data.dataset: {name}: expected 'synthetic' or a .json / .jsonl file")
 
 
-def jsonl_spans(raw: bytes) -> list[Span]:
-    """Every non-blank line, without its line break."""
-    spans, at = [], 0
-    for line, text in enumerate(raw.splitlines(keepends=True), 1):
-        skip = len(BOM) if line == 1 and text.startswith(BOM) else 0
-        if text[skip:].strip():
-            spans.append(Span(line, at + skip, at + len(text.rstrip(b"\r\n"))))
-        at += len(text)
+def jsonl_spans(raw: Buffer) -> Spans:
+    """Every non-blank line, without its line break (lines as bytes.splitlines cuts them: at
+    "\n", "\r\n" or "\r"). The file is read a chunk at a time, each chunk cut after its last
+    "\n" (so that no "\r\n" is split), so the whole file is never copied at once."""
+    view = memoryview(raw)
+    spans, at, line = Spans(), 0, 0
+    while at < len(view):
+        size = CHUNK
+        while True:  # a chunk that ends after a "\n", or at the end of the file
+            chunk = bytes(view[at : at + size])
+            cut = chunk.rfind(b"\n") + 1
+            if at + size >= len(view) or cut:
+                break
+            size *= 2
+        chunk = chunk if at + len(chunk) >= len(view) or not cut else chunk[:cut]
+        offset = at
+        for text in chunk.splitlines(keepends=True):
+            line += 1
+            skip = len(BOM) if line == 1 and text.startswith(BOM) else 0
+            if text[skip:].strip():
+                spans.append(Span(line, offset + skip, offset + len(text.rstrip(b"\r\n"))))
+            offset += len(text)
+        at += len(chunk)
     return spans
 
 
-def json_array_spans(raw: bytes, name: str) -> list[Span]:
+def json_array_spans(raw: bytes, name: str) -> Spans:
     """Every element of a JSON array, which must parse whole."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"data.dataset: {name}: not UTF-8 ({e})") from None
     decoder = json.JSONDecoder()
-    spans: list[Span] = []
+    spans = Spans()
     line, byte, char = 1, 0, 0  # the line and byte offset of character `char`
 
     def advance(to: int) -> None:

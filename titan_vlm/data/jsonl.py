@@ -56,13 +56,16 @@ one pass.
 
 from __future__ import annotations
 
+import mmap
+import os
 import random
 from array import array
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Protocol
+from typing import TYPE_CHECKING, BinaryIO, Protocol, overload
 
 import torch
 
@@ -88,7 +91,7 @@ from titan_vlm.data.images import (
     load_native_image,
     open_image,
 )
-from titan_vlm.data.json_spans import FORMATS, Span, record_spans
+from titan_vlm.data.json_spans import FORMATS, Spans, record_spans
 from titan_vlm.data.records import BadSample, decode_record, parse_record
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 from titan_vlm.data.video import VideoError
@@ -147,7 +150,7 @@ def _check_max_frames(max_frames: int) -> None:
 class IndexShare(Protocol):
     """How the processes of a job share the start-up pass over a file's records: this process
     indexes records `part(n)` (a contiguous run of the n), and `gather(mine)` returns every
-    process's part in process order, which is file order (the trainer's: data/index_share.py)."""
+    process's part in process order, which is file order (the trainer's: data/shared_pass.py)."""
 
     def part(self, n: int) -> range: ...
 
@@ -157,8 +160,10 @@ class IndexShare(Protocol):
 @dataclass
 class IndexPart:
     """The start-up pass over a run of records: its kept samples (line, byte span, slots), its
-    counters, the reports of its bad samples (BadSampleLog.report's arguments, in file order)
-    and the UserError that stopped it (data.on_bad_sample = "error"), if one did."""
+    counters, the reports of its bad samples (BadSampleLog.report's arguments, in file order),
+    the video files whose headers it read (JsonlDataset._video_files), and the UserError that
+    stopped it (data.on_bad_sample = "error"; `failure`: any other exception, in one line), if
+    one did."""
 
     lines: array = field(default_factory=lambda: array("q"))
     starts: array = field(default_factory=lambda: array("q"))
@@ -169,7 +174,34 @@ class IndexPart:
     num_images: int = 0
     num_videos: int = 0
     reports: list[Report] = field(default_factory=list)
+    videos: dict[Path, VideoRef] = field(default_factory=dict)
     error: UserError | None = None
+    failure: str | None = None
+
+
+class PackedRows(Sequence[range]):
+    """The packing index: row i is samples `range(starts[i], starts[i + 1])` (rows are packed in
+    file order, so each is a run of consecutive samples); 8 bytes a row."""
+
+    def __init__(self) -> None:
+        self.starts = array("q")  # each row's first sample, then the number of samples
+
+    def __len__(self) -> int:
+        return max(len(self.starts) - 1, 0)
+
+    @overload
+    def __getitem__(self, i: int) -> range: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[range]: ...
+
+    def __getitem__(self, i: int | slice) -> range | list[range]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(len(self))[i]]
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"row {i} of {len(self)}")
+        i %= len(self)
+        return range(self.starts[i], self.starts[i + 1])
 
 
 class JsonlDataset(Dataset):
@@ -256,28 +288,36 @@ class JsonlDataset(Dataset):
         # a video file's sized VideoRef, read once (its header: a Matroska file's packets are
         # counted, a scan of the file) and reused each time its record is read back
         self._video_files: dict[Path, VideoRef] = {}
-        try:
-            raw = self.path.read_bytes()
-        except OSError as e:
-            raise ConfigError(f"data.dataset: cannot read {self.name}: {e.strerror}") from None
-        spans = record_spans(raw, self.path, self.name)
-        self.records = len(spans)
-        # The start-up pass (parse, tokenize, read headers), split over the processes `share`
-        # names, each a contiguous run of records; every process then holds the whole index.
-        part = share.part(len(spans)) if share is not None else range(len(spans))
-        mine = self._index_part(raw, spans[part.start : part.stop], log_startup)
-        del raw
+        # The file memory-mapped: its pages are the page cache's, shared by the ranks of a node,
+        # not a copy each; a .json array is decoded whole (json_spans.py).
+        with self._mapped() as raw:
+            spans = record_spans(raw, self.path, self.name)
+            self.records = len(spans)
+            # The start-up pass (parse, tokenize, read headers), split over the processes `share`
+            # names, each a contiguous run of records; every process then holds the whole index.
+            part = share.part(len(spans)) if share is not None else range(len(spans))
+            try:
+                mine, failure = self._index_part(raw, spans[part.start : part.stop], log_startup)
+            finally:
+                del spans
         parts = share.gather(mine) if share is not None else [mine]
-        for index in parts:  # file order: the first error in it stops every process alike
-            if index.error is not None:
-                raise index.error
         # Kept samples: where each record is, and its size in slots (after truncation).
         self.lines, self.starts, self.ends = array("q"), array("q"), array("q")
         sizes = array("q")
         self.truncated = self.num_images = self.num_videos = 0
-        for index in parts:
+        for k, index in enumerate(parts):  # file order, as one process would have gone
             for line, reason, _, action in index.reports:  # logged where this process logs
                 self.bad.report(line, reason, log_startup, action)
+            if index.error is not None:  # the first error in file order stops every process
+                raise index.error
+            if index.failure is not None:
+                if index is mine and failure is not None:
+                    raise failure
+                raise RuntimeError(
+                    f"data.dataset: {self.name}: the start-up pass failed on rank {k} of "
+                    f"{len(parts)}: {index.failure}"
+                )
+            self._video_files.update(index.videos)
             self.lines.extend(index.lines)
             self.starts.extend(index.starts)
             self.ends.extend(index.ends)
@@ -293,13 +333,35 @@ class JsonlDataset(Dataset):
                 f"data.dataset: {self.name}: no usable samples in {self.records} record(s)"
             )
 
-    def _index_part(self, raw: bytes, spans: list[Span], log: bool) -> IndexPart:
+    @contextmanager
+    def _mapped(self) -> Iterator[mmap.mmap | bytes]:
+        """The file's bytes, memory-mapped (an empty file: b"")."""
+        try:
+            f = open(self.path, "rb")
+            raw = (
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                if os.fstat(f.fileno()).st_size
+                else b""
+            )
+        except OSError as e:
+            raise ConfigError(f"data.dataset: cannot read {self.name}: {e.strerror}") from None
+        try:
+            yield raw
+        finally:
+            if isinstance(raw, mmap.mmap):
+                raw.close()
+            f.close()
+
+    def _index_part(
+        self, raw: mmap.mmap | bytes, spans: Spans, log: bool
+    ) -> tuple[IndexPart, Exception | None]:
         """The start-up pass over `spans` (a contiguous run of the file's records): each record
         parsed, its parts sized and its slots counted (truncated to seq_len); its bad samples'
         reports kept for the caller to report in file order (`log`: whether this process would
         log them), a UserError (data.on_bad_sample = "error") returned, not raised, so that every
-        process of a shared pass raises it."""
-        out = IndexPart()
+        process of a shared pass raises it; any other exception is returned beside it (raised
+        again here, its one line sent to the others)."""
+        out, failure = IndexPart(), None
         with self.bad.recorded() as reports:
             try:
                 for line, start, end in spans:
@@ -341,8 +403,11 @@ class JsonlDataset(Dataset):
                     out.num_videos += video_parts > 0
             except UserError as e:
                 out.error = e
+            except Exception as e:  # noqa: BLE001 - every process must learn of it (no hang)
+                out.failure, failure = f"{type(e).__name__}: {e}".splitlines()[0], e
         out.reports = reports
-        return out
+        out.videos = dict(self._video_files)
+        return out, failure
 
     def _sized(self, parts: list[Part]) -> list[Part]:
         """`parts` with each ImageRef's size (the one it enters the encoder at: the rule's `fit`
@@ -450,16 +515,16 @@ class JsonlDataset(Dataset):
                 break
         return Sample(parts)
 
-    def _pack(self, sizes: Sequence[int]) -> list[list[int]]:
+    def _pack(self, sizes: Sequence[int]) -> PackedRows:
         """The packing index: rows of sample numbers in file order, none dropped."""
-        rows: list[list[int]] = []
+        rows = PackedRows()
         used = self.seq_len  # forces a new row for the first sample
         for i, size in enumerate(sizes):
-            if not rows or not self.packing or used + size > self.seq_len:
-                rows.append([])
+            if i == 0 or not self.packing or used + size > self.seq_len:
+                rows.starts.append(i)
                 used = 0
-            rows[-1].append(i)
             used += size
+        rows.starts.append(len(sizes))
         return rows
 
     def describe(self) -> str:

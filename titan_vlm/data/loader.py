@@ -15,20 +15,24 @@ resumed at step s (at the same or another number of workers, dp or cp layout) bu
 batches from step s on; what building a batch reports (each bad sample's warning, the sample
 numbers it dropped) travels back with the batch and is reported by the training process exactly
 as it is with num_workers = 0 (a line warned about once per process, the same counts); a
-DataError in a worker (data.on_bad_sample = "error") is raised in the training process, one line;
-a worker that dies (killed, out of memory) is one line too (`worker_died`), never a hang.
+DataError in a worker (data.on_bad_sample = "error") is raised in the training process, the same
+line; a worker that dies (killed, out of host or shared memory) stops the rank at its next batch
+with one line (LoaderWorkerDied, exit 1: torchrun restarts the job under job.max_restarts),
+never a hang.
 
-Workers are forked from the training process when its first step asks for a batch: they read
-the dataset the trainer built (its index, tokenizer and processor) without pickling it and touch
-no accelerator. They ignore SIGINT / SIGTERM (torchrun signals a rank's whole process group;
-the rank stops at a step boundary and closes its loader, launch.py) and exit when the rank
-does. On CUDA, batches are copied into pinned host memory by the loader (its pin thread) and
-then to the device without blocking.
+Workers are forked from the training process when the loop starts (`start`): they read the
+dataset the trainer built (its index, tokenizer and processor) without pickling it and touch no
+accelerator. Each runs in a process group of its own (torchrun signals a rank's whole group;
+the rank stops at a step boundary and closes its workers) and is killed with its rank
+(launch.killed_with_parent). On CUDA, batches are copied into pinned host memory by the
+loader's pin thread, then to the device without blocking.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,6 +42,7 @@ import torch.utils.data
 
 from titan_vlm.data.bad_samples import Report
 from titan_vlm.errors import UserError
+from titan_vlm.launch import killed_with_parent
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -84,7 +89,7 @@ class _StepBatches(torch.utils.data.Dataset):
             try:
                 batch = data.batch(step, self.dp_rank, self.dp_size, self.rows)
             except UserError as e:  # raised again in the training process: one line, as there
-                return Built(None, error=e)
+                return Built(None, reports=tuple(reports), error=e)
         dropped = frozenset(data.dropped) - seen if len(data.dropped) != before else frozenset()
         return Built(batch, dropped, tuple(reports))
 
@@ -93,11 +98,12 @@ class _StepBatches(torch.utils.data.Dataset):
 
 
 def _start_worker(worker_id: int) -> None:
-    """In each worker, before its first batch: leave SIGINT / SIGTERM to the rank (it stops at a
-    step boundary and closes the loader)."""
+    """In each worker, before its first batch: a process group of its own (torchrun signals a
+    rank's whole group; the rank stops at a step boundary and closes its workers itself), and
+    SIGKILL when the rank dies."""
     del worker_id
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.setpgid(0, 0)
+    killed_with_parent()
 
 
 def _one(built: Any) -> Any:  # typed as DataLoader's collate_fn (a list when it batches)
@@ -105,30 +111,35 @@ def _one(built: Any) -> Any:  # typed as DataLoader's collate_fn (a list when it
 
 
 class LoaderWorkerDied(RuntimeError):
-    """A loader worker died (killed, out of host memory): a failure of the run, not of its
-    config or data, so torchrun restarts the job (job.max_restarts) and it resumes from its
-    latest checkpoint; the message is one line."""
+    """A loader worker died (killed, out of host or shared memory): a failure of the run, not of
+    its config or data, so the rank exits 1 after one line (train.py) and torchrun restarts the
+    job (job.max_restarts), which resumes from its latest checkpoint."""
 
 
-def worker_died(e: BaseException, num_workers: int) -> LoaderWorkerDied | None:
-    """The one-line error for torch's DataLoader reporting a dead worker (raised where the rank
-    waits for a batch, or from its SIGCHLD handler anywhere in the step); None for anything
-    else."""
-    if not (isinstance(e, RuntimeError) and str(e).startswith(_WORKER_GONE)):
-        return None
-    what = str(e).splitlines()[0].removeprefix("DataLoader ").rstrip(". ")
-    return LoaderWorkerDied(
-        f"data.num_workers={num_workers}: a loader {what} (out of host memory, or killed); "
-        "data.num_workers=0 builds the batches in the training process"
-    )
+def _death(exitcode: int | None) -> str:
+    """What a worker's exit code says, for the one line."""
+    if exitcode is not None and exitcode < 0:
+        name = signal.Signals(-exitcode).name
+        if -exitcode == signal.SIGBUS:  # torch's shared memory (/dev/shm) ran out
+            return (
+                f"died of {name} (its shared memory ran out: /dev/shm is full; a container "
+                "needs a larger one, e.g. docker run --shm-size=16g, or lower data.prefetch)"
+            )
+        return f"died of {name} (out of host memory, or killed)"
+    return f"exited with code {exitcode}"
 
 
 class BatchLoader:
     """Dp rank `dp_rank`'s batches of `rows` rows, step by step: `batch(k)` is step k's (the
     0-based step, as Dataset.batch numbers them), on `device`. num_workers = 0: built in this
     process when asked for (as the trainer always did); else by `num_workers` processes,
-    `prefetch` batches each ahead, for consecutive steps from the first asked for up to
-    `last` (exclusive)."""
+    `prefetch` batches each ahead, for consecutive steps from `start(first)` (or the first
+    asked for) up to `last` (exclusive).
+
+    A dead worker is reported where the rank asks for a batch, a step boundary: the loader puts
+    back the SIGCHLD handler torch's DataLoader installs, which would raise anywhere in the step
+    (inside a checkpoint's save, say); torch notices a dead worker whose batch is awaited within
+    its status interval (5 s)."""
 
     def __init__(
         self,
@@ -147,6 +158,18 @@ class BatchLoader:
         self._batches: Iterator[Built] | None = None
         self._next = -1  # the step the workers' next batch is for
 
+    def start(self, first: int) -> None:
+        """Start the workers on steps `first`, `first` + 1, ... (none with num_workers = 0, or
+        when `first` is past the last step)."""
+        self.close()
+        if self.num_workers == 0 or first >= self.last:
+            return
+        handler = signal.getsignal(signal.SIGCHLD)
+        self._batches = iter(self._loader(first))
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGCHLD, handler if handler is not None else signal.SIG_DFL)
+        self._next = first
+
     def batch(self, step: int) -> tuple[Batch, Batch]:
         """Step `step`'s batch: (on the host, on `device`). What building it reported is
         reported here (bad samples logged once, their numbers added to data.dropped)."""
@@ -154,11 +177,11 @@ class BatchLoader:
             host = self.data.batch(step, self.dp_rank, self.dp_size, self.rows)
             return host, host.to(self.device)
         built = self._from_workers(step)
-        if built.error is not None:
-            raise built.error
         if self.data.bad is not None:
             for report in built.reports:
                 self.data.bad.report(*report)
+        if built.error is not None:
+            raise built.error
         if built.dropped:
             self.data.dropped.update(built.dropped)  # type: ignore[attr-defined]
         assert built.batch is not None
@@ -166,22 +189,26 @@ class BatchLoader:
 
     def _from_workers(self, step: int) -> Built:
         if self._batches is None or step != self._next:
-            self.close()
-            self._batches = iter(self._loader(step))
-            self._next = step
+            if step >= self.last:
+                raise ValueError(f"BatchLoader: step {step} is past the last ({self.last - 1})")
+            self.start(step)
+        assert self._batches is not None
         try:
             built = next(self._batches)
         except RuntimeError as e:
-            died = worker_died(e, self.num_workers)
-            if died is None:
+            if not str(e).startswith(_WORKER_GONE):
                 raise
-            raise died from e
+            workers = getattr(self._batches, "_workers", [])  # multiprocessing Processes
+            dead = [w for w in workers if w.exitcode is not None] or workers[:1]
+            what = "; ".join(f"pid {w.pid} {_death(w.exitcode)}" for w in dead)
+            raise LoaderWorkerDied(
+                f"data.num_workers={self.num_workers}: a loader worker is gone ({what}); "
+                "data.num_workers=0 builds the batches in the training process"
+            ) from e
         self._next += 1
         return built
 
     def _loader(self, first: int) -> torch.utils.data.DataLoader:
-        if first >= self.last:
-            raise ValueError(f"BatchLoader: step {first} is past the last ({self.last - 1})")
         return torch.utils.data.DataLoader(
             _StepBatches(self.data, self.dp_rank, self.dp_size, self.rows),
             batch_size=None,
@@ -195,7 +222,7 @@ class BatchLoader:
         )
 
     def close(self) -> None:
-        """Stop the workers (and the pin thread); a later `batch` starts them again."""
+        """Stop the workers (and the pin thread); a later `start` or `batch` starts them again."""
         if self._batches is not None:
             shutdown = getattr(self._batches, "_shutdown_workers", None)
             if shutdown is not None:
