@@ -1384,12 +1384,15 @@ def experts_all_to_all(
     return {"bytes": sent["bytes"], "out": out.detach(), "grads": grads}
 
 
-def shared_index(path: str, dp_shard: int, on_bad_sample: str = "skip") -> dict:
+def shared_index(
+    path: str, dp_shard: int, on_bad_sample: str = "skip", fail_on_rank: int | None = None
+) -> dict:
     """The JsonlDataset of `path` (test_jsonl_data.py's shapes) built with the start-up pass
     shared over the world of `dp_shard` ranks (data/shared_pass.py GroupShare), rank 0 logging
     the start-up
     warnings: its index, counters, description and warnings, how many records this rank parsed
-    ({"parsed"}), or the one line it raised ({"error"})."""
+    ({"parsed"}), or the one line it raised ({"error"}: a UserError's line, else type and
+    message). `fail_on_rank`: that rank's parsing raises ValueError("a bug"), as a bug would."""
     import titan_vlm.data.jsonl as jsonl
     from titan_vlm.data.shared_pass import GroupShare
     from titan_vlm.data.tokenizer import ByteTokenizer
@@ -1401,6 +1404,8 @@ def shared_index(path: str, dp_shard: int, on_bad_sample: str = "skip") -> dict:
 
     def counting(raw, *args, **kwargs):
         parsed.append(raw)
+        if dist.get_rank() == fail_on_rank:
+            raise ValueError("a bug")
         return real(raw, *args, **kwargs)
 
     with mock.patch.object(jsonl, "decode_record", counting), _captured_warnings() as warnings:
@@ -1419,6 +1424,8 @@ def shared_index(path: str, dp_shard: int, on_bad_sample: str = "skip") -> dict:
             )
         except UserError as e:
             return {"error": str(e), "parsed": len(parsed)}
+        except Exception as e:  # noqa: BLE001 - the test reads which one
+            return {"error": f"{type(e).__name__}: {e}", "parsed": len(parsed)}
     return {
         "index": [list(data.lines), list(data.starts), list(data.ends), list(data.rows)],
         "counts": [data.records, data.bad_at_startup, dict(data.skipped), data.truncated],

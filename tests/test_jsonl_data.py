@@ -527,6 +527,17 @@ def test_a_bad_sample_in_one_ranks_share_stops_every_rank_with_the_first(pool, f
     assert [o["error"] for o in out] == [f"data.on_bad_sample='error': {late}:4: empty text"] * 2
 
 
+def test_an_exception_in_one_ranks_share_reaches_every_rank(pool, files):
+    """Not a bad sample but a bug (rank 1's parsing raises ValueError): rank 1 raises it as it
+    came, rank 0 a RuntimeError naming rank 1 and the line, and neither waits for the other."""
+    out = pool.run("shared_index", path=str(files / "train.jsonl"), dp_shard=2, fail_on_rank=1)
+    assert out[1]["error"] == "ValueError: a bug"
+    assert out[0]["error"] == (
+        f"RuntimeError: data.dataset: {files / 'train.jsonl'}: the start-up pass failed on rank "
+        "1 of 2: ValueError: a bug"
+    )
+
+
 TRAIN = dict(
     steps=4,
     training__seq_len=SEQ,

@@ -82,7 +82,11 @@ def jsonl_spans(raw: Buffer) -> Spans:
     """Every non-blank line, without its line break (lines as bytes.splitlines cuts them: at
     "\n", "\r\n" or "\r"). The file is read a chunk at a time, each chunk cut after its last
     "\n" (so that no "\r\n" is split), so the whole file is never copied at once."""
-    view = memoryview(raw)
+    with memoryview(raw) as view:  # released however this ends: the mmap can then close
+        return _chunked_spans(view)
+
+
+def _chunked_spans(view: memoryview) -> Spans:
     spans, at, line = Spans(), 0, 0
     while at < len(view):
         size = CHUNK

@@ -152,6 +152,8 @@ class IndexShare(Protocol):
     indexes records `part(n)` (a contiguous run of the n), and `gather(mine)` returns every
     process's part in process order, which is file order (the trainer's: data/shared_pass.py)."""
 
+    rank: int  # this process's part in the gathered list
+
     def part(self, n: int) -> range: ...
 
     def gather(self, mine: IndexPart) -> list[IndexPart]: ...
@@ -311,8 +313,8 @@ class JsonlDataset(Dataset):
             if index.error is not None:  # the first error in file order stops every process
                 raise index.error
             if index.failure is not None:
-                if index is mine and failure is not None:
-                    raise failure
+                if k == (share.rank if share is not None else 0) and failure is not None:
+                    raise failure  # this process's own: raised as it came
                 raise RuntimeError(
                     f"data.dataset: {self.name}: the start-up pass failed on rank {k} of "
                     f"{len(parts)}: {index.failure}"
@@ -338,12 +340,16 @@ class JsonlDataset(Dataset):
         """The file's bytes, memory-mapped (an empty file: b"")."""
         try:
             f = open(self.path, "rb")
+        except OSError as e:
+            raise ConfigError(f"data.dataset: cannot read {self.name}: {e.strerror}") from None
+        try:
             raw = (
                 mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
                 if os.fstat(f.fileno()).st_size
                 else b""
             )
         except OSError as e:
+            f.close()
             raise ConfigError(f"data.dataset: cannot read {self.name}: {e.strerror}") from None
         try:
             yield raw

@@ -18,7 +18,10 @@ as it is with num_workers = 0 (a line warned about once per process, the same co
 DataError in a worker (data.on_bad_sample = "error") is raised in the training process, the same
 line; a worker that dies (killed, out of host or shared memory) stops the rank at its next batch
 with one line (LoaderWorkerDied, exit 1: torchrun restarts the job under job.max_restarts),
-never a hang.
+not a hang: one that dies while the rank waits for a batch is raised in that wait (so a message
+it was sending cannot block it), one that dies between batches at the next batch, and `close`
+then kills the others rather than wait for torch's pin thread (on CUDA), which such a message
+can leave blocked.
 
 Workers are forked from the training process when the loop starts (`start`): they read the
 dataset the trainer built (its index, tokenizer and processor) without pickling it and touch no
@@ -49,9 +52,6 @@ if TYPE_CHECKING:
 
     from titan_vlm.data.batch import Batch
     from titan_vlm.data.dataset import Dataset
-
-# what torch's DataLoader says when a worker process is gone (torch/utils/data/dataloader.py)
-_WORKER_GONE = "DataLoader worker"
 
 
 @dataclass
@@ -119,7 +119,10 @@ class LoaderWorkerDied(RuntimeError):
 def _death(exitcode: int | None) -> str:
     """What a worker's exit code says, for the one line."""
     if exitcode is not None and exitcode < 0:
-        name = signal.Signals(-exitcode).name
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:  # a real-time signal: no name
+            name = f"signal {-exitcode}"
         if -exitcode == signal.SIGBUS:  # torch's shared memory (/dev/shm) ran out
             return (
                 f"died of {name} (its shared memory ran out: /dev/shm is full; a container "
@@ -136,10 +139,9 @@ class BatchLoader:
     `prefetch` batches each ahead, for consecutive steps from `start(first)` (or the first
     asked for) up to `last` (exclusive).
 
-    A dead worker is reported where the rank asks for a batch, a step boundary: the loader puts
-    back the SIGCHLD handler torch's DataLoader installs, which would raise anywhere in the step
-    (inside a checkpoint's save, say); torch notices a dead worker whose batch is awaited within
-    its status interval (5 s)."""
+    A dead worker is reported where the rank asks for a batch, a step boundary: the loader's
+    SIGCHLD handler replaces the one torch's DataLoader installs, which raises anywhere in the
+    step (inside a checkpoint's save, where it would read as a disk error, say)."""
 
     def __init__(
         self,
@@ -157,6 +159,9 @@ class BatchLoader:
         self.device = device
         self._batches: Iterator[Built] | None = None
         self._next = -1  # the step the workers' next batch is for
+        self._outer: Any = None  # the SIGCHLD handler before ours (start)
+        self._waiting = False  # the rank waits for a batch
+        self._gone: RuntimeError | None = None  # a worker that died between batches
 
     def start(self, first: int) -> None:
         """Start the workers on steps `first`, `first` + 1, ... (none with num_workers = 0, or
@@ -164,11 +169,24 @@ class BatchLoader:
         self.close()
         if self.num_workers == 0 or first >= self.last:
             return
-        handler = signal.getsignal(signal.SIGCHLD)
+        outer = signal.getsignal(signal.SIGCHLD)
         self._batches = iter(self._loader(first))
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGCHLD, handler if handler is not None else signal.SIG_DFL)
+            # in place of the handler torch's DataLoader installs (which raises wherever the
+            # rank is, inside a checkpoint's save, say): ours raises only while the rank waits
+            self._outer = outer if outer is not None else signal.SIG_DFL
+            signal.signal(signal.SIGCHLD, self._on_child)
         self._next = first
+
+    def _on_child(self, signum: int, frame: object) -> None:
+        """SIGCHLD: a worker that died is raised here while the rank waits for a batch (so that
+        a message it was sending cannot block the wait), else kept for the next batch."""
+        try:
+            torch._C._error_if_any_worker_fails()  # what torch's own handler asks
+        except RuntimeError as e:
+            if self._waiting:
+                raise
+            self._gone = self._gone or e
 
     def batch(self, step: int) -> tuple[Batch, Batch]:
         """Step `step`'s batch: (on the host, on `device`). What building it reported is
@@ -193,20 +211,32 @@ class BatchLoader:
                 raise ValueError(f"BatchLoader: step {step} is past the last ({self.last - 1})")
             self.start(step)
         assert self._batches is not None
+        self._waiting = True
         try:
+            if self._gone is not None:
+                raise self._gone
             built = next(self._batches)
-        except RuntimeError as e:
-            if not str(e).startswith(_WORKER_GONE):
+        except Exception as e:  # a dead worker, however torch noticed (its pin thread's too)
+            died = self._died()
+            if died is None:
                 raise
-            workers = getattr(self._batches, "_workers", [])  # multiprocessing Processes
-            dead = [w for w in workers if w.exitcode is not None] or workers[:1]
-            what = "; ".join(f"pid {w.pid} {_death(w.exitcode)}" for w in dead)
-            raise LoaderWorkerDied(
-                f"data.num_workers={self.num_workers}: a loader worker is gone ({what}); "
-                "data.num_workers=0 builds the batches in the training process"
-            ) from e
+            raise died from e
+        finally:
+            self._waiting = False
         self._next += 1
         return built
+
+    def _died(self) -> LoaderWorkerDied | None:
+        """The one line for the workers that have died, if any has."""
+        workers = getattr(self._batches, "_workers", [])  # multiprocessing Processes
+        dead = [w for w in workers if w.exitcode is not None]
+        if not dead:
+            return None
+        what = "; ".join(f"pid {w.pid} {_death(w.exitcode)}" for w in dead)
+        return LoaderWorkerDied(
+            f"data.num_workers={self.num_workers}: a loader worker is gone ({what}); "
+            "data.num_workers=0 builds the batches in the training process"
+        )
 
     def _loader(self, first: int) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(
@@ -224,7 +254,20 @@ class BatchLoader:
     def close(self) -> None:
         """Stop the workers (and the pin thread); a later `start` or `batch` starts them again."""
         if self._batches is not None:
-            shutdown = getattr(self._batches, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
+            if self._died() is not None:
+                # torch's shutdown joins its pin thread, which a worker killed mid-message can
+                # leave blocked: the live workers are killed instead, and the iterator marked
+                # shut down (its __del__ would run that shutdown); the rank is on its way out
+                for w in getattr(self._batches, "_workers", []):
+                    if w.exitcode is None:
+                        w.kill()
+                torch._C._remove_worker_pids(id(self._batches))  # as torch's shutdown ends
+                setattr(self._batches, "_shutdown", True)  # noqa: B010 - torch's private flag
+            else:
+                shutdown = getattr(self._batches, "_shutdown_workers", None)
+                if shutdown is not None:
+                    shutdown()
             self._batches = None
+        if self._outer is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGCHLD, self._outer)
+        self._outer, self._gone = None, None
