@@ -1427,7 +1427,13 @@ def shared_index(
         except Exception as e:  # noqa: BLE001 - the test reads which one
             return {"error": f"{type(e).__name__}: {e}", "parsed": len(parsed)}
     return {
-        "index": [list(data.lines), list(data.starts), list(data.ends), list(data.rows)],
+        "index": [
+            list(data.file_of),
+            list(data.lines),
+            list(data.starts),
+            list(data.ends),
+            list(data.rows),
+        ],
         "counts": [data.records, data.bad_at_startup, dict(data.skipped), data.truncated],
         "describe": data.describe(),
         "warnings": warnings,

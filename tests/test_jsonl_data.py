@@ -23,6 +23,7 @@ from titan_vlm.data.records import sample_frames
 from titan_vlm.data.synthetic import COLORS, draw_image
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 from titan_vlm.generate import generate
+from titan_vlm.resume_config import DATA_FILE, run_facts
 from titan_vlm.validate import validate_job
 
 TOK = ByteTokenizer()
@@ -249,6 +250,77 @@ def test_packing_keeps_file_order_and_every_sample(files):
     assert int(batch.doc.max()) >= 1  # some row holds two samples
 
 
+SHARDS = (5, 4, 4)  # train.jsonl's 13 records cut into shards of these many lines
+
+
+def cut_into_shards(files, folder, pattern: str) -> list:
+    """train.jsonl's lines cut into len(SHARDS) files `pattern.format(k)` in `folder`."""
+    lines = (files / "train.jsonl").read_text().splitlines()[: sum(SHARDS)]
+    paths, first = [], 0
+    for k, n in enumerate(SHARDS):
+        paths.append(folder / pattern.format(k))
+        paths[-1].write_text("\n".join(lines[first : first + n]) + "\n")
+        first += n
+    return paths
+
+
+def in_shards(warning: str, whole: str, shards: list) -> str:
+    """A warning about train.jsonl's line L as it names L's shard and its line there."""
+    line = int(warning.split(f"{whole}:")[1].split(":")[0])
+    k = next(k for k in range(len(SHARDS)) if line <= sum(SHARDS[: k + 1]))
+    return warning.replace(f"{whole}:{line}:", f"{shards[k]}:{line - sum(SHARDS[:k])}:")
+
+
+def test_shards_read_as_the_file_they_were_cut_from(files, caplog):
+    """train.jsonl cut into three shards, named as a folder (data.image_root set: the images are
+    elsewhere) and as a glob pattern (each shard's images beside it): the same samples in the
+    same order, rows, batches (every tensor) and counters; each warning names the shard and its
+    own line there."""
+    whole_path = files / "train.jsonl"
+    with caplog.at_level(logging.WARNING, logger="titan_vlm"):
+        whole = dataset(whole_path, shuffle=True)
+        expected_batches = [whole.batch(k, 0, 1, 3) for k in range(3)]
+    expected = warnings_of(caplog)
+    (files / "shards").mkdir()
+    in_folder = cut_into_shards(files, files / "shards", "part-{}.jsonl")
+    by_pattern = cut_into_shards(files, files, "train-{:05d}.jsonl")
+    for value, shards, kw in [
+        (files / "shards", in_folder, {"image_root": str(files)}),
+        (files / "train-*.jsonl", by_pattern, {}),
+    ]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="titan_vlm"):
+            data = dataset(value, shuffle=True, **kw)
+            batches = [data.batch(k, 0, 1, 3) for k in range(3)]
+        assert data.records == 13 and list(data.rows) == list(whole.rows)
+        assert [shape_of(data, i) for i in range(9)] == [shape_of(whole, i) for i in range(9)]
+        for got, want in zip(batches, expected_batches):
+            for x, y in zip(
+                [got.tokens, got.labels, got.doc, got.image, got.images],
+                [want.tokens, want.labels, want.doc, want.image, want.images],
+            ):
+                assert torch.equal(x, y)
+        assert (data.bad_at_startup, dict(data.skipped), data.truncated, data.dropped) == (
+            whole.bad_at_startup,
+            dict(whole.skipped),
+            whole.truncated,
+            whole.dropped,
+        )
+        assert warnings_of(caplog) == [in_shards(w, whole_path, shards) for w in expected]
+        assert f"{value} (3 files): 13 record(s) -> 9 samples" in data.describe()
+
+
+def test_shards_that_are_not_there_are_one_line(files):
+    (files / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"^data.dataset: .*empty is a folder without "):
+        dataset(files / "empty")
+    with pytest.raises(ConfigError, match=r"no .json / .jsonl file matches the pattern$"):
+        dataset(files / "nothing-*.jsonl")
+    cfg = load_config(["--data.dataset", str(files / "nothing-*.jsonl")])
+    with pytest.raises(ConfigError, match=r"^data.dataset=.*: no .json / .jsonl file matches"):
+        validate_job(cfg, 1)
+
+
 def test_error_mode_stops_at_the_first_bad_line(files):
     path = files / "train.jsonl"
     with pytest.raises(
@@ -363,7 +435,7 @@ def shape_of(data: JsonlDataset, i: int) -> list:
     out: list = []
     for part in data.sample(i).parts:
         if isinstance(part, ImageRef):
-            out.append(part.path.relative_to(data.image_root).as_posix())
+            out.append(part.path.relative_to(data.roots[data.file_of[i]]).as_posix())
         else:
             out.append(("prompt: " if isinstance(part, Prompt) else "") + text_of(part))
     return out
@@ -483,6 +555,45 @@ def test_max_frames_must_be_positive(files):
 
 # One real training run on the file (2 ranks: dp_shard=2, one row each, so a rank's whole batch
 # is sometimes a dropped sample), interrupted and resumed.
+def index_of(data: JsonlDataset) -> list:
+    return [list(x) for x in (data.file_of, data.lines, data.starts, data.ends, data.rows)]
+
+
+def test_the_shared_pass_crosses_shard_boundaries(pool, files, caplog):
+    """Three shards of 5, 4 and 4 records on 2 ranks (records 0-5 and 6-12: rank 0's run ends
+    in the second shard): every rank holds the index one process builds of them, and rank 0
+    logs the same warnings, naming each shard."""
+    cut_into_shards(files, files, "train-{:05d}.jsonl")
+    pattern = str(files / "train-*.jsonl")
+    with caplog.at_level(logging.WARNING, logger="titan_vlm"):
+        alone = dataset(pattern, shuffle=True)
+    out = pool.run("shared_index", path=pattern, dp_shard=2)
+    assert [o["parsed"] for o in out] == [6, 7]
+    for rank, o in enumerate(out):
+        assert o["index"] == index_of(alone) and o["describe"] == alone.describe()
+        assert o["warnings"] == ([] if rank else warnings_of(caplog))
+    assert set(alone.file_of) == {0, 1, 2}
+
+
+def test_a_resume_sees_any_shard_change(files):
+    """The facts a resume must match (resume_config.run_facts) cover every shard: one byte of
+    one shard, or a shard's name, changes them; a single file keeps its old form."""
+    shards = cut_into_shards(files, files, "train-{:05d}.jsonl")
+    pattern = str(files / "train-*.jsonl")
+
+    def facts(value: str) -> str:
+        return run_facts(load_config(["--data.dataset", value]), 4)[DATA_FILE]
+
+    before = facts(pattern)
+    assert before.startswith(f"3 files, {sum(p.stat().st_size for p in shards)} bytes, ")
+    shards[1].write_text(shards[1].read_text().replace("blue", "Blue", 1))
+    changed = facts(pattern)
+    shards[2].rename(files / "train-00009.jsonl")
+    assert len({before, changed, facts(pattern)}) == 3
+    single = facts(str(files / "train.jsonl"))
+    assert single.startswith(f"{(files / 'train.jsonl').stat().st_size} bytes, ")
+
+
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_the_ranks_share_the_start_up_pass_and_hold_one_processs_index(pool, files, ranks, caplog):
     """Each of 2 (4) ranks parses its contiguous run of the 13 records (7 and 6; 4, 3, 3, 3) and
@@ -496,12 +607,7 @@ def test_the_ranks_share_the_start_up_pass_and_hold_one_processs_index(pool, fil
     parsed = [o["parsed"] for o in out]
     assert sum(parsed) == alone.records == 13 and max(parsed) <= -(-13 // ranks)
     for rank, o in enumerate(out):
-        assert o["index"] == [
-            list(alone.lines),
-            list(alone.starts),
-            list(alone.ends),
-            list(alone.rows),
-        ]
+        assert o["index"] == index_of(alone)
         assert o["counts"] == [13, 4, dict(alone.skipped), 1]
         assert o["describe"] == alone.describe()
         assert o["warnings"] == ([] if rank else warnings_of(caplog))

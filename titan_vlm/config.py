@@ -167,7 +167,8 @@ class Data:
 
     dataset: str = "synthetic"
     """"synthetic" (built-in shapes and their captions), or a .json / .jsonl file of LLaVA
-    conversations or captions (data/jsonl.py)."""
+    conversations or captions (data/jsonl.py), or several: a folder of them (not its
+    subfolders) or a glob pattern ("data/train-*.jsonl"), read in name order as one file."""
     sentences_per_image: int = 1
     """Synthetic data: sentences about the image per caption (with packing: up to this many); the
     long-text knob."""
@@ -312,9 +313,9 @@ class Validation:
     metrics.jsonl, TensorBoard and W&B."""
     dataset: str = "synthetic"
     """"synthetic": the built-in data drawn with seed training.seed + 1 (held out: a run with
-    that seed trains on it, this one does not); or a .json / .jsonl file of the same formats as
-    data.dataset, read in file order (not shuffled), its image paths relative to data.image_root
-    as the training file's."""
+    that seed trains on it, this one does not); or a .json / .jsonl file (or a folder or glob
+    pattern of them) of the same formats as data.dataset, read in file order (not shuffled), its
+    image paths relative to data.image_root as the training file's."""
     freq: int = 100
     """Steps between evaluations (at the steps that are multiples of it)."""
     steps: int = 10

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from titan_vlm.config import ConfigError, JobConfig
+from titan_vlm.data.jsonl import dataset_files
 from titan_vlm.models.common.hf_folder import source_changes, source_files
 
 MUST_MATCH = (
@@ -62,11 +63,17 @@ def run_facts(
     facts: dict[str, Any] = {GLOBAL_ROWS: global_rows, DATA_FILE: None}
     facts[SOURCE_FILES] = source_files(cfg) if sources is None else sources
     if cfg.data.dataset != "synthetic":
+        files = dataset_files("data.dataset", cfg.data.dataset)
         h = hashlib.sha256()
-        with open(cfg.data.dataset, "rb") as f:
-            while chunk := f.read(1 << 22):
-                h.update(chunk)
-        facts[DATA_FILE] = f"{Path(cfg.data.dataset).stat().st_size} bytes, {h.hexdigest()[:16]}"
+        for path in files:
+            if len(files) > 1:  # each shard's name and size too: no two lists hash alike
+                h.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 22):
+                    h.update(chunk)
+        size = sum(p.stat().st_size for p in files)
+        shards = f"{len(files)} files, " if len(files) > 1 else ""
+        facts[DATA_FILE] = f"{shards}{size} bytes, {h.hexdigest()[:16]}"
     return facts
 
 

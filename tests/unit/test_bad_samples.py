@@ -16,10 +16,10 @@ def warnings_of(caplog) -> list[str]:
 def test_each_line_is_warned_about_once(caplog):
     log = BadSampleLog("d.jsonl", "skip")
     with caplog.at_level(logging.WARNING, logger="titan_vlm"):
-        log.report(3, "empty text", log=True)
-        log.report(3, "image cannot be decoded", log=True)  # read again: not again
-        log.report(4, "sample of 9 slots", log=True, action="truncated")
-        log.report(5, "empty text", log=False)  # another rank logs these
+        log.report("d.jsonl:3", "empty text", log=True)
+        log.report("d.jsonl:3", "image cannot be decoded", log=True)  # read again: not again
+        log.report("d.jsonl:4", "sample of 9 slots", log=True, action="truncated")
+        log.report("d.jsonl:5", "empty text", log=False)  # another rank logs these
     assert warnings_of(caplog) == [
         "data: d.jsonl:3: empty text (skipped)",
         "data: d.jsonl:4: sample of 9 slots (truncated)",
@@ -30,7 +30,7 @@ def test_the_log_stops_after_max_warnings(caplog):
     log = BadSampleLog("d.jsonl", "skip")
     with caplog.at_level(logging.WARNING, logger="titan_vlm"):
         for line in range(1, MAX_WARNINGS + 11):
-            log.report(line, "empty text", log=True)
+            log.report(f"d.jsonl:{line}", "empty text", log=True)
     warned = warnings_of(caplog)
     assert len(warned) == MAX_WARNINGS + 1
     assert warned[-1] == "data: d.jsonl: further bad samples are counted in the metrics, not logged"
@@ -38,6 +38,6 @@ def test_the_log_stops_after_max_warnings(caplog):
 
 def test_error_mode_raises_at_the_first_bad_sample():
     with pytest.raises(DataError, match=r"^data.on_bad_sample='error': d.jsonl:7: empty text$"):
-        BadSampleLog("d.jsonl", "error").report(7, "empty text", log=False)
+        BadSampleLog("d.jsonl", "error").report("d.jsonl:7", "empty text", log=False)
     with pytest.raises(ConfigError, match="data.on_bad_sample must be one of skip, error"):
         BadSampleLog("d.jsonl", "warn")

@@ -25,8 +25,8 @@ logger = logging.getLogger("titan_vlm")
 BAD_SAMPLE_MODES = ("skip", "error")
 MAX_WARNINGS = 100  # per process
 
-# BadSampleLog.report's arguments: (line, reason, log, action)
-Report = tuple[int, str, bool, str]
+# BadSampleLog.report's arguments: (where, reason, log, action)
+Report = tuple[str, str, bool, str]
 
 
 class DataError(ConfigError):
@@ -41,12 +41,13 @@ def check_on_bad_sample(mode: str) -> None:
 
 
 class BadSampleLog:
-    """The bad samples of file `name` (as the user wrote it), reported as `on_bad_sample` says."""
+    """The bad samples of dataset `name` (as the user wrote it: a file, or a folder or pattern of
+    files), reported as `on_bad_sample` says; each one at `where`, its file and line."""
 
     def __init__(self, name: str, on_bad_sample: str):
         check_on_bad_sample(on_bad_sample)
         self.name, self.on_bad_sample = name, on_bad_sample
-        self._warned: set[int] = set()
+        self._warned: set[str] = set()
         self._recorded: list[Report] | None = None
 
     @contextmanager
@@ -61,18 +62,17 @@ class BadSampleLog:
         finally:
             self._recorded = outer
 
-    def report(self, line: int, reason: str, log: bool, action: str = "skipped") -> None:
-        """One bad sample at `line`: raise with on_bad_sample = "error", else warn (if `log`)
-        once, or keep it (`recorded`)."""
-        where = f"{self.name}:{line}"
+    def report(self, where: str, reason: str, log: bool, action: str = "skipped") -> None:
+        """One bad sample at `where` ("file:line"): raise with on_bad_sample = "error", else
+        warn (if `log`) once, or keep it (`recorded`)."""
         if self.on_bad_sample == "error":
             raise DataError(f"data.on_bad_sample='error': {where}: {reason}")
         if self._recorded is not None:
-            self._recorded.append((line, reason, log, action))
+            self._recorded.append((where, reason, log, action))
             return
-        if not log or line in self._warned:
+        if not log or where in self._warned:
             return
-        self._warned.add(line)
+        self._warned.add(where)
         if len(self._warned) <= MAX_WARNINGS:
             logger.warning("data: %s: %s (%s)", where, reason, action)
         if len(self._warned) == MAX_WARNINGS:

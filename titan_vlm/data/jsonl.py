@@ -1,9 +1,12 @@
 """Your own data: LLaVA-style conversations and captions from a JSON array (`.json`) or JSON lines
-(`.jsonl`) file, with images on disk (`data.dataset = "path/to/train.jsonl"`). What a record may
-hold is data/records.py's; how it becomes tokens (the chat template, captions) data/chat.py's,
-or, with a Hugging Face model folder's processor (`JsonlDataset(..., processor=...)`,
-data/hf_processor.py), the folder's chat template and image preprocessing; where each record
-lies in the file data/json_spans.py's.
+(`.jsonl`) file, with images on disk (`data.dataset = "path/to/train.jsonl"`), or from several
+such files, a folder of them or a glob pattern (`dataset_files`: read in name order as if they
+were one file, their records numbered in turn; each warning names a record's own file and line,
+and its image paths are relative to its own file's folder unless data.image_root is set). What
+a record may hold is data/records.py's; how it becomes tokens (the chat template, captions)
+data/chat.py's, or, with a Hugging Face model folder's processor (`JsonlDataset(...,
+processor=...)`, data/hf_processor.py), the folder's chat template and image preprocessing;
+where each record lies in the file data/json_spans.py's.
 
 Deterministic and resumable without any state of its own: at start-up the file's records are
 parsed and tokenized and their images counted (images are only checked to exist, not decoded),
@@ -56,6 +59,7 @@ one pass.
 
 from __future__ import annotations
 
+import glob
 import mmap
 import os
 import random
@@ -101,12 +105,38 @@ if TYPE_CHECKING:
     from titan_vlm.config import Data
 
 
-def check_dataset_file(key: str, value: str) -> None:
-    """`value`, a dataset key's file (not "synthetic"): a .json / .jsonl file that exists."""
-    if Path(value).suffix not in FORMATS:
-        raise ConfigError(f"{key}={value!r}: expected 'synthetic' or a .json / .jsonl file")
-    if not Path(value).is_file():
+GLOB = "*?["  # a dataset value holding one of these is a glob pattern
+
+
+def dataset_files(key: str, value: str) -> list[Path]:
+    """A dataset key's files (not "synthetic"), in the order their records are numbered: the
+    .json / .jsonl file `value`, or a folder's .json / .jsonl files (not its subfolders'), or a
+    glob pattern's, sorted by name; ConfigError (one line) for none."""
+    if any(c in value for c in GLOB):
+        files = sorted(Path(p) for p in glob.glob(value) if Path(p).suffix in FORMATS)
+        files = [f for f in files if f.is_file()]
+        if not files:
+            raise ConfigError(f"{key}={value!r}: no .json / .jsonl file matches the pattern")
+        return files
+    path = Path(value)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in FORMATS and p.is_file())
+        if not files:
+            raise ConfigError(f"{key}: {value} is a folder without .json / .jsonl files")
+        return files
+    if path.suffix not in FORMATS:
+        raise ConfigError(
+            f"{key}={value!r}: expected 'synthetic' or a .json / .jsonl file (or a folder or "
+            "glob pattern of them)"
+        )
+    if not path.is_file():
         raise ConfigError(f"{key}: file not found: {value}")
+    return [path]
+
+
+def check_dataset_file(key: str, value: str) -> None:
+    """`value`, a dataset key's files (not "synthetic"): `dataset_files` finds at least one."""
+    dataset_files(key, value)
 
 
 def validate_data_config(data: Data) -> None:
@@ -168,6 +198,7 @@ class IndexPart:
     one did."""
 
     lines: array = field(default_factory=lambda: array("q"))
+    files: array = field(default_factory=lambda: array("i"))
     starts: array = field(default_factory=lambda: array("q"))
     ends: array = field(default_factory=lambda: array("q"))
     sizes: array = field(default_factory=lambda: array("q"))
@@ -179,6 +210,27 @@ class IndexPart:
     videos: dict[Path, VideoRef] = field(default_factory=dict)
     error: UserError | None = None
     failure: str | None = None
+
+
+class OpenFiles:
+    """The dataset files a batch reads its records from (`files`), each opened once, on first
+    use, and closed with the batch."""
+
+    def __init__(self, files: list[Path]):
+        self.files = files
+        self.opened: dict[int, BinaryIO] = {}
+
+    def file(self, k: int) -> BinaryIO:
+        if k not in self.opened:
+            self.opened[k] = open(self.files[k], "rb")  # noqa: SIM115 - closed in __exit__
+        return self.opened[k]
+
+    def __enter__(self) -> OpenFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for f in self.opened.values():
+            f.close()
 
 
 class PackedRows(Sequence[range]):
@@ -272,15 +324,18 @@ class JsonlDataset(Dataset):
         if processor is not None and processor.image_size is not None and rule is not None:
             raise ValueError("JsonlDataset: a processor of fixed-size images takes no rule")
         self.processor = processor
-        self.path = Path(path)
-        self.name = str(path)  # as the user wrote it, for the warnings
+        self.name = str(path)  # as the user wrote it
+        self.files = dataset_files("data.dataset", self.name)
+        # each file as the warnings name it: a single file as the user wrote it
+        self.names = [self.name] if len(self.files) == 1 else [str(f) for f in self.files]
         self.bad = BadSampleLog(self.name, on_bad_sample)
         self.tokenizer = tokenizer
         self.image_size, self.tokens_per_image, self.seq_len = image_size, tokens_per_image, seq_len
         self.native, self.rule, self.slot_data = native, rule, slot_data
         self.slots: SlotRule = rule if rule is not None else tokens_per_image
         self.seed, self.packing, self.shuffle = seed, packing, shuffle
-        self.image_root = Path(image_root) if image_root else self.path.parent
+        # the folder each file's image paths are relative to: data.image_root, else its own
+        self.roots = [Path(image_root) if image_root else f.parent for f in self.files]
         self.max_image_pixels, self.max_frames = max_image_pixels, max_frames
         self.log_batches = log_batches
         self.skipped: Counter[str] = Counter()  # start-up reasons, by kind
@@ -290,26 +345,34 @@ class JsonlDataset(Dataset):
         # a video file's sized VideoRef, read once (its header: a Matroska file's packets are
         # counted, a scan of the file) and reused each time its record is read back
         self._video_files: dict[Path, VideoRef] = {}
-        # The file memory-mapped: its pages are the page cache's, shared by the ranks of a node,
-        # not a copy each; a .json array is decoded whole (json_spans.py).
-        with self._mapped() as raw:
-            spans = record_spans(raw, self.path, self.name)
-            self.records = len(spans)
-            # The start-up pass (parse, tokenize, read headers), split over the processes `share`
-            # names, each a contiguous run of records; every process then holds the whole index.
-            part = share.part(len(spans)) if share is not None else range(len(spans))
-            try:
-                mine, failure = self._index_part(raw, spans[part.start : part.stop], log_startup)
-            finally:
-                del spans
+        # Each file memory-mapped in turn: its pages are the page cache's, shared by the ranks of
+        # a node, not a copy each; a .json array is decoded whole (json_spans.py).
+        spans = []
+        for k in range(len(self.files)):
+            with self._mapped(k) as raw:
+                spans.append(record_spans(raw, self.files[k], self.names[k]))
+        self.records = sum(len(sp) for sp in spans)
+        # The start-up pass (parse, tokenize, read headers) over the files' records numbered in
+        # turn, split over the processes `share` names, each a contiguous run of them; every
+        # process then holds the whole index.
+        part = share.part(self.records) if share is not None else range(self.records)
+        mine, failure, first = IndexPart(), None, 0
+        for k, sp in enumerate(spans):
+            lo, hi = max(part.start - first, 0), min(part.stop - first, len(sp))
+            first += len(sp)
+            if lo < hi and mine.error is None and failure is None:
+                with self._mapped(k) as raw:
+                    failure = self._index_part(k, raw, sp[lo:hi], log_startup, mine)
+        del spans
         parts = share.gather(mine) if share is not None else [mine]
         # Kept samples: where each record is, and its size in slots (after truncation).
         self.lines, self.starts, self.ends = array("q"), array("q"), array("q")
+        self.file_of = array("i")  # each kept sample's file (self.files)
         sizes = array("q")
         self.truncated = self.num_images = self.num_videos = 0
         for k, index in enumerate(parts):  # file order, as one process would have gone
-            for line, reason, _, action in index.reports:  # logged where this process logs
-                self.bad.report(line, reason, log_startup, action)
+            for where, reason, _, action in index.reports:  # logged where this process logs
+                self.bad.report(where, reason, log_startup, action)
             if index.error is not None:  # the first error in file order stops every process
                 raise index.error
             if index.failure is not None:
@@ -321,6 +384,7 @@ class JsonlDataset(Dataset):
                 )
             self._video_files.update(index.videos)
             self.lines.extend(index.lines)
+            self.file_of.extend(index.files)
             self.starts.extend(index.starts)
             self.ends.extend(index.ends)
             sizes.extend(index.sizes)
@@ -336,12 +400,12 @@ class JsonlDataset(Dataset):
             )
 
     @contextmanager
-    def _mapped(self) -> Iterator[mmap.mmap | bytes]:
-        """The file's bytes, memory-mapped (an empty file: b"")."""
+    def _mapped(self, k: int) -> Iterator[mmap.mmap | bytes]:
+        """File k's bytes, memory-mapped (an empty file: b"")."""
         try:
-            f = open(self.path, "rb")
+            f = open(self.files[k], "rb")
         except OSError as e:
-            raise ConfigError(f"data.dataset: cannot read {self.name}: {e.strerror}") from None
+            raise ConfigError(f"data.dataset: cannot read {self.names[k]}: {e.strerror}") from None
         try:
             raw = (
                 mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -350,7 +414,7 @@ class JsonlDataset(Dataset):
             )
         except OSError as e:
             f.close()
-            raise ConfigError(f"data.dataset: cannot read {self.name}: {e.strerror}") from None
+            raise ConfigError(f"data.dataset: cannot read {self.names[k]}: {e.strerror}") from None
         try:
             yield raw
         finally:
@@ -359,15 +423,15 @@ class JsonlDataset(Dataset):
             f.close()
 
     def _index_part(
-        self, raw: mmap.mmap | bytes, spans: Spans, log: bool
-    ) -> tuple[IndexPart, Exception | None]:
-        """The start-up pass over `spans` (a contiguous run of the file's records): each record
-        parsed, its parts sized and its slots counted (truncated to seq_len); its bad samples'
-        reports kept for the caller to report in file order (`log`: whether this process would
-        log them), a UserError (data.on_bad_sample = "error") returned, not raised, so that every
-        process of a shared pass raises it; any other exception is returned beside it (raised
-        again here, its one line sent to the others)."""
-        out, failure = IndexPart(), None
+        self, k: int, raw: mmap.mmap | bytes, spans: Spans, log: bool, out: IndexPart
+    ) -> Exception | None:
+        """The start-up pass over `spans` (a contiguous run of file k's records, its bytes `raw`)
+        into `out`: each record parsed, its parts sized and its slots counted (truncated to
+        seq_len); its bad samples' reports kept for the caller to report in file order (`log`:
+        whether this process would log them), a UserError (data.on_bad_sample = "error") kept in
+        `out`, not raised, so that every process of a shared pass raises it; any other exception
+        is returned (raised again here, its one line sent to the others in `out`)."""
+        failure, name, root = None, self.names[k], self.roots[k]
         with self.bad.recorded() as reports:
             try:
                 for line, start, end in spans:
@@ -376,21 +440,21 @@ class JsonlDataset(Dataset):
                         parts = parse_record(
                             record,
                             self.tokenizer,
-                            self.image_root,
+                            root,
                             check_files=True,
                             processor=self.processor,
                             max_frames=self.max_frames,
                             sized=self._sized,
                         )
                     except BadSample as bad:
-                        self.bad.report(line, str(bad), log)
+                        self.bad.report(f"{name}:{line}", str(bad), log)
                         out.skipped[bad.kind] += 1
                         continue
                     sample = Sample(parts)
                     size = self._num_slots(sample)
                     if size > self.seq_len:
                         self.bad.report(
-                            line,
+                            f"{name}:{line}",
                             f"sample of {size} slots is longer than training.seq_len="
                             f"{self.seq_len}",
                             log,
@@ -400,6 +464,7 @@ class JsonlDataset(Dataset):
                         sample = self._truncated(sample)
                         size = self._num_slots(sample)
                     out.lines.append(line)
+                    out.files.append(k)
                     out.starts.append(start)
                     out.ends.append(end)
                     out.sizes.append(size)
@@ -411,9 +476,9 @@ class JsonlDataset(Dataset):
                 out.error = e
             except Exception as e:  # noqa: BLE001 - every process must learn of it (no hang)
                 out.failure, failure = f"{type(e).__name__}: {e}".splitlines()[0], e
-        out.reports = reports
-        out.videos = dict(self._video_files)
-        return out, failure
+        out.reports.extend(reports)
+        out.videos.update(self._video_files)
+        return failure
 
     def _sized(self, parts: list[Part]) -> list[Part]:
         """`parts` with each ImageRef's size (the one it enters the encoder at: the rule's `fit`
@@ -544,7 +609,8 @@ class JsonlDataset(Dataset):
         )
         videos = f" and {self.num_videos} video(s)" if self.num_videos else ""
         return (
-            f"{self.name}: {self.records} record(s) -> {len(self.starts)} samples with "
+            f"{self.name}{f' ({len(self.files)} files)' if len(self.files) > 1 else ''}: "
+            f"{self.records} record(s) -> {len(self.starts)} samples with "
             f"{self.num_images} image(s){videos} in {len(self.rows)} rows of {self.seq_len} slots "
             f"({'packed' if self.packing else 'one sample per row'}"
             f"{', rows shuffled per epoch' if self.shuffle else ''}"
@@ -575,18 +641,22 @@ class JsonlDataset(Dataset):
         """Kept sample i with its images as ImageRef (read back from the file; under native
         resolution, or a family's rule, sized from their headers; a video read whole as one
         VideoRef, whose slots `rule.size_slots(*frame_size, len(frames))` counts)."""
-        with open(self.path, "rb") as f:
-            sample = self._read(f, i)
+        with OpenFiles(self.files) as files:
+            sample = self._read(files, i)
         if sample is None:
-            raise ConfigError(
-                f"data.dataset: {self.name}:{self.lines[i]}: an image header cannot be read"
-            )
+            raise ConfigError(f"data.dataset: {self._where(i)}: an image header cannot be read")
         return sample
 
-    def _read(self, f: BinaryIO, i: int) -> Sample | None:
-        """Kept sample i as read back from the file, truncated as at start-up; None (reported, the
-        sample counted as dropped) if, under native resolution, an image header can no longer
-        be read."""
+    def _where(self, i: int) -> str:
+        """Kept sample i's file and line, as warnings and errors name them."""
+        return f"{self.names[self.file_of[i]]}:{self.lines[i]}"
+
+    def _read(self, files: OpenFiles, i: int) -> Sample | None:
+        """Kept sample i as read back from its file (opened into `files` once, for the rest of
+        its batch), truncated as at start-up; None (reported, the sample counted as dropped) if,
+        under native resolution, an image header can no longer be read."""
+        k = self.file_of[i]
+        f = files.file(k)
         f.seek(self.starts[i])
         unusable: list[BadSample] = []  # a header that can no longer be read, not a new record
 
@@ -601,7 +671,7 @@ class JsonlDataset(Dataset):
             parts = parse_record(
                 decode_record(f.read(self.ends[i] - self.starts[i])),
                 self.tokenizer,
-                self.image_root,
+                self.roots[k],
                 check_files=False,
                 processor=self.processor,
                 max_frames=self.max_frames,
@@ -609,12 +679,12 @@ class JsonlDataset(Dataset):
             )
         except BadSample as bad:
             if unusable:
-                self.bad.report(self.lines[i], str(bad), self.log_batches)
+                self.bad.report(self._where(i), str(bad), self.log_batches)
                 self.dropped.add(i)
                 return None
             raise ConfigError(
-                f"data.dataset: {self.name}:{self.lines[i]} changed since start-up (batches read "
-                "their records back from the file)"
+                f"data.dataset: {self._where(i)} changed since start-up (batches read their "
+                "records back from the file)"
             ) from None
         return self._truncated(Sample(parts))
 
@@ -678,7 +748,7 @@ class JsonlDataset(Dataset):
             reason = f"video cannot be decoded: {e}"
         except (OSError, SyntaxError, ValueError, EOFError) as e:  # what Pillow raises
             reason = f"image cannot be decoded: {ref.path} ({type(e).__name__}: {e})"
-        self.bad.report(self.lines[i], reason, self.log_batches)
+        self.bad.report(self._where(i), reason, self.log_batches)
         self.dropped.add(i)
         return None
 
@@ -686,10 +756,10 @@ class JsonlDataset(Dataset):
         """Global rows `rows` (index rows `_index_row(r)`), their images decoded; a sample whose
         image cannot be used is left out of its row."""
         out: list[list[Sample]] = []
-        with open(self.path, "rb") as f:
+        with OpenFiles(self.files) as files:  # each file a batch reads from, opened once
             for r in rows:
                 decoded = (
-                    self._decoded(i, self._read(f, i)) for i in self.rows[self._index_row(r)]
+                    self._decoded(i, self._read(files, i)) for i in self.rows[self._index_row(r)]
                 )
                 out.append([s for s in decoded if s is not None])
         if not any(out):

@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -217,7 +218,8 @@ class BatchLoader:
                 raise self._gone
             built = next(self._batches)
         except Exception as e:  # a dead worker, however torch noticed (its pin thread's too)
-            died = self._died()
+            self._waiting = False  # a SIGCHLD from here on is kept, not raised in this handler
+            died = self._died(settle_s=1.0)
             if died is None:
                 raise
             raise died from e
@@ -226,12 +228,16 @@ class BatchLoader:
         self._next += 1
         return built
 
-    def _died(self) -> LoaderWorkerDied | None:
-        """The one line for the workers that have died, if any has."""
+    def _died(self, settle_s: float = 0.0) -> LoaderWorkerDied | None:
+        """The one line for the workers that have died, if any has. `settle_s`: how long to wait
+        for a worker to be seen dead (an error from a dying worker, a connection it reset, can
+        come before its exit is)."""
         workers = getattr(self._batches, "_workers", [])  # multiprocessing Processes
-        dead = [w for w in workers if w.exitcode is not None]
-        if not dead:
-            return None
+        deadline = time.monotonic() + settle_s
+        while not (dead := [w for w in workers if w.exitcode is not None]):
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
         what = "; ".join(f"pid {w.pid} {_death(w.exitcode)}" for w in dead)
         return LoaderWorkerDied(
             f"data.num_workers={self.num_workers}: a loader worker is gone ({what}); "
