@@ -310,6 +310,23 @@ def test_shards_read_as_the_file_they_were_cut_from(files, caplog):
         assert f"{value} (3 files): 13 record(s) -> 9 samples" in data.describe()
 
 
+def test_a_file_whose_name_looks_like_a_pattern_and_a_folder_of_one_file(files):
+    """A file named "[2024] train?.jsonl" is that file, named as written; a folder holding one
+    file (and a hidden one, left out) names the file in its warnings."""
+    odd = files / "[2024] train?.jsonl"
+    odd.write_bytes((files / "train.jsonl").read_bytes())
+    data = dataset(odd)
+    assert data.records == 13 and data.names == [str(odd)]
+    assert data.describe().startswith(f"{odd}: 13 record(s)")
+    (files / "one").mkdir()
+    only = files / "one" / "train.jsonl"
+    only.write_bytes((files / "train.jsonl").read_bytes())
+    (files / "one" / "._train.jsonl").write_bytes(b"\x00\x05 AppleDouble")
+    data = dataset(files / "one", image_root=str(files))
+    assert data.files == [only] and data.names == [str(only)]
+    assert data.describe().startswith(f"{files / 'one'} (1 file): 13 record(s)")
+
+
 def test_shards_that_are_not_there_are_one_line(files):
     (files / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"^data.dataset: .*empty is a folder without "):

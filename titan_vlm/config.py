@@ -168,7 +168,8 @@ class Data:
     dataset: str = "synthetic"
     """"synthetic" (built-in shapes and their captions), or a .json / .jsonl file of LLaVA
     conversations or captions (data/jsonl.py), or several: a folder of them (not its
-    subfolders) or a glob pattern ("data/train-*.jsonl"), read in name order as one file."""
+    subfolders, nor hidden files) or a glob pattern ("data/train-*.jsonl"), read in name order
+    (train-00009 before train-00010: pad the numbers) as one file."""
     sentences_per_image: int = 1
     """Synthetic data: sentences about the image per caption (with packing: up to this many); the
     long-text knob."""
@@ -179,7 +180,7 @@ class Data:
     packing: bool = False
     """Several samples per row, each attending only to itself (cu_seqlens)."""
     image_root: str = ""
-    """Folder a dataset file's image paths are relative to. "": the file's folder."""
+    """Folder a dataset file's image paths are relative to. "": each file's own folder."""
     on_bad_sample: OnBadSample = "skip"
     """A bad sample of a dataset file: "skip" it (warn, count, go on) or "error" (stop at the
     first, naming file:line)."""

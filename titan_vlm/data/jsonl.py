@@ -108,11 +108,17 @@ if TYPE_CHECKING:
 GLOB = "*?["  # a dataset value holding one of these is a glob pattern
 
 
+def _files(n: int) -> str:
+    return f"{n} file{'' if n == 1 else 's'}"
+
+
 def dataset_files(key: str, value: str) -> list[Path]:
     """A dataset key's files (not "synthetic"), in the order their records are numbered: the
     .json / .jsonl file `value`, or a folder's .json / .jsonl files (not its subfolders'), or a
-    glob pattern's, sorted by name; ConfigError (one line) for none."""
-    if any(c in value for c in GLOB):
+    glob pattern's (a value naming an existing file or folder is that file or folder, whatever
+    characters it holds), sorted by name, hidden files (".name") left out; ConfigError (one
+    line) for none."""
+    if any(c in value for c in GLOB) and not Path(value).exists():
         files = sorted(Path(p) for p in glob.glob(value) if Path(p).suffix in FORMATS)
         files = [f for f in files if f.is_file()]
         if not files:
@@ -120,7 +126,11 @@ def dataset_files(key: str, value: str) -> list[Path]:
         return files
     path = Path(value)
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in FORMATS and p.is_file())
+        files = sorted(
+            p
+            for p in path.iterdir()
+            if p.suffix in FORMATS and p.is_file() and not p.name.startswith(".")
+        )
         if not files:
             raise ConfigError(f"{key}: {value} is a folder without .json / .jsonl files")
         return files
@@ -326,8 +336,9 @@ class JsonlDataset(Dataset):
         self.processor = processor
         self.name = str(path)  # as the user wrote it
         self.files = dataset_files("data.dataset", self.name)
-        # each file as the warnings name it: a single file as the user wrote it
-        self.names = [self.name] if len(self.files) == 1 else [str(f) for f in self.files]
+        # each file as the warnings name it: a file named itself as the user wrote it
+        self.single = Path(self.name).is_file()
+        self.names = [self.name] if self.single else [str(f) for f in self.files]
         self.bad = BadSampleLog(self.name, on_bad_sample)
         self.tokenizer = tokenizer
         self.image_size, self.tokens_per_image, self.seq_len = image_size, tokens_per_image, seq_len
@@ -609,7 +620,7 @@ class JsonlDataset(Dataset):
         )
         videos = f" and {self.num_videos} video(s)" if self.num_videos else ""
         return (
-            f"{self.name}{f' ({len(self.files)} files)' if len(self.files) > 1 else ''}: "
+            f"{self.name}{'' if self.single else f' ({_files(len(self.files))})'}: "
             f"{self.records} record(s) -> {len(self.starts)} samples with "
             f"{self.num_images} image(s){videos} in {len(self.rows)} rows of {self.seq_len} slots "
             f"({'packed' if self.packing else 'one sample per row'}"
