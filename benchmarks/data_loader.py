@@ -105,9 +105,19 @@ def write_corpus(folder: Path, records: int, size: tuple[int, int], seed: int = 
     return path
 
 
-def dataset(path: Path) -> JsonlDataset:
+def dataset(path: Path, share: GroupShare | None = None) -> JsonlDataset:
+    """The corpus as the trainer reads it at these shapes (`share`: the ranks sharing its
+    start-up pass)."""
     return JsonlDataset(
-        str(path), ByteTokenizer(), IMAGE, SLOTS, SEQ, 0, packing=True, log_startup=False
+        str(path),
+        ByteTokenizer(),
+        IMAGE,
+        SLOTS,
+        SEQ,
+        0,
+        packing=True,
+        log_startup=False,
+        share=share,
     )
 
 
@@ -144,17 +154,7 @@ def startup_worker(rank: int, size: int, results, path: str) -> None:
     it (data/shared_pass.py); rank 0 reports the slowest rank's seconds and the largest peak."""
     dist.barrier()
     begin = time.perf_counter()
-    data = JsonlDataset(
-        path,
-        ByteTokenizer(),
-        IMAGE,
-        SLOTS,
-        SEQ,
-        0,
-        packing=True,
-        log_startup=False,
-        share=GroupShare(dist.group.WORLD) if size > 1 else None,
-    )
+    data = dataset(Path(path), GroupShare(dist.group.WORLD) if size > 1 else None)
     seconds = time.perf_counter() - begin
     # VmHWM: this process's peak resident set since it started (spawned: its own), file pages
     # it mapped included (the ranks of a node share those: the page cache); RssAnon: its own

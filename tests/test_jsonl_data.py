@@ -15,7 +15,7 @@ from PIL import Image
 from titan_vlm.checkpoint import load_model_for_inference
 from titan_vlm.config import ConfigError, load_config
 from titan_vlm.data.bad_samples import DataError
-from titan_vlm.data.batch import IGNORE_INDEX, ImageRef, Prompt
+from titan_vlm.data.batch import IGNORE_INDEX, Batch, ImageRef, Prompt
 from titan_vlm.data.chat import chat_question
 from titan_vlm.data.images import load_image
 from titan_vlm.data.jsonl import JsonlDataset
@@ -94,6 +94,12 @@ def dataset(path, **kw) -> JsonlDataset:
 
 def warnings_of(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def tensors(batch: Batch) -> list[torch.Tensor]:
+    """Every tensor of the batch, its family's per-slot data included."""
+    images = [batch.images] if isinstance(batch.images, torch.Tensor) else batch.images.tensors
+    return [batch.tokens, batch.labels, batch.doc, batch.image, *images, *batch.slot_data.values()]
 
 
 def text_of(ids) -> str:
@@ -295,10 +301,8 @@ def test_shards_read_as_the_file_they_were_cut_from(files, caplog):
         assert data.records == 13 and list(data.rows) == list(whole.rows)
         assert [shape_of(data, i) for i in range(9)] == [shape_of(whole, i) for i in range(9)]
         for got, want in zip(batches, expected_batches):
-            for x, y in zip(
-                [got.tokens, got.labels, got.doc, got.image, got.images],
-                [want.tokens, want.labels, want.doc, want.image, want.images],
-            ):
+            assert len(tensors(got)) == len(tensors(want))
+            for x, y in zip(tensors(got), tensors(want)):
                 assert torch.equal(x, y)
         assert (data.bad_at_startup, dict(data.skipped), data.truncated, data.dropped) == (
             whole.bad_at_startup,

@@ -15,10 +15,9 @@ import time
 
 import pytest
 import torch
-from test_jsonl_data import RECORDS, dataset, files, warnings_of  # noqa: F401 (files: a fixture)
+from test_jsonl_data import RECORDS, dataset, files, tensors, warnings_of  # noqa: F401
 
 from titan_vlm.data.bad_samples import DataError
-from titan_vlm.data.batch import Batch
 from titan_vlm.data.loader import BatchLoader, LoaderWorkerDied
 from titan_vlm.errors import UserError
 from titan_vlm.launch import children
@@ -29,12 +28,6 @@ STEPS = 6  # 9 one-sample rows, 2 a batch: the second epoch starts in step 4
 
 def loader(data, workers: int, prefetch: int = 2) -> BatchLoader:
     return BatchLoader(data, 0, 1, 2, workers, prefetch, STEPS, CPU)
-
-
-def tensors(batch: Batch) -> list[torch.Tensor]:
-    """Every tensor of the batch, its family's per-slot data included."""
-    images = [batch.images] if isinstance(batch.images, torch.Tensor) else batch.images.tensors
-    return [batch.tokens, batch.labels, batch.doc, batch.image, *images, *batch.slot_data.values()]
 
 
 def test_workers_build_the_batches_the_training_process_builds(files, caplog):  # noqa: F811

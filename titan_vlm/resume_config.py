@@ -64,14 +64,15 @@ def run_facts(
     facts[SOURCE_FILES] = source_files(cfg) if sources is None else sources
     if cfg.data.dataset != "synthetic":
         files = dataset_files("data.dataset", cfg.data.dataset)
-        h = hashlib.sha256()
+        h, size = hashlib.sha256(), 0
         for path in files:
+            bytes_ = path.stat().st_size
+            size += bytes_
             if len(files) > 1:  # each shard's name and size too: no two lists hash alike
-                h.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+                h.update(f"{path.name}\0{bytes_}\0".encode())
             with open(path, "rb") as f:
                 while chunk := f.read(1 << 22):
                     h.update(chunk)
-        size = sum(p.stat().st_size for p in files)
         shards = f"{len(files)} files, " if len(files) > 1 else ""
         facts[DATA_FILE] = f"{shards}{size} bytes, {h.hexdigest()[:16]}"
     return facts

@@ -115,7 +115,7 @@ def validate_job(cfg: JobConfig, world_size: int, weights: bool = True) -> Paral
 
 def _validate_recipe_keys(cfg: JobConfig) -> None:
     """The validation, profiling, W&B and checkpoint-loading keys."""
-    from titan_vlm.data.jsonl import check_dataset_file
+    from titan_vlm.data.jsonl import dataset_files
 
     v, prof, ckpt = cfg.validation, cfg.profiling, cfg.checkpoint
     for key, value in (
@@ -126,7 +126,7 @@ def _validate_recipe_keys(cfg: JobConfig) -> None:
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
     if v.enable and v.dataset != "synthetic":
-        check_dataset_file("validation.dataset", v.dataset)
+        dataset_files("validation.dataset", v.dataset)
     if v.enable and v.dataset == "synthetic" and cfg.data.native_resolution_pixels:
         raise ConfigError(
             "validation.dataset='synthetic' draws every image at the model's size, but "

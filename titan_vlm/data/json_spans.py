@@ -96,7 +96,8 @@ def _chunked_spans(view: memoryview) -> Spans:
             if at + size >= len(view) or cut:
                 break
             size *= 2
-        chunk = chunk if at + len(chunk) >= len(view) or not cut else chunk[:cut]
+        if at + len(chunk) < len(view):  # not the file's end: cut after its last "\n"
+            chunk = chunk[:cut]
         offset = at
         for text in chunk.splitlines(keepends=True):
             line += 1

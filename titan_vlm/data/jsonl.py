@@ -144,11 +144,6 @@ def dataset_files(key: str, value: str) -> list[Path]:
     return [path]
 
 
-def check_dataset_file(key: str, value: str) -> None:
-    """`value`, a dataset key's files (not "synthetic"): `dataset_files` finds at least one."""
-    dataset_files(key, value)
-
-
 def validate_data_config(data: Data) -> None:
     """The data.* keys (the loader's, and a dataset file's), before any process group exists
     (the file itself is parsed when the dataset is built). data.on_bad_sample, a choice key, is
@@ -171,7 +166,7 @@ def validate_data_config(data: Data) -> None:
                 "data draws every image at the model's size (set it to 0)"
             )
         return
-    check_dataset_file("data.dataset", data.dataset)
+    dataset_files("data.dataset", data.dataset)
     if data.image_root and not Path(data.image_root).is_dir():
         raise ConfigError(f"data.image_root: folder not found: {data.image_root}")
 
@@ -599,8 +594,7 @@ class JsonlDataset(Dataset):
 
     def _pack(self, sizes: Sequence[int]) -> PackedRows:
         """The packing index: rows of sample numbers in file order, none dropped."""
-        rows = PackedRows()
-        used = self.seq_len  # forces a new row for the first sample
+        rows, used = PackedRows(), 0
         for i, size in enumerate(sizes):
             if i == 0 or not self.packing or used + size > self.seq_len:
                 rows.starts.append(i)
