@@ -1394,13 +1394,14 @@ def shared_index(
     ({"parsed"}), or the one line it raised ({"error"}: a UserError's line, else type and
     message). `fail_on_rank`: that rank's parsing raises ValueError("a bug"), as a bug would."""
     import titan_vlm.data.jsonl as jsonl
+    import titan_vlm.data.record_files as record_files
     from titan_vlm.data.shared_pass import GroupShare
     from titan_vlm.data.tokenizer import ByteTokenizer
     from titan_vlm.errors import UserError
 
     assert dist.get_world_size() == dp_shard
     parsed = []
-    real = jsonl.decode_record
+    real = record_files.decode_record
 
     def counting(raw, *args, **kwargs):
         parsed.append(raw)
@@ -1408,7 +1409,8 @@ def shared_index(
             raise ValueError("a bug")
         return real(raw, *args, **kwargs)
 
-    with mock.patch.object(jsonl, "decode_record", counting), _captured_warnings() as warnings:
+    counted = mock.patch.object(record_files, "decode_record", counting)
+    with counted, _captured_warnings() as warnings:
         try:
             data = jsonl.JsonlDataset(
                 path,

@@ -335,10 +335,10 @@ def test_shards_that_are_not_there_are_one_line(files):
     (files / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"^data.dataset: .*empty is a folder without "):
         dataset(files / "empty")
-    with pytest.raises(ConfigError, match=r"no .json / .jsonl file matches the pattern$"):
+    with pytest.raises(ConfigError, match=r"no .jsonl / .json / .parquet / .arrow / .tar file "):
         dataset(files / "nothing-*.jsonl")
     cfg = load_config(["--data.dataset", str(files / "nothing-*.jsonl")])
-    with pytest.raises(ConfigError, match=r"^data.dataset=.*: no .json / .jsonl file matches"):
+    with pytest.raises(ConfigError, match=r"^data.dataset=.*: no .jsonl / .json / .parquet "):
         validate_job(cfg, 1)
 
 
@@ -389,7 +389,7 @@ def test_image_root_and_the_config_keys(files, tmp_path_factory):
         ([f"--data.dataset={files / 'none.jsonl'}"], "data.dataset: file not found"),
         (
             [f"--data.dataset={files / 'red.png'}"],
-            "data.dataset=.* expected 'synthetic' or a .json / .jsonl",
+            "data.dataset=.* expected 'synthetic' or a .jsonl / .json / .parquet / .arrow / .tar ",
         ),
         (
             [f"--data.dataset={path}", "--data.on_bad_sample=ignore"],

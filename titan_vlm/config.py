@@ -166,10 +166,12 @@ class Data:
     """Where the samples come from and how they fill the rows."""
 
     dataset: str = "synthetic"
-    """"synthetic" (built-in shapes and their captions), or a .json / .jsonl file of LLaVA
-    conversations or captions (data/jsonl.py), or several: a folder of them (not its
-    subfolders, nor hidden files) or a glob pattern ("data/train-*.jsonl"), read in name order
-    (train-00009 before train-00010: pad the numbers) as one file."""
+    """"synthetic" (built-in shapes and their captions), or a file of LLaVA conversations or
+    captions (data/jsonl.py): .jsonl, .json, .parquet, .arrow or a WebDataset .tar
+    (data/record_files.py); or several of one format: a folder of them (not its subfolders, nor
+    hidden files) or a glob pattern ("data/train-*.parquet"), read in name order (train-00009
+    before train-00010: pad the numbers) as one file; or a folder Hugging Face datasets'
+    save_to_disk wrote (one split's)."""
     sentences_per_image: int = 1
     """Synthetic data: sentences about the image per caption (with packing: up to this many); the
     long-text knob."""
@@ -197,7 +199,7 @@ class Data:
     (model.hf_path: its image processor fixes the size; a Qwen2.5-VL folder sizes its images
     itself, so this stays 0 there)."""
     max_frames: int = 8
-    """A dataset line's "video" (a list of frame files): at most this many frames, sampled
+    """A dataset record's "video" (a list of frame files): at most this many frames, sampled
     evenly from first to last; each frame is an image of the sample, in order."""
     shuffle: bool = True
     """A dataset file's rows in a new order every epoch (seeded by training.seed)."""
@@ -314,9 +316,9 @@ class Validation:
     metrics.jsonl, TensorBoard and W&B."""
     dataset: str = "synthetic"
     """"synthetic": the built-in data drawn with seed training.seed + 1 (held out: a run with
-    that seed trains on it, this one does not); or a .json / .jsonl file (or a folder or glob
-    pattern of them) of the same formats as data.dataset, read in file order (not shuffled), its
-    image paths relative to data.image_root as the training file's."""
+    that seed trains on it, this one does not); or a dataset file (or a folder or glob pattern
+    of them, or a Hugging Face datasets folder) of the formats data.dataset reads, read in file
+    order (not shuffled), its image paths relative to data.image_root as the training file's."""
     freq: int = 100
     """Steps between evaluations (at the steps that are multiples of it)."""
     steps: int = 10

@@ -1,11 +1,13 @@
-"""Samples, batches, tokenizers and datasets: the built-in shapes (synthetic.py) or a JSON / JSONL
-file of your own (jsonl.py), chosen by data.dataset; both are a Dataset (dataset.py).
+"""Samples, batches, tokenizers and datasets: the built-in shapes (synthetic.py) or files of your
+own (jsonl.py: JSON / JSONL, Parquet, Arrow, WebDataset), chosen by data.dataset; both are a
+Dataset (dataset.py).
 
     batch.py        Sample, Batch, collate: what a row holds and the trainer consumes
     dataset.py      Dataset: rows numbered globally, so the step is the data position
     synthetic.py    the built-in shapes dataset
-    jsonl.py        JsonlDataset: a .json / .jsonl file's records, indexed and packed
-      json_spans.py   where each record lies in the file
+    jsonl.py        JsonlDataset: a dataset file's records, indexed and packed
+      record_files.py one reader per format: .jsonl, .json, .parquet, .arrow, WebDataset .tar
+      json_spans.py   where each record lies in a JSON / JSONL file
       records.py      the record schema: one record into Sample parts
       chat.py         the built-in chat template and captions
       bad_samples.py  how bad samples are reported

@@ -37,12 +37,26 @@ class Prompt(list[int]):
 
 
 @dataclass(frozen=True)
-class ImageRef:
-    """An image part before decoding: its file (a dataset file's record, data/records.py), and
-    with data.native_resolution_pixels > 0 the (height, width) it will enter the ViT at, from its
-    header (NativeResolution.size_of); None: the model's native square size."""
+class ImageBytes:
+    """An image held inside a dataset file (a table's cell, a tar member: data/record_files.py),
+    not beside it: its encoded bytes, decoded as a file holding them would be, and `name`, where
+    it is (what messages say of it)."""
 
-    path: Path
+    data: bytes = field(repr=False)
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """An image part before decoding: its file, or its bytes where the dataset file holds them
+    (a dataset file's record, data/records.py), and with data.native_resolution_pixels > 0 the
+    (height, width) it will enter the ViT at, from its header (NativeResolution.size_of); None:
+    the model's native square size."""
+
+    path: Path | ImageBytes
     size: tuple[int, int] | None = None
 
 

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from titan_vlm.data.batch import Part, Prompt, VideoFrames, is_image
+from titan_vlm.data.batch import ImageBytes, Part, Prompt, VideoFrames, is_image
 from titan_vlm.data.chat import PLACEHOLDER
 from titan_vlm.data.images import (
     DEFAULT_FPS,
@@ -454,7 +454,7 @@ class HFProcessor:
 
     def preprocess_image(
         self,
-        image: str | Path | PILImage.Image,
+        image: str | Path | ImageBytes | PILImage.Image,
         max_pixels: int | None = None,
         size: tuple[int, int] | None = None,
     ) -> torch.Tensor:
@@ -462,7 +462,7 @@ class HFProcessor:
         float32 [3, image_size, image_size] (LLaVA), or [3, H, W] at `size` (a family whose
         images keep their own sizes; None: the processor's choice). `max_pixels`: as
         data/images.py open_image."""
-        if isinstance(image, (str, Path)):
+        if isinstance(image, (str, Path, ImageBytes)):
             with open_image(image, max_pixels) as img:
                 return self.vision.image(img, size)
         return self.vision.image(image, size)

@@ -9,6 +9,7 @@ a family reads a video whole."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from titan_vlm.data.batch import ImageRef
+from titan_vlm.data.batch import ImageBytes, ImageRef
 from titan_vlm.data.image_batch import ImageRule, Images, ImageSet
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ class VideoRef(ImageRef):
     FolderVision.split_videos) makes one VideoRef per group: the same file (or that group's
     frame files) with that group's `indices`, and the whole video's frame_size."""
 
+    path: Path  # a video is a file (or frame files) beside the dataset file, never its bytes
     frames: tuple[Path, ...] = ()
     frame_size: tuple[int, int] | None = None
     indices: tuple[int, ...] = ()
@@ -80,14 +82,16 @@ class ImageTooLarge(ValueError):
 
 
 @contextmanager
-def open_image(path: str | Path, max_pixels: int | None = None) -> Iterator[PILImage.Image]:
-    """The image file, opened lazily (pixels not yet decoded). `max_pixels`: raise ImageTooLarge,
-    from the header alone, for an image with more pixels. Pillow's own errors (a missing,
-    truncated or corrupt file) pass through."""
+def open_image(
+    path: str | Path | ImageBytes, max_pixels: int | None = None
+) -> Iterator[PILImage.Image]:
+    """The image file (or a dataset file's image bytes), opened lazily (pixels not yet decoded).
+    `max_pixels`: raise ImageTooLarge, from the header alone, for an image with more pixels.
+    Pillow's own errors (a missing, truncated or corrupt file) pass through."""
     from PIL import Image
 
     try:
-        img = Image.open(path)
+        img = Image.open(io.BytesIO(path.data) if isinstance(path, ImageBytes) else path)
     except Image.DecompressionBombError as e:  # Pillow's own bound (2 x Image.MAX_IMAGE_PIXELS)
         raise ImageTooLarge(str(e)) from None
     with img:
@@ -100,7 +104,9 @@ def open_image(path: str | Path, max_pixels: int | None = None) -> Iterator[PILI
         yield img
 
 
-def load_image(path: str | Path, size: int, max_pixels: int | None = None) -> torch.Tensor:
+def load_image(
+    path: str | Path | ImageBytes, size: int, max_pixels: int | None = None
+) -> torch.Tensor:
     """An image file as a [3, size, size] tensor in [-1, 1] (SigLIP's normalisation, mean 0.5 and
     std 0.5 per channel): converted to RGB, resized to size x size with bicubic resampling (the
     aspect ratio is not kept, as SigLIP's own preprocessing does).
@@ -158,7 +164,9 @@ class NativeResolution(ImageRule):
         """Patches of an image at the ViT's native square size (the ViT-work unit)."""
         return self.patches(self.image_size, self.image_size)
 
-    def size_of(self, path: str | Path, max_pixels: int | None = None) -> tuple[int, int]:
+    def size_of(
+        self, path: str | Path | ImageBytes, max_pixels: int | None = None
+    ) -> tuple[int, int]:
         """(H, W) the image file enters the ViT at, from its header alone (`open_image`:
         ImageTooLarge above `max_pixels`, Pillow's errors pass through)."""
         with open_image(path, max_pixels) as img:
@@ -238,7 +246,7 @@ class ImageList(ImageSet):
 
 
 def load_native_image(
-    path: str | Path, native: NativeResolution, max_pixels: int | None = None
+    path: str | Path | ImageBytes, native: NativeResolution, max_pixels: int | None = None
 ) -> torch.Tensor:
     """An image file as a [3, H, W] tensor in [-1, 1] (as `load_image`), at (H, W) =
     `native.fit` of its size: its aspect ratio kept, resized with bicubic resampling (not at

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 BOM = b"\xef\xbb\xbf"  # UTF-8 byte order mark, skipped at the start of a file
-FORMATS = (".json", ".jsonl")  # the file endings a dataset file may have
 
 
 CHUNK = 1 << 26  # a .jsonl file is scanned 64 MiB at a time (more for a longer line)

@@ -1,12 +1,14 @@
 """Your own data: LLaVA-style conversations and captions from a JSON array (`.json`) or JSON lines
-(`.jsonl`) file, with images on disk (`data.dataset = "path/to/train.jsonl"`), or from several
-such files, a folder of them or a glob pattern (`dataset_files`: read in name order as if they
-were one file, their records numbered in turn; each warning names a record's own file and line,
-and its image paths are relative to its own file's folder unless data.image_root is set). What
-a record may hold is data/records.py's; how it becomes tokens (the chat template, captions)
-data/chat.py's, or, with a Hugging Face model folder's processor (`JsonlDataset(...,
-processor=...)`, data/hf_processor.py), the folder's chat template and image preprocessing;
-where each record lies in the file data/json_spans.py's.
+(`.jsonl`) file, with images on disk (`data.dataset = "path/to/train.jsonl"`), or from a
+Parquet, Arrow or WebDataset tar file (images beside it or inside it), or from several files of
+one format, a folder of them, a glob pattern or a Hugging Face datasets folder (`dataset_files`:
+read in name order as if they were one file, their records numbered in turn; each warning names
+a record's own file and line (row, sample), and its image paths are relative to its own file's
+folder unless data.image_root is set). What a record may hold is data/records.py's; how it
+becomes tokens (the chat template, captions) data/chat.py's, or, with a Hugging Face model
+folder's processor (`JsonlDataset(..., processor=...)`, data/hf_processor.py), the folder's chat
+template and image preprocessing; where each record lies in its file, and how it is read back,
+data/record_files.py's (one reader per format).
 
 Deterministic and resumable without any state of its own: at start-up the file's records are
 parsed and tokenized and their images counted (images are only checked to exist, not decoded),
@@ -60,21 +62,21 @@ one pass.
 from __future__ import annotations
 
 import glob
-import mmap
-import os
+import importlib.util
+import json
 import random
 from array import array
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Protocol, overload
+from typing import TYPE_CHECKING, Protocol, overload
 
 import torch
 
 from titan_vlm.data.bad_samples import BadSampleLog, Report
 from titan_vlm.data.batch import (
+    ImageBytes,
     ImageRef,
     Part,
     Prompt,
@@ -95,8 +97,9 @@ from titan_vlm.data.images import (
     load_native_image,
     open_image,
 )
-from titan_vlm.data.json_spans import FORMATS, Spans, record_spans
-from titan_vlm.data.records import BadSample, decode_record, parse_record
+from titan_vlm.data.json_spans import Span, Spans
+from titan_vlm.data.record_files import FORMATS, NO_PYARROW, RecordFile, open_records
+from titan_vlm.data.records import BadSample, parse_record
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 from titan_vlm.data.video import VideoError
 from titan_vlm.errors import ConfigError, UserError
@@ -106,6 +109,7 @@ if TYPE_CHECKING:
 
 
 GLOB = "*?["  # a dataset value holding one of these is a glob pattern
+ENDINGS = " / ".join(FORMATS)  # for messages: ".jsonl / .json / .parquet / .arrow / .tar"
 
 
 def _files(n: int) -> str:
@@ -114,34 +118,78 @@ def _files(n: int) -> str:
 
 def dataset_files(key: str, value: str) -> list[Path]:
     """A dataset key's files (not "synthetic"), in the order their records are numbered: the
-    .json / .jsonl file `value`, or a folder's .json / .jsonl files (not its subfolders'), or a
-    glob pattern's (a value naming an existing file or folder is that file or folder, whatever
-    characters it holds), sorted by name, hidden files (".name") left out; ConfigError (one
-    line) for none."""
+    dataset file `value` (an ending of data/record_files.py's FORMATS), or a folder's dataset
+    files (not its subfolders'), or a glob pattern's (a value naming an existing file or folder
+    is that file or folder, whatever characters it holds), sorted by name, hidden files (".name")
+    left out, all of one format (.json and .jsonl count as one); or a Hugging Face datasets
+    folder (save_to_disk: its state.json lists its .arrow files, in their order). ConfigError
+    (one line) for none, for several formats, and for Parquet or Arrow without pyarrow."""
     if any(c in value for c in GLOB) and not Path(value).exists():
         files = sorted(Path(p) for p in glob.glob(value) if Path(p).suffix in FORMATS)
         files = [f for f in files if f.is_file()]
         if not files:
-            raise ConfigError(f"{key}={value!r}: no .json / .jsonl file matches the pattern")
-        return files
+            raise ConfigError(f"{key}={value!r}: no {ENDINGS} file matches the pattern")
+        return _one_format(key, value, files)
     path = Path(value)
     if path.is_dir():
+        if (path / "dataset_dict.json").is_file():
+            raise ConfigError(
+                f"{key}: {value} is a Hugging Face DatasetDict folder: name one split's folder "
+                f"(e.g. {path / 'train'})"
+            )
+        if (path / "state.json").is_file():
+            return _one_format(key, value, _saved_dataset(key, path))
         files = sorted(
             p
             for p in path.iterdir()
             if p.suffix in FORMATS and p.is_file() and not p.name.startswith(".")
         )
         if not files:
-            raise ConfigError(f"{key}: {value} is a folder without .json / .jsonl files")
-        return files
+            raise ConfigError(f"{key}: {value} is a folder without {ENDINGS} files")
+        return _one_format(key, value, files)
     if path.suffix not in FORMATS:
         raise ConfigError(
-            f"{key}={value!r}: expected 'synthetic' or a .json / .jsonl file (or a folder or "
-            "glob pattern of them)"
+            f"{key}={value!r}: expected 'synthetic' or a {ENDINGS} file (or a folder or glob "
+            "pattern of them, or a Hugging Face datasets folder)"
         )
     if not path.is_file():
         raise ConfigError(f"{key}: file not found: {value}")
-    return [path]
+    return _one_format(key, value, [path])
+
+
+def _saved_dataset(key: str, folder: Path) -> list[Path]:
+    """The data files of a folder Hugging Face datasets' save_to_disk wrote, as its state.json
+    lists them."""
+    state = folder / "state.json"
+    try:
+        listed = json.loads(state.read_text())["_data_files"]
+        files = [folder / entry["filename"] for entry in listed]
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot read {state}: {e.strerror}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"{key}: {state} is not a Hugging Face datasets state file (no _data_files: "
+            f"{type(e).__name__}: {e})"
+        ) from None
+    for f in files:
+        if not f.is_file():
+            raise ConfigError(f"{key}: {state} lists {f.name}, which is not in {folder}")
+    if not files:
+        raise ConfigError(f"{key}: {state} lists no data files")
+    return files
+
+
+def _one_format(key: str, value: str, files: list[Path]) -> list[Path]:
+    """`files`, checked to be of one format that can be read here."""
+    kinds = sorted({".json" if f.suffix == ".jsonl" else f.suffix for f in files})
+    if len(kinds) > 1:
+        raise ConfigError(
+            f"{key}: {value} holds {' and '.join(kinds)} files: one format a dataset (name a "
+            "glob pattern to choose)"
+        )
+    if kinds[0] in (".parquet", ".arrow") and importlib.util.find_spec("pyarrow") is None:
+        raise ConfigError(f"{key}={value!r}: {NO_PYARROW}")
+    return files
 
 
 def validate_data_config(data: Data) -> None:
@@ -218,16 +266,16 @@ class IndexPart:
 
 
 class OpenFiles:
-    """The dataset files a batch reads its records from (`files`), each opened once, on first
-    use, and closed with the batch."""
+    """The dataset files a batch reads its records from (`files`, named `names`), each opened
+    once, on first use, and closed with the batch."""
 
-    def __init__(self, files: list[Path]):
-        self.files = files
-        self.opened: dict[int, BinaryIO] = {}
+    def __init__(self, files: list[Path], names: list[str]):
+        self.files, self.names = files, names
+        self.opened: dict[int, RecordFile] = {}
 
-    def file(self, k: int) -> BinaryIO:
+    def file(self, k: int) -> RecordFile:
         if k not in self.opened:
-            self.opened[k] = open(self.files[k], "rb")  # noqa: SIM115 - closed in __exit__
+            self.opened[k] = open_records(self.files[k], self.names[k])
         return self.opened[k]
 
     def __enter__(self) -> OpenFiles:
@@ -351,12 +399,12 @@ class JsonlDataset(Dataset):
         # a video file's sized VideoRef, read once (its header: a Matroska file's packets are
         # counted, a scan of the file) and reused each time its record is read back
         self._video_files: dict[Path, VideoRef] = {}
-        # Each file memory-mapped in turn: its pages are the page cache's, shared by the ranks of
-        # a node, not a copy each; a .json array is decoded whole (json_spans.py).
+        # Each file's record spans (data/record_files.py; a JSON file is memory-mapped: its pages
+        # are the page cache's, shared by the ranks of a node; a .json array is decoded whole).
         spans = []
         for k in range(len(self.files)):
-            with self._mapped(k) as raw:
-                spans.append(record_spans(raw, self.files[k], self.names[k]))
+            with open_records(self.files[k], self.names[k]) as source:
+                spans.append(source.spans())
         self.records = sum(len(sp) for sp in spans)
         # The start-up pass (parse, tokenize, read headers) over the files' records numbered in
         # turn, split over the processes `share` names, each a contiguous run of them; every
@@ -367,8 +415,8 @@ class JsonlDataset(Dataset):
             lo, hi = max(part.start - first, 0), min(part.stop - first, len(sp))
             first += len(sp)
             if lo < hi and mine.error is None and failure is None:
-                with self._mapped(k) as raw:
-                    failure = self._index_part(k, raw, sp[lo:hi], log_startup, mine)
+                with open_records(self.files[k], self.names[k]) as source:
+                    failure = self._index_part(k, source, sp[lo:hi], log_startup, mine)
         del spans
         parts = share.gather(mine) if share is not None else [mine]
         # Kept samples: where each record is, and its size in slots (after truncation).
@@ -405,46 +453,23 @@ class JsonlDataset(Dataset):
                 f"data.dataset: {self.name}: no usable samples in {self.records} record(s)"
             )
 
-    @contextmanager
-    def _mapped(self, k: int) -> Iterator[mmap.mmap | bytes]:
-        """File k's bytes, memory-mapped (an empty file: b"")."""
-        try:
-            f = open(self.files[k], "rb")
-        except OSError as e:
-            raise ConfigError(f"data.dataset: cannot read {self.names[k]}: {e.strerror}") from None
-        try:
-            raw = (
-                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                if os.fstat(f.fileno()).st_size
-                else b""
-            )
-        except OSError as e:
-            f.close()
-            raise ConfigError(f"data.dataset: cannot read {self.names[k]}: {e.strerror}") from None
-        try:
-            yield raw
-        finally:
-            if isinstance(raw, mmap.mmap):
-                raw.close()
-            f.close()
-
     def _index_part(
-        self, k: int, raw: mmap.mmap | bytes, spans: Spans, log: bool, out: IndexPart
+        self, k: int, source: RecordFile, spans: Spans, log: bool, out: IndexPart
     ) -> Exception | None:
-        """The start-up pass over `spans` (a contiguous run of file k's records, its bytes `raw`)
-        into `out`: each record parsed, its parts sized and its slots counted (truncated to
-        seq_len); its bad samples' reports kept for the caller to report in file order (`log`:
-        whether this process would log them), a UserError (data.on_bad_sample = "error") kept in
-        `out`, not raised, so that every process of a shared pass raises it; any other exception
-        is returned (raised again here, its one line sent to the others in `out`)."""
-        failure, name, root = None, self.names[k], self.roots[k]
+        """The start-up pass over `spans` (a contiguous run of file k's records, read from
+        `source`) into `out`: each record parsed, its parts sized and its slots counted
+        (truncated to seq_len); its bad samples' reports kept for the caller to report in file
+        order (`log`: whether this process would log them), a UserError (data.on_bad_sample =
+        "error") kept in `out`, not raised, so that every process of a shared pass raises it; any
+        other exception is returned (raised again here, its one line sent to the others in
+        `out`)."""
+        failure, root = None, self.roots[k]
         with self.bad.recorded() as reports:
             try:
-                for line, start, end in spans:
+                for span in spans:
                     try:
-                        record = decode_record(raw[start:end])
                         parts = parse_record(
-                            record,
+                            source.record(span),
                             self.tokenizer,
                             root,
                             check_files=True,
@@ -453,14 +478,14 @@ class JsonlDataset(Dataset):
                             sized=self._sized,
                         )
                     except BadSample as bad:
-                        self.bad.report(f"{name}:{line}", str(bad), log)
+                        self.bad.report(source.where(span), str(bad), log)
                         out.skipped[bad.kind] += 1
                         continue
                     sample = Sample(parts)
                     size = self._num_slots(sample)
                     if size > self.seq_len:
                         self.bad.report(
-                            f"{name}:{line}",
+                            source.where(span),
                             f"sample of {size} slots is longer than training.seq_len="
                             f"{self.seq_len}",
                             log,
@@ -469,10 +494,10 @@ class JsonlDataset(Dataset):
                         out.truncated += 1
                         sample = self._truncated(sample)
                         size = self._num_slots(sample)
-                    out.lines.append(line)
+                    out.lines.append(span.line)
                     out.files.append(k)
-                    out.starts.append(start)
-                    out.ends.append(end)
+                    out.starts.append(span.start)
+                    out.ends.append(span.end)
                     out.sizes.append(size)
                     # a record holds at most one video, in one part or one per frame group
                     video_parts = sum(isinstance(p, VideoRef) for p in sample.parts)
@@ -540,7 +565,7 @@ class JsonlDataset(Dataset):
         self._video_files[ref.path] = sized
         return sized
 
-    def _header(self, path: Path) -> tuple[int, int]:
+    def _header(self, path: Path | ImageBytes) -> tuple[int, int]:
         """(height, width) from an image file's header, or BadSample saying why not."""
         try:
             with open_image(path, self.max_image_pixels) as img:
@@ -554,7 +579,7 @@ class JsonlDataset(Dataset):
                 f"image cannot be decoded: {path} ({type(e).__name__}: {e})",
             ) from None
 
-    def _fit(self, path: Path, size: tuple[int, int], frames: int) -> tuple[int, int]:
+    def _fit(self, path: Path | ImageBytes, size: tuple[int, int], frames: int) -> tuple[int, int]:
         """The rule's fit of a header's size (`frames` > 0: a video's frames, that many), or
         BadSample where the rule refuses it."""
         assert self.rule is not None
@@ -646,23 +671,25 @@ class JsonlDataset(Dataset):
         """Kept sample i with its images as ImageRef (read back from the file; under native
         resolution, or a family's rule, sized from their headers; a video read whole as one
         VideoRef, whose slots `rule.size_slots(*frame_size, len(frames))` counts)."""
-        with OpenFiles(self.files) as files:
+        with OpenFiles(self.files, self.names) as files:
             sample = self._read(files, i)
-        if sample is None:
-            raise ConfigError(f"data.dataset: {self._where(i)}: an image header cannot be read")
+            if sample is None:
+                where = self._where(files, i)
+                raise ConfigError(f"data.dataset: {where}: an image header cannot be read")
         return sample
 
-    def _where(self, i: int) -> str:
-        """Kept sample i's file and line, as warnings and errors name them."""
-        return f"{self.names[self.file_of[i]]}:{self.lines[i]}"
+    def _span(self, i: int) -> Span:
+        return Span(self.lines[i], self.starts[i], self.ends[i])
+
+    def _where(self, files: OpenFiles, i: int) -> str:
+        """Kept sample i's file and record (its line, row or key), as warnings name them."""
+        return files.file(self.file_of[i]).where(self._span(i))
 
     def _read(self, files: OpenFiles, i: int) -> Sample | None:
         """Kept sample i as read back from its file (opened into `files` once, for the rest of
         its batch), truncated as at start-up; None (reported, the sample counted as dropped) if,
         under native resolution, an image header can no longer be read."""
         k = self.file_of[i]
-        f = files.file(k)
-        f.seek(self.starts[i])
         unusable: list[BadSample] = []  # a header that can no longer be read, not a new record
 
         def sized(parts: list[Part]) -> list[Part]:
@@ -674,7 +701,7 @@ class JsonlDataset(Dataset):
 
         try:
             parts = parse_record(
-                decode_record(f.read(self.ends[i] - self.starts[i])),
+                files.file(k).record(self._span(i)),
                 self.tokenizer,
                 self.roots[k],
                 check_files=False,
@@ -684,20 +711,20 @@ class JsonlDataset(Dataset):
             )
         except BadSample as bad:
             if unusable:
-                self.bad.report(self._where(i), str(bad), self.log_batches)
+                self.bad.report(self._where(files, i), str(bad), self.log_batches)
                 self.dropped.add(i)
                 return None
             raise ConfigError(
-                f"data.dataset: {self._where(i)} changed since start-up (batches read their "
-                "records back from the file)"
+                f"data.dataset: {self._where(files, i)} changed since start-up (batches read "
+                "their records back from the file)"
             ) from None
         return self._truncated(Sample(parts))
 
-    def _decoded(self, i: int, sample: Sample | None) -> Sample | None:
+    def _decoded(self, files: OpenFiles, i: int, sample: Sample | None) -> Sample | None:
         """The sample with its images decoded, or None (reported) if one cannot be used."""
         if sample is None:
             return None
-        whole = self._whole_files(i, sample)
+        whole = self._whole_files(files, i, sample)
         if whole is None:
             return None
         parts: list[Part] = []
@@ -707,7 +734,7 @@ class JsonlDataset(Dataset):
                 at = [place[j] for j in part.indices]
                 part = VideoFrames(video.frames[at], video.fps, tuple(video.times[j] for j in at))
             elif isinstance(part, ImageRef):
-                image = self._image(i, part)
+                image = self._image(files, i, part)
                 if image is None:
                     return None
                 part = image
@@ -715,7 +742,7 @@ class JsonlDataset(Dataset):
         return Sample(parts)
 
     def _whole_files(
-        self, i: int, sample: Sample
+        self, files: OpenFiles, i: int, sample: Sample
     ) -> dict[Path, tuple[VideoFrames, dict[int, int]]] | None:
         """Each video file the sample holds in several parts (its frame groups: a processor that
         splits videos) decoded once, all their frames, with each decoded index's place among
@@ -729,14 +756,14 @@ class JsonlDataset(Dataset):
             if len(groups) < 2:
                 continue
             kept = sorted({j for g in groups for j in g.indices})
-            video = self._image(i, replace(groups[0], indices=tuple(kept)))
+            video = self._image(files, i, replace(groups[0], indices=tuple(kept)))
             if video is None:
                 return None
             assert isinstance(video, VideoFrames)
             whole[path] = (video, {j: n for n, j in enumerate(kept)})
         return whole
 
-    def _image(self, i: int, ref: ImageRef) -> torch.Tensor | VideoFrames | None:
+    def _image(self, files: OpenFiles, i: int, ref: ImageRef) -> torch.Tensor | VideoFrames | None:
         """Sample i's image `ref` decoded, or None (reported, and the sample counted as dropped)
         if it cannot be decoded or is too large."""
         try:
@@ -753,7 +780,7 @@ class JsonlDataset(Dataset):
             reason = f"video cannot be decoded: {e}"
         except (OSError, SyntaxError, ValueError, EOFError) as e:  # what Pillow raises
             reason = f"image cannot be decoded: {ref.path} ({type(e).__name__}: {e})"
-        self.bad.report(self._where(i), reason, self.log_batches)
+        self.bad.report(self._where(files, i), reason, self.log_batches)
         self.dropped.add(i)
         return None
 
@@ -761,10 +788,11 @@ class JsonlDataset(Dataset):
         """Global rows `rows` (index rows `_index_row(r)`), their images decoded; a sample whose
         image cannot be used is left out of its row."""
         out: list[list[Sample]] = []
-        with OpenFiles(self.files) as files:  # each file a batch reads from, opened once
+        with OpenFiles(self.files, self.names) as files:  # each file a batch reads, opened once
             for r in rows:
                 decoded = (
-                    self._decoded(i, self._read(files, i)) for i in self.rows[self._index_row(r)]
+                    self._decoded(files, i, self._read(files, i))
+                    for i in self.rows[self._index_row(r)]
                 )
                 out.append([s for s in decoded if s is not None])
         if not any(out):

@@ -7,10 +7,11 @@
     {"video": ["f0.png", "f1.png", "f2.png"], "text": "A circle <video> moving right."}
 
 `image` / `images` (a path or a list; none: a text-only sample) are relative to `data.image_root`
-(default: the data file's folder; an absolute path stays as it is). Each `<image>` placeholder
-marks where an image goes, in order; their count must match the images, except that one image
-without a placeholder goes first (a conversation: `<image>\\n` before the first user turn,
-LLaVA's convention; a caption: before the text).
+(default: the data file's folder; an absolute path stays as it is); a table or tar reader
+(data/record_files.py) may give an image as its bytes instead (ImageBytes), decoded as a file.
+Each `<image>` placeholder marks where an image goes, in order; their count must match the
+images, except that one image without a placeholder goes first (a conversation: `<image>\\n`
+before the first user turn, LLaVA's convention; a caption: before the text).
 
 `video` (a list of frame paths, relative as images are, or one video file's path: mp4, webm,
 ...; at most one video a record, so a list of lists is a bad sample) is `<video>`'s: its
@@ -45,7 +46,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from titan_vlm.data.batch import ImageRef, Part
+from titan_vlm.data.batch import ImageBytes, ImageRef, Part
 from titan_vlm.data.chat import PLACEHOLDER, assemble, caption_segments, chat_segments
 from titan_vlm.data.hf_processor import VIDEO, ChatError, HFProcessor
 from titan_vlm.data.images import VideoRef
@@ -54,8 +55,9 @@ from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 _PLACEHOLDERS = re.compile(f"({re.escape(PLACEHOLDER)}|{re.escape(VIDEO)})")
 USER_NAMES, ASSISTANT_NAMES = ("human", "user"), ("gpt", "assistant")
 
-# A record as json.loads gives it: anything, checked here.
-Json = dict[str, "Json"] | list["Json"] | str | int | float | bool | None
+# A record as json.loads gives it (or a table or tar reader, data/record_files.py, whose images
+# may be the file's own bytes): anything, checked here.
+Json = dict[str, "Json"] | list["Json"] | str | int | float | bool | None | ImageBytes
 
 
 class BadSample(Exception):
@@ -138,7 +140,7 @@ def parse_record(
         texts = [text]
     else:
         raise BadSample("bad record", "no 'conversations' or 'text' key")
-    _check_unicode([*texts, *paths, *(frames or [])])
+    _check_unicode([*texts, *(p for p in paths if isinstance(p, str)), *(frames or [])])
     placeholders = sum(text.count(PLACEHOLDER) for text in texts)
     if placeholders != len(paths) and not (placeholders == 0 and len(paths) == 1):
         raise BadSample(
@@ -158,22 +160,24 @@ def parse_record(
             f"and {VIDEO}",
         )
     # What lacks a placeholder goes first; then each placeholder takes its own, in reading order.
-    first: list[tuple[list[str], str]] = [([paths[0]], "image")] if image_first else []
+    first: list[tuple[list[str | ImageBytes], str]] = [([paths[0]], "image")] if image_first else []
     if video_first:
-        first = [(frames or [], "video")] if whole else [([f], "frame") for f in frames or []]
+        first = [([*(frames or [])], "video")] if whole else [([f], "frame") for f in frames or []]
     placed, texts = _placed(texts, paths, frames or [], whole)
     files = [*first, *placed]
     refs: list[ImageRef] = []
     for names, kind in files:
-        found = [image_root / name for name in names]  # an absolute path stays as is
+        # an absolute path stays as is; an image the dataset file holds is its bytes
+        found = [name if isinstance(name, ImageBytes) else image_root / name for name in names]
         if check_files:
             for path in found:
-                if not path.is_file():
+                if isinstance(path, Path) and not path.is_file():
                     what = "frame" if kind == "video" else kind
                     what = "video" if video_file and kind == "video" else what
                     raise BadSample("missing image file", f"{what} file not found: {path}")
         if kind == "video":  # a file: its frames are chosen when its header is read (jsonl.py)
-            refs.append(VideoRef(found[0], frames=() if video_file else tuple(found)))
+            paths_ = [p for p in found if isinstance(p, Path)]  # a video's are always paths
+            refs.append(VideoRef(paths_[0], frames=() if video_file else tuple(paths_)))
         else:
             refs.append(ImageRef(found[0]))
     images: list[Part] = list(refs) if sized is None else sized(list(refs))
@@ -231,17 +235,18 @@ _NOT_PATHS = "'image' / 'images' must be a path or a list of paths"
 _NOT_FRAMES = "'video' must be a list of frame paths"  # or a video file's path
 
 
-def _paths(record: dict[str, Json]) -> list[str]:
-    """The record's image paths, in order (none: a text-only sample)."""
+def _paths(record: dict[str, Json]) -> list[str | ImageBytes]:
+    """The record's image paths (or image bytes, from a table or tar: data/record_files.py), in
+    order (none: a text-only sample)."""
     if "image" in record and "images" in record:
         raise BadSample("bad record", "has both 'image' and 'images'")
     value = record.get("image", record.get("images", []))
-    listed = [value] if isinstance(value, str) else value
+    listed = [value] if isinstance(value, (str, ImageBytes)) else value
     if not isinstance(listed, list):
         raise BadSample("bad record", _NOT_PATHS)
-    paths: list[str] = []
+    paths: list[str | ImageBytes] = []
     for path in listed:
-        if not isinstance(path, str) or not path:
+        if not isinstance(path, (str, ImageBytes)) or not path:
             raise BadSample("bad record", _NOT_PATHS)
         paths.append(path)
     return paths
@@ -274,15 +279,15 @@ def _video(record: dict[str, Json], max_frames: int) -> list[str] | str | None:
 
 
 def _placed(
-    texts: list[str], paths: list[str], frames: list[str], whole: bool
-) -> tuple[list[tuple[list[str], str]], list[str]]:
+    texts: list[str], paths: list[str | ImageBytes], frames: list[str], whole: bool
+) -> tuple[list[tuple[list[str | ImageBytes], str]], list[str]]:
     """The files the placeholders of `texts` take in reading order, each as (paths, "image",
     "frame" or "video"): each `<image>` the next of `paths`, each `<video>` all `frames` (one
     "video" entry where `whole`, else one "frame" entry each); and the texts with each `<video>`
     written as one `<image>` per frame (kept as it is where `whole`). The caller has checked the
     counts."""
     images = iter(paths)
-    placed: list[tuple[list[str], str]] = []
+    placed: list[tuple[list[str | ImageBytes], str]] = []
     written: list[str] = []
     for text in texts:
         pieces = _PLACEHOLDERS.split(text)  # text, placeholder, text, ...
@@ -290,7 +295,7 @@ def _placed(
             if pieces[j] == PLACEHOLDER:
                 placed.append(([next(images)], "image"))
             elif whole:
-                placed.append((frames, "video"))
+                placed.append(([*frames], "video"))
             else:
                 placed += [([f], "frame") for f in frames]
                 pieces[j] = PLACEHOLDER * len(frames)

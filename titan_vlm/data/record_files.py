@@ -1,0 +1,416 @@
+"""The files a dataset's records come from: one reader per format, chosen by the file's ending
+(`READERS`), so that the start-up pass, the index, the loader and the bad-sample policy
+(data/jsonl.py) are the same for every format.
+
+    ending     format                                a record is        warnings name it
+    .jsonl     JSON lines                            a non-blank line   train.jsonl:12
+    .json      one JSON array                        an element         train.json:12 (its line)
+    .parquet   Parquet (pyarrow)                     a row              part-0.parquet row 11
+    .arrow     Arrow IPC, file or stream: the data   a row              data-0.arrow row 11
+               files of a Hugging Face datasets
+               folder (save_to_disk)
+    .tar       WebDataset: members grouped by key    a key's members    shard-0.tar sample 00012
+               (00012.json, 00012.jpg, 00012.txt)
+
+A reader lists every record as a `Span(line, start, end)`: `line` is the number warnings name
+(a JSON file's 1-based line, a table's 0-based row, a tar's 0-based sample), `[start, end)`
+where the record lies (bytes of a JSON file or a tar, rows of a table). `record(span)` reads one
+back as the dict data/records.py parses (BadSample where it cannot be: malformed JSON, a tar
+sample without text). Records hold the same keys in every format.
+
+Tables (Parquet, Arrow): every column is a key and a null cell a missing one (a text-only row
+of a table with an "image" column is a row whose image is null). An "image" / "images" cell is
+an image's bytes (`ImageBytes`, decoded as a file would be), a path (as in a JSON record), or
+Hugging Face's Image struct {"bytes", "path"}: its bytes where they are set, else its path.
+
+WebDataset samples (consecutive members whose names share the part before the basename's first
+dot, webdataset's rule; members without a dot, and folders, belong to none): the record is the
+`.json` member, with the `.txt` member as its "text" where it has neither "text" nor
+"conversations" (image-caption shards: 00012.jpg + 00012.txt). Image members (`IMAGE_ENDINGS`)
+are the record's images in member order, where the record names none; where it names some, each
+name that is a member's ending ("jpg", "0.jpg") or whole name ("00012.jpg") is that member, any
+other a file beside the shard (as in a JSON record), and an image member no name takes is a bad
+sample, as is a video member (videos are files named in "video"). A tar must be uncompressed:
+records are read back by byte offset.
+
+Invariants: spans are in file order and `record` is a pure function of the file and the span
+(reading it again gives the same record); a file that cannot be read as its format is a
+ConfigError naming it (one line): a broken array or tar cannot be resynchronised.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import mmap
+import os
+import re
+import tarfile
+from abc import ABC, abstractmethod
+from array import array
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from titan_vlm.data.batch import ImageBytes
+from titan_vlm.data.json_spans import Span, Spans, record_spans
+from titan_vlm.data.records import BadSample, Json, decode_record
+from titan_vlm.errors import ConfigError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+IMAGE_ENDINGS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
+VIDEO_ENDINGS = ("mp4", "webm", "mkv", "avi", "mov")
+BLOCK = tarfile.BLOCKSIZE  # a tar's member data is padded to a whole block
+NO_PYARROW = "Parquet and Arrow files need pyarrow: pip install 'titan_vlm[data]'"
+
+
+class RecordFile(ABC):
+    """One dataset file of records (module docstring), open until `close`. `name`: the file as
+    warnings name it."""
+
+    def __init__(self, path: Path, name: str):
+        self.path, self.name = path, name
+
+    @abstractmethod
+    def spans(self) -> Spans:
+        """Every record's span, in file order."""
+
+    @abstractmethod
+    def record(self, span: Span) -> Json:
+        """The record at `span` (one of `spans()`), or BadSample saying why it cannot be one."""
+
+    def where(self, span: Span) -> str:
+        """The record as warnings name it."""
+        return f"{self.name} row {span.line}"
+
+    @abstractmethod
+    def close(self) -> None:
+        """Let go of the file."""
+
+    def __enter__(self) -> RecordFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _cannot(self, why: object) -> ConfigError:
+        return ConfigError(f"data.dataset: cannot read {self.name}: {why}")
+
+
+class JsonRecords(RecordFile):
+    """A .jsonl / .json file, memory-mapped (its pages are the page cache's, shared by the ranks
+    of a node; data/json_spans.py says where its records lie)."""
+
+    def __init__(self, path: Path, name: str):
+        super().__init__(path, name)
+        try:
+            self.file = open(path, "rb")  # noqa: SIM115 - closed in close()
+        except OSError as e:
+            raise self._cannot(e.strerror) from None
+        try:
+            size = os.fstat(self.file.fileno()).st_size
+            self.raw: mmap.mmap | bytes = (
+                mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+            )
+        except OSError as e:
+            self.file.close()
+            raise self._cannot(e.strerror) from None
+
+    def spans(self) -> Spans:
+        return record_spans(self.raw, self.path, self.name)
+
+    def record(self, span: Span) -> Json:
+        return decode_record(self.raw[span.start : span.end])
+
+    def where(self, span: Span) -> str:
+        return f"{self.name}:{span.line}"
+
+    def close(self) -> None:
+        if isinstance(self.raw, mmap.mmap):
+            self.raw.close()
+        self.file.close()
+
+
+def _pyarrow() -> Any:
+    try:
+        import pyarrow
+    except ImportError:
+        raise ConfigError(NO_PYARROW) from None
+    return pyarrow
+
+
+def row_spans(n: int) -> Spans:
+    """Rows 0 .. n - 1 of a table, each its own span."""
+    spans = Spans()
+    spans.lines = array("q", range(n))
+    spans.starts = array("q", range(n))
+    spans.ends = array("q", range(1, n + 1))
+    return spans
+
+
+class TableRecords(RecordFile):
+    """A table's rows in pieces (a Parquet file's row groups, an Arrow file's record batches),
+    the last piece read kept as Python rows: consecutive records, as a packed row reads them,
+    cost one piece."""
+
+    def __init__(self, path: Path, name: str):
+        super().__init__(path, name)
+        self.pa = _pyarrow()
+        self.firsts: list[int] = []  # each piece's first row; then the number of rows
+        self.cached: tuple[int, list[dict[str, Any]]] | None = None
+
+    @abstractmethod
+    def piece(self, k: int) -> pa.Table | pa.RecordBatch:
+        """Piece k of the table."""
+
+    def spans(self) -> Spans:
+        return row_spans(self.firsts[-1])
+
+    def record(self, span: Span) -> Json:
+        k = bisect.bisect_right(self.firsts, span.start) - 1
+        if self.cached is None or self.cached[0] != k:
+            try:
+                rows = self.piece(k).to_pylist()
+            except (OSError, self.pa.ArrowException) as e:
+                raise self._cannot(e) from None
+            self.cached = (k, rows)
+        return table_record(self.cached[1][span.start - self.firsts[k]], self.where(span))
+
+
+class ParquetRecords(TableRecords):
+    """A Parquet file, read a row group at a time."""
+
+    def __init__(self, path: Path, name: str):
+        super().__init__(path, name)
+        import pyarrow.parquet as pq
+
+        try:
+            self.file = pq.ParquetFile(path)
+        except (OSError, self.pa.ArrowException) as e:
+            raise self._cannot(e) from None
+        meta = self.file.metadata
+        self.firsts = [0]
+        for g in range(meta.num_row_groups):
+            self.firsts.append(self.firsts[-1] + meta.row_group(g).num_rows)
+
+    def piece(self, k: int) -> pa.Table:
+        return self.file.read_row_group(k)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class ArrowRecords(TableRecords):
+    """An Arrow IPC file (file or stream format: Hugging Face datasets writes streams),
+    memory-mapped: its record batches are views of the mapping, nothing is copied until a row
+    is read."""
+
+    def __init__(self, path: Path, name: str):
+        super().__init__(path, name)
+        pa = self.pa
+        try:
+            self.source = pa.memory_map(str(path))
+            is_file = self.source.read(6) == b"ARROW1"  # the file format's magic; a stream lacks it
+            self.source.seek(0)
+            reader = pa.ipc.open_file(self.source) if is_file else pa.ipc.open_stream(self.source)
+            if is_file:
+                self.batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+            else:
+                self.batches = list(reader)
+        except (OSError, pa.ArrowException) as e:
+            raise self._cannot(f"not an Arrow IPC file ({e})") from None
+        self.firsts = [0]
+        for batch in self.batches:
+            self.firsts.append(self.firsts[-1] + batch.num_rows)
+
+    def piece(self, k: int) -> pa.RecordBatch:
+        return self.batches[k]
+
+    def close(self) -> None:
+        self.batches = []
+        self.source.close()
+
+
+def table_record(row: dict[str, Any], where: str) -> Json:
+    """A table's row as a record: null cells left out, image cells as ImageBytes or paths."""
+    record = {key: value for key, value in row.items() if value is not None}
+    for key in ("image", "images"):
+        value = record.get(key)
+        if isinstance(value, list):
+            record[key] = [_image_cell(v, f"{where} {key}[{j}]") for j, v in enumerate(value)]
+        elif value is not None:
+            record[key] = _image_cell(value, f"{where} {key}")
+    return record
+
+
+def _image_cell(value: Any, name: str) -> Any:
+    """An image cell: bytes, or Hugging Face's {"bytes", "path"} (bytes first), as ImageBytes;
+    anything else as it is (a path, or what data/records.py refuses)."""
+    if isinstance(value, dict) and set(value) == {"bytes", "path"}:
+        value = value["bytes"] if value["bytes"] is not None else value["path"]
+    if isinstance(value, (bytes, bytearray)):
+        return ImageBytes(bytes(value), name)
+    return value
+
+
+# webdataset's split of a member name into the sample's key and the member's ending
+_KEY_ENDING = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
+
+
+class TarRecords(RecordFile):
+    """A WebDataset tar shard (module docstring): a sample's span is the bytes from its first
+    member's header to its last member's end."""
+
+    def __init__(self, path: Path, name: str):
+        super().__init__(path, name)
+        self.last: tuple[int, str] | None = None  # the last record read: its start, its key
+        try:
+            self.file = open(path, "rb")  # noqa: SIM115 - closed in close()
+        except OSError as e:
+            raise self._cannot(e.strerror) from None
+
+    def close(self) -> None:
+        self.file.close()
+
+    def spans(self) -> Spans:
+        spans, key, size = Spans(), None, os.fstat(self.file.fileno()).st_size
+        self.file.seek(0)
+        try:
+            tar = tarfile.open(fileobj=self.file, mode="r:")  # noqa: SIM115 - the file is ours
+            while (member := tar.next()) is not None:
+                # tarfile keeps every member it has read (not typed): not a corpus's worth
+                cast(Any, tar).members.clear()
+                match = _KEY_ENDING.match(member.name)
+                if not member.isfile() or match is None:
+                    continue
+                end = member.offset_data + -(-member.size // BLOCK) * BLOCK  # with its padding
+                if match.group(1) == key:
+                    spans.ends[-1] = end
+                else:
+                    key = match.group(1)
+                    spans.append(Span(len(spans), member.offset, end))
+            tail = tar.offset
+        except (tarfile.TarError, OSError) as e:
+            raise self._cannot(f"not an uncompressed tar file ({e})") from None
+        self.file.seek(tail)
+        if tail < size and self.file.read(size - tail).strip(b"\0"):
+            raise self._cannot(f"not a tar file after byte {tail} (a truncated or corrupt shard)")
+        return spans
+
+    def members(self, span: Span) -> list[tuple[str, bytes]]:
+        """The (name, bytes) of the sample's members, in order."""
+        self.file.seek(span.start)
+        blob = io.BytesIO(self.file.read(span.end - span.start))
+        out = []
+        try:
+            with tarfile.open(fileobj=blob, mode="r:") as tar:
+                for member in tar:
+                    data = tar.extractfile(member)
+                    if data is not None and _KEY_ENDING.match(member.name):
+                        out.append((member.name, data.read()))
+        except (tarfile.TarError, OSError) as e:
+            raise self._cannot(f"changed since start-up ({e})") from None
+        return out
+
+    def where(self, span: Span) -> str:
+        if self.last is None or self.last[0] != span.start:  # not the record just read
+            self.file.seek(span.start)
+            blob = io.BytesIO(self.file.read(min(span.end - span.start, 1 << 16)))
+            try:  # the first member's header (pax headers included) is enough
+                first = tarfile.open(fileobj=blob, mode="r:").next()
+            except (tarfile.TarError, OSError):
+                first = None
+            match = _KEY_ENDING.match(first.name) if first is not None else None
+            self.last = (span.start, match.group(1) if match else str(span.line))
+        return f"{self.name} sample {self.last[1]}"
+
+    def record(self, span: Span) -> Json:
+        members = self.members(span)
+        keys = {_ending(name)[0] for name, _ in members}
+        if len(keys) != 1:
+            raise self._cannot(f"changed since start-up (no sample at byte {span.start})")
+        (key,) = keys
+        self.last = (span.start, key)
+        by_ending: dict[str, tuple[str, bytes]] = {}
+        for name, data in members:
+            ending = _ending(name)[1]
+            if ending in by_ending:
+                raise BadSample("bad record", f"two members named {name}")
+            by_ending[ending] = (name, data)
+        record: dict[str, Json] = {}
+        if "json" in by_ending:
+            value = decode_record(by_ending["json"][1])
+            if not isinstance(value, dict):
+                raise BadSample(
+                    "bad record", f"{key}.json: expected a JSON object, got {type(value).__name__}"
+                )
+            record = value
+        if "txt" in by_ending and "text" not in record and "conversations" not in record:
+            try:
+                record["text"] = by_ending["txt"][1].decode("utf-8")
+            except UnicodeDecodeError:
+                raise BadSample("undecodable text", f"{key}.txt is not UTF-8") from None
+        if not record:
+            raise BadSample("bad record", f"sample {key} has no .json or .txt member")
+        images = {e: m for e, m in by_ending.items() if e.rsplit(".", 1)[-1] in IMAGE_ENDINGS}
+        videos = [m[0] for e, m in by_ending.items() if e.rsplit(".", 1)[-1] in VIDEO_ENDINGS]
+        if videos:
+            raise BadSample(
+                "bad record",
+                f"a video member ({videos[0]}): videos are files named in the record's 'video'",
+            )
+        if "image" not in record and "images" not in record:
+            found = [ImageBytes(data, f"{self.name}/{name}") for name, data in images.values()]
+            if len(found) == 1:
+                record["image"] = found[0]
+            elif found:
+                record["images"] = list(found)
+            return record
+        key_name = "image" if "image" in record else "images"
+        named = record[key_name]
+        listed = named if isinstance(named, list) else [named]
+        taken: set[str] = set()
+        out: list[Json] = []
+        for value in listed:
+            ending = value if isinstance(value, str) else ""
+            if ending.startswith(f"{key}."):
+                ending = ending[len(key) + 1 :]
+            if ending in images:
+                name, data = images[ending]
+                taken.add(ending)
+                out.append(ImageBytes(data, f"{self.name}/{name}"))
+            else:
+                out.append(value)
+        left = [images[e][0] for e in images if e not in taken]
+        if left:
+            raise BadSample(
+                "bad record", f"image member {left[0]} is not one of the record's images"
+            )
+        record[key_name] = out if isinstance(named, list) else out[0]
+        return record
+
+
+def _ending(name: str) -> tuple[str, str]:
+    """A member's (key, ending), the ending lowercased."""
+    match = _KEY_ENDING.match(name)
+    assert match is not None  # members() keeps only names that match
+    return match.group(1), match.group(2).lower()
+
+
+# Each format's reader, by the file's ending: the one registry of dataset file formats.
+READERS: dict[str, type[RecordFile]] = {
+    ".jsonl": JsonRecords,
+    ".json": JsonRecords,
+    ".parquet": ParquetRecords,
+    ".arrow": ArrowRecords,
+    ".tar": TarRecords,
+}
+FORMATS = tuple(READERS)
+
+
+def open_records(path: Path, name: str) -> RecordFile:
+    """The reader of dataset file `path` (`name`: as the user wrote it, for messages)."""
+    if path.suffix not in READERS:
+        raise ConfigError(f"data.dataset: {name}: expected one of {', '.join(FORMATS)}")
+    return READERS[path.suffix](path, name)
