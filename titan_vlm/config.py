@@ -166,12 +166,18 @@ class Data:
     """Where the samples come from and how they fill the rows."""
 
     dataset: str = "synthetic"
-    """"synthetic" (built-in shapes and their captions), or a file of LLaVA conversations or
-    captions (data/jsonl.py): .jsonl, .json, .parquet, .arrow or a WebDataset .tar
-    (data/record_files.py); or several of one format: a folder of them (not its subfolders, nor
-    hidden files) or a glob pattern ("data/train-*.parquet"), read in name order (train-00009
-    before train-00010: pad the numbers) as one file; or a folder Hugging Face datasets'
-    save_to_disk wrote (one split's)."""
+    """"synthetic" (built-in shapes and their captions), "mixture" (data.mixture's sources), or
+    a file of LLaVA conversations or captions (data/jsonl.py): .jsonl, .json, .parquet, .arrow
+    or a WebDataset .tar (data/record_files.py); or several of one format: a folder of them (not
+    its subfolders, nor hidden files) or a glob pattern ("data/train-*.parquet"), read in name
+    order (train-00009 before train-00010: pad the numbers) as one file; or a folder Hugging
+    Face datasets' save_to_disk wrote (one split's)."""
+    mixture: str = ""
+    """With data.dataset = "mixture": its sources and their weights, "WEIGHT SOURCE, WEIGHT
+    SOURCE, ..." (e.g. "3 llava.jsonl, 1 captions/"; each source as data.dataset names one: a
+    file, a folder or glob pattern, a Hugging Face datasets folder), at least two. Each keeps its
+    own rows and epochs; the run's rows are dealt to them in a fixed pattern, each its weight's
+    share of every run of rows as long as the weights' sum (as whole numbers) (data/mixture.py)."""
     sentences_per_image: int = 1
     """Synthetic data: sentences about the image per caption (with packing: up to this many); the
     long-text knob."""

@@ -25,6 +25,7 @@ from typing import Any
 
 from titan_vlm.config import ConfigError, JobConfig
 from titan_vlm.data.jsonl import dataset_files
+from titan_vlm.data.mixture import data_sources
 from titan_vlm.models.common.hf_folder import source_changes, source_files
 
 MUST_MATCH = (
@@ -38,6 +39,7 @@ MUST_MATCH = (
     "training.seed",
     "training.freeze",  # the optimizer holds state for the groups that train only
     "data.dataset",
+    "data.mixture",
     "data.packing",
     "data.shuffle",
     "data.image_root",
@@ -63,7 +65,8 @@ def run_facts(
     facts: dict[str, Any] = {GLOBAL_ROWS: global_rows, DATA_FILE: None}
     facts[SOURCE_FILES] = source_files(cfg) if sources is None else sources
     if cfg.data.dataset != "synthetic":
-        files = dataset_files("data.dataset", cfg.data.dataset)
+        mixed = data_sources(cfg.data.dataset, cfg.data.mixture)
+        files = [f for _, source in mixed for f in dataset_files("data.dataset", source)]
         h, size = hashlib.sha256(), 0
         for path in files:
             bytes_ = path.stat().st_size

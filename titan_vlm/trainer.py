@@ -486,7 +486,7 @@ class Trainer(Stateful):
         synthetic = v.dataset == "synthetic"
         held_out = dataclasses.replace(
             cfg,
-            data=dataclasses.replace(cfg.data, dataset=v.dataset, shuffle=False),
+            data=dataclasses.replace(cfg.data, dataset=v.dataset, mixture="", shuffle=False),
             training=dataclasses.replace(
                 cfg.training, seed=cfg.training.seed + 1 if synthetic else cfg.training.seed
             ),

@@ -125,6 +125,10 @@ def _validate_recipe_keys(cfg: JobConfig) -> None:
     ):
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
+    if v.enable and v.dataset == "mixture":
+        raise ConfigError(
+            "validation.dataset: one source (a file, folder or pattern), not a mixture"
+        )
     if v.enable and v.dataset != "synthetic":
         dataset_files("validation.dataset", v.dataset)
     if v.enable and v.dataset == "synthetic" and cfg.data.native_resolution_pixels:

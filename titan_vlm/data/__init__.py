@@ -11,6 +11,7 @@ Dataset (dataset.py).
       records.py      the record schema: one record into Sample parts
       chat.py         the built-in chat template and captions
       bad_samples.py  how bad samples are reported
+    mixture.py      MixtureDataset: several sources' rows dealt by weight
     tokenizer.py    the byte tokenizer or a tokenizer.json (tokenizer_classes.py: as transformers)
     hf_processor.py a Hugging Face folder's tokenizer, chat template and image preprocessing
     images.py       image decoding and transformers' image preprocessing
@@ -72,7 +73,8 @@ def build_dataset(
     slot_data: SlotData | None = None,
     share: IndexShare | None = None,
 ) -> Dataset:
-    """The dataset data.dataset names: "synthetic" or a .json / .jsonl file. Both read a batch as
+    """The dataset data.dataset names: "synthetic", a dataset file (or files), or "mixture" of
+    several (data/mixture.py). Each reads a batch as
     `batch(step, dp_rank, dp_size, local_batch_size)` (rows numbered globally, so the step is the
     data position: data/dataset.py) and carry the counters the metrics report (bad_at_startup,
     truncated, dropped).
@@ -86,11 +88,12 @@ def build_dataset(
     `share`: how the job's processes split a file's start-up pass (data/shared_pass.py)."""
     from titan_vlm.data.images import NativeResolution
     from titan_vlm.data.jsonl import JsonlDataset
+    from titan_vlm.data.mixture import MixtureDataset, data_sources
     from titan_vlm.data.synthetic import SyntheticCaptions
     from titan_vlm.errors import ConfigError
 
     d, t = cfg.data, cfg.training
-    if d.dataset == "synthetic":
+    if d.dataset == "synthetic" and not d.mixture:
         return SyntheticCaptions(
             args.image_size,
             args.tokens_per_image,
@@ -111,26 +114,33 @@ def build_dataset(
             "read through model.hf_path's processor: set it to a folder with tokenizer.json and "
             "processor settings (preprocessor_config.json or processor_config.json)"
         )
-    return JsonlDataset(
-        d.dataset,
-        tokenizer,
-        args.image_size,
-        args.tokens_per_image,
-        t.seq_len,
-        t.seed,
-        packing=d.packing,
-        shuffle=d.shuffle,
-        image_root=d.image_root,
-        on_bad_sample=d.on_bad_sample,
-        max_image_pixels=d.max_image_pixels,
-        log_startup=log_startup,
-        log_batches=log_batches,
-        processor=processor,
-        max_frames=d.max_frames,
-        rule=rule,
-        slot_data=slot_data,
-        share=share,
-    )
+    sources = data_sources(d.dataset, d.mixture)
+    built = [
+        JsonlDataset(
+            source,
+            tokenizer,
+            args.image_size,
+            args.tokens_per_image,
+            t.seq_len,
+            t.seed,
+            packing=d.packing,
+            shuffle=d.shuffle,
+            image_root=d.image_root,
+            on_bad_sample=d.on_bad_sample,
+            max_image_pixels=d.max_image_pixels,
+            log_startup=log_startup,
+            log_batches=log_batches,
+            processor=processor,
+            max_frames=d.max_frames,
+            rule=rule,
+            slot_data=slot_data,
+            share=share,
+        )
+        for _, source in sources  # every rank builds them in this order (share's invariant)
+    ]
+    if d.dataset != "mixture":
+        return built[0]
+    return MixtureDataset(built, [w for w, _ in sources], d.on_bad_sample)
 
 
 def native_resolution(cfg: JobConfig, args: ImageGeometry) -> NativeResolution | None:

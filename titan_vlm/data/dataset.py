@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Set
 
 from titan_vlm.data.bad_samples import BadSampleLog
-from titan_vlm.data.batch import Batch, Sample, SlotData, SlotRule, collate
+from titan_vlm.data.batch import Batch, Prompt, Sample, SlotData, SlotRule, collate
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 
 
@@ -26,6 +26,17 @@ def batch_rows(step: int, dp_rank: int, dp_size: int, batch_size: int) -> range:
     """The global row numbers of dp rank `dp_rank`'s batch at `step`."""
     first = (step * dp_size + dp_rank) * batch_size
     return range(first, first + batch_size)
+
+
+def keep_one_slot(
+    rows: list[list[Sample]], tokenizer: ByteTokenizer | HFTokenizer
+) -> list[list[Sample]]:
+    """A batch's rows, where at least one sample is left; else (every sample of the batch was
+    dropped) one padding token that trains nothing in its first row: a rank with no slots at all
+    cannot run the step its peers run."""
+    if not any(rows):
+        rows[0] = [Sample([Prompt([tokenizer.PAD])])]
+    return rows
 
 
 class Dataset(ABC):

@@ -67,7 +67,7 @@ import json
 import random
 from array import array
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, overload
@@ -79,14 +79,13 @@ from titan_vlm.data.batch import (
     ImageBytes,
     ImageRef,
     Part,
-    Prompt,
     Sample,
     SlotData,
     SlotRule,
     VideoFrames,
     part_slots,
 )
-from titan_vlm.data.dataset import Dataset, batch_rows
+from titan_vlm.data.dataset import Dataset, batch_rows, keep_one_slot
 from titan_vlm.data.hf_processor import HFProcessor, kept_frame_files, video_file_frames
 from titan_vlm.data.image_batch import ImageRule
 from titan_vlm.data.images import (
@@ -98,6 +97,7 @@ from titan_vlm.data.images import (
     open_image,
 )
 from titan_vlm.data.json_spans import Span, Spans
+from titan_vlm.data.mixture import Schedule, data_sources
 from titan_vlm.data.record_files import FORMATS, NO_PYARROW, RecordFile, open_records
 from titan_vlm.data.records import BadSample, parse_record
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
@@ -184,7 +184,7 @@ def _one_format(key: str, value: str, files: list[Path]) -> list[Path]:
     kinds = sorted({".json" if f.suffix == ".jsonl" else f.suffix for f in files})
     if len(kinds) > 1:
         raise ConfigError(
-            f"{key}: {value} holds {' and '.join(kinds)} files: one format a dataset (name a "
+            f"{key}: {value} holds {' and '.join(kinds)} files: one format a source (name a "
             "glob pattern to choose)"
         )
     if kinds[0] in (".parquet", ".arrow") and importlib.util.find_spec("pyarrow") is None:
@@ -207,14 +207,18 @@ def validate_data_config(data: Data) -> None:
         raise ConfigError(
             f"data.native_resolution_pixels must be >= 0, got {data.native_resolution_pixels}"
         )
-    if data.dataset == "synthetic":
+    if data.dataset == "synthetic" and not data.mixture:
         if data.native_resolution_pixels:
             raise ConfigError(
                 "data.native_resolution_pixels is for a dataset file's images: the synthetic "
                 "data draws every image at the model's size (set it to 0)"
             )
         return
-    dataset_files("data.dataset", data.dataset)
+    sources = data_sources(data.dataset, data.mixture)
+    if data.mixture:
+        Schedule([w for w, _ in sources])  # weights too fine for a pattern: one line, now
+    for _, source in sources:
+        dataset_files("data.mixture" if data.mixture else "data.dataset", source)
     if data.image_root and not Path(data.image_root).is_dir():
         raise ConfigError(f"data.image_root: folder not found: {data.image_root}")
 
@@ -785,8 +789,11 @@ class JsonlDataset(Dataset):
         return None
 
     def read(self, rows: range) -> list[list[Sample]]:
+        return keep_one_slot(self.rows_of(rows), self.tokenizer)
+
+    def rows_of(self, rows: Iterable[int]) -> list[list[Sample]]:
         """Global rows `rows` (index rows `_index_row(r)`), their images decoded; a sample whose
-        image cannot be used is left out of its row."""
+        image cannot be used is left out of its row (which may be left empty)."""
         out: list[list[Sample]] = []
         with OpenFiles(self.files, self.names) as files:  # each file a batch reads, opened once
             for r in rows:
@@ -795,9 +802,4 @@ class JsonlDataset(Dataset):
                     for i in self.rows[self._index_row(r)]
                 )
                 out.append([s for s in decoded if s is not None])
-        if not any(out):
-            # Every sample of these rows (this rank's batch) was dropped. A rank with no slots at
-            # all cannot run the step its peers run, so it gets one padding token that trains
-            # nothing.
-            out[0] = [Sample([Prompt([self.tokenizer.PAD])])]
         return out
