@@ -2,6 +2,7 @@
 
     python benchmarks/data_loader.py [--workers 0,1,2,4] [--image-sizes 336x336,1600x1200]
         [--step-s 0.25] [--steps 24] [--startup-records 1000,10000,100000] [--startup-ranks 1,2]
+        [--format-records 100000]
 
 A corpus like the ones people fine-tune VLMs on, made here with a seed (nothing downloaded):
 58% one image and a 1-3 round chat, 15% 2-4 images, 12% text only, 10% captions, 5% 6-16 frame
@@ -18,16 +19,22 @@ the byte tokenizer (data/jsonl.py JsonlDataset, as the trainer builds it for a .
 2. Start-up (the JsonlDataset the trainer builds on every rank, its start-up pass shared by the
    ranks: data/shared_pass.py): the slowest rank's seconds and the largest peak resident memory
    by corpus size (records of the same mix, image files that exist) and number of ranks, on a
-   fresh gloo group each.
+   fresh gloo group each; built by the pass (and written to an index cache), then again mapped
+   from that cache (data/index_cache.py: a restart's or a resume's start-up).
+3. Start-up by format (--format-records records, 1 rank, index built): the same records as
+   JSONL, Parquet (row groups of 1,000), an Arrow IPC stream (as save_to_disk writes them) and a
+   WebDataset tar (one .json member a record), images beside the data.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import random
 import resource
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -38,6 +45,7 @@ import torch.distributed as dist
 from _group import run_group
 from PIL import Image
 
+from titan_vlm.data.index_cache import IndexCache
 from titan_vlm.data.jsonl import JsonlDataset
 from titan_vlm.data.loader import BatchLoader
 from titan_vlm.data.shared_pass import GroupShare
@@ -105,9 +113,11 @@ def write_corpus(folder: Path, records: int, size: tuple[int, int], seed: int = 
     return path
 
 
-def dataset(path: Path, share: GroupShare | None = None) -> JsonlDataset:
+def dataset(
+    path: Path, share: GroupShare | None = None, cache: IndexCache | None = None
+) -> JsonlDataset:
     """The corpus as the trainer reads it at these shapes (`share`: the ranks sharing its
-    start-up pass)."""
+    start-up pass; `cache`: where its index is kept between runs)."""
     return JsonlDataset(
         str(path),
         ByteTokenizer(),
@@ -118,7 +128,34 @@ def dataset(path: Path, share: GroupShare | None = None) -> JsonlDataset:
         packing=True,
         log_startup=False,
         share=share,
+        cache=cache,
     )
+
+
+def converted(path: Path, fmt: str) -> Path:
+    """The JSONL corpus `path` as a `fmt` file beside it (parquet, arrow or tar), the same records
+    (a table's columns: the keys any record has; null where one lacks it)."""
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    out = path.with_suffix(f".{fmt}")
+    if fmt == "tar":
+        with tarfile.open(out, "w") as tar:
+            for i, r in enumerate(records):
+                raw = json.dumps(r).encode()
+                info = tarfile.TarInfo(f"{i:08d}.json")
+                info.size = len(raw)
+                tar.addfile(info, io.BytesIO(raw))
+        return out
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    keys = ["image", "images", "video", "text", "conversations"]
+    table = pa.table({k: [r.get(k) for r in records] for k in keys})
+    if fmt == "parquet":
+        pq.write_table(table, out, row_group_size=1000)
+    else:
+        with pa.ipc.new_stream(str(out), table.schema) as sink:
+            sink.write_table(table, max_chunksize=1000)
+    return out
 
 
 def cpu_s() -> float:
@@ -149,12 +186,17 @@ def loader_row(path: Path, workers: int, steps: int, step_s: float) -> tuple[flo
     return sum(waits[1:]) / (steps - 1), rate, (cpu_s() - cpu0) / steps
 
 
-def startup_worker(rank: int, size: int, results, path: str) -> None:
+def startup_worker(rank: int, size: int, results, path: str, cache: str) -> None:
     """One rank of `size` building the dataset, the start-up pass shared as the trainer shares
-    it (data/shared_pass.py); rank 0 reports the slowest rank's seconds and the largest peak."""
+    it (data/shared_pass.py), its index cache in folder `cache` ("": none); rank 0 reports the
+    slowest rank's seconds and the largest peak."""
     dist.barrier()
     begin = time.perf_counter()
-    data = dataset(Path(path), GroupShare(dist.group.WORLD) if size > 1 else None)
+    data = dataset(
+        Path(path),
+        GroupShare(dist.group.WORLD) if size > 1 else None,
+        IndexCache(Path(cache)) if cache else None,
+    )
     seconds = time.perf_counter() - begin
     # VmHWM: this process's peak resident set since it started (spawned: its own), file pages
     # it mapped included (the ranks of a node share those: the page cache); RssAnon: its own
@@ -179,6 +221,7 @@ def main() -> None:
     p.add_argument("--records", type=int, default=2000, help="the loader table's corpus")
     p.add_argument("--startup-records", default="1000,10000,100000")
     p.add_argument("--startup-ranks", default="1,2", help="ranks sharing the start-up pass")
+    p.add_argument("--format-records", type=int, default=100000)
     a = p.parse_args()
     torch.set_num_threads(1)  # as a rank under run_train.sh (OMP_NUM_THREADS=1)
     folder = Path(tempfile.mkdtemp(prefix="data_loader_"))
@@ -196,20 +239,34 @@ def main() -> None:
             wait, rate, cpu = loader_row(path, workers, a.steps, a.step_s)
             print(f"| {h}x{w} | {workers} | {wait:.3f} | {rate:.2f} | {cpu:.3f} |", flush=True)
     print(
-        "\n| records | file MiB | ranks | start-up s (slowest rank) | peak RSS MiB (largest) | "
-        "own memory after, MiB (largest) |"
+        "\n| records | file MiB | ranks | index | start-up s (slowest rank) | peak RSS MiB "
+        "(largest) | own memory after, MiB (largest) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for n in (int(v) for v in a.startup_records.split(",")):
         path = write_corpus(folder, n, (64, 64))
         mib = path.stat().st_size / 2**20
         for ranks in (int(v) for v in a.startup_ranks.split(",")):
-            (r,) = run_group(startup_worker, ranks, 1, str(path))
-            print(
-                f"| {n} | {mib:.1f} | {ranks} | {r['s']:.2f} | {r['peak_mib']:.0f} | "
-                f"{r['own_mib']:.0f} |",
-                flush=True,
-            )
+            cache = tempfile.mkdtemp(prefix="index_", dir=folder)
+            for index in ("built", "mapped from the cache"):
+                (r,) = run_group(startup_worker, ranks, 1, str(path), cache)
+                print(
+                    f"| {n} | {mib:.1f} | {ranks} | {index} | {r['s']:.2f} | "
+                    f"{r['peak_mib']:.0f} | {r['own_mib']:.0f} |",
+                    flush=True,
+                )
+    print("\n| format | records | file MiB | start-up s | peak RSS MiB | own memory after, MiB |")
+    print("|---|---|---|---|---|---|")
+    path = write_corpus(folder, a.format_records, (64, 64), seed=1)
+    for fmt in ("jsonl", "parquet", "arrow", "tar"):
+        data = path if fmt == "jsonl" else converted(path, fmt)
+        (r,) = run_group(startup_worker, 1, 1, str(data), "")
+        mib = data.stat().st_size / 2**20
+        print(
+            f"| {fmt} | {a.format_records} | {mib:.1f} | {r['s']:.2f} | {r['peak_mib']:.0f} | "
+            f"{r['own_mib']:.0f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -1385,16 +1385,22 @@ def experts_all_to_all(
 
 
 def shared_index(
-    path: str, dp_shard: int, on_bad_sample: str = "skip", fail_on_rank: int | None = None
+    path: str,
+    dp_shard: int,
+    on_bad_sample: str = "skip",
+    fail_on_rank: int | None = None,
+    cache_folders: list[str] | None = None,
 ) -> dict:
     """The JsonlDataset of `path` (test_jsonl_data.py's shapes) built with the start-up pass
     shared over the world of `dp_shard` ranks (data/shared_pass.py GroupShare), rank 0 logging
     the start-up
     warnings: its index, counters, description and warnings, how many records this rank parsed
     ({"parsed"}), or the one line it raised ({"error"}: a UserError's line, else type and
-    message). `fail_on_rank`: that rank's parsing raises ValueError("a bug"), as a bug would."""
+    message). `fail_on_rank`: that rank's parsing raises ValueError("a bug"), as a bug would.
+    `cache_folders`: each rank's index cache folder (data/index_cache.py)."""
     import titan_vlm.data.jsonl as jsonl
     import titan_vlm.data.record_files as record_files
+    from titan_vlm.data.index_cache import IndexCache
     from titan_vlm.data.shared_pass import GroupShare
     from titan_vlm.data.tokenizer import ByteTokenizer
     from titan_vlm.errors import UserError
@@ -1423,6 +1429,11 @@ def shared_index(
                 on_bad_sample=on_bad_sample,
                 log_startup=dist.get_rank() == 0,
                 share=GroupShare(dist.group.WORLD),
+                cache=(
+                    IndexCache(Path(cache_folders[dist.get_rank()]), {"test": 1})
+                    if cache_folders
+                    else None
+                ),
             )
         except UserError as e:
             return {"error": str(e), "parsed": len(parsed)}

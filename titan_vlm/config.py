@@ -211,6 +211,12 @@ class Data:
     """A dataset file's rows in a new order every epoch (seeded by training.seed)."""
     max_empty_steps: int = 3
     """Stop the run when this many steps in a row carry no loss token (every sample bad)."""
+    cache_index: bool = True
+    """Keep a dataset file's start-up index (every record parsed, tokenized and sized) in
+    <job.dump_folder>/data_index, so that a restart, a resume or another run of the same files
+    and model with this dump folder maps it instead of building it again (data/index_cache.py;
+    keyed by titan_vlm's code, the model's source files and keys, and each file's path, size and
+    modification time)."""
     num_workers: int = 2
     """Loader worker processes per rank that build the batches (read, decode, preprocess, pack)
     ahead of the step, a step each in turn (data/loader.py); 0: each batch is built in the

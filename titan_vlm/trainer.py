@@ -33,6 +33,7 @@ from titan_vlm.data.batch import SlotData
 from titan_vlm.data.dataset import Dataset
 from titan_vlm.data.hf_processor import HFProcessor
 from titan_vlm.data.image_batch import ImageRule, num_images
+from titan_vlm.data.index_cache import IndexCache, code_digest
 from titan_vlm.data.loader import BatchLoader
 from titan_vlm.data.shared_pass import GroupShare
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
@@ -49,6 +50,7 @@ from titan_vlm.models.accounting import (
     param_counts,
 )
 from titan_vlm.models.build import build_model
+from titan_vlm.models.common.hf_folder import source_files
 from titan_vlm.models.registry import model_spec
 from titan_vlm.optim import (
     accumulation_steps,
@@ -475,6 +477,7 @@ class Trainer(Stateful):
             rule=rule,
             slot_data=slot_data,
             share=GroupShare(world) if dist.get_world_size(world) > 1 else None,
+            cache=index_cache(cfg) if cfg.data.cache_index else None,
         )
 
     def build_validation_data(
@@ -621,6 +624,18 @@ class Trainer(Stateful):
                 num_images(first.images),
                 where,
             )
+
+
+def index_cache(cfg: JobConfig) -> IndexCache:
+    """Where the data's start-up index is kept between runs (data.cache_index), and what of this
+    run decides it besides the dataset's own arguments: titan_vlm's code, the model's source
+    files (tokenizer, chat template, processor settings) and the keys that name them."""
+    m = cfg.model
+    model = [m.name, m.flavor, m.tokenizer_path, m.hf_path, m.hf_vision_path, m.hf_text_path]
+    return IndexCache(
+        Path(cfg.job.dump_folder) / "data_index",
+        {"code": code_digest(), "sources": source_files(cfg), "model": model},
+    )
 
 
 def _runs(positions: list[int]) -> str:

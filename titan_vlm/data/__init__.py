@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from titan_vlm.data.hf_processor import HFProcessor
     from titan_vlm.data.image_batch import ImageRule
     from titan_vlm.data.images import NativeResolution
+    from titan_vlm.data.index_cache import IndexCache
     from titan_vlm.data.jsonl import IndexShare
     from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -72,6 +73,7 @@ def build_dataset(
     rule: ImageRule | None = None,
     slot_data: SlotData | None = None,
     share: IndexShare | None = None,
+    cache: IndexCache | None = None,
 ) -> Dataset:
     """The dataset data.dataset names: "synthetic", a dataset file (or files), or "mixture" of
     several (data/mixture.py). Each reads a batch as
@@ -85,7 +87,8 @@ def build_dataset(
     take slots and travel (None: every image at the model's size), its per-slot data. A dataset
     file's images under a rule that is not NativeResolution (a family that sizes its images
     itself) are read through the folder's processor, whose images keep their own sizes.
-    `share`: how the job's processes split a file's start-up pass (data/shared_pass.py)."""
+    `share`: how the job's processes split a file's start-up pass (data/shared_pass.py);
+    `cache`: where a file's start-up index is kept between runs (data/index_cache.py)."""
     from titan_vlm.data.images import NativeResolution
     from titan_vlm.data.jsonl import JsonlDataset
     from titan_vlm.data.mixture import MixtureDataset, data_sources
@@ -135,6 +138,7 @@ def build_dataset(
             rule=rule,
             slot_data=slot_data,
             share=share,
+            cache=cache,
         )
         for _, source in sources  # every rank builds them in this order (share's invariant)
     ]

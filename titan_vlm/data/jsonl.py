@@ -64,6 +64,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import json
+import logging
 import random
 from array import array
 from collections import Counter
@@ -96,6 +97,9 @@ from titan_vlm.data.images import (
     load_native_image,
     open_image,
 )
+from titan_vlm.data.index_cache import CachedIndex, IndexCache, index_key
+from titan_vlm.data.index_cache import load as load_index
+from titan_vlm.data.index_cache import save as save_index
 from titan_vlm.data.json_spans import Span, Spans
 from titan_vlm.data.mixture import Schedule, data_sources
 from titan_vlm.data.record_files import FORMATS, NO_PYARROW, RecordFile, open_records
@@ -107,6 +111,8 @@ from titan_vlm.errors import ConfigError, UserError
 if TYPE_CHECKING:
     from titan_vlm.config import Data
 
+
+logger = logging.getLogger("titan_vlm")
 
 GLOB = "*?["  # a dataset value holding one of these is a glob pattern
 ENDINGS = " / ".join(FORMATS)  # for messages: ".jsonl / .json / .parquet / .arrow / .tar"
@@ -237,11 +243,14 @@ def _check_max_frames(max_frames: int) -> None:
 class IndexShare(Protocol):
     """How the processes of a job share the start-up pass over a file's records: this process
     indexes records `part(n)` (a contiguous run of the n), and `gather(mine)` returns every
-    process's part in process order, which is file order (the trainer's: data/shared_pass.py)."""
+    process's part in process order, which is file order; `agree(mine)`, whether every process
+    says yes (the trainer's: data/shared_pass.py)."""
 
     rank: int  # this process's part in the gathered list
 
     def part(self, n: int) -> range: ...
+
+    def agree(self, mine: bool) -> bool: ...
 
     def gather(self, mine: IndexPart) -> list[IndexPart]: ...
 
@@ -255,7 +264,7 @@ class IndexPart:
     one did."""
 
     lines: array = field(default_factory=lambda: array("q"))
-    files: array = field(default_factory=lambda: array("i"))
+    files: array = field(default_factory=lambda: array("q"))
     starts: array = field(default_factory=lambda: array("q"))
     ends: array = field(default_factory=lambda: array("q"))
     sizes: array = field(default_factory=lambda: array("q"))
@@ -336,7 +345,8 @@ class JsonlDataset(Dataset):
     ImageRule that sizes images itself (module docstring; it needs a `processor` whose images
     keep their own sizes); `slot_data`: the family's per-slot data of each sample (collate).
     `share`: how the processes of a job split the start-up pass (IndexShare; None: this process
-    does it all)."""
+    does it all). `cache`: where the index is kept between runs (data/index_cache.py; None: it
+    is built every time)."""
 
     bad: BadSampleLog
 
@@ -361,6 +371,7 @@ class JsonlDataset(Dataset):
         rule: ImageRule | None = None,
         slot_data: SlotData | None = None,
         share: IndexShare | None = None,
+        cache: IndexCache | None = None,
     ):
         _check_max_frames(max_frames)
         if native is not None and rule is not None and rule is not native:
@@ -403,17 +414,67 @@ class JsonlDataset(Dataset):
         # a video file's sized VideoRef, read once (its header: a Matroska file's packets are
         # counted, a scan of the file) and reused each time its record is read back
         self._video_files: dict[Path, VideoRef] = {}
-        # Each file's record spans (data/record_files.py; a JSON file is memory-mapped: its pages
-        # are the page cache's, shared by the ranks of a node; a .json array is decoded whole).
+        # The index: read from the cache of an earlier run of the same data and model (every
+        # process, or none: data/index_cache.py), else built by the start-up pass.
+        index, key = None, None
+        if cache is not None:
+            key = index_key({**cache.settings, **self._settings()}, self.files)
+            index = load_index(cache.folder, key)
+            if share is not None and not share.agree(index is not None):
+                index = None  # some process cannot read it: all of them build the index
+        if index is None:
+            index = self._start_up_pass(share, log_startup)
+            if cache is not None and key is not None and (share is None or share.rank == 0):
+                save_index(cache.folder, key, index)
+        elif log_startup and cache is not None:
+            logger.info("data: %s: the index read from %s", self.name, cache.folder / str(key))
+        for where, reason, action in index.reports:  # in file order, logged where it logs
+            self.bad.report(where, reason, log_startup, action)
+        self.records = index.records
+        # Kept samples: where each record is, and its size in slots (after truncation).
+        self.lines, self.starts, self.ends = index.lines, index.starts, index.ends
+        self.file_of = index.files  # each kept sample's file (self.files)
+        self._video_files.update(index.videos)
+        self.skipped.update(index.skipped)
+        self.truncated, self.num_images = index.truncated, index.num_images
+        self.num_videos = index.num_videos
+        self.bad_at_startup = sum(self.skipped.values())
+        sizes = index.sizes
+        self.rows = self._pack(sizes)
+        if not self.rows:
+            raise ConfigError(
+                f"data.dataset: {self.name}: no usable samples in {self.records} record(s)"
+            )
+
+    def _settings(self) -> dict[str, object]:
+        """What of this dataset's own arguments decides its index (the cache key's part)."""
+        return {
+            "dataset": self.name,
+            "image_size": self.image_size,
+            "tokens_per_image": self.tokens_per_image,
+            "seq_len": self.seq_len,
+            "rule": repr(self.rule),
+            "roots": [str(r) for r in self.roots],
+            "max_image_pixels": self.max_image_pixels,
+            "max_frames": self.max_frames,
+            "processor": self.processor.folder if self.processor is not None else None,
+            "tokenizer": type(self.tokenizer).__name__,
+        }
+
+    def _start_up_pass(self, share: IndexShare | None, log_startup: bool) -> CachedIndex:
+        """The index, built: each file's record spans (data/record_files.py; a JSON file is
+        memory-mapped: its pages are the page cache's, shared by the ranks of a node; a .json
+        array is decoded whole), then the start-up pass (parse, tokenize, read headers) over the
+        files' records numbered in turn, split over the processes `share` names, each a
+        contiguous run of them, and merged in file order: every process holds the whole index.
+        The first error in file order is raised on every process (after the bad samples before
+        it are reported); the reports of a pass that ends are the caller's to report."""
         spans = []
         for k in range(len(self.files)):
             with open_records(self.files[k], self.names[k]) as source:
                 spans.append(source.spans())
-        self.records = sum(len(sp) for sp in spans)
-        # The start-up pass (parse, tokenize, read headers) over the files' records numbered in
-        # turn, split over the processes `share` names, each a contiguous run of them; every
-        # process then holds the whole index.
-        part = share.part(self.records) if share is not None else range(self.records)
+        records = sum(len(sp) for sp in spans)
+        part = share.part(records) if share is not None else range(records)
         mine, failure, first = IndexPart(), None, 0
         for k, sp in enumerate(spans):
             lo, hi = max(part.start - first, 0), min(part.stop - first, len(sp))
@@ -423,39 +484,32 @@ class JsonlDataset(Dataset):
                     failure = self._index_part(k, source, sp[lo:hi], log_startup, mine)
         del spans
         parts = share.gather(mine) if share is not None else [mine]
-        # Kept samples: where each record is, and its size in slots (after truncation).
-        self.lines, self.starts, self.ends = array("q"), array("q"), array("q")
-        self.file_of = array("i")  # each kept sample's file (self.files)
-        sizes = array("q")
-        self.truncated = self.num_images = self.num_videos = 0
-        for k, index in enumerate(parts):  # file order, as one process would have gone
-            for where, reason, _, action in index.reports:  # logged where this process logs
-                self.bad.report(where, reason, log_startup, action)
-            if index.error is not None:  # the first error in file order stops every process
-                raise index.error
-            if index.failure is not None:
+        index = CachedIndex.empty(records)
+        for k, got in enumerate(parts):  # file order, as one process would have gone
+            index.reports += [(where, reason, action) for where, reason, _, action in got.reports]
+            if got.error is not None or got.failure is not None:
+                for where, reason, action in index.reports:  # those before it, then the error
+                    self.bad.report(where, reason, log_startup, action)
+            if got.error is not None:  # the first error in file order stops every process
+                raise got.error
+            if got.failure is not None:
                 if k == (share.rank if share is not None else 0) and failure is not None:
                     raise failure  # this process's own: raised as it came
                 raise RuntimeError(
                     f"data.dataset: {self.name}: the start-up pass failed on rank {k} of "
-                    f"{len(parts)}: {index.failure}"
+                    f"{len(parts)}: {got.failure}"
                 )
-            self._video_files.update(index.videos)
-            self.lines.extend(index.lines)
-            self.file_of.extend(index.files)
-            self.starts.extend(index.starts)
-            self.ends.extend(index.ends)
-            sizes.extend(index.sizes)
-            self.skipped.update(index.skipped)
-            self.truncated += index.truncated
-            self.num_images += index.num_images
-            self.num_videos += index.num_videos
-        self.bad_at_startup = sum(self.skipped.values())
-        self.rows = self._pack(sizes)
-        if not self.rows:
-            raise ConfigError(
-                f"data.dataset: {self.name}: no usable samples in {self.records} record(s)"
-            )
+            index.videos.update(got.videos)
+            index.lines.extend(got.lines)
+            index.files.extend(got.files)
+            index.starts.extend(got.starts)
+            index.ends.extend(got.ends)
+            index.sizes.extend(got.sizes)
+            index.skipped.update(got.skipped)
+            index.truncated += got.truncated
+            index.num_images += got.num_images
+            index.num_videos += got.num_videos
+        return index
 
     def _index_part(
         self, k: int, source: RecordFile, spans: Spans, log: bool, out: IndexPart

@@ -32,6 +32,12 @@ class GroupShare:
         """This rank's run of the n records."""
         return range(n * self.rank // self.size, n * (self.rank + 1) // self.size)
 
+    def agree(self, mine: bool) -> bool:
+        """Whether every rank says yes (each rank calls it at the same point)."""
+        every: list[bool | None] = [None] * self.size
+        dist.all_gather_object(every, mine, group=self.group)
+        return all(every)
+
     def gather(self, mine: IndexPart) -> list[IndexPart]:
         """Every rank's part, in rank order."""
         parts: list[IndexPart | None] = [None] * self.size

@@ -1,0 +1,192 @@
+"""A dataset's start-up index kept between runs (`data.cache_index`, data/jsonl.py): the pass that
+parses and tokenizes every record runs once; a restart, a resume or another run of the same data
+and model maps the index instead (memory-mapped: the ranks of a node share its pages).
+
+    <job.dump_folder>/data_index/<key>/arrays.bin   5 x n int64: lines, files, starts, ends, sizes
+                                      /meta.json    counters, bad-sample reports, video headers,
+                                                    the arrays' size and SHA-256
+
+Invariants: the key covers everything that decides the index (`index_key`: titan_vlm's own code,
+the model's source files, the config keys that size a sample, and each dataset file's path, size
+and modification time), so a cached index is the one the pass would build; a cache that does not
+match its own digest, or cannot be read, is passed over with a warning and built again; a cache is
+written whole or not at all (a folder renamed into place), by one rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import tempfile
+from array import array
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from titan_vlm.data.images import VideoRef
+
+logger = logging.getLogger("titan_vlm")
+
+VERSION = 1  # of the files' layout
+ARRAYS = ("lines", "files", "starts", "ends", "sizes")
+CODE = Path(__file__).resolve().parents[1]  # titan_vlm/: its code decides what a record becomes
+
+
+@dataclass(frozen=True)
+class IndexCache:
+    """Where a dataset keeps its index between runs, and what of the run decides the index
+    besides the dataset's own arguments (the trainer's `settings`: titan_vlm's code, the model's
+    source files, the config keys that build the model and tokenizer; JSON-able)."""
+
+    folder: Path
+    settings: dict[str, Any] = field(default_factory=dict, hash=False)
+
+
+def code_digest() -> str:
+    """SHA-256 of titan_vlm's Python files (their names and bytes): any change of the code that
+    parses, tokenizes and sizes records makes a new key."""
+    h = hashlib.sha256()
+    for path in sorted(CODE.rglob("*.py")):
+        h.update(f"{path.relative_to(CODE).as_posix()}\0".encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def index_key(settings: dict[str, Any], files: list[Path]) -> str:
+    """The cache key of a dataset's index: `settings` (what else decides it: the caller's model
+    and config, JSON-able) and each file's resolved path, size and modification time."""
+    stats = []
+    for f in files:
+        st = f.stat()
+        stats.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    text = json.dumps({"version": VERSION, "settings": settings, "files": stats}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@dataclass
+class CachedIndex:
+    """An index as the start-up pass merges it (data/jsonl.py): per kept sample its line, file,
+    byte span (or row) and slots; the counters; the bad-sample reports in file order (where,
+    reason, action); the video headers read."""
+
+    records: int
+    lines: Any  # Sequence[int]: an array, or a view of the mapped file
+    files: Any
+    starts: Any
+    ends: Any
+    sizes: Any
+    skipped: Counter[str]
+    truncated: int
+    num_images: int
+    num_videos: int
+    reports: list[tuple[str, str, str]]
+    videos: dict[Path, VideoRef]
+
+    @classmethod
+    def empty(cls, records: int) -> CachedIndex:
+        """An index of `records` records to fill, none kept yet."""
+        lines, files, starts, ends, sizes = (array("q") for _ in ARRAYS)
+        return cls(records, lines, files, starts, ends, sizes, Counter(), 0, 0, 0, [], {})
+
+
+def _video_json(ref: VideoRef) -> dict[str, Any]:
+    return {
+        "path": str(ref.path),
+        "frames": [str(f) for f in ref.frames],
+        "frame_size": list(ref.frame_size) if ref.frame_size is not None else None,
+        "indices": list(ref.indices),
+        "fps": ref.fps,
+        "rate": ref.rate,
+    }
+
+
+def _video_ref(d: dict[str, Any]) -> VideoRef:
+    size = d["frame_size"]
+    return VideoRef(
+        Path(d["path"]),
+        frames=tuple(Path(f) for f in d["frames"]),
+        frame_size=(size[0], size[1]) if size is not None else None,
+        indices=tuple(d["indices"]),
+        fps=d["fps"],
+        rate=d["rate"],
+    )
+
+
+def save(folder: Path, key: str, index: CachedIndex) -> None:
+    """Write `index` as key's cache in `folder` (in place of one there). A failure to write (a
+    full disk, a read-only folder) is a warning: the run goes on without the cache."""
+    final = folder / key
+    tmp: Path | None = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=folder))
+        digest = hashlib.sha256()
+        with open(tmp / "arrays.bin", "wb") as f:
+            for name in ARRAYS:
+                raw = array("q", getattr(index, name)).tobytes()
+                digest.update(raw)
+                f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        meta = {
+            "version": VERSION,
+            "records": index.records,
+            "samples": len(index.lines),
+            "arrays_sha256": digest.hexdigest(),
+            "skipped": dict(index.skipped),
+            "truncated": index.truncated,
+            "num_images": index.num_images,
+            "num_videos": index.num_videos,
+            "reports": [list(r) for r in index.reports],
+            "videos": [_video_json(v) for v in index.videos.values()],
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        if final.exists():  # one some rank could not use (unreadable, damaged, not seen there)
+            old = Path(tempfile.mkdtemp(prefix=f".{key}-old-", dir=folder))
+            os.replace(final, old / key)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(tmp, final)  # whole or not at all
+        tmp = None
+    except OSError as e:
+        logger.warning("data: index cache %s not written (%s): the next run builds it", final, e)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load(folder: Path, key: str) -> CachedIndex | None:
+    """Key's cached index in `folder`, its arrays memory-mapped; None where there is none, or
+    (with a warning) where it cannot be read or does not match its digest."""
+    where = folder / key
+    if not (where / "meta.json").is_file():
+        return None
+    try:
+        meta = json.loads((where / "meta.json").read_text())
+        n = meta["samples"]
+        with open(where / "arrays.bin", "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if n else b""
+        if meta["version"] != VERSION or len(mapped) != len(ARRAYS) * n * 8:
+            raise ValueError(f"{len(mapped)} bytes of arrays for {n} samples")
+        if hashlib.sha256(mapped).hexdigest() != meta["arrays_sha256"]:
+            raise ValueError("arrays.bin does not match its SHA-256")
+        view = memoryview(mapped).cast("q") if n else memoryview(array("q"))
+        arrays = {name: view[k * n : (k + 1) * n] for k, name in enumerate(ARRAYS)}
+        videos = [_video_ref(v) for v in meta["videos"]]
+        return CachedIndex(
+            records=meta["records"],
+            skipped=Counter(meta["skipped"]),
+            truncated=meta["truncated"],
+            num_images=meta["num_images"],
+            num_videos=meta["num_videos"],
+            reports=[(w, r, a) for w, r, a in meta["reports"]],
+            videos={v.path: v for v in videos},
+            **arrays,
+        )
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        logger.warning("data: index cache %s unusable (%s): building the index again", where, e)
+        return None
