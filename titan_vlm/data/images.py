@@ -88,12 +88,16 @@ def open_image(
     """The image file (or a dataset file's image bytes), opened lazily (pixels not yet decoded).
     `max_pixels`: raise ImageTooLarge, from the header alone, for an image with more pixels.
     Pillow's own errors (a missing, truncated or corrupt file) pass through."""
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
     try:
         img = Image.open(io.BytesIO(path.data) if isinstance(path, ImageBytes) else path)
     except Image.DecompressionBombError as e:  # Pillow's own bound (2 x Image.MAX_IMAGE_PIXELS)
         raise ImageTooLarge(str(e)) from None
+    except UnidentifiedImageError as e:  # bytes: named as a file would be, not "<_io.BytesIO>"
+        if isinstance(path, ImageBytes):
+            raise UnidentifiedImageError(f"cannot identify image file {path.name!r}") from None
+        raise e
     with img:
         width, height = img.size  # from the header; pixels are decoded lazily
         if max_pixels is not None and width * height > max_pixels:

@@ -62,7 +62,6 @@ one pass.
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import logging
 import random
@@ -139,9 +138,14 @@ def dataset_files(key: str, value: str) -> list[Path]:
     path = Path(value)
     if path.is_dir():
         if (path / "dataset_dict.json").is_file():
+            try:
+                splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+            except (OSError, ValueError, KeyError, TypeError):
+                splits = []
+            named = ", ".join(str(path / split) for split in splits) or "a split's folder"
             raise ConfigError(
                 f"{key}: {value} is a Hugging Face DatasetDict folder: name one split's folder "
-                f"(e.g. {path / 'train'})"
+                f"({named})"
             )
         if (path / "state.json").is_file():
             return _one_format(key, value, _saved_dataset(key, path))
@@ -193,8 +197,11 @@ def _one_format(key: str, value: str, files: list[Path]) -> list[Path]:
             f"{key}: {value} holds {' and '.join(kinds)} files: one format a source (name a "
             "glob pattern to choose)"
         )
-    if kinds[0] in (".parquet", ".arrow") and importlib.util.find_spec("pyarrow") is None:
-        raise ConfigError(f"{key}={value!r}: {NO_PYARROW}")
+    if kinds[0] in (".parquet", ".arrow"):
+        try:
+            import pyarrow.parquet  # noqa: F401 - installed, and importable here
+        except ImportError as e:
+            raise ConfigError(f"{key}={value!r}: {NO_PYARROW} ({e})") from None
     return files
 
 
@@ -524,10 +531,12 @@ class JsonlDataset(Dataset):
         failure, root = None, self.roots[k]
         with self.bad.recorded() as reports:
             try:
-                for span in spans:
+                for span, record in source.records(spans):
                     try:
+                        if isinstance(record, BadSample):
+                            raise record
                         parts = parse_record(
-                            source.record(span),
+                            record,
                             self.tokenizer,
                             root,
                             check_files=True,

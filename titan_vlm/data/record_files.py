@@ -10,10 +10,11 @@
                files of a Hugging Face datasets
                folder (save_to_disk)
     .tar       WebDataset: members grouped by key    a key's members    shard-0.tar sample 00012
-               (00012.json, 00012.jpg, 00012.txt)
+               (00012.json, 00012.jpg, 00012.txt)                          (#12)
 
-A reader lists every record as a `Span(line, start, end)`: `line` is the number warnings name
-(a JSON file's 1-based line, a table's 0-based row, a tar's 0-based sample), `[start, end)`
+A reader lists every record as a `Span(line, start, end)`: `line` is the record's number in its
+file (a JSON file's 1-based line, a table's 0-based row, a tar's 0-based sample, which warnings
+name beside its key), `[start, end)`
 where the record lies (bytes of a JSON file or a tar, rows of a table). `record(span)` reads one
 back as the dict data/records.py parses (BadSample where it cannot be: malformed JSON, a tar
 sample without text). Records hold the same keys in every format.
@@ -27,11 +28,12 @@ WebDataset samples (consecutive members whose names share the part before the ba
 dot, webdataset's rule; members without a dot, and folders, belong to none): the record is the
 `.json` member, with the `.txt` member as its "text" where it has neither "text" nor
 "conversations" (image-caption shards: 00012.jpg + 00012.txt). Image members (`IMAGE_ENDINGS`)
-are the record's images in member order, where the record names none; where it names some, each
-name that is a member's ending ("jpg", "0.jpg") or whole name ("00012.jpg") is that member, any
-other a file beside the shard (as in a JSON record), and an image member no name takes is a bad
-sample, as is a video member (videos are files named in "video"). A tar must be uncompressed:
-records are read back by byte offset.
+are the record's images where the record names none (one; or several numbered "0.png", "1.png",
+..., in their numbers' order); where it names some, each name that is a member's ending ("jpg",
+"0.jpg") or name ("00012.jpg", with or without its folder; case aside) is that member, any other
+a file beside the shard (as in a JSON record), and an image member no name takes is a bad
+sample, as are a link member and a video member (videos are files named in "video"). A tar must
+be uncompressed and whole (its end-of-archive blocks there): records are read back by offset.
 
 Invariants: spans are in file order and `record` is a pure function of the file and the span
 (reading it again gives the same record); a file that cannot be read as its format is a
@@ -48,6 +50,7 @@ import re
 import tarfile
 from abc import ABC, abstractmethod
 from array import array
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -83,6 +86,15 @@ class RecordFile(ABC):
     def where(self, span: Span) -> str:
         """The record as warnings name it."""
         return f"{self.name} row {span.line}"
+
+    def records(self, spans: Spans) -> Iterator[tuple[Span, Json | BadSample]]:
+        """`record` of each of `spans` (in file order), a BadSample in its place where one
+        cannot be a record: the start-up pass's reading."""
+        for span in spans:
+            try:
+                yield span, self.record(span)
+            except BadSample as bad:
+                yield span, bad
 
     @abstractmethod
     def close(self) -> None:
@@ -151,14 +163,14 @@ def row_spans(n: int) -> Spans:
 
 class TableRecords(RecordFile):
     """A table's rows in pieces (a Parquet file's row groups, an Arrow file's record batches),
-    the last piece read kept as Python rows: consecutive records, as a packed row reads them,
-    cost one piece."""
+    the last piece read kept: a packed row's consecutive records cost one piece. A record read
+    alone (a batch's) converts its row; the start-up pass (`records`) a piece at a time."""
 
     def __init__(self, path: Path, name: str):
         super().__init__(path, name)
         self.pa = _pyarrow()
         self.firsts: list[int] = []  # each piece's first row; then the number of rows
-        self.cached: tuple[int, list[dict[str, Any]]] | None = None
+        self.cached: tuple[int, pa.Table | pa.RecordBatch] | None = None
 
     @abstractmethod
     def piece(self, k: int) -> pa.Table | pa.RecordBatch:
@@ -167,15 +179,45 @@ class TableRecords(RecordFile):
     def spans(self) -> Spans:
         return row_spans(self.firsts[-1])
 
-    def record(self, span: Span) -> Json:
-        k = bisect.bisect_right(self.firsts, span.start) - 1
+    def _piece_of(self, row: int) -> tuple[int, pa.Table | pa.RecordBatch]:
+        """The piece that holds `row`, and its first row."""
+        k = bisect.bisect_right(self.firsts, row) - 1
         if self.cached is None or self.cached[0] != k:
             try:
-                rows = self.piece(k).to_pylist()
+                self.cached = (k, self.piece(k))
             except (OSError, self.pa.ArrowException) as e:
                 raise self._cannot(e) from None
-            self.cached = (k, rows)
-        return table_record(self.cached[1][span.start - self.firsts[k]], self.where(span))
+        return self.firsts[k], self.cached[1]
+
+    def _rows(self, piece: pa.Table | pa.RecordBatch) -> list[dict[str, Any] | BadSample]:
+        """The piece's rows as Python values; a row whose strings are not UTF-8 a BadSample."""
+        try:
+            return cast(list[dict[str, Any] | BadSample], piece.to_pylist())
+        except UnicodeDecodeError:  # the rows one at a time, to find which
+            return [self._row(piece, i) for i in range(piece.num_rows)]
+
+    def _row(self, piece: pa.Table | pa.RecordBatch, i: int) -> dict[str, Any] | BadSample:
+        try:
+            return cast(dict[str, Any], piece.slice(i, 1).to_pylist()[0])
+        except UnicodeDecodeError as e:
+            return BadSample("undecodable text", f"a string cell is not UTF-8 ({e.reason})")
+
+    def record(self, span: Span) -> Json:
+        first, piece = self._piece_of(span.start)
+        row = self._row(piece, span.start - first)
+        if isinstance(row, BadSample):
+            raise row
+        return table_record(row, self.where(span))
+
+    def records(self, spans: Spans) -> Iterator[tuple[Span, Json | BadSample]]:
+        rows: list[dict[str, Any] | BadSample] = []
+        first = -1
+        for span in spans:
+            if not first <= span.start < first + len(rows):
+                first, piece = self._piece_of(span.start)
+                rows = self._rows(piece)
+            row = rows[span.start - first]
+            yield span, row if isinstance(row, BadSample) else table_record(row, self.where(span))
 
 
 class ParquetRecords(TableRecords):
@@ -254,13 +296,15 @@ def _image_cell(value: Any, name: str) -> Any:
     return value
 
 
-# webdataset's split of a member name into the sample's key and the member's ending
+# webdataset's split of a member name into the sample's key and the member's ending: the key is
+# the name up to the first dot of its last part ("dir.v2/00012.1.png": "dir.v2/00012", "1.png")
 _KEY_ENDING = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
+_NUMBERED = re.compile(r"^(\d+)\.[^.]+$")  # an ending "12.png": the 12th image of several
 
 
 class TarRecords(RecordFile):
     """A WebDataset tar shard (module docstring): a sample's span is the bytes from its first
-    member's header to its last member's end."""
+    member's header to its last member's end (padding included)."""
 
     def __init__(self, path: Path, name: str):
         super().__init__(path, name)
@@ -282,7 +326,7 @@ class TarRecords(RecordFile):
                 # tarfile keeps every member it has read (not typed): not a corpus's worth
                 cast(Any, tar).members.clear()
                 match = _KEY_ENDING.match(member.name)
-                if not member.isfile() or match is None:
+                if member.isdir() or match is None:  # not in a sample (links are: record())
                     continue
                 end = member.offset_data + -(-member.size // BLOCK) * BLOCK  # with its padding
                 if match.group(1) == key:
@@ -293,22 +337,36 @@ class TarRecords(RecordFile):
             tail = tar.offset
         except (tarfile.TarError, OSError) as e:
             raise self._cannot(f"not an uncompressed tar file ({e})") from None
-        self.file.seek(tail)
-        if tail < size and self.file.read(size - tail).strip(b"\0"):
-            raise self._cannot(f"not a tar file after byte {tail} (a truncated or corrupt shard)")
+        self._check_end(tail, size)
         return spans
 
-    def members(self, span: Span) -> list[tuple[str, bytes]]:
-        """The (name, bytes) of the sample's members, in order."""
+    def _check_end(self, tail: int, size: int) -> None:
+        """After the last member (at `tail`) a tar has its end: zero blocks to the file's end.
+        A file cut at a member's end has none; one with other bytes there is not all tar."""
+        if tail + BLOCK > size:
+            raise self._cannot(
+                f"no end-of-archive block after byte {tail} (a truncated shard: a copy or a "
+                "write that did not finish)"
+            )
+        self.file.seek(tail)
+        while chunk := self.file.read(1 << 20):
+            if chunk.strip(b"\0"):
+                raise self._cannot(
+                    f"not a tar file after byte {tail} (a truncated or corrupt shard)"
+                )
+
+    def members(self, span: Span) -> list[tuple[str, bytes | None]]:
+        """The (name, bytes) of the sample's members, in order; a link's bytes None."""
         self.file.seek(span.start)
         blob = io.BytesIO(self.file.read(span.end - span.start))
-        out = []
+        out: list[tuple[str, bytes | None]] = []
         try:
             with tarfile.open(fileobj=blob, mode="r:") as tar:
                 for member in tar:
-                    data = tar.extractfile(member)
-                    if data is not None and _KEY_ENDING.match(member.name):
-                        out.append((member.name, data.read()))
+                    if member.isdir() or not _KEY_ENDING.match(member.name):
+                        continue
+                    data = tar.extractfile(member) if member.isfile() else None
+                    out.append((member.name, data.read() if data is not None else None))
         except (tarfile.TarError, OSError) as e:
             raise self._cannot(f"changed since start-up ({e})") from None
         return out
@@ -322,8 +380,10 @@ class TarRecords(RecordFile):
             except (tarfile.TarError, OSError):
                 first = None
             match = _KEY_ENDING.match(first.name) if first is not None else None
-            self.last = (span.start, match.group(1) if match else str(span.line))
-        return f"{self.name} sample {self.last[1]}"
+            self.last = (span.start, match.group(1) if match else "?")
+        # a key may come back later in a shard (another sample, as webdataset reads it): the
+        # sample's number tells them apart
+        return f"{self.name} sample {self.last[1]} (#{span.line})"
 
     def record(self, span: Span) -> Json:
         members = self.members(span)
@@ -334,6 +394,11 @@ class TarRecords(RecordFile):
         self.last = (span.start, key)
         by_ending: dict[str, tuple[str, bytes]] = {}
         for name, data in members:
+            if data is None:
+                raise BadSample(
+                    "bad record",
+                    f"{name} is a link: a sample's members must be files (tar --hard-dereference)",
+                )
             ending = _ending(name)[1]
             if ending in by_ending:
                 raise BadSample("bad record", f"two members named {name}")
@@ -351,7 +416,7 @@ class TarRecords(RecordFile):
                 record["text"] = by_ending["txt"][1].decode("utf-8")
             except UnicodeDecodeError:
                 raise BadSample("undecodable text", f"{key}.txt is not UTF-8") from None
-        if not record:
+        if "json" not in by_ending and "txt" not in by_ending:
             raise BadSample("bad record", f"sample {key} has no .json or .txt member")
         images = {e: m for e, m in by_ending.items() if e.rsplit(".", 1)[-1] in IMAGE_ENDINGS}
         videos = [m[0] for e, m in by_ending.items() if e.rsplit(".", 1)[-1] in VIDEO_ENDINGS]
@@ -361,34 +426,59 @@ class TarRecords(RecordFile):
                 f"a video member ({videos[0]}): videos are files named in the record's 'video'",
             )
         if "image" not in record and "images" not in record:
-            found = [ImageBytes(data, f"{self.name}/{name}") for name, data in images.values()]
-            if len(found) == 1:
-                record["image"] = found[0]
-            elif found:
-                record["images"] = list(found)
+            _unnamed_images(record, images, key, self.name)
             return record
-        key_name = "image" if "image" in record else "images"
-        named = record[key_name]
-        listed = named if isinstance(named, list) else [named]
-        taken: set[str] = set()
-        out: list[Json] = []
-        for value in listed:
-            ending = value if isinstance(value, str) else ""
-            if ending.startswith(f"{key}."):
-                ending = ending[len(key) + 1 :]
-            if ending in images:
-                name, data = images[ending]
-                taken.add(ending)
-                out.append(ImageBytes(data, f"{self.name}/{name}"))
-            else:
-                out.append(value)
-        left = [images[e][0] for e in images if e not in taken]
-        if left:
-            raise BadSample(
-                "bad record", f"image member {left[0]} is not one of the record's images"
-            )
-        record[key_name] = out if isinstance(named, list) else out[0]
+        _named_images(record, images, key, self.name)
         return record
+
+
+def _unnamed_images(
+    record: dict[str, Json], images: dict[str, tuple[str, bytes]], key: str, shard: str
+) -> None:
+    """A record that names no image takes its sample's image members: one as "image"; several,
+    numbered ("0.png", "1.png", ..., "10.png"), as "images" in their numbers' order."""
+    found = {e: ImageBytes(data, f"{shard}/{name}") for e, (name, data) in images.items()}
+    if len(found) == 1:
+        (record["image"],) = found.values()
+    elif found:
+        numbers = {e: _NUMBERED.match(e) for e in found}
+        if not all(numbers.values()):
+            raise BadSample(
+                "bad record",
+                f"sample {key} has several image members ({', '.join(sorted(found))}) that are "
+                "not numbered (0.jpg, 1.jpg, ...): name them in the record's 'images'",
+            )
+        order = sorted(found, key=lambda e: int(numbers[e].group(1)))  # type: ignore[union-attr]
+        record["images"] = [found[e] for e in order]
+
+
+def _named_images(
+    record: dict[str, Json], images: dict[str, tuple[str, bytes]], key: str, shard: str
+) -> None:
+    """The record's image names that are its sample's members as their bytes: a member is named
+    by its ending ("jpg", "1.png") or its name, with or without its folder (case aside); any
+    other name stays a path; an image member no name takes is a bad sample."""
+    aliases: dict[str, str] = {}  # a name, lowercased -> the member's ending
+    for ending, (name, _) in images.items():
+        for alias in (ending, name, name.rsplit("/", 1)[-1], name.removeprefix("./")):
+            aliases[alias.lower()] = ending
+    key_name = "image" if "image" in record else "images"
+    named = record[key_name]
+    listed = named if isinstance(named, list) else [named]
+    taken: set[str] = set()
+    out: list[Json] = []
+    for value in listed:
+        member = aliases.get(value.lower()) if isinstance(value, str) else None
+        if member is None:
+            out.append(value)  # a path beside the shard (or what data/records.py refuses)
+            continue
+        name, data = images[member]
+        taken.add(member)
+        out.append(ImageBytes(data, f"{shard}/{name}"))
+    left = [images[e][0] for e in images if e not in taken]
+    if left:
+        raise BadSample("bad record", f"image member {left[0]} is not one of the record's images")
+    record[key_name] = out if isinstance(named, list) else out[0]
 
 
 def _ending(name: str) -> tuple[str, str]:
