@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_jsonl_data import RECORDS, dataset, files, index_of, tensors, warnings_of  # noqa: F401
+from test_jsonl_data import (  # noqa: F401
+    RECORDS,
+    dataset,
+    files,
+    index_of,
+    save_png,
+    tensors,
+    warnings_of,
+)
 
 from titan_vlm.data.bad_samples import DataError
 from titan_vlm.data.index_cache import IndexCache
@@ -145,3 +153,49 @@ def test_ranks_that_disagree_on_the_cache_all_build_it(pool, files, tmp_path):  
     out = pool.run("shared_index", path=str(path), dp_shard=2, cache_folders=[folders[0]] * 2)
     assert [o["index"] for o in out] == [index_of(alone)] * 2
     assert [o["parsed"] for o in out] == [0, 0]  # both read the cache
+
+
+def test_the_data_files_digest_is_hashed_once_while_they_keep_their_times(files, monkeypatch):  # noqa: F811
+    """A resume's fact of the data's contents (resume_config.run_facts) is kept beside the index:
+    the second start does not hash the files again; a file written again (a new time) is hashed
+    again; without data.cache_index every start hashes."""
+    import titan_vlm.resume_config as resume_config
+    from titan_vlm.config import load_config
+    from titan_vlm.resume_config import DATA_FILE, run_facts
+
+    path = files / "train.jsonl"
+    argv = [f"--data.dataset={path}", f"--job.dump_folder={files / 'out'}"]
+    first = run_facts(load_config(argv), 4)[DATA_FILE]
+    real = resume_config.data_digest
+    hashed = []
+    monkeypatch.setattr(resume_config, "data_digest", lambda f: hashed.append(f) or real(f))
+    assert run_facts(load_config(argv), 4)[DATA_FILE] == first and hashed == []
+    path.write_bytes(path.read_bytes().replace(b"red circle", b"RED circle"))
+    changed = run_facts(load_config(argv), 4)[DATA_FILE]
+    assert changed != first and len(hashed) == 1
+    run_facts(load_config([*argv, "--data.cache_index=false"]), 4)
+    assert len(hashed) == 2  # the control: without the cache, every start hashes
+
+
+def test_an_image_file_that_changes_makes_the_cache_stale(files, tmp_path, caplog):  # noqa: F811
+    """The pass decides by the image files too (there or not; their headers): one that appears,
+    or is written again, since the cache was built makes it stale, and the index is built
+    again, as a fresh pass builds it (the record once skipped for its missing file is kept)."""
+    path = files / "later.jsonl"
+    path.write_text(
+        '{"image": "later.png", "text": "not there yet"}\n{"image": "red.png", "text": "there"}\n'
+    )
+    folder = tmp_path / "cache"
+    assert len(cached(path, folder).starts) == 1
+    save_png(files / "later.png", color="blue")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="titan_vlm"):
+        now = cached(path, folder)
+    assert len(now.starts) == 2 and now.bad_at_startup == 0
+    assert f"its records name changed since it was built ({files / 'later.png'})" in caplog.text
+    assert index_of(now) == index_of(dataset(path, shuffle=True))
+    save_png(files / "red.png", size=48, color="green")  # rewritten: another size and time
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="titan_vlm"):
+        cached(path, folder)
+    assert f"({files / 'red.png'})" in caplog.text

@@ -15,6 +15,7 @@ from test_loader import STEPS, loader
 from test_record_files import tar_shards
 
 from titan_vlm.config import ConfigError, load_config
+from titan_vlm.data.bad_samples import BadSampleLog
 from titan_vlm.data.batch import collate
 from titan_vlm.data.dataset import keep_one_slot
 from titan_vlm.data.mixture import MixtureDataset, Schedule, parse_mixture
@@ -81,8 +82,9 @@ def sources(folder) -> tuple:
 
 
 def mixture(folder, weights=("3", "1")) -> MixtureDataset:
-    built = [dataset(p, shuffle=True, image_root=str(folder)) for p in sources(folder)]
-    return MixtureDataset(built, [Fraction(w) for w in weights], "skip")
+    bad = BadSampleLog("data.mixture", "skip")
+    built = [dataset(p, shuffle=True, image_root=str(folder), bad=bad) for p in sources(folder)]
+    return MixtureDataset(built, [Fraction(w) for w in weights], bad)
 
 
 def test_the_mixture_reads_the_sources_rows_in_the_dealt_order(files):  # noqa: F811
@@ -139,6 +141,8 @@ def test_the_keys_are_checked_in_one_line(files):  # noqa: F811
         (f"{first}, 1 {second}", "expected 'WEIGHT SOURCE'"),
         (f"x {first}, 1 {second}", "the weight 'x' is not a number"),
         (f"0 {first}, 1 {second}", "a weight must be > 0"),
+        (f"1/0 {first}, 1 {second}", "the weight '1/0' is not a number"),
+        (f"1e-5000 {first}, 1 {second}", "the weight 1e-5000 needs a pattern of more than"),
         (f"0.12347 {first}, 1 {second}", "weights 12347:100000 need a pattern of 112347 rows"),
     ]:
         cfg = load_config(["--data.dataset=mixture", f"--data.mixture={value}"])

@@ -177,7 +177,8 @@ class Data:
     SOURCE, ..." (e.g. "3 llava.jsonl, 1 captions/"; each source as data.dataset names one: a
     file, a folder or glob pattern, a Hugging Face datasets folder), at least two. Each keeps its
     own rows and epochs; the run's rows are dealt to them in a fixed pattern, each its weight's
-    share of every run of rows as long as the weights' sum (as whole numbers) (data/mixture.py)."""
+    share of every run of rows as long as the weights' sum (as the smallest whole numbers in
+    their ratio) (data/mixture.py)."""
     sentences_per_image: int = 1
     """Synthetic data: sentences about the image per caption (with packing: up to this many); the
     long-text knob."""
@@ -215,8 +216,10 @@ class Data:
     """Keep a dataset file's start-up index (every record parsed, tokenized and sized) in
     <job.dump_folder>/data_index, so that a restart, a resume or another run of the same files
     and model with this dump folder maps it instead of building it again (data/index_cache.py;
-    keyed by titan_vlm's code, the model's source files and keys, and each file's path, size and
-    modification time)."""
+    keyed by titan_vlm's code, what the tokenizer and processor do, the keys that size a
+    sample, and each file's path, size and modification time; stale when an image or video file
+    the records name changed); and the files' SHA-256 a checkpoint records, hashed once while
+    they keep their paths, sizes and times."""
     num_workers: int = 2
     """Loader worker processes per rank that build the batches (read, decode, preprocess, pack)
     ahead of the step, a step each in turn (data/loader.py); 0: each batch is built in the

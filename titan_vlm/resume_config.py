@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from titan_vlm.config import ConfigError, JobConfig
+from titan_vlm.data.index_cache import INDEX_FOLDER, cached_digest
 from titan_vlm.data.jsonl import dataset_files
 from titan_vlm.data.mixture import data_sources
 from titan_vlm.models.common.hf_folder import source_changes, source_files
@@ -67,18 +68,28 @@ def run_facts(
     if cfg.data.dataset != "synthetic":
         mixed = data_sources(cfg.data.dataset, cfg.data.mixture)
         files = [f for _, source in mixed for f in dataset_files("data.dataset", source)]
-        h, size = hashlib.sha256(), 0
-        for path in files:
-            bytes_ = path.stat().st_size
-            size += bytes_
-            if len(files) > 1:  # each shard's name and size too: no two lists hash alike
-                h.update(f"{path.name}\0{bytes_}\0".encode())
-            with open(path, "rb") as f:
-                while chunk := f.read(1 << 22):
-                    h.update(chunk)
-        shards = f"{len(files)} files, " if len(files) > 1 else ""
-        facts[DATA_FILE] = f"{shards}{size} bytes, {h.hexdigest()[:16]}"
+        if cfg.data.cache_index:  # hashed once while the files keep their sizes and times
+            folder = Path(cfg.job.dump_folder) / INDEX_FOLDER
+            facts[DATA_FILE] = cached_digest(folder, files, lambda: data_digest(files))
+        else:
+            facts[DATA_FILE] = data_digest(files)
     return facts
+
+
+def data_digest(files: list[Path]) -> str:
+    """The data files' fact: their sizes and one SHA-256 of their bytes (with several, each
+    one's name and size before its bytes: no two lists hash alike)."""
+    h, size = hashlib.sha256(), 0
+    for path in files:
+        bytes_ = path.stat().st_size
+        size += bytes_
+        if len(files) > 1:
+            h.update(f"{path.name}\0{bytes_}\0".encode())
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    shards = f"{len(files)} files, " if len(files) > 1 else ""
+    return f"{shards}{size} bytes, {h.hexdigest()[:16]}"
 
 
 def flat(config: dict[str, dict[str, Any]]) -> dict[str, Any]:

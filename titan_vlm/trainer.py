@@ -33,7 +33,7 @@ from titan_vlm.data.batch import SlotData
 from titan_vlm.data.dataset import Dataset
 from titan_vlm.data.hf_processor import HFProcessor
 from titan_vlm.data.image_batch import ImageRule, num_images
-from titan_vlm.data.index_cache import IndexCache, code_digest
+from titan_vlm.data.index_cache import INDEX_FOLDER, IndexCache, code_digest
 from titan_vlm.data.loader import BatchLoader
 from titan_vlm.data.shared_pass import GroupShare
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
@@ -50,7 +50,6 @@ from titan_vlm.models.accounting import (
     param_counts,
 )
 from titan_vlm.models.build import build_model
-from titan_vlm.models.common.hf_folder import source_files
 from titan_vlm.models.registry import model_spec
 from titan_vlm.optim import (
     accumulation_steps,
@@ -628,13 +627,11 @@ class Trainer(Stateful):
 
 def index_cache(cfg: JobConfig) -> IndexCache:
     """Where the data's start-up index is kept between runs (data.cache_index), and what of this
-    run decides it besides the dataset's own arguments: titan_vlm's code, the model's source
-    files (tokenizer, chat template, processor settings) and the keys that name them."""
-    m = cfg.model
-    model = [m.name, m.flavor, m.tokenizer_path, m.hf_path, m.hf_vision_path, m.hf_text_path]
+    run decides it besides the dataset's own arguments (which include what its tokenizer and
+    processor do): titan_vlm's code, and the model's family and flavor."""
     return IndexCache(
-        Path(cfg.job.dump_folder) / "data_index",
-        {"code": code_digest(), "sources": source_files(cfg), "model": model},
+        Path(cfg.job.dump_folder) / INDEX_FOLDER,
+        {"code": code_digest(), "model": [cfg.model.name, cfg.model.flavor]},
     )
 
 

@@ -89,6 +89,7 @@ def build_dataset(
     itself) are read through the folder's processor, whose images keep their own sizes.
     `share`: how the job's processes split a file's start-up pass (data/shared_pass.py);
     `cache`: where a file's start-up index is kept between runs (data/index_cache.py)."""
+    from titan_vlm.data.bad_samples import BadSampleLog
     from titan_vlm.data.images import NativeResolution
     from titan_vlm.data.jsonl import JsonlDataset
     from titan_vlm.data.mixture import MixtureDataset, data_sources
@@ -118,6 +119,8 @@ def build_dataset(
             "processor settings (preprocessor_config.json or processor_config.json)"
         )
     sources = data_sources(d.dataset, d.mixture)
+    mixed = d.dataset == "mixture"
+    bad = BadSampleLog("data.mixture", d.on_bad_sample) if mixed else None
     built = [
         JsonlDataset(
             source,
@@ -125,7 +128,7 @@ def build_dataset(
             args.image_size,
             args.tokens_per_image,
             t.seq_len,
-            t.seed,
+            t.seed + k * 1_000_003,  # a mixture's sources each shuffled their own way
             packing=d.packing,
             shuffle=d.shuffle,
             image_root=d.image_root,
@@ -139,12 +142,13 @@ def build_dataset(
             slot_data=slot_data,
             share=share,
             cache=cache,
+            bad=bad,
         )
-        for _, source in sources  # every rank builds them in this order (share's invariant)
+        for k, (_, source) in enumerate(sources)  # every rank builds them in this order (share's)
     ]
-    if d.dataset != "mixture":
+    if bad is None:
         return built[0]
-    return MixtureDataset(built, [w for w, _ in sources], d.on_bad_sample)
+    return MixtureDataset(built, [w for w, _ in sources], bad)
 
 
 def native_resolution(cfg: JobConfig, args: ImageGeometry) -> NativeResolution | None:

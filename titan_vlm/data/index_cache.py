@@ -5,12 +5,17 @@ and model maps the index instead (memory-mapped: the ranks of a node share its p
     <job.dump_folder>/data_index/<key>/arrays.bin   5 x n int64: lines, files, starts, ends, sizes
                                       /meta.json    counters, bad-sample reports, video headers,
                                                     the arrays' size and SHA-256
+                                /digest-<key>.txt   the files' content digest (resume_config's
+                                                    fact), kept by the same files' identity
 
-Invariants: the key covers everything that decides the index (`index_key`: titan_vlm's own code,
-the model's source files, the config keys that size a sample, and each dataset file's path, size
-and modification time), so a cached index is the one the pass would build; a cache that does not
-match its own digest, or cannot be read, is passed over with a warning and built again; a cache is
-written whole or not at all (a folder renamed into place), by one rank.
+Invariants: the key covers what decides the index besides the image files (`index_key`:
+titan_vlm's own code, what the tokenizer and processor do, the arguments that size a sample,
+and each dataset file's path, size and modification time), and the image, frame and video files
+the records name are stat'ed again at load (`named`: one that appeared, went or changed makes
+the cache stale), so a cached index is the one the pass would build; a cache that does not match
+its own digest, or cannot be read, is passed over with a warning and built again (`load` never
+raises: every rank must reach IndexShare.agree); a cache is written whole or not at all (a
+folder renamed into place), by one rank.
 """
 
 from __future__ import annotations
@@ -21,18 +26,23 @@ import logging
 import mmap
 import os
 import shutil
+import stat
 import tempfile
 from array import array
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from titan_vlm.data.hf_processor import HFProcessor
 from titan_vlm.data.images import VideoRef
+from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 
 logger = logging.getLogger("titan_vlm")
 
 VERSION = 1  # of the files' layout
+INDEX_FOLDER = "data_index"  # in job.dump_folder
 ARRAYS = ("lines", "files", "starts", "ends", "sizes")
 CODE = Path(__file__).resolve().parents[1]  # titan_vlm/: its code decides what a record becomes
 
@@ -45,6 +55,28 @@ class IndexCache:
 
     folder: Path
     settings: dict[str, Any] = field(default_factory=dict, hash=False)
+
+
+def cached_digest(folder: Path, files: list[Path], compute: Callable[[], str]) -> str:
+    """`compute()` (the data files' content digest: resume_config.data_digest), kept in `folder`
+    under the files' paths, sizes and modification times: a restart of a run on a large corpus
+    does not hash it again while no file changes. A digest that cannot be written is computed
+    again next time (a warning)."""
+    key = index_key({"digest": 1}, files)
+    path = folder / f"digest-{key}.txt"
+    try:
+        return path.read_text()
+    except OSError:
+        pass
+    digest = compute()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{path.name}.{os.getpid()}"
+        tmp.write_text(digest)
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("data: %s not written (%s): the next start hashes the data again", path, e)
+    return digest
 
 
 def code_digest() -> str:
@@ -86,12 +118,39 @@ class CachedIndex:
     num_videos: int
     reports: list[tuple[str, str, str]]
     videos: dict[Path, VideoRef]
+    named: set[str] = field(default_factory=set)  # the image and video files records name
 
     @classmethod
     def empty(cls, records: int) -> CachedIndex:
         """An index of `records` records to fill, none kept yet."""
         lines, files, starts, ends, sizes = (array("q") for _ in ARRAYS)
         return cls(records, lines, files, starts, ends, sizes, Counter(), 0, 0, 0, [], {})
+
+
+def _identity(path: str) -> list[int]:
+    """A file's size and modification time; [-1, -1] where it is not there (or not a file)."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):  # ValueError: a name no file can have (a NUL, a surrogate)
+        return [-1, -1]
+    return [st.st_size, st.st_mtime_ns] if stat.S_ISREG(st.st_mode) else [-1, -1]
+
+
+def inputs_digest(tokenizer: ByteTokenizer | HFTokenizer, processor: HFProcessor | None) -> str:
+    """What the tokenizer and the folder's processor are, by what they do (not where they were
+    read from: the same files in a checkpoint's copies are the same): the tokenizer's whole
+    definition and special ids, the chat template, the image token and the image half."""
+    h = hashlib.sha256(type(tokenizer).__name__.encode())
+    if isinstance(tokenizer, HFTokenizer):
+        h.update(tokenizer.tok.to_str().encode())
+        special = sorted(tokenizer.special_tokens.items())
+        ids = (tokenizer.BOS, tokenizer.EOS, tokenizer.PAD, tokenizer.IMAGE, tokenizer.adds_bos)
+        h.update(repr((ids, special)).encode())
+    if processor is not None:
+        p = processor
+        what = (p.image_token, p.image_token_id, p.chat_template, p.template_is_tokenizers)
+        h.update(repr((what, p.vision)).encode())
+    return h.hexdigest()
 
 
 def _video_json(ref: VideoRef) -> dict[str, Any]:
@@ -125,6 +184,9 @@ def save(folder: Path, key: str, index: CachedIndex) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=folder))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # as a folder made with mkdir: not mkdtemp's owner-only
         digest = hashlib.sha256()
         with open(tmp / "arrays.bin", "wb") as f:
             for name in ARRAYS:
@@ -144,15 +206,22 @@ def save(folder: Path, key: str, index: CachedIndex) -> None:
             "num_videos": index.num_videos,
             "reports": [list(r) for r in index.reports],
             "videos": [_video_json(v) for v in index.videos.values()],
+            "named": [[path, *_identity(path)] for path in sorted(index.named)],
         }
         (tmp / "meta.json").write_text(json.dumps(meta))
         if final.exists():  # one some rank could not use (unreadable, damaged, not seen there)
             old = Path(tempfile.mkdtemp(prefix=f".{key}-old-", dir=folder))
             os.replace(final, old / key)
             shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, final)  # whole or not at all
-        tmp = None
-    except OSError as e:
+        try:
+            os.replace(tmp, final)  # whole or not at all
+        except OSError:
+            if not (final / "meta.json").is_file():
+                raise
+            # another run wrote the same key meanwhile: the same index, theirs stays
+        else:
+            tmp = None
+    except Exception as e:  # noqa: BLE001 - the cache is an optimisation: never stop the run
         logger.warning("data: index cache %s not written (%s): the next run builds it", final, e)
     finally:
         if tmp is not None:
@@ -161,11 +230,13 @@ def save(folder: Path, key: str, index: CachedIndex) -> None:
 
 def load(folder: Path, key: str) -> CachedIndex | None:
     """Key's cached index in `folder`, its arrays memory-mapped; None where there is none, or
-    (with a warning) where it cannot be read or does not match its digest."""
+    (with a warning) where it cannot be read, does not match its digest, or an image or video
+    file its records name changed since it was built (so that a rank never raises here: every
+    rank must reach IndexShare.agree)."""
     where = folder / key
-    if not (where / "meta.json").is_file():
-        return None
     try:
+        if not (where / "meta.json").is_file():
+            return None
         meta = json.loads((where / "meta.json").read_text())
         n = meta["samples"]
         with open(where / "arrays.bin", "rb") as f:
@@ -174,19 +245,34 @@ def load(folder: Path, key: str) -> CachedIndex | None:
             raise ValueError(f"{len(mapped)} bytes of arrays for {n} samples")
         if hashlib.sha256(mapped).hexdigest() != meta["arrays_sha256"]:
             raise ValueError("arrays.bin does not match its SHA-256")
+        changed = [path for path, *seen in meta["named"] if _identity(path) != seen]
+        if changed:
+            more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
+            logger.warning(
+                "data: index cache %s: an image or video file its records name changed since it "
+                "was built (%s%s): building the index again",
+                where,
+                changed[0],
+                more,
+            )
+            return None
         view = memoryview(mapped).cast("q") if n else memoryview(array("q"))
-        arrays = {name: view[k * n : (k + 1) * n] for k, name in enumerate(ARRAYS)}
+        lines, files, starts, ends, sizes = (view[k * n : (k + 1) * n] for k in range(5))
         videos = [_video_ref(v) for v in meta["videos"]]
         return CachedIndex(
-            records=meta["records"],
+            meta["records"],
+            lines,
+            files,
+            starts,
+            ends,
+            sizes,
             skipped=Counter(meta["skipped"]),
             truncated=meta["truncated"],
             num_images=meta["num_images"],
             num_videos=meta["num_videos"],
             reports=[(w, r, a) for w, r, a in meta["reports"]],
             videos={v.path: v for v in videos},
-            **arrays,
         )
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except Exception as e:  # noqa: BLE001 - unreadable in any way: built again, on every rank
         logger.warning("data: index cache %s unusable (%s): building the index again", where, e)
         return None

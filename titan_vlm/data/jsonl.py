@@ -96,13 +96,13 @@ from titan_vlm.data.images import (
     load_native_image,
     open_image,
 )
-from titan_vlm.data.index_cache import CachedIndex, IndexCache, index_key
+from titan_vlm.data.index_cache import CachedIndex, IndexCache, index_key, inputs_digest
 from titan_vlm.data.index_cache import load as load_index
 from titan_vlm.data.index_cache import save as save_index
 from titan_vlm.data.json_spans import Span, Spans
 from titan_vlm.data.mixture import Schedule, data_sources
 from titan_vlm.data.record_files import FORMATS, NO_PYARROW, RecordFile, open_records
-from titan_vlm.data.records import BadSample, parse_record
+from titan_vlm.data.records import BadSample, named_files, parse_record
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 from titan_vlm.data.video import VideoError
 from titan_vlm.errors import ConfigError, UserError
@@ -266,7 +266,9 @@ class IndexShare(Protocol):
 class IndexPart:
     """The start-up pass over a run of records: its kept samples (line, byte span, slots), its
     counters, the reports of its bad samples (BadSampleLog.report's arguments, in file order),
-    the video files whose headers it read (JsonlDataset._video_files), and the UserError that
+    the video files whose headers it read (JsonlDataset._video_files), the image and video files
+    its records name (where the index is cached: a change of one makes the cache stale), and
+    the UserError that
     stopped it (data.on_bad_sample = "error"; `failure`: any other exception, in one line), if
     one did."""
 
@@ -281,6 +283,7 @@ class IndexPart:
     num_videos: int = 0
     reports: list[Report] = field(default_factory=list)
     videos: dict[Path, VideoRef] = field(default_factory=dict)
+    named: set[str] = field(default_factory=set)  # image and video files named (`track`)
     error: UserError | None = None
     failure: str | None = None
 
@@ -353,7 +356,8 @@ class JsonlDataset(Dataset):
     keep their own sizes); `slot_data`: the family's per-slot data of each sample (collate).
     `share`: how the processes of a job split the start-up pass (IndexShare; None: this process
     does it all). `cache`: where the index is kept between runs (data/index_cache.py; None: it
-    is built every time)."""
+    is built every time). `bad`: the log its bad samples are reported through (a mixture's,
+    data/mixture.py; None: its own, by data.on_bad_sample)."""
 
     bad: BadSampleLog
 
@@ -379,6 +383,7 @@ class JsonlDataset(Dataset):
         slot_data: SlotData | None = None,
         share: IndexShare | None = None,
         cache: IndexCache | None = None,
+        bad: BadSampleLog | None = None,
     ):
         _check_max_frames(max_frames)
         if native is not None and rule is not None and rule is not native:
@@ -404,7 +409,7 @@ class JsonlDataset(Dataset):
         # each file as the warnings name it: a file named itself as the user wrote it
         self.single = Path(self.name).is_file()
         self.names = [self.name] if self.single else [str(f) for f in self.files]
-        self.bad = BadSampleLog(self.name, on_bad_sample)
+        self.bad = bad if bad is not None else BadSampleLog(self.name, on_bad_sample)
         self.tokenizer = tokenizer
         self.image_size, self.tokens_per_image, self.seq_len = image_size, tokens_per_image, seq_len
         self.native, self.rule, self.slot_data = native, rule, slot_data
@@ -430,7 +435,7 @@ class JsonlDataset(Dataset):
             if share is not None and not share.agree(index is not None):
                 index = None  # some process cannot read it: all of them build the index
         if index is None:
-            index = self._start_up_pass(share, log_startup)
+            index = self._start_up_pass(share, log_startup, track=cache is not None)
             if cache is not None and key is not None and (share is None or share.rank == 0):
                 save_index(cache.folder, key, index)
         elif log_startup and cache is not None:
@@ -461,19 +466,21 @@ class JsonlDataset(Dataset):
             "tokens_per_image": self.tokens_per_image,
             "seq_len": self.seq_len,
             "rule": repr(self.rule),
-            "roots": [str(r) for r in self.roots],
+            "roots": [str(r.resolve()) for r in self.roots],
             "max_image_pixels": self.max_image_pixels,
             "max_frames": self.max_frames,
-            "processor": self.processor.folder if self.processor is not None else None,
-            "tokenizer": type(self.tokenizer).__name__,
+            "reads": inputs_digest(self.tokenizer, self.processor),
         }
 
-    def _start_up_pass(self, share: IndexShare | None, log_startup: bool) -> CachedIndex:
+    def _start_up_pass(
+        self, share: IndexShare | None, log_startup: bool, track: bool
+    ) -> CachedIndex:
         """The index, built: each file's record spans (data/record_files.py; a JSON file is
         memory-mapped: its pages are the page cache's, shared by the ranks of a node; a .json
         array is decoded whole), then the start-up pass (parse, tokenize, read headers) over the
         files' records numbered in turn, split over the processes `share` names, each a
         contiguous run of them, and merged in file order: every process holds the whole index.
+        `track`: keep the image and video files the records name (for the index cache).
         The first error in file order is raised on every process (after the bad samples before
         it are reported); the reports of a pass that ends are the caller's to report."""
         spans = []
@@ -488,7 +495,7 @@ class JsonlDataset(Dataset):
             first += len(sp)
             if lo < hi and mine.error is None and failure is None:
                 with open_records(self.files[k], self.names[k]) as source:
-                    failure = self._index_part(k, source, sp[lo:hi], log_startup, mine)
+                    failure = self._index_part(k, source, sp[lo:hi], log_startup, mine, track)
         del spans
         parts = share.gather(mine) if share is not None else [mine]
         index = CachedIndex.empty(records)
@@ -507,6 +514,7 @@ class JsonlDataset(Dataset):
                     f"{len(parts)}: {got.failure}"
                 )
             index.videos.update(got.videos)
+            index.named |= got.named
             index.lines.extend(got.lines)
             index.files.extend(got.files)
             index.starts.extend(got.starts)
@@ -519,7 +527,7 @@ class JsonlDataset(Dataset):
         return index
 
     def _index_part(
-        self, k: int, source: RecordFile, spans: Spans, log: bool, out: IndexPart
+        self, k: int, source: RecordFile, spans: Spans, log: bool, out: IndexPart, track: bool
     ) -> Exception | None:
         """The start-up pass over `spans` (a contiguous run of file k's records, read from
         `source`) into `out`: each record parsed, its parts sized and its slots counted
@@ -527,11 +535,13 @@ class JsonlDataset(Dataset):
         order (`log`: whether this process would log them), a UserError (data.on_bad_sample =
         "error") kept in `out`, not raised, so that every process of a shared pass raises it; any
         other exception is returned (raised again here, its one line sent to the others in
-        `out`)."""
+        `out`). `track`: the files each record names go to `out.named`."""
         failure, root = None, self.roots[k]
         with self.bad.recorded() as reports:
             try:
                 for span, record in source.records(spans):
+                    if track and not isinstance(record, BadSample):
+                        out.named.update(map(str, named_files(record, root, self.max_frames)))
                     try:
                         if isinstance(record, BadSample):
                             raise record

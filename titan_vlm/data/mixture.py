@@ -66,12 +66,17 @@ def parse_mixture(value: str) -> list[tuple[Fraction, str]]:
             )
         try:
             weight = Fraction(words[0])
-        except ValueError:
+        except (ValueError, ZeroDivisionError):
             raise ConfigError(
                 f"data.mixture: {entry.strip()!r}: the weight {words[0]!r} is not a number"
             ) from None
         if weight <= 0:
             raise ConfigError(f"data.mixture: {entry.strip()!r}: a weight must be > 0")
+        if weight.numerator > MAX_PERIOD or weight.denominator > MAX_PERIOD:
+            raise ConfigError(
+                f"data.mixture: {entry.strip()!r}: the weight {words[0]} needs a pattern of more "
+                f"than {MAX_PERIOD} rows: round it"
+            )
         pairs.append((weight, words[1].strip()))
     if len(pairs) < 2:
         raise ConfigError("data.mixture: name at least two sources (one source: data.dataset)")
@@ -176,19 +181,20 @@ class _Dropped(MutableSet[int]):
 
 class MixtureDataset(Dataset):
     """`sources` (built as data.dataset's would be, in data.mixture's order) mixed by `weights`
-    (module docstring). Their bad samples are reported through one BadSampleLog (`bad`: one
-    cap on warnings for the run, one place a loader worker records them)."""
+    (module docstring). Their bad samples are reported through one BadSampleLog, `bad`, from
+    their start-up on (each given it: one warning a record, one cap on warnings for the run, one
+    place a loader worker records them)."""
 
-    def __init__(self, sources: Sequence[Source], weights: Sequence[Fraction], on_bad_sample: str):
+    def __init__(self, sources: Sequence[Source], weights: Sequence[Fraction], bad: BadSampleLog):
         first = sources[0]
         self.sources = list(sources)
         self.schedule = Schedule(weights)
         self.seq_len, self.tokens_per_image = first.seq_len, first.tokens_per_image
         self.slots, self.image_size = first.slots, first.image_size
         self.tokenizer, self.slot_data = first.tokenizer, first.slot_data
-        self.bad = BadSampleLog("data.mixture", on_bad_sample)
-        for source in self.sources:
-            source.bad = self.bad  # batch-time reports: one log, the start-up's are done
+        self.bad = bad
+        if any(source.bad is not bad for source in self.sources):
+            raise ValueError("MixtureDataset: every source reports through the mixture's `bad`")
         self.bad_at_startup = sum(s.bad_at_startup for s in self.sources)
         self.truncated = sum(s.truncated for s in self.sources)
         firsts, n = [], 0
