@@ -199,3 +199,30 @@ def test_an_image_file_that_changes_makes_the_cache_stale(files, tmp_path, caplo
     with caplog.at_level(logging.WARNING, logger="titan_vlm"):
         cached(path, folder)
     assert f"({files / 'red.png'})" in caplog.text
+
+
+def test_the_key_knows_the_tokenizer_by_what_it_does(tmp_path):
+    """The same tokenizer.json in another folder (a checkpoint's copy) is the same tokenizer;
+    another vocabulary or other special tokens are another (inputs_digest, in the key)."""
+    from test_tokenizer import write_tokenizer
+
+    from titan_vlm.data.index_cache import inputs_digest
+    from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
+
+    (tmp_path / "copy").mkdir()
+    a = HFTokenizer(write_tokenizer(tmp_path / "a.json"))
+    copy = HFTokenizer(write_tokenizer(tmp_path / "copy" / "a.json"))
+    other = HFTokenizer(
+        write_tokenizer(tmp_path / "b.json", specials=("<pad>", "<s>", "</s>", "<image>"))
+    )
+    assert inputs_digest(a, None) == inputs_digest(copy, None)
+    assert (
+        len(
+            {
+                inputs_digest(a, None),
+                inputs_digest(other, None),
+                inputs_digest(ByteTokenizer(), None),
+            }
+        )
+        == 3
+    )
