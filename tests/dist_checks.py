@@ -1390,6 +1390,7 @@ def shared_index(
     on_bad_sample: str = "skip",
     fail_on_rank: int | None = None,
     cache_folders: list[str] | None = None,
+    rank_paths: list[str] | None = None,
 ) -> dict:
     """The JsonlDataset of `path` (test_jsonl_data.py's shapes) built with the start-up pass
     shared over the world of `dp_shard` ranks (data/shared_pass.py GroupShare), rank 0 logging
@@ -1397,7 +1398,8 @@ def shared_index(
     warnings: its index, counters, description and warnings, how many records this rank parsed
     ({"parsed"}), or the one line it raised ({"error"}: a UserError's line, else type and
     message). `fail_on_rank`: that rank's parsing raises ValueError("a bug"), as a bug would.
-    `cache_folders`: each rank's index cache folder (data/index_cache.py)."""
+    `cache_folders`: each rank's index cache folder (data/index_cache.py); `rank_paths`: each
+    rank's own `path` (ranks that see other data)."""
     import titan_vlm.data.jsonl as jsonl
     import titan_vlm.data.record_files as record_files
     from titan_vlm.data.index_cache import IndexCache
@@ -1419,7 +1421,7 @@ def shared_index(
     with counted, _captured_warnings() as warnings:
         try:
             data = jsonl.JsonlDataset(
-                path,
+                rank_paths[dist.get_rank()] if rank_paths else path,
                 ByteTokenizer(),
                 32,
                 16,

@@ -654,6 +654,29 @@ def test_a_bad_sample_in_one_ranks_share_stops_every_rank_with_the_first(pool, f
     assert [o["error"] for o in out] == [f"data.on_bad_sample='error': {late}:4: empty text"] * 2
 
 
+def test_ranks_that_see_other_files_stop_with_one_line(pool, files):
+    """Rank 1's folder holds a shard of another size than rank 0's (a shard written while the
+    job starts, another node's copy): both ranks stop with one line before the shared pass,
+    which would otherwise number their records apart; the control: the same files pass."""
+    for name in ("a", "b"):
+        (files / name).mkdir()
+        cut_into_shards(files, files / name, "part-{}.jsonl")
+    shard = files / "b" / "part-1.jsonl"
+    shard.write_text(shard.read_text() + '{"text": "one more"}\n')
+    folders = [str(files / "a"), str(files / "b")]
+    out = pool.run("shared_index", path="", dp_shard=2, rank_paths=folders)
+    assert [o["error"] for o in out] == [
+        f"data.dataset: {folders[0]}: rank 1 sees other files than rank 0 (their names or "
+        "sizes differ: a shard written while the job starts, or another copy of the data on "
+        "another node)",
+        f"data.dataset: {folders[1]}: rank 1 sees other files than rank 0 (their names or "
+        "sizes differ: a shard written while the job starts, or another copy of the data on "
+        "another node)",
+    ]
+    out = pool.run("shared_index", path=folders[0], dp_shard=2)
+    assert all("error" not in o for o in out)
+
+
 def test_an_exception_in_one_ranks_share_reaches_every_rank(pool, files):
     """Not a bad sample but a bug (rank 1's parsing raises ValueError): rank 1 raises it as it
     came, rank 0 a RuntimeError naming rank 1 and the line, and neither waits for the other."""

@@ -251,13 +251,16 @@ class IndexShare(Protocol):
     """How the processes of a job share the start-up pass over a file's records: this process
     indexes records `part(n)` (a contiguous run of the n), and `gather(mine)` returns every
     process's part in process order, which is file order; `agree(mine)`, whether every process
-    says yes (the trainer's: data/shared_pass.py)."""
+    says yes; `differing(mine)`, the first process whose value is not the first's (the
+    trainer's: data/shared_pass.py)."""
 
     rank: int  # this process's part in the gathered list
 
     def part(self, n: int) -> range: ...
 
     def agree(self, mine: bool) -> bool: ...
+
+    def differing(self, mine: object) -> int | None: ...
 
     def gather(self, mine: IndexPart) -> list[IndexPart]: ...
 
@@ -426,6 +429,8 @@ class JsonlDataset(Dataset):
         # a video file's sized VideoRef, read once (its header: a Matroska file's packets are
         # counted, a scan of the file) and reused each time its record is read back
         self._video_files: dict[Path, VideoRef] = {}
+        if share is not None:  # every process must number the same records
+            self._check_same_files(share)
         # The index: read from the cache of an earlier run of the same data and model (every
         # process, or none: data/index_cache.py), else built by the start-up pass.
         index, key = None, None
@@ -456,6 +461,19 @@ class JsonlDataset(Dataset):
         if not self.rows:
             raise ConfigError(
                 f"data.dataset: {self.name}: no usable samples in {self.records} record(s)"
+            )
+
+    def _check_same_files(self, share: IndexShare) -> None:
+        """ConfigError, on every process, where one lists other files (or sizes) than the first:
+        a shard added or removed while they start, or another copy of the data on another
+        node. Its records would be numbered otherwise, and the shared pass would mix them."""
+        mine = [(str(f), f.stat().st_size) for f in self.files]
+        k = share.differing(mine)
+        if k is not None:
+            raise ConfigError(
+                f"data.dataset: {self.name}: rank {k} sees other files than rank 0 (their names "
+                "or sizes differ: a shard written while the job starts, or another copy of the "
+                "data on another node)"
             )
 
     def _settings(self) -> dict[str, object]:

@@ -38,6 +38,13 @@ class GroupShare:
         dist.all_gather_object(every, mine, group=self.group)
         return all(every)
 
+    def differing(self, mine: object) -> int | None:
+        """The first rank whose `mine` differs from rank 0's, None where all are equal (each
+        rank calls it at the same point)."""
+        every: list[object] = [None] * self.size
+        dist.all_gather_object(every, mine, group=self.group)
+        return next((k for k, theirs in enumerate(every) if theirs != every[0]), None)
+
     def gather(self, mine: IndexPart) -> list[IndexPart]:
         """Every rank's part, in rank order."""
         parts: list[IndexPart | None] = [None] * self.size
