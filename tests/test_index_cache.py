@@ -25,7 +25,7 @@ from titan_vlm.data.bad_samples import DataError
 from titan_vlm.data.index_cache import IndexCache
 from titan_vlm.data.jsonl import JsonlDataset
 
-SETTINGS = {"model": "debug"}  # what the trainer adds to the key (its code, model, sources)
+SETTINGS = {"model": "debug"}  # what the trainer adds to the key (its code, the model family)
 
 
 def cached(path: Path, folder: Path, settings=SETTINGS, **kw) -> JsonlDataset:
@@ -226,3 +226,23 @@ def test_the_key_knows_the_tokenizer_by_what_it_does(tmp_path):
         )
         == 3
     )
+
+
+def test_an_image_that_appears_while_the_pass_runs_is_seen_next_time(files, tmp_path, monkeypatch):  # noqa: F811
+    """A file's size and time are the ones the pass found (not the ones when the cache is
+    written): an image written between the two makes the next start build again."""
+    import titan_vlm.data.jsonl as jsonl
+
+    path = files / "later.jsonl"
+    path.write_text('{"image": "later.png", "text": "not there yet"}\n')
+    real = jsonl.save_index
+
+    def late(folder, key, index):
+        save_png(files / "later.png", color="blue")  # after the pass, before the save
+        real(folder, key, index)
+
+    monkeypatch.setattr(jsonl, "save_index", late)
+    with pytest.raises(Exception, match="no usable samples"):
+        cached(path, tmp_path / "cache")
+    monkeypatch.undo()
+    assert len(cached(path, tmp_path / "cache").starts) == 1  # built again: the image is there

@@ -658,7 +658,7 @@ def test_ranks_that_see_other_files_stop_with_one_line(pool, files):
     """Rank 1's folder holds a shard of another size than rank 0's (a shard written while the
     job starts, another node's copy): both ranks stop with one line before the shared pass,
     which would otherwise number their records apart; the control: the same files pass."""
-    for name in ("a", "b"):
+    for name in ("a", "b"):  # the same shard names: only a size tells them apart
         (files / name).mkdir()
         cut_into_shards(files, files / name, "part-{}.jsonl")
     shard = files / "b" / "part-1.jsonl"
@@ -675,6 +675,14 @@ def test_ranks_that_see_other_files_stop_with_one_line(pool, files):
     ]
     out = pool.run("shared_index", path=folders[0], dp_shard=2)
     assert all("error" not in o for o in out)
+    # a rank that cannot list them (the data missing on its node): its line, and the others'
+    out = pool.run("shared_index", path="", dp_shard=2, rank_paths=[folders[0], "nowhere.jsonl"])
+    assert out[1]["error"] == "data.dataset: file not found: nowhere.jsonl"
+    assert out[0]["error"].endswith(
+        "rank 1 sees other files than rank 0 (their names or sizes "
+        "differ: a shard written while the job starts, or another "
+        "copy of the data on another node)"
+    )
 
 
 def test_an_exception_in_one_ranks_share_reaches_every_rank(pool, files):

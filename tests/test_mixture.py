@@ -142,7 +142,8 @@ def test_the_keys_are_checked_in_one_line(files):  # noqa: F811
         (f"x {first}, 1 {second}", "the weight 'x' is not a number"),
         (f"0 {first}, 1 {second}", "a weight must be > 0"),
         (f"1/0 {first}, 1 {second}", "the weight '1/0' is not a number"),
-        (f"1e-5000 {first}, 1 {second}", "the weight 1e-5000 needs a pattern of more than"),
+        (f"1e-9 {first}, 1 {second}", "the weight 1e-9 needs a pattern of more than"),
+        (f"1e-100000000 {first}, 1 {second}", "a weight must be > 0"),
         (f"0.12347 {first}, 1 {second}", "weights 12347:100000 need a pattern of 112347 rows"),
     ]:
         cfg = load_config(["--data.dataset=mixture", f"--data.mixture={value}"])

@@ -442,3 +442,20 @@ def test_generate_equals_transformers_greedy(setup, tmp_path, capsys, case):
         out = model.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=eos)
     theirs = out[0, inputs["input_ids"].shape[1] :].tolist()
     assert len(ours) > 1 and ours == theirs, (ours, theirs)
+
+
+def test_the_index_key_knows_the_processor_by_what_it_does(setup, tmp_path):
+    """A copy of the folder elsewhere (a checkpoint's copies) is the same processor for the
+    index cache's key (data/index_cache.py inputs_digest); another chat template is not."""
+    import shutil
+
+    from titan_vlm.data.index_cache import inputs_digest
+
+    folder = setup[0]
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    here, there = chat_processor(folder), chat_processor(copy)
+    assert inputs_digest(here.tokenizer, here) == inputs_digest(there.tokenizer, there)
+    (copy / "chat_template.jinja").write_text(TEMPLATE.replace("<|im_start|>", "<|im_start|> "))
+    edited = chat_processor(copy)
+    assert inputs_digest(edited.tokenizer, edited) != inputs_digest(here.tokenizer, here)

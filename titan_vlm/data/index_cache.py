@@ -20,11 +20,14 @@ folder renamed into place), by one rank.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import mmap
 import os
+import re
+import secrets
 import shutil
 import stat
 import tempfile
@@ -43,6 +46,7 @@ logger = logging.getLogger("titan_vlm")
 
 VERSION = 1  # of the files' layout
 INDEX_FOLDER = "data_index"  # in job.dump_folder
+DIGEST = re.compile(r"(\d+ files, )?\d+ bytes, [0-9a-f]{16}")  # resume_config.data_digest's
 ARRAYS = ("lines", "files", "starts", "ends", "sizes")
 CODE = Path(__file__).resolve().parents[1]  # titan_vlm/: its code decides what a record becomes
 
@@ -50,8 +54,8 @@ CODE = Path(__file__).resolve().parents[1]  # titan_vlm/: its code decides what 
 @dataclass(frozen=True)
 class IndexCache:
     """Where a dataset keeps its index between runs, and what of the run decides the index
-    besides the dataset's own arguments (the trainer's `settings`: titan_vlm's code, the model's
-    source files, the config keys that build the model and tokenizer; JSON-able)."""
+    besides the dataset's own arguments (the trainer's `settings`: titan_vlm's code and the
+    model's family and flavor; JSON-able)."""
 
     folder: Path
     settings: dict[str, Any] = field(default_factory=dict, hash=False)
@@ -62,11 +66,13 @@ def cached_digest(folder: Path, files: list[Path], compute: Callable[[], str]) -
     under the files' paths, sizes and modification times: a restart of a run on a large corpus
     does not hash it again while no file changes. A digest that cannot be written is computed
     again next time (a warning)."""
-    key = index_key({"digest": 1}, files)
+    key = index_key({"digest": 1, "names": [f.name for f in files]}, files)
     path = folder / f"digest-{key}.txt"
     try:
-        return path.read_text()
-    except OSError:
+        kept = path.read_text()
+        if DIGEST.fullmatch(kept):
+            return kept
+    except (OSError, ValueError):  # not there, unreadable, not UTF-8: hashed again
         pass
     digest = compute()
     try:
@@ -118,7 +124,8 @@ class CachedIndex:
     num_videos: int
     reports: list[tuple[str, str, str]]
     videos: dict[Path, VideoRef]
-    named: set[str] = field(default_factory=set)  # the image and video files records name
+    # the image and video files records name: path -> [size, mtime_ns] when the pass read it
+    named: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, records: int) -> CachedIndex:
@@ -127,7 +134,7 @@ class CachedIndex:
         return cls(records, lines, files, starts, ends, sizes, Counter(), 0, 0, 0, [], {})
 
 
-def _identity(path: str) -> list[int]:
+def identity(path: str) -> list[int]:
     """A file's size and modification time; [-1, -1] where it is not there (or not a file)."""
     try:
         st = os.stat(path)
@@ -149,8 +156,28 @@ def inputs_digest(tokenizer: ByteTokenizer | HFTokenizer, processor: HFProcessor
     if processor is not None:
         p = processor
         what = (p.image_token, p.image_token_id, p.chat_template, p.template_is_tokenizers)
-        h.update(repr((what, p.vision)).encode())
+        h.update(repr(what).encode())
+        h.update(_what(p.vision).encode())
     return h.hexdigest()
+
+
+# fields that say where settings were read from, not what they are: a checkpoint's copies of a
+# folder are the same settings from another place
+_WHERE_FROM = frozenset({"folder", "image_file", "video_file", "template_file"})
+
+
+def _what(value: object) -> str:
+    """`value`'s repr with the fields of its dataclasses (at any depth) that name where it was
+    read from left out."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = [f for f in dataclasses.fields(value) if f.name not in _WHERE_FROM]
+        inner = ", ".join(f"{f.name}={_what(getattr(value, f.name))}" for f in fields)
+        return f"{type(value).__name__}({inner})"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_what(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_what(v)}" for k, v in sorted(value.items())) + "}"
+    return repr(value)
 
 
 def _video_json(ref: VideoRef) -> dict[str, Any]:
@@ -183,10 +210,8 @@ def save(folder: Path, key: str, index: CachedIndex) -> None:
     tmp: Path | None = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=folder))
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # as a folder made with mkdir: not mkdtemp's owner-only
+        tmp = folder / f".{key}-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.mkdir()  # the umask's mode (mkdtemp's is the owner's alone)
         digest = hashlib.sha256()
         with open(tmp / "arrays.bin", "wb") as f:
             for name in ARRAYS:
@@ -206,7 +231,7 @@ def save(folder: Path, key: str, index: CachedIndex) -> None:
             "num_videos": index.num_videos,
             "reports": [list(r) for r in index.reports],
             "videos": [_video_json(v) for v in index.videos.values()],
-            "named": [[path, *_identity(path)] for path in sorted(index.named)],
+            "named": [[path, *seen] for path, seen in sorted(index.named.items())],
         }
         (tmp / "meta.json").write_text(json.dumps(meta))
         if final.exists():  # one some rank could not use (unreadable, damaged, not seen there)
@@ -228,11 +253,12 @@ def save(folder: Path, key: str, index: CachedIndex) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load(folder: Path, key: str) -> CachedIndex | None:
+def load(folder: Path, key: str, part: Callable[[int], range] | None = None) -> CachedIndex | None:
     """Key's cached index in `folder`, its arrays memory-mapped; None where there is none, or
     (with a warning) where it cannot be read, does not match its digest, or an image or video
-    file its records name changed since it was built (so that a rank never raises here: every
-    rank must reach IndexShare.agree)."""
+    file its records name changed since it was built (`part(n)`: the run of the n named files
+    this rank checks, the ranks' answers joined by IndexShare.agree; None: all). It never
+    raises: every rank must reach IndexShare.agree."""
     where = folder / key
     try:
         if not (where / "meta.json").is_file():
@@ -245,7 +271,9 @@ def load(folder: Path, key: str) -> CachedIndex | None:
             raise ValueError(f"{len(mapped)} bytes of arrays for {n} samples")
         if hashlib.sha256(mapped).hexdigest() != meta["arrays_sha256"]:
             raise ValueError("arrays.bin does not match its SHA-256")
-        changed = [path for path, *seen in meta["named"] if _identity(path) != seen]
+        named = meta["named"]
+        mine = part(len(named)) if part is not None else range(len(named))
+        changed = [path for path, *seen in named[mine.start : mine.stop] if identity(path) != seen]
         if changed:
             more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
             logger.warning(

@@ -96,7 +96,13 @@ from titan_vlm.data.images import (
     load_native_image,
     open_image,
 )
-from titan_vlm.data.index_cache import CachedIndex, IndexCache, index_key, inputs_digest
+from titan_vlm.data.index_cache import (
+    CachedIndex,
+    IndexCache,
+    identity,
+    index_key,
+    inputs_digest,
+)
 from titan_vlm.data.index_cache import load as load_index
 from titan_vlm.data.index_cache import save as save_index
 from titan_vlm.data.json_spans import Span, Spans
@@ -286,7 +292,8 @@ class IndexPart:
     num_videos: int = 0
     reports: list[Report] = field(default_factory=list)
     videos: dict[Path, VideoRef] = field(default_factory=dict)
-    named: set[str] = field(default_factory=set)  # image and video files named (`track`)
+    # image and video files named (`track`): path -> [size, mtime_ns] as the pass found them
+    named: dict[str, list[int]] = field(default_factory=dict)
     error: UserError | None = None
     failure: str | None = None
 
@@ -408,7 +415,13 @@ class JsonlDataset(Dataset):
             raise ValueError("JsonlDataset: a processor of fixed-size images takes no rule")
         self.processor = processor
         self.name = str(path)  # as the user wrote it
-        self.files = dataset_files("data.dataset", self.name)
+        listing: ConfigError | None = None  # this process's, shared below (no rank waits)
+        try:
+            self.files = dataset_files("data.dataset", self.name)
+        except ConfigError as e:
+            if share is None:
+                raise
+            self.files, listing = [], e
         # each file as the warnings name it: a file named itself as the user wrote it
         self.single = Path(self.name).is_file()
         self.names = [self.name] if self.single else [str(f) for f in self.files]
@@ -430,13 +443,13 @@ class JsonlDataset(Dataset):
         # counted, a scan of the file) and reused each time its record is read back
         self._video_files: dict[Path, VideoRef] = {}
         if share is not None:  # every process must number the same records
-            self._check_same_files(share)
+            self._check_same_files(share, listing)
         # The index: read from the cache of an earlier run of the same data and model (every
         # process, or none: data/index_cache.py), else built by the start-up pass.
         index, key = None, None
         if cache is not None:
             key = index_key({**cache.settings, **self._settings()}, self.files)
-            index = load_index(cache.folder, key)
+            index = load_index(cache.folder, key, share.part if share is not None else None)
             if share is not None and not share.agree(index is not None):
                 index = None  # some process cannot read it: all of them build the index
         if index is None:
@@ -463,12 +476,17 @@ class JsonlDataset(Dataset):
                 f"data.dataset: {self.name}: no usable samples in {self.records} record(s)"
             )
 
-    def _check_same_files(self, share: IndexShare) -> None:
+    def _check_same_files(self, share: IndexShare, listing: ConfigError | None) -> None:
         """ConfigError, on every process, where one lists other files (or sizes) than the first:
         a shard added or removed while they start, or another copy of the data on another
-        node. Its records would be numbered otherwise, and the shared pass would mix them."""
-        mine = [(str(f), f.stat().st_size) for f in self.files]
+        node. Its records would be numbered otherwise, and the shared pass would mix them.
+        `listing`: this process's error listing them (raised here, once every process knows)."""
+        mine: object = (
+            str(listing) if listing else [(f.name, identity(str(f))[0]) for f in self.files]
+        )
         k = share.differing(mine)
+        if listing is not None:
+            raise listing
         if k is not None:
             raise ConfigError(
                 f"data.dataset: {self.name}: rank {k} sees other files than rank 0 (their names "
@@ -532,7 +550,7 @@ class JsonlDataset(Dataset):
                     f"{len(parts)}: {got.failure}"
                 )
             index.videos.update(got.videos)
-            index.named |= got.named
+            index.named.update(got.named)
             index.lines.extend(got.lines)
             index.files.extend(got.files)
             index.starts.extend(got.starts)
@@ -559,7 +577,9 @@ class JsonlDataset(Dataset):
             try:
                 for span, record in source.records(spans):
                     if track and not isinstance(record, BadSample):
-                        out.named.update(map(str, named_files(record, root, self.max_frames)))
+                        for path in map(str, named_files(record, root, self.max_frames)):
+                            if path not in out.named:  # its identity when the pass reads it
+                                out.named[path] = identity(path)
                     try:
                         if isinstance(record, BadSample):
                             raise record

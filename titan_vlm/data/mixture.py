@@ -64,14 +64,21 @@ def parse_mixture(value: str) -> list[tuple[Fraction, str]]:
                 f"data.mixture: {entry.strip()!r}: expected 'WEIGHT SOURCE' (e.g. "
                 "'3 llava.jsonl, 1 captions/')"
             )
-        try:
-            weight = Fraction(words[0])
+        where = f"data.mixture: {entry.strip()!r}"
+        try:  # a float first: Fraction would spell out an exponent such as 1e-100000000
+            rough = float(Fraction(words[0]) if "/" in words[0] else words[0])
         except (ValueError, ZeroDivisionError):
+            rough = float("nan")
+        if rough != rough or rough in (float("inf"), float("-inf")):
+            raise ConfigError(f"{where}: the weight {words[0]!r} is not a number")
+        if rough <= 0:
+            raise ConfigError(f"{where}: a weight must be > 0")
+        if not 1 / MAX_PERIOD <= rough <= MAX_PERIOD:
             raise ConfigError(
-                f"data.mixture: {entry.strip()!r}: the weight {words[0]!r} is not a number"
-            ) from None
-        if weight <= 0:
-            raise ConfigError(f"data.mixture: {entry.strip()!r}: a weight must be > 0")
+                f"{where}: the weight {words[0]} needs a pattern of more than {MAX_PERIOD} rows: "
+                "round it"
+            )
+        weight = Fraction(words[0])
         if weight.numerator > MAX_PERIOD or weight.denominator > MAX_PERIOD:
             raise ConfigError(
                 f"data.mixture: {entry.strip()!r}: the weight {words[0]} needs a pattern of more "
