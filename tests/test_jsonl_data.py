@@ -706,12 +706,12 @@ TRAIN = dict(
 )
 
 
-def test_training_on_a_jsonl_file_resumes_bit_exact(pool, files, tmp_path):
-    """Uninterrupted with every batch built in the training process (data.num_workers=0); the
-    run that dies after step 3 with 2 loader workers a rank, resumed with 1: the same losses to
-    the bit and the same bad-sample counts (workers change when a batch is built, not what)."""
-    path = str(files / "train.jsonl")
-    run = dict(data__dataset=path, **TRAIN)
+def interrupted_run(pool, tmp_path, run: dict, before_resume=lambda: None) -> tuple:
+    """`run` (train_run's keys) on 2 ranks uninterrupted, every batch built in the training
+    process (data.num_workers=0), in tmp_path/whole; and in tmp_path/ckpt the run that dies after
+    step 3 (saved at 2) with 2 loader workers a rank, resumed with 1 (`before_resume` called
+    between): both histories, checked equal to the bit where they overlap, with the same
+    bad-sample counts."""
     whole = pool.run(
         "train_run",
         dp_shard=2,
@@ -727,13 +727,31 @@ def test_training_on_a_jsonl_file_resumes_bit_exact(pool, files, tmp_path):
         job__dump_folder=str(tmp_path / "ckpt"),
         **run,
     )
-    # dies after step 3, saved at 2
     pool.run("train_run", dp_shard=2, cp=1, stop_after=3, data__num_workers=2, **ckpt)
-    shutil.copytree(tmp_path / "ckpt", tmp_path / "first")  # to resume once more below, at cp=2
+    before_resume()
     resumed = pool.run("train_run", dp_shard=2, cp=1, data__num_workers=1, **ckpt)[0]
     assert [h["step"] for h in resumed] == [3, 4]
     for h in resumed:
         assert h["loss"] == whole[h["step"] - 1]["loss"], h["step"]
+        assert h["data_bad_samples"] == whole[h["step"] - 1]["data_bad_samples"], h["step"]
+    return whole, resumed
+
+
+def test_training_on_a_jsonl_file_resumes_bit_exact(pool, files, tmp_path):
+    """Uninterrupted with every batch built in the training process (data.num_workers=0); the
+    run that dies after step 3 with 2 loader workers a rank, resumed with 1: the same losses to
+    the bit and the same bad-sample counts (workers change when a batch is built, not what)."""
+    path = str(files / "train.jsonl")
+    run = dict(data__dataset=path, **TRAIN)
+    # to resume once more below, at cp=2
+    keep = lambda: shutil.copytree(tmp_path / "ckpt", tmp_path / "first")  # noqa: E731
+    whole, _ = interrupted_run(pool, tmp_path, run, keep)
+    ckpt = dict(
+        checkpoint__enable=True,
+        checkpoint__interval=2,
+        job__dump_folder=str(tmp_path / "ckpt"),
+        **run,
+    )
     # the counters: the start-up ones plus the distinct samples any dp rank dropped, from an
     # independent read
     data = dataset(path, shuffle=True, seq_len=SEQ)

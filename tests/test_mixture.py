@@ -10,7 +10,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from test_jsonl_data import RECORDS, TRAIN, dataset, files, tensors  # noqa: F401
+from test_jsonl_data import RECORDS, TRAIN, dataset, files, interrupted_run, tensors  # noqa: F401
 from test_loader import STEPS, loader
 from test_record_files import tar_shards
 
@@ -198,25 +198,5 @@ def test_training_on_a_mixture_resumes_bit_exact(pool, files, tmp_path):  # noqa
         data__image_root=str(files),
         **TRAIN,
     )
-    whole = pool.run(
-        "train_run",
-        dp_shard=2,
-        cp=1,
-        job__dump_folder=str(tmp_path / "whole"),
-        data__num_workers=0,
-        **run,
-    )[0]
-    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in whole)
-    ckpt = dict(
-        checkpoint__enable=True,
-        checkpoint__interval=2,
-        job__dump_folder=str(tmp_path / "ckpt"),
-        **run,
-    )
-    pool.run("train_run", dp_shard=2, cp=1, stop_after=3, data__num_workers=2, **ckpt)
-    resumed = pool.run("train_run", dp_shard=2, cp=1, data__num_workers=1, **ckpt)[0]
-    assert [h["step"] for h in resumed] == [3, 4]
-    for h in resumed:
-        assert h["loss"] == whole[h["step"] - 1]["loss"], h["step"]
-        assert h["data_bad_samples"] == whole[h["step"] - 1]["data_bad_samples"]
+    whole, _ = interrupted_run(pool, tmp_path, run)
     assert whole[-1]["data_bad_samples"] > whole[0]["data_bad_samples"] > 0
