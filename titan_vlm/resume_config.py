@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from titan_vlm.config import ConfigError, JobConfig
-from titan_vlm.data.index_cache import INDEX_FOLDER, cached_digest
+from titan_vlm.data.index_cache import cached_digest, index_folder
 from titan_vlm.data.jsonl import dataset_files
 from titan_vlm.data.mixture import data_sources
 from titan_vlm.models.common.hf_folder import source_changes, source_files
@@ -69,7 +69,7 @@ def run_facts(
         mixed = data_sources(cfg.data.dataset, cfg.data.mixture)
         files = [f for _, source in mixed for f in dataset_files("data.dataset", source)]
         if cfg.data.cache_index:  # hashed once while the files keep their sizes and times
-            folder = Path(cfg.job.dump_folder) / INDEX_FOLDER
+            folder = index_folder(cfg.job.dump_folder)
             facts[DATA_FILE] = cached_digest(folder, files, lambda: data_digest(files))
         else:
             facts[DATA_FILE] = data_digest(files)

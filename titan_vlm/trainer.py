@@ -33,7 +33,7 @@ from titan_vlm.data.batch import SlotData
 from titan_vlm.data.dataset import Dataset
 from titan_vlm.data.hf_processor import HFProcessor
 from titan_vlm.data.image_batch import ImageRule, num_images
-from titan_vlm.data.index_cache import INDEX_FOLDER, IndexCache, code_digest
+from titan_vlm.data.index_cache import IndexCache, code_digest, index_folder
 from titan_vlm.data.loader import BatchLoader
 from titan_vlm.data.shared_pass import GroupShare
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
@@ -630,7 +630,7 @@ def index_cache(cfg: JobConfig) -> IndexCache:
     run decides it besides the dataset's own arguments (which include what its tokenizer and
     processor do): titan_vlm's code, and the model's family and flavor."""
     return IndexCache(
-        Path(cfg.job.dump_folder) / INDEX_FOLDER,
+        index_folder(cfg.job.dump_folder),
         {"code": code_digest(), "model": [cfg.model.name, cfg.model.flavor]},
     )
 

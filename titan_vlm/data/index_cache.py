@@ -45,7 +45,7 @@ from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 logger = logging.getLogger("titan_vlm")
 
 VERSION = 1  # of the files' layout
-INDEX_FOLDER = "data_index"  # in job.dump_folder
+INDEX_FOLDER = "data_index"  # in job.dump_folder (`index_folder`)
 DIGEST = re.compile(r"(\d+ files, )?\d+ bytes, [0-9a-f]{16}")  # resume_config.data_digest's
 ARRAYS = ("lines", "files", "starts", "ends", "sizes")
 CODE = Path(__file__).resolve().parents[1]  # titan_vlm/: its code decides what a record becomes
@@ -85,6 +85,11 @@ def cached_digest(folder: Path, files: list[Path], compute: Callable[[], str]) -
     return digest
 
 
+def index_folder(dump_folder: str) -> Path:
+    """Where a run keeps its data's index and digest between runs: <job.dump_folder>/data_index."""
+    return Path(dump_folder) / INDEX_FOLDER
+
+
 def code_digest() -> str:
     """SHA-256 of titan_vlm's Python files (their names and bytes): any change of the code that
     parses, tokenizes and sizes records makes a new key."""
@@ -98,10 +103,7 @@ def code_digest() -> str:
 def index_key(settings: dict[str, Any], files: list[Path]) -> str:
     """The cache key of a dataset's index: `settings` (what else decides it: the caller's model
     and config, JSON-able) and each file's resolved path, size and modification time."""
-    stats = []
-    for f in files:
-        st = f.stat()
-        stats.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    stats = [[str(f.resolve()), *identity(str(f))] for f in files]
     text = json.dumps({"version": VERSION, "settings": settings, "files": stats}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 

@@ -107,7 +107,7 @@ from titan_vlm.data.index_cache import load as load_index
 from titan_vlm.data.index_cache import save as save_index
 from titan_vlm.data.json_spans import Span, Spans
 from titan_vlm.data.mixture import Schedule, data_sources
-from titan_vlm.data.record_files import FORMATS, NO_PYARROW, RecordFile, open_records
+from titan_vlm.data.record_files import FORMATS, RecordFile, open_records, require_pyarrow
 from titan_vlm.data.records import BadSample, named_files, parse_record
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 from titan_vlm.data.video import VideoError
@@ -205,9 +205,9 @@ def _one_format(key: str, value: str, files: list[Path]) -> list[Path]:
         )
     if kinds[0] in (".parquet", ".arrow"):
         try:
-            import pyarrow.parquet  # noqa: F401 - installed, and importable here
-        except ImportError as e:
-            raise ConfigError(f"{key}={value!r}: {NO_PYARROW} ({e})") from None
+            require_pyarrow()
+        except ConfigError as e:
+            raise ConfigError(f"{key}={value!r}: {e}") from None
     return files
 
 
@@ -277,9 +277,8 @@ class IndexPart:
     counters, the reports of its bad samples (BadSampleLog.report's arguments, in file order),
     the video files whose headers it read (JsonlDataset._video_files), the image and video files
     its records name (where the index is cached: a change of one makes the cache stale), and
-    the UserError that
-    stopped it (data.on_bad_sample = "error"; `failure`: any other exception, in one line), if
-    one did."""
+    the UserError that stopped it (data.on_bad_sample = "error"; `failure`: any other
+    exception, in one line), if one did."""
 
     lines: array = field(default_factory=lambda: array("q"))
     files: array = field(default_factory=lambda: array("q"))

@@ -144,11 +144,13 @@ class JsonRecords(RecordFile):
         self.file.close()
 
 
-def _pyarrow() -> Any:
+def require_pyarrow() -> Any:
+    """pyarrow (with its Parquet reader), or ConfigError saying how to install it."""
     try:
         import pyarrow
-    except ImportError:
-        raise ConfigError(NO_PYARROW) from None
+        import pyarrow.parquet  # noqa: F401 - a build without it cannot read Parquet
+    except ImportError as e:
+        raise ConfigError(f"{NO_PYARROW} ({e})") from None
     return pyarrow
 
 
@@ -168,7 +170,7 @@ class TableRecords(RecordFile):
 
     def __init__(self, path: Path, name: str):
         super().__init__(path, name)
-        self.pa = _pyarrow()
+        self.pa = require_pyarrow()
         self.firsts: list[int] = []  # each piece's first row; then the number of rows
         self.cached: tuple[int, pa.Table | pa.RecordBatch] | None = None
 
