@@ -2,7 +2,7 @@
 
     python benchmarks/data_loader.py [--workers 0,1,2,4] [--image-sizes 336x336,1600x1200]
         [--step-s 0.25] [--steps 24] [--startup-records 1000,10000,100000] [--startup-ranks 1,2]
-        [--format-records 100000]
+        [--startup-workers 0,2] [--format-records 100000]
 
 A corpus like the ones people fine-tune VLMs on, made here with a seed (nothing downloaded):
 58% one image and a 1-3 round chat, 15% 2-4 images, 12% text only, 10% captions, 5% 6-16 frame
@@ -17,10 +17,12 @@ the byte tokenizer (data/jsonl.py JsonlDataset, as the trainer builds it for a .
    second with no step at all (what the workers can build), and CPU seconds per batch (this
    process and its workers, from getrusage).
 2. Start-up (the JsonlDataset the trainer builds on every rank, its start-up pass shared by the
-   ranks: data/shared_pass.py): the slowest rank's seconds and the largest peak resident memory
-   by corpus size (records of the same mix, image files that exist) and number of ranks, on a
-   fresh gloo group each; built by the pass (and written to an index cache), then again mapped
-   from that cache (data/index_cache.py: a restart's or a resume's start-up).
+   ranks: data/shared_pass.py, each rank's share split again over it and its data.num_workers,
+   --startup-workers: data/forked.py): the slowest rank's seconds and the largest peak resident
+   memory (a rank's, and a worker's) by corpus size (records of the same mix, image files that
+   exist), number of ranks and of workers, on a fresh gloo group each; built by the pass (and
+   written to an index cache), then mapped from that cache (data/index_cache.py: a restart's or
+   a resume's start-up; the workers do not take part).
 3. Start-up by format (--format-records records, 1 rank, index built): the same records as
    JSONL, Parquet (row groups of 1,000), an Arrow IPC stream (as save_to_disk writes them) and a
    WebDataset tar (one .json member a record), images beside the data.
@@ -114,10 +116,11 @@ def write_corpus(folder: Path, records: int, size: tuple[int, int], seed: int = 
 
 
 def dataset(
-    path: Path, share: GroupShare | None = None, cache: IndexCache | None = None
+    path: Path, share: GroupShare | None = None, cache: IndexCache | None = None, workers: int = 0
 ) -> JsonlDataset:
     """The corpus as the trainer reads it at these shapes (`share`: the ranks sharing its
-    start-up pass; `cache`: where its index is kept between runs)."""
+    start-up pass; `cache`: where its index is kept between runs; `workers`: data.num_workers,
+    which split each rank's share of the pass)."""
     return JsonlDataset(
         str(path),
         ByteTokenizer(),
@@ -129,6 +132,7 @@ def dataset(
         log_startup=False,
         share=share,
         cache=cache,
+        workers=workers,
     )
 
 
@@ -186,16 +190,18 @@ def loader_row(path: Path, workers: int, steps: int, step_s: float) -> tuple[flo
     return sum(waits[1:]) / (steps - 1), rate, (cpu_s() - cpu0) / steps
 
 
-def startup_worker(rank: int, size: int, results, path: str, cache: str) -> None:
+def startup_worker(rank: int, size: int, results, path: str, cache: str, workers: int = 0) -> None:
     """One rank of `size` building the dataset, the start-up pass shared as the trainer shares
-    it (data/shared_pass.py), its index cache in folder `cache` ("": none); rank 0 reports the
-    slowest rank's seconds and the largest peak."""
+    it (data/shared_pass.py) and split over `workers` more processes a rank, its index cache in
+    folder `cache` ("": none); rank 0 reports the slowest rank's seconds and the largest peaks
+    (a rank's; a worker's, from getrusage)."""
     dist.barrier()
     begin = time.perf_counter()
     data = dataset(
         Path(path),
         GroupShare(dist.group.WORLD) if size > 1 else None,
         IndexCache(Path(cache)) if cache else None,
+        workers,
     )
     seconds = time.perf_counter() - begin
     # VmHWM: this process's peak resident set since it started (spawned: its own), file pages
@@ -203,11 +209,13 @@ def startup_worker(rank: int, size: int, results, path: str, cache: str) -> None
     # memory now, the index it keeps
     status = Path("/proc/self/status").read_text()
     kib = {k: int(status.split(f"{k}:")[1].split()[0]) for k in ("VmHWM", "RssAnon")}
-    worst = torch.tensor([seconds, kib["VmHWM"] / 1024, kib["RssAnon"] / 1024])
+    worker_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # 0: none ran
+    worst = torch.tensor([seconds, kib["VmHWM"] / 1024, kib["RssAnon"] / 1024, worker_mib])
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if rank == 0:
         results.put(
             {"s": float(worst[0]), "peak_mib": float(worst[1]), "own_mib": float(worst[2])}
+            | {"worker_mib": float(worst[3])}
             | {"rows": len(data.rows)}  # the index measured is alive
         )
 
@@ -221,6 +229,7 @@ def main() -> None:
     p.add_argument("--records", type=int, default=2000, help="the loader table's corpus")
     p.add_argument("--startup-records", default="1000,10000,100000")
     p.add_argument("--startup-ranks", default="1,2", help="ranks sharing the start-up pass")
+    p.add_argument("--startup-workers", default="0,2", help="data.num_workers in the pass")
     p.add_argument("--format-records", type=int, default=100000)
     a = p.parse_args()
     torch.set_num_threads(1)  # as a rank under run_train.sh (OMP_NUM_THREADS=1)
@@ -239,22 +248,30 @@ def main() -> None:
             wait, rate, cpu = loader_row(path, workers, a.steps, a.step_s)
             print(f"| {h}x{w} | {workers} | {wait:.3f} | {rate:.2f} | {cpu:.3f} |", flush=True)
     print(
-        "\n| records | file MiB | ranks | index | start-up s (slowest rank) | peak RSS MiB "
-        "(largest) | own memory after, MiB (largest) |"
+        "\n| records | file MiB | ranks | num_workers | index | start-up s (slowest rank) | "
+        "peak RSS MiB (largest rank) | a worker's peak RSS MiB | own memory after, MiB "
+        "(largest) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n in (int(v) for v in a.startup_records.split(",")):
         path = write_corpus(folder, n, (64, 64))
         mib = path.stat().st_size / 2**20
         for ranks in (int(v) for v in a.startup_ranks.split(",")):
-            cache = tempfile.mkdtemp(prefix="index_", dir=folder)
-            for index in ("built", "mapped from the cache"):
-                (r,) = run_group(startup_worker, ranks, 1, str(path), cache)
+            cache = ""
+            for workers in (int(v) for v in a.startup_workers.split(",")):
+                cache = tempfile.mkdtemp(prefix="index_", dir=folder)  # built every time
+                (r,) = run_group(startup_worker, ranks, 1, str(path), cache, workers)
                 print(
-                    f"| {n} | {mib:.1f} | {ranks} | {index} | {r['s']:.2f} | "
-                    f"{r['peak_mib']:.0f} | {r['own_mib']:.0f} |",
+                    f"| {n} | {mib:.1f} | {ranks} | {workers} | built | {r['s']:.2f} | "
+                    f"{r['peak_mib']:.0f} | {r['worker_mib']:.0f} | {r['own_mib']:.0f} |",
                     flush=True,
                 )
+            (r,) = run_group(startup_worker, ranks, 1, str(path), cache)
+            print(
+                f"| {n} | {mib:.1f} | {ranks} | - | mapped from the cache | {r['s']:.2f} | "
+                f"{r['peak_mib']:.0f} | - | {r['own_mib']:.0f} |",
+                flush=True,
+            )
     print("\n| format | records | file MiB | start-up s | peak RSS MiB | own memory after, MiB |")
     print("|---|---|---|---|---|---|")
     path = write_corpus(folder, a.format_records, (64, 64), seed=1)

@@ -18,7 +18,8 @@ import torch
 from test_jsonl_data import RECORDS, dataset, files, tensors, warnings_of  # noqa: F401
 
 from titan_vlm.data.bad_samples import DataError
-from titan_vlm.data.loader import BatchLoader, LoaderWorkerDied
+from titan_vlm.data.forked import LoaderWorkerDied
+from titan_vlm.data.loader import BatchLoader
 from titan_vlm.errors import UserError
 from titan_vlm.launch import children
 

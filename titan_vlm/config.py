@@ -224,7 +224,10 @@ class Data:
     """Loader worker processes per rank that build the batches (read, decode, preprocess, pack)
     ahead of the step, a step each in turn (data/loader.py); 0: each batch is built in the
     training process when its step starts. Workers change when a batch is built, never what: the
-    losses are bit-identical at any count, and a run may resume at another."""
+    losses are bit-identical at any count, and a run may resume at another. A dataset file's
+    first start splits each rank's share of the start-up pass over the rank and up to as many
+    forked processes (data/forked.py; at least 4096 records each, and no more than the node's
+    cores over its ranks allow): the same index, sooner."""
     prefetch: int = 2
     """Batches each loader worker keeps ready ahead of the step (num_workers x prefetch in all,
     each in host memory, pinned on CUDA)."""

@@ -26,7 +26,6 @@ Workers started without the launcher (plain torchrun) print the line from rank 0
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import json
 import os
@@ -49,11 +48,11 @@ from titan_vlm.config import (
     validate_failure_keys,
 )
 from titan_vlm.errors import ConfigError, UserError
+from titan_vlm.process_tree import killed_with_parent
 
 LOCK_FILE = "job.lock"
 ERROR_FILE_ENV = "TITAN_VLM_ERROR_FILE"
 LAUNCHER_PID_ENV = "TITAN_VLM_LAUNCHER_PID"
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def children(pid: int) -> list[int]:
@@ -195,12 +194,6 @@ def report_user_error(e: UserError) -> int:
     if os.environ.get("RANK", "0") == "0":
         print(line, file=sys.stderr)
     return 2
-
-
-def killed_with_parent() -> None:
-    """From now on this process gets SIGKILL when its parent process dies (Linux's
-    PR_SET_PDEATHSIG): torchrun under the launcher, a loader worker under its rank."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _die_with_launcher(launcher: int) -> Callable[[], None]:

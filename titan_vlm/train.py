@@ -17,7 +17,7 @@ import sys
 import torch.distributed as dist
 
 from titan_vlm.config import JobConfig, load_config, validate_failure_keys
-from titan_vlm.data.loader import LoaderWorkerDied
+from titan_vlm.data.forked import LoaderWorkerDied
 from titan_vlm.distributed import init_distributed
 from titan_vlm.errors import UserError
 from titan_vlm.launch import STOP, die_with_parent, report_user_error

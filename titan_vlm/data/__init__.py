@@ -90,6 +90,7 @@ def build_dataset(
     `share`: how the job's processes split a file's start-up pass (data/shared_pass.py);
     `cache`: where a file's start-up index is kept between runs (data/index_cache.py)."""
     from titan_vlm.data.bad_samples import BadSampleLog
+    from titan_vlm.data.forked import spare_cores
     from titan_vlm.data.images import NativeResolution
     from titan_vlm.data.jsonl import JsonlDataset
     from titan_vlm.data.mixture import MixtureDataset, data_sources
@@ -143,6 +144,7 @@ def build_dataset(
             share=share,
             cache=cache,
             bad=bad,
+            workers=min(d.num_workers, spare_cores()),
         )
         for k, (_, source) in enumerate(sources)  # every rank builds them in this order (share's)
     ]

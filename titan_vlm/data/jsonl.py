@@ -12,8 +12,9 @@ data/record_files.py's (one reader per format).
 
 Deterministic and resumable without any state of its own: at start-up the file's records are
 parsed and tokenized and their images counted (images are only checked to exist, not decoded),
-each process of the job doing a contiguous share of the records and all of them exchanging their
-parts (`share`: IndexShare; the same index, warnings and errors as one process doing them all),
+each process of the job doing a contiguous share of the records (split again over it and its
+forked `workers`: data/forked.py) and all of them exchanging their parts (`share`: IndexShare;
+the same index, warnings and errors as one process doing them all),
 and every process builds the same fixed packing index, a list of rows of sample numbers
 (`data.packing`: greedily in file order, a sample that does not fit starts the next row, nothing
 dropped; else one sample per row). Global row r of the training run is index row
@@ -86,6 +87,7 @@ from titan_vlm.data.batch import (
     part_slots,
 )
 from titan_vlm.data.dataset import Dataset, batch_rows, keep_one_slot
+from titan_vlm.data.forked import Forked, LoaderWorkerDied
 from titan_vlm.data.hf_processor import HFProcessor, kept_frame_files, video_file_frames
 from titan_vlm.data.image_batch import ImageRule
 from titan_vlm.data.images import (
@@ -119,6 +121,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("titan_vlm")
 
+# the fewest records a process of a start-up pass takes (JsonlDataset `workers`): fewer are not
+# worth a fork (about 0.2 s of parsing)
+PASS_RECORDS = 4096
 GLOB = "*?["  # a dataset value holding one of these is a glob pattern
 ENDINGS = " / ".join(FORMATS)  # for messages: ".jsonl / .json / .parquet / .arrow / .tar"
 
@@ -296,6 +301,29 @@ class IndexPart:
     error: UserError | None = None
     failure: str | None = None
 
+    def then(self, later: IndexPart) -> None:
+        """`later`, the run of records right after this one's, added to it, as if one pass had
+        gone over both: nothing of it where this one stopped (an error, a failure)."""
+        if self.error is not None or self.failure is not None:
+            return
+        for mine, theirs in (
+            (self.lines, later.lines),
+            (self.files, later.files),
+            (self.starts, later.starts),
+            (self.ends, later.ends),
+            (self.sizes, later.sizes),
+        ):
+            mine.extend(theirs)
+        self.skipped.update(later.skipped)
+        self.truncated += later.truncated
+        self.num_images += later.num_images
+        self.num_videos += later.num_videos
+        self.reports.extend(later.reports)
+        self.videos.update(later.videos)
+        for path, found in later.named.items():  # as the pass first found it
+            self.named.setdefault(path, found)
+        self.error, self.failure = later.error, later.failure
+
 
 class OpenFiles:
     """The dataset files a batch reads its records from (`files`, named `names`), each opened
@@ -366,7 +394,10 @@ class JsonlDataset(Dataset):
     `share`: how the processes of a job split the start-up pass (IndexShare; None: this process
     does it all). `cache`: where the index is kept between runs (data/index_cache.py; None: it
     is built every time). `bad`: the log its bad samples are reported through (a mixture's,
-    data/mixture.py; None: its own, by data.on_bad_sample)."""
+    data/mixture.py; None: its own, by data.on_bad_sample). `workers`: this process's share of
+    the start-up pass is split over it and up to this many processes forked from it
+    (data.num_workers; each takes at least PASS_RECORDS records): the same index, warnings and
+    first error as this process alone, sooner where the cores are there."""
 
     bad: BadSampleLog
 
@@ -393,6 +424,7 @@ class JsonlDataset(Dataset):
         share: IndexShare | None = None,
         cache: IndexCache | None = None,
         bad: BadSampleLog | None = None,
+        workers: int = 0,
     ):
         _check_max_frames(max_frames)
         if native is not None and rule is not None and rule is not native:
@@ -433,7 +465,7 @@ class JsonlDataset(Dataset):
         # the folder each file's image paths are relative to: data.image_root, else its own
         self.roots = [Path(image_root) if image_root else f.parent for f in self.files]
         self.max_image_pixels, self.max_frames = max_image_pixels, max_frames
-        self.log_batches = log_batches
+        self.log_batches, self.workers = log_batches, workers
         self.skipped: Counter[str] = Counter()  # start-up reasons, by kind
         self.dropped: set[int] = set()
         self._orders: dict[int, list[int]] = {}
@@ -514,7 +546,8 @@ class JsonlDataset(Dataset):
         memory-mapped: its pages are the page cache's, shared by the ranks of a node; a .json
         array is decoded whole), then the start-up pass (parse, tokenize, read headers) over the
         files' records numbered in turn, split over the processes `share` names, each a
-        contiguous run of them, and merged in file order: every process holds the whole index.
+        contiguous run of them (and each process's run split again over it and its `workers`),
+        and merged in file order: every process holds the whole index.
         `track`: keep the image and video files the records name (for the index cache).
         The first error in file order is raised on every process (after the bad samples before
         it are reported); the reports of a pass that ends are the caller's to report."""
@@ -524,14 +557,35 @@ class JsonlDataset(Dataset):
                 spans.append(source.spans())
         records = sum(len(sp) for sp in spans)
         part = share.part(records) if share is not None else range(records)
-        mine, failure, first = IndexPart(), None, 0
-        for k, sp in enumerate(spans):
-            lo, hi = max(part.start - first, 0), min(part.stop - first, len(sp))
-            first += len(sp)
-            if lo < hi and mine.error is None and failure is None:
-                with open_records(self.files[k], self.names[k]) as source:
-                    failure = self._index_part(k, source, sp[lo:hi], log_startup, mine, track)
-        del spans
+        # this process's run, split over it and up to `workers` forked ones (data/forked.py)
+        n = max(min(self.workers + 1, len(part) // PASS_RECORDS), 1)
+        runs = [part[len(part) * j // n : len(part) * (j + 1) // n] for j in range(n)]
+
+        def index_run(j: int) -> tuple[IndexPart, Exception | None]:
+            mine, failure, first = IndexPart(), None, 0
+            for k, sp in enumerate(spans):
+                lo = max(runs[j].start - first, 0)
+                hi = min(runs[j].stop - first, len(sp))
+                first += len(sp)
+                if lo < hi and mine.error is None and failure is None:
+                    with open_records(self.files[k], self.names[k]) as source:
+                        failure = self._index_part(k, source, sp[lo:hi], log_startup, mine, track)
+            return mine, failure
+
+        what = f"data.dataset: {self.name}: the start-up pass"
+        with Forked(lambda j: index_run(j)[0], n, what) as workers:
+            mine, failure = index_run(0)  # its own exception, raised below as it came
+            stopped = mine.error is not None or mine.failure is not None
+            try:
+                for j, later in enumerate(() if stopped else workers.results(), start=1):
+                    if later.failure is not None:
+                        later.failure = f"worker {j}: {later.failure}"
+                    mine.then(later)
+                    if mine.error is not None or mine.failure is not None:
+                        break  # the rest are not needed: killed on leaving the block
+            except LoaderWorkerDied as e:  # every process must learn of it (no hang)
+                mine.failure, failure = str(e), e
+        spans.clear()
         parts = share.gather(mine) if share is not None else [mine]
         index = CachedIndex.empty(records)
         for k, got in enumerate(parts):  # file order, as one process would have gone

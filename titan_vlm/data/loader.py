@@ -27,7 +27,7 @@ Workers are forked from the training process when the loop starts (`start`): the
 dataset the trainer built (its index, tokenizer and processor) without pickling it and touch no
 accelerator. Each runs in a process group of its own (torchrun signals a rank's whole group;
 the rank stops at a step boundary and closes its workers) and is killed with its rank
-(launch.killed_with_parent). On CUDA, batches are copied into pinned host memory by the
+(process_tree.killed_with_parent). On CUDA, batches are copied into pinned host memory by the
 loader's pin thread, then to the device without blocking.
 """
 
@@ -45,8 +45,9 @@ import torch
 import torch.utils.data
 
 from titan_vlm.data.bad_samples import Report
+from titan_vlm.data.forked import LoaderWorkerDied, death
 from titan_vlm.errors import UserError
-from titan_vlm.launch import killed_with_parent
+from titan_vlm.process_tree import killed_with_parent
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -109,28 +110,6 @@ def _start_worker(worker_id: int) -> None:
 
 def _one(built: Any) -> Any:  # typed as DataLoader's collate_fn (a list when it batches)
     return built  # one Built per step: no collation
-
-
-class LoaderWorkerDied(RuntimeError):
-    """A loader worker died (killed, out of host or shared memory): a failure of the run, not of
-    its config or data, so the rank exits 1 after one line (train.py) and torchrun restarts the
-    job (job.max_restarts), which resumes from its latest checkpoint."""
-
-
-def _death(exitcode: int | None) -> str:
-    """What a worker's exit code says, for the one line."""
-    if exitcode is not None and exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:  # a real-time signal: no name
-            name = f"signal {-exitcode}"
-        if -exitcode == signal.SIGBUS:  # torch's shared memory (/dev/shm) ran out
-            return (
-                f"died of {name} (its shared memory ran out: /dev/shm is full; a container "
-                "needs a larger one, e.g. docker run --shm-size=16g, or lower data.prefetch)"
-            )
-        return f"died of {name} (out of host memory, or killed)"
-    return f"exited with code {exitcode}"
 
 
 class BatchLoader:
@@ -238,7 +217,7 @@ class BatchLoader:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.01)
-        what = "; ".join(f"pid {w.pid} {_death(w.exitcode)}" for w in dead)
+        what = "; ".join(f"pid {w.pid} {death(w.exitcode)}" for w in dead)
         return LoaderWorkerDied(
             f"data.num_workers={self.num_workers}: a loader worker is gone ({what}); "
             "data.num_workers=0 builds the batches in the training process"
