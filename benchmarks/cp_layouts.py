@@ -235,7 +235,7 @@ def long_sample_rows(images: int, seq_len: int = 1024) -> Batch:
 
 
 def worker(rank: int, cp: int, results, steps: int, workload: str) -> None:
-    mesh = Mesh.from_root(init_device_mesh("cpu", (1, 1, cp, 1), mesh_dim_names=MESH_DIMS))
+    mesh = Mesh.from_root(init_device_mesh("cpu", (1, 1, 1, cp, 1), mesh_dim_names=MESH_DIMS))
     args = get_flavor("debug")
     torch.manual_seed(0)
     model = VLM(args)

@@ -102,7 +102,7 @@ def analytic_bytes(
 
 
 def worker(rank: int, cp: int, results, configs: list, flavor: str) -> None:
-    mesh = Mesh.from_root(init_device_mesh("cpu", (1, 1, cp, 1), mesh_dim_names=MESH_DIMS))
+    mesh = Mesh.from_root(init_device_mesh("cpu", (1, 1, 1, cp, 1), mesh_dim_names=MESH_DIMS))
     args = get_flavor(flavor)
     torch.manual_seed(0)
     model = VLM(args)

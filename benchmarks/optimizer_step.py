@@ -41,7 +41,7 @@ IMPLEMENTATIONS = {
 
 
 def worker(rank: int, size: int, results: Any, flavors: list[str], steps: int) -> None:
-    mesh = Mesh.from_root(init_device_mesh("cpu", (1, 1, size, 1), mesh_dim_names=MESH_DIMS))
+    mesh = Mesh.from_root(init_device_mesh("cpu", (1, 1, 1, size, 1), mesh_dim_names=MESH_DIMS))
     for flavor in flavors:
         torch.manual_seed(0)
         model = parallelize_vlm(VLM(get_flavor(flavor)), mesh)

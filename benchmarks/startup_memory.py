@@ -104,7 +104,7 @@ def worker(rank: int, size: int, results, folder: str, how: str) -> None:
     from titan_vlm.parallel_dims import Mesh
 
     root = init_device_mesh(
-        "cpu", (1, size, 1, 1), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp")
+        "cpu", (1, 1, size, 1, 1), mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp")
     )
     mesh = Mesh.from_root(root)
     cfg = hf_config(folder)

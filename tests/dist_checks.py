@@ -63,13 +63,17 @@ ZERO_GRAD_SUFFIXES = ("attn.k.bias",)
 
 
 @cache
-def make_mesh(dp_shard: int, cp: int, dp_replicate: int = 1, tp: int = 1, ep: int = 1) -> Mesh:
-    """A (dp_replicate, dp_shard, cp, tp) mesh (with `ep`, expert parallelism over consecutive
-    ranks of dp_shard x cp); the world is split into identical copies of it."""
+def make_mesh(
+    dp_shard: int, cp: int, dp_replicate: int = 1, tp: int = 1, ep: int = 1, pp: int = 1
+) -> Mesh:
+    """A (pp, dp_replicate, dp_shard, cp, tp) mesh (with `ep`, expert parallelism over
+    consecutive ranks of dp_shard x cp); the world is split into identical copies of it."""
     world = dist.get_world_size()
-    copies = world // (dp_replicate * dp_shard * cp * tp)
+    copies = world // (pp * dp_replicate * dp_shard * cp * tp)
     root = init_device_mesh(
-        "cpu", (copies, dp_replicate, dp_shard, cp, tp), mesh_dim_names=("copies", *MESH_DIMS)
+        "cpu",
+        (copies, pp, dp_replicate, dp_shard, cp, tp),
+        mesh_dim_names=("copies", *MESH_DIMS),
     )
     return Mesh.from_root(root, ep)
 
@@ -488,6 +492,7 @@ def train_run(
     tp: int = 1,
     slow_write_s: float = 0.0,
     uncopied_async_state: bool = False,
+    pp: int = 1,
     **overrides,
 ) -> list[dict]:
     """The real training loop (Trainer) on a test mesh; overrides are section__key=value.
@@ -496,12 +501,14 @@ def train_run(
     async save's writer thread, which a crash would end, is let finish writing its files but
     nothing commits them). `slow_write_s`: each checkpoint write starts that much later (the
     steps after an async save go on meanwhile). `uncopied_async_state` (negative control): an
-    async save writes the live tensors instead of their copy at the step."""
+    async save writes the live tensors instead of their copy at the step. `pp`: pipeline stages'
+    ranks (the outermost dim)."""
     cfg = _job_config(steps, **overrides)
     cfg.job.dump_folder = (
-        f"{cfg.job.dump_folder}/copy{dist.get_rank() // (dp_replicate * dp_shard * cp * tp)}"
+        f"{cfg.job.dump_folder}/copy{dist.get_rank() // (pp * dp_replicate * dp_shard * cp * tp)}"
     )
-    trainer = Trainer(cfg, make_mesh(dp_shard, cp, dp_replicate, tp), torch.device("cpu"))
+    mesh = make_mesh(dp_shard, cp, dp_replicate, tp, pp=pp)
+    trainer = Trainer(cfg, mesh, torch.device("cpu"))
     write = _FileSystemWriter.write_data
 
     def slow_write(self, *args, **kwargs):
@@ -1453,4 +1460,137 @@ def shared_index(
         "describe": data.describe(),
         "warnings": warnings,
         "parsed": len(parsed),
+    }
+
+
+@contextlib.contextmanager
+def _loss_over_each_microbatch() -> Iterator[None]:
+    """Within: each pipeline microbatch's loss is over its own loss tokens, not the step's (the
+    pipeline's negative control: a mean of means, which one process does not compute)."""
+    from titan_vlm.parallel import pipeline
+
+    real = pipeline.microbatches
+
+    def own(parts, ntokens, bidirectional):
+        out = real(parts, ntokens, bidirectional)
+        for m, part in zip(out, parts):
+            m.ntokens = (part.labels != IGNORE_INDEX).sum()
+        return out
+
+    with mock.patch.object(pipeline, "microbatches", own):
+        yield
+
+
+def pp_parity(
+    pp: int = 2,
+    schedule: str = "1F1B",
+    virtual: int = 1,
+    microbatches: int = 4,
+    rows_per_microbatch: int = 1,
+    n_layers: int = 3,
+    seq_len: int = 61,
+    steps: int = 2,
+    seed: int = 5,
+    loss_over_each_microbatch: bool = False,
+) -> dict:
+    """`steps` optimizer steps of the debug model (`n_layers` decoder layers) cut into `pp` x
+    `virtual` pipeline stages (parallel/pipeline.py) against one process with the same weights
+    and global batches (packed synthetic rows with images, their loss tokens unequal across the
+    microbatches). Returns each step's losses and gradient norms, both sides, and, over this
+    rank's own parameters, the worst relative error of the last step's gradient and of the
+    parameter after the steps, per group (vision, projector, decoder), with the names this rank
+    holds. `loss_over_each_microbatch`: the negative control (_loss_over_each_microbatch)."""
+    from titan_vlm.optim import clip_grad_norm_
+    from titan_vlm.parallel.pipeline import Pipeline, StagePlan
+
+    base = get_flavor("debug")
+    args = dataclasses.replace(base, decoder=dataclasses.replace(base.decoder, n_layers=n_layers))
+    t = Training(lr=1e-3, warmup_steps=0, steps=10, max_norm=1.0, seq_len=seq_len)
+    rows = microbatches * rows_per_microbatch
+    data = SyntheticCaptions(
+        args.vision.image_size, args.tokens_per_image, seq_len, seed, 2, packing=True
+    )
+    batches = [data.batch(step, 0, 1, rows) for step in range(steps)]
+    group = init_device_mesh(
+        "cpu", (dist.get_world_size() // pp, pp), mesh_dim_names=("copies", "pp")
+    )["pp"].get_group()
+
+    torch.manual_seed(seed)
+    ref = VLM(args)
+    ref_opt = build_optimizer(ref, t)
+    ref_losses, ref_norms = [], []
+    for batch in batches:
+        ref_opt.zero_grad(set_to_none=True)
+        logits, labels, _ = ref.forward_local(batch, CPContext())
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+        loss.backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), t.max_norm).item())
+        ref_losses.append(loss.item())
+        ref_opt.step()
+
+    torch.manual_seed(seed)
+    model = VLM(args)  # the whole model, as one process builds it, then cut to this rank's stages
+    plan = StagePlan(dist.get_rank(group), pp, virtual, n_layers)
+    plan.prune(model)
+    pipe = Pipeline(
+        model,
+        plan,
+        group,
+        schedule,
+        microbatches,
+        rows_per_microbatch,
+        seq_len,
+        torch.device("cpu"),
+    )
+    opt = build_optimizer(model, t)
+    losses, norms = [], []
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        parts = [
+            batch.rows(k * rows_per_microbatch, (k + 1) * rows_per_microbatch)
+            for k in range(microbatches)
+        ]
+        ntokens = (batch.labels != IGNORE_INDEX).sum()
+        with (
+            _loss_over_each_microbatch() if loss_over_each_microbatch else contextlib.nullcontext()
+        ):
+            losses.append(pipe.step(parts, ntokens).item())
+        norms.append(clip_grad_norm_(list(model.parameters()), t.max_norm, group).item())
+        opt.step()
+
+    ref_params = dict(ref.named_parameters())
+    grad_err = dict.fromkeys(GROUPS, 0.0)
+    param_err = dict.fromkeys(GROUPS, 0.0)
+    missing, zero_grad_abs = [], 0.0
+    for name, p in model.named_parameters():
+        r = ref_params[name]
+        if p.grad is None or r.grad is None:
+            missing.append(name)
+            continue
+        group_name, g, rg = name.split(".")[0], p.grad, r.grad
+        if name.endswith(ZERO_GRAD_SUFFIXES):  # rounding noise on both sides (parity's note)
+            zero_grad_abs = max(zero_grad_abs, float(g.norm()), float(rg.norm()))
+        else:
+            grad_err[group_name] = max(grad_err[group_name], float((g - rg).norm() / rg.norm()))
+        p, r = p.detach(), r.detach()
+        param_err[group_name] = max(param_err[group_name], float((p - r).norm() / r.norm()))
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "grad_norms": norms,
+        "ref_grad_norms": ref_norms,
+        "grad_err": grad_err,
+        "param_err": param_err,
+        "missing_grads": missing,
+        "zero_grad_abs": zero_grad_abs,
+        "names": sorted(n for n, _ in model.named_parameters()),
+        "microbatch_tokens": [
+            int(
+                (
+                    batches[-1].labels[k * rows_per_microbatch : (k + 1) * rows_per_microbatch]
+                    != IGNORE_INDEX
+                ).sum()
+            )
+            for k in range(microbatches)
+        ],
     }

@@ -36,7 +36,7 @@ from typing import Any
 
 CHECKS_MODULE = "dist_checks"
 CLOSE_GRACE_S = 3.0  # how long the session's end waits for the workers to leave their groups
-MESH_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp")  # the checks' mesh keywords (make_mesh)
+MESH_DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the checks' mesh keywords
 
 
 def _free_port() -> int:

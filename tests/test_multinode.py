@@ -62,7 +62,7 @@ def test_two_agents_on_loopback_train_like_one_four_process_node(tmp_path):
     for agent, (_, err) in zip(agents, outs):
         assert agent.returncode == 0, err[-3000:]
     two_out = "".join(out for out, _ in outs)
-    assert "mesh: dp_replicate=1 dp_shard=2 cp=2 tp=1 on 4 cpu ranks" in two_out
+    assert "mesh: pp=1 dp_replicate=1 dp_shard=2 cp=2 tp=1 on 4 cpu ranks" in two_out
 
     one = subprocess.run(
         ["./run_train.sh", *ARGS, f"--job.dump_folder={tmp_path / 'one_node'}"],

@@ -41,6 +41,7 @@ OnNonfinite = Literal["stop", "skip"]
 OnBadSample = Literal["skip", "error"]
 CPCommType = Literal["p2p", "allgather", "a2a"]  # parallel/cp_attention.py CP_ATTENTION
 CPVision = Literal["replicate", "broadcast", "shard"]  # parallel/context_parallel.py
+PPSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]  # parallel/pipeline.py SCHEDULES
 CPSamplePlacement = Literal["split", "auto"]  # layout/placement.py SAMPLE_PLACEMENTS
 CPImageTokens = Literal["replicate", "shard", "auto"]  # layout/placement.py IMAGE_TOKEN_MODES
 ACMode = Literal["none", "selective", "full"]  # parallel/parallelize.py, plan/memory.py
@@ -235,8 +236,30 @@ class Data:
 
 @dataclass
 class Parallelism:
-    """The device mesh dp_replicate x dp_shard x cp x tp (parallel_dims.py) and how CP and TP
-    split the work."""
+    """The device mesh pp x dp_replicate x dp_shard x cp x tp (parallel_dims.py) and how PP, CP
+    and TP split the work."""
+
+    pipeline_parallel_degree: int = 1
+    """Pipeline stages' ranks: the model cut along its decoder layers into stages (the ViT,
+    projector and token embeddings in the first, the norm and head in the last), each rank
+    holding its stages' parameters only, trained over microbatches by
+    pipeline_parallel_schedule; the loss and every gradient are one process's
+    (parallel/pipeline.py). Not yet with another degree > 1, a mixture-of-experts decoder, tied
+    embeddings, a family other than llava, Hugging Face weights, bf16, compile, activation
+    checkpointing, validation, or a resume at pp > 1 (a pp run's checkpoint resumes at pp = 1)
+    (one-line errors)."""
+    pipeline_parallel_schedule: PPSchedule = "1F1B"
+    """torch.distributed.pipelining's schedule: "GPipe" (every forward, then every backward),
+    "1F1B" (one forward, one backward: at most `degree` microbatches' activations alive; needs
+    at least `degree` microbatches), "Interleaved1F1B" (pipeline_parallel_stages_per_rank >= 2
+    stages a rank, a smaller bubble)."""
+    pipeline_parallel_microbatch_size: int = 1
+    """Rows a pipeline microbatch: a step's rows on a dp rank (training.local_batch_size x the
+    accumulation steps) are split into microbatches of this many, each crossing the stages in
+    turn."""
+    pipeline_parallel_stages_per_rank: int = 1
+    """Stages each pipeline rank holds (Interleaved1F1B: >= 2; stage s on rank s mod degree);
+    the decoder layers are split evenly over degree x this many stages, the first lighter."""
 
     data_parallel_replicate_degree: int = 1
     """HSDP replicas: parameters replicated across them, gradients all-reduced."""
@@ -543,7 +566,8 @@ def world_size_of(cfg: JobConfig) -> int:
     """Processes the config's parallel degrees need (dp_shard = -1 counts as 1)."""
     p = cfg.parallelism
     return (
-        p.data_parallel_replicate_degree
+        p.pipeline_parallel_degree
+        * p.data_parallel_replicate_degree
         * max(p.data_parallel_shard_degree, 1)
         * p.context_parallel_degree
         * p.tensor_parallel_degree

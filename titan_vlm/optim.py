@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -42,8 +42,24 @@ def freeze(model: nn.Module, group_of: Callable[[str], str], groups: set[str]) -
     return frozen
 
 
+def _decays(name: str, p: torch.Tensor) -> bool:
+    """Matrices decay; norms, biases and position embeddings do not."""
+    return p.ndim >= 2 and "pos_embed" not in name
+
+
+def param_group_keys(
+    model: nn.Module, group_of: Callable[[str], str] = top_level_module
+) -> list[tuple[str, bool]]:
+    """The (parameter group, decays) of build_optimizer's param groups, in their order."""
+    keys = [(group_of(n), _decays(n, p)) for n, p in model.named_parameters() if p.requires_grad]
+    return list(dict.fromkeys(keys))
+
+
 def build_optimizer(
-    model: nn.Module, t: Training, group_of: Callable[[str], str] = top_level_module
+    model: nn.Module,
+    t: Training,
+    group_of: Callable[[str], str] = top_level_module,
+    keys: list[tuple[str, bool]] | None = None,
 ) -> torch.optim.Optimizer:
     """One param group per (parameter group, weight decay), over the parameters that train
     (`freeze` left the others out: no optimizer state). `group_of` names a parameter's group
@@ -55,13 +71,14 @@ def build_optimizer(
     ("lr", or "lr_vision" / "lr_projector" where that group has its own rate).
     Matrices decay; norms, biases and position embeddings do not. The fused implementation (one
     kernel per group and step, on CPU and CUDA alike) costs a third of the per-parameter loop's
-    time on the debug model (docs/performance.md, "The optimizer")."""
+    time on the debug model (docs/performance.md, "The optimizer"). `keys`: the groups to make,
+    in order, empty where `model` holds none of them (a pipeline stage's part of the model: the
+    whole model's groups, param_group_keys, so that every stage and layout has the same)."""
     own = {"vision": t.vision_lr, "projector": t.projector_lr}
-    groups: dict[tuple[str, bool], list[nn.Parameter]] = defaultdict(list)
+    groups: dict[tuple[str, bool], list[nn.Parameter]] = {key: [] for key in keys or []}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            decay = p.ndim >= 2 and "pos_embed" not in name
-            groups[(group_of(name), decay)].append(p)
+            groups.setdefault((group_of(name), _decays(name, p)), []).append(p)
     param_groups = [
         {
             "params": ps,
@@ -97,13 +114,17 @@ def build_scheduler(opt: torch.optim.Optimizer, t: Training) -> torch.optim.lr_s
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(
+    params: list[torch.Tensor], max_norm: float, stages: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Global L2 norm of all gradients (as one unsharded model would have), clipped to max_norm.
 
     Each FSDP (and TP) mesh dim that shards a parameter holds disjoint pieces of it, so the squared
     norm is the sum of the local shards' squares all-reduced over those dims; dims that replicate
     it (HSDP's dp_replicate, tp for norms) and ranks outside a mesh's reduction (e.g. CP ranks for
-    the vision tower) hold identical copies and are not added again.
+    the vision tower) hold identical copies and are not added again. `stages`: the pipeline's
+    group (parallel/pipeline.py), whose ranks hold disjoint parameters: their squares are summed
+    over it too (every rank joins, whatever gradients it holds).
     """
     groups: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
@@ -126,6 +147,10 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor
             if not placement.is_replicate() and mesh.size(dim) > 1:
                 dist_sum(sq, mesh.get_group(dim))
         total_sq = sq if total_sq is None else total_sq + sq
+    if stages is not None:
+        if total_sq is None:  # no gradient here: this rank's share is 0
+            total_sq = torch.zeros((), device=params[0].device if params else "cpu")
+        total_sq = dist_sum(total_sq, stages)
     if total_sq is None:
         return torch.tensor(0.0)
     norm = total_sq.sqrt()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ from titan_vlm.optim import clip_grad_norm_, current_lrs
 from titan_vlm.parallel.context_parallel import CPContext, CPOptions, sync_broadcast_vision_grads
 from titan_vlm.parallel.tensor_parallel import TPOptions
 from titan_vlm.parallel_dims import Mesh
+
+if TYPE_CHECKING:
+    from titan_vlm.parallel.pipeline import Pipeline
 
 # FSDP2 warns when a wrapped module returns a view (nn.Linear on 3-D input does); it matters only
 # for in-place ops on that output, which titan_vlm never does.
@@ -140,11 +143,13 @@ def train_step(
     cp: CPOptions = CPOptions(),
     tp: TPOptions = TPOptions(),
     microbatches: int = 1,
+    pipeline: Pipeline | None = None,
 ) -> tuple[dict[str, float], list[SeqLayout]]:
     """One optimizer step over `batch`, in `microbatches` equal groups of its rows (gradient
-    accumulation: training.global_batch_size): each microbatch's loss over the whole step's loss
-    tokens, FSDP's gradient reduction once, after the last, so the step is the one the whole
-    batch would take at once. Returns its stats and this rank's layout of each microbatch
+    accumulation: training.global_batch_size; with a `pipeline`, its microbatches, run by its
+    schedule over the stages: parallel/pipeline.py): each microbatch's loss over the whole
+    step's loss tokens, FSDP's gradient reduction once, after the last, so the step is the one
+    the whole batch would take at once. Returns its stats and this rank's layout of each microbatch
     (the CP stats are the last one's). A non-finite loss or gradient norm (the same on every
     rank: both are reduced over the job) updates nothing: the optimizer does not step and
     "nonfinite" is 1; the caller stops or goes on (training.on_nonfinite). The lr schedule
@@ -159,18 +164,23 @@ def train_step(
     loss = torch.zeros((), device=batch.tokens.device)
     layouts: list[SeqLayout] = []
     loads: list[ExpertLoad] = []
-    for k, part in enumerate(parts):
-        last = k == microbatches - 1
-        for module in fsdp:  # reduce-scatter the summed gradients once, after the last
-            module.set_requires_gradient_sync(last, recurse=False)
-        out = forward_backward(
-            model, part, mesh, cp, tp, ntokens, accumulating=not last, microbatches=microbatches
-        )
-        loss = loss + out.loss
-        layouts.append(out.layout)
-        if out.experts is not None:
-            loads.append(out.experts)
-    grad_norm = clip_grad_norm_(list(model.parameters()), max_norm)
+    if pipeline is not None:  # the stages' schedule runs every microbatch (no FSDP, no MoE)
+        loss = dist_sum(pipeline.step(parts, ntokens), mesh.job.get_group())
+        layouts = pipeline.layouts
+    else:
+        for k, part in enumerate(parts):
+            last = k == microbatches - 1
+            for module in fsdp:  # reduce-scatter the summed gradients once, after the last
+                module.set_requires_gradient_sync(last, recurse=False)
+            out = forward_backward(
+                model, part, mesh, cp, tp, ntokens, accumulating=not last, microbatches=microbatches
+            )
+            loss = loss + out.loss
+            layouts.append(out.layout)
+            if out.experts is not None:
+                loads.append(out.experts)
+    stages = mesh.pp.get_group() if pipeline is not None else None  # disjoint parameters
+    grad_norm = clip_grad_norm_(list(model.parameters()), max_norm, stages)
     lrs = current_lrs(optimizer)  # this step's rates, before the schedule advances
     finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
     if finite:

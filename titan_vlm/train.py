@@ -41,7 +41,8 @@ def train(cfg: JobConfig) -> None:
     )
     mesh = dims.build_mesh(device.type)
     logger.info(
-        "mesh: dp_replicate=%d dp_shard=%d cp=%d tp=%d on %d %s ranks",
+        "mesh: pp=%d dp_replicate=%d dp_shard=%d cp=%d tp=%d on %d %s ranks",
+        dims.pp,
         dims.dp_replicate,
         dims.dp_shard,
         dims.cp,

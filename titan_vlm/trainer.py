@@ -57,8 +57,10 @@ from titan_vlm.optim import (
     build_scheduler,
     freeze,
     frozen_groups,
+    param_group_keys,
 )
 from titan_vlm.parallel.context_parallel import CPOptions, shard_batch
+from titan_vlm.parallel.pipeline import Pipeline, bubble, stage_plan
 from titan_vlm.parallel.tensor_parallel import TPOptions
 from titan_vlm.parallel_dims import Mesh
 from titan_vlm.profiling import StepProfiler
@@ -120,12 +122,14 @@ class Trainer(Stateful):
         self.model, self.args = build_model(
             self.spec, self.sources, mesh, device, fill=not resuming
         )
+        # pipeline parallelism: this rank's stages of the model and their schedule
+        self.pipeline = self.build_pipeline()
         # the cost model's weights come from the architecture (ModelSpec.layout_cost)
         self.cp = CPOptions.from_config(p, self.spec.layout_cost(self.args))
         # training.freeze: before the optimizer, which then holds no state for them
         freeze(self.model, self.spec.group_of, frozen_groups(t))
         self.log_model()
-        self.optimizer = build_optimizer(self.model, t, self.spec.group_of)
+        self.optimizer = build_optimizer(self.model, t, self.spec.group_of, self.group_keys())
         self.scheduler = build_scheduler(self.optimizer, t)
         # The trainer's own state (state_dict): the step (the data position), and the counters
         # the metrics report: the distinct samples any dp rank dropped while building batches
@@ -261,9 +265,10 @@ class Trainer(Stateful):
             t.max_norm,
             self.cp,
             self.tp,
-            self.accumulation,
+            self.pipeline.n_microbatches if self.pipeline is not None else self.accumulation,
+            self.pipeline,
         )
-        micro = t.local_batch_size
+        micro = host.num_rows // len(layouts)  # the rows of each layout's microbatch
         flops = sum(
             self.spec.flops(self.args, host.rows(k * micro, (k + 1) * micro), layout)
             for k, layout in enumerate(layouts)
@@ -472,7 +477,9 @@ class Trainer(Stateful):
             self.args,
             *inputs,
             log_startup=dist.get_rank() == 0,
-            log_batches=self.mesh.cp.get_local_rank() == 0 and self.mesh.tp.get_local_rank() == 0,
+            log_batches=all(
+                m.get_local_rank() == 0 for m in (self.mesh.pp, self.mesh.cp, self.mesh.tp)
+            ),
             rule=rule,
             slot_data=slot_data,
             share=GroupShare(world) if dist.get_world_size(world) > 1 else None,
@@ -504,6 +511,51 @@ class Trainer(Stateful):
         )
         return data
 
+    def group_keys(self) -> list[tuple[str, bool]] | None:
+        """Under pipeline parallelism, the whole model's optimizer param groups (each rank holds
+        some: every rank makes them all, in the whole model's order, the stages in rank order);
+        else None (the model's own)."""
+        if self.pipeline is None:
+            return None
+        mine = param_group_keys(self.model, self.spec.group_of)
+        every: list[list[tuple[str, bool]] | None] = [None] * self.mesh.pp.size()
+        dist.all_gather_object(every, mine, group=self.mesh.pp.get_group())
+        return list(dict.fromkeys((g, d) for keys in every for g, d in keys or []))
+
+    def build_pipeline(self) -> Pipeline | None:
+        """Under pipeline parallelism (parallelism.pipeline_parallel_degree > 1), this rank's
+        stages of the model (pruned by build_model) and the schedule over a step's microbatches,
+        logged; else None."""
+        p, t = self.cfg.parallelism, self.cfg.training
+        plan = stage_plan(p, self.mesh.pp, self.model)
+        if plan is None:
+            return None
+        rows = t.local_batch_size * self.accumulation
+        size = p.pipeline_parallel_microbatch_size
+        pipeline = Pipeline(
+            self.model,
+            plan,
+            self.mesh.pp.get_group(),
+            p.pipeline_parallel_schedule,
+            rows // size,
+            size,
+            t.seq_len,
+            self.device,
+        )
+        logger.info(
+            "pipeline parallel: %d ranks x %d stage(s), %s over %d microbatches of %d row(s) a "
+            "step, modelled bubble %.0f%%; %s",
+            plan.degree,
+            plan.per_rank,
+            p.pipeline_parallel_schedule,
+            rows // size,
+            size,
+            100
+            * bubble(p.pipeline_parallel_schedule, plan.num_stages, plan.per_rank, rows // size),
+            plan.describe(),
+        )
+        return pipeline
+
     def log_parallelism(self) -> None:
         """The attention kernel, and tensor and expert parallelism when there is some."""
         cfg, mesh = self.cfg, self.mesh
@@ -534,7 +586,16 @@ class Trainer(Stateful):
         """Parameter counts, and the model state this rank holds."""
         mesh = self.mesh
         counts = param_counts(self.model)
+        if mesh.pp.size() > 1:  # each rank holds its stages' parameters: the model's are summed
+            every: list[dict[str, int] | None] = [None] * mesh.pp.size()
+            dist.all_gather_object(every, counts, group=mesh.pp.get_group())
+            counts = {}
+            for theirs in every:
+                for part, n in (theirs or {}).items():
+                    counts[part] = counts.get(part, 0) + n
         total, active = sum(counts.values()), active_params(self.model)
+        if mesh.pp.size() > 1:
+            active = int(dist_sum(torch.tensor(active, device=self.device), mesh.pp.get_group()))
         logger.info(
             "model %s %s: %s parameters (%s)%s",
             self.spec.name,

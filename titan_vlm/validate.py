@@ -109,8 +109,74 @@ def validate_job(cfg: JobConfig, world_size: int, weights: bool = True) -> Paral
     for key in ("enable_sequence_parallel", "image_embed_tp_shard"):
         if getattr(cfg.parallelism, key) and dims.tp == 1:
             raise ConfigError(f"parallelism.{key} needs parallelism.tensor_parallel_degree > 1")
+    _validate_pipeline(cfg, dims, args, resuming)
     spec.validate(args, dims, sources)
     return dims
+
+
+def _validate_pipeline(cfg: JobConfig, dims: ParallelDims, args: object, resuming: bool) -> None:
+    """parallelism.pipeline_parallel_*: what the pipeline runs so far (parallel/pipeline.py), its
+    schedule against the stages and the step's microbatches, and the stages against the
+    decoder's layers."""
+    from titan_vlm.optim import accumulation_steps
+    from titan_vlm.parallel.pipeline import check_schedule, split_layers
+
+    p, key = cfg.parallelism, "parallelism.pipeline_parallel"
+    for name in ("microbatch_size", "stages_per_rank"):
+        value = getattr(p, f"pipeline_parallel_{name}")
+        if value < 1:
+            raise ConfigError(f"{key}_{name} must be >= 1, got {value}")
+    if dims.pp == 1:
+        return
+    what = f"{key}_degree={dims.pp}"
+    others = {
+        "data_parallel_replicate_degree": dims.dp_replicate,
+        "data_parallel_shard_degree": dims.dp_shard,
+        "context_parallel_degree": dims.cp,
+        "tensor_parallel_degree": dims.tp,
+        "expert_parallel_degree": dims.ep,
+    }
+    for name, degree in others.items():
+        if degree > 1:
+            raise ConfigError(
+                f"{what} with parallelism.{name}={degree}: pipeline parallelism runs alone so "
+                "far (every other degree 1)"
+            )
+    for wrong, name in (
+        (cfg.model.name != "llava", f"model.name={cfg.model.name!r} (llava's pipeline only)"),
+        (cfg.compile.enable, "compile.enable"),
+        (cfg.activation_checkpoint.mode != "none", "activation_checkpoint.mode"),
+        (cfg.validation.enable, "validation.enable"),
+        (cfg.training.mixed_precision != "fp32", "training.mixed_precision (fp32 only)"),
+        (resuming, "a checkpoint to resume (resume it at pp = 1)"),
+        (bool(cfg.checkpoint.initial_load_path), "checkpoint.initial_load_path"),
+        (
+            bool(cfg.model.hf_path or cfg.model.hf_vision_path or cfg.model.hf_text_path),
+            "Hugging Face weights (model.hf_path)",
+        ),
+    ):
+        if wrong:
+            raise ConfigError(f"{what} with {name}: not yet")
+    decoder = getattr(args, "decoder")  # noqa: B009 - llava's VLMArgs (checked above)
+    if decoder.tie_embeddings:
+        raise ConfigError(f"{what} with tied input and output embeddings: not yet")
+    if decoder.moe is not None:
+        raise ConfigError(f"{what} with a mixture-of-experts decoder: not yet")
+    t = cfg.training
+    rows = t.local_batch_size * accumulation_steps(t, dims.dp_replicate * dims.dp_shard)
+    size = p.pipeline_parallel_microbatch_size
+    if rows % size:
+        raise ConfigError(
+            f"{key}_microbatch_size={size} does not divide the {rows} rows a step of a dp rank "
+            "(training.local_batch_size x the accumulation steps)"
+        )
+    try:
+        check_schedule(
+            p.pipeline_parallel_schedule, dims.pp, p.pipeline_parallel_stages_per_rank, rows // size
+        )
+        split_layers(decoder.n_layers, dims.pp * p.pipeline_parallel_stages_per_rank)
+    except ValueError as e:
+        raise ConfigError(f"{what}: {e}") from None
 
 
 def _validate_recipe_keys(cfg: JobConfig) -> None:

@@ -96,9 +96,12 @@ class Forked(Generic[R]):
             for j in range(1, n):
                 ours, theirs = os.pipe()
                 pid = os.fork()
-                if pid == 0:  # the child: never returns
-                    os.close(ours)
-                    _child(fn, j, theirs)
+                if pid == 0:  # the child: never returns, whatever is raised in it
+                    try:
+                        os.close(ours)
+                        _child(fn, j, theirs)
+                    finally:
+                        os._exit(1)
                 os.close(theirs)  # only the child writes: its exit closes the pipe (EOF here)
                 self.children.append((pid, ours))
         except BaseException:

@@ -583,8 +583,9 @@ class JsonlDataset(Dataset):
                     mine.then(later)
                     if mine.error is not None or mine.failure is not None:
                         break  # the rest are not needed: killed on leaving the block
-            except LoaderWorkerDied as e:  # every process must learn of it (no hang)
-                mine.failure, failure = str(e), e
+            except Exception as e:  # noqa: BLE001 - every process must learn of it (no hang)
+                line = str(e) if isinstance(e, LoaderWorkerDied) else f"{what}: {e}"
+                mine.failure, failure = line.splitlines()[0], e
         spans.clear()
         parts = share.gather(mine) if share is not None else [mine]
         index = CachedIndex.empty(records)

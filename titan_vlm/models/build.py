@@ -24,6 +24,7 @@ from titan_vlm.models.common.hf_experts import ExpertView
 from titan_vlm.models.common.hf_folder import SafetensorsFiles, hf_sources, weight_files
 from titan_vlm.models.loading import canonical_parameters, init_from_seed, load_hf_shards
 from titan_vlm.models.spec import ModelSpec, VisionLanguageModel
+from titan_vlm.parallel.pipeline import stage_plan
 
 if TYPE_CHECKING:
     from titan_vlm.parallel_dims import Mesh
@@ -92,13 +93,18 @@ def _summary(unused: dict[str, str]) -> str:
 def build_model(
     spec: ModelSpec, cfg: JobConfig, mesh: Mesh, device: torch.device, fill: bool = True
 ) -> tuple[VisionLanguageModel, Any]:
-    """The parallelized model on `device`, filled from Hugging Face weights or from the seed;
+    """The parallelized model on `device` (under pipeline parallelism, this rank's stages of it:
+    parallel/pipeline.py StagePlan.prune), filled from Hugging Face weights or from the seed;
     fill=False leaves the parameters unfilled, for a checkpoint to fill (a resume: the Hugging
     Face weights are not read)."""
     args = spec.args(cfg)
     with torch.device("meta"):
         model = spec.build(args)
-    spec.parallelize(model, mesh, cfg)
+    plan = stage_plan(cfg.parallelism, mesh.pp, model)
+    if plan is not None:  # this rank's pipeline stages only (every other degree is 1)
+        plan.prune(model)
+    else:
+        spec.parallelize(model, mesh, cfg)
     model.to_empty(device=device)
     spec.after_to_empty(model)
     if not fill:

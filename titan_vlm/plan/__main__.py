@@ -58,6 +58,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
     )
     opts, rest = parser.parse_known_args(argv)
     cfg = load_config(rest)
+    if cfg.parallelism.pipeline_parallel_degree > 1:
+        raise ConfigError(
+            "parallelism.pipeline_parallel_degree > 1: the planner does not price pipeline "
+            "parallelism yet (its bubble and memory per stage: docs/limits.md)"
+        )
     if opts.seq_len is not None:
         cfg.training.seq_len = opts.seq_len
     return opts, cfg

@@ -268,14 +268,16 @@ class Decoder(nn.Module):
         h: torch.Tensor,
         layout: SeqLayout,
         after: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+        layers: range | None = None,
     ) -> torch.Tensor:
-        """The blocks on h [B, L, dim], with `after(i, h)` applied after block i (a family's
-        additions between layers, e.g. DeepStack); keeps the sparse layers' router statistics
-        in `router_stats`."""
+        """The blocks on h [B, L, dim] (`layers`: those blocks only, a pipeline stage's; None:
+        all), with `after(i, h)` applied after block i (a family's additions between layers,
+        e.g. DeepStack); keeps the sparse layers' router statistics in `router_stats`."""
         cos, sin = self.rotary(layout)
         shares = layout.token_shares() if self.args.moe else None
         stats = []
-        for i, layer in enumerate(self.layers):
+        for i in layers if layers is not None else range(len(self.layers)):
+            layer = self.layers[i]
             if shares is not None and i in self.args.sparse:
                 h, layer_stats = layer(h, cos, sin, layout, shares)
                 stats.append(layer_stats)

@@ -1,0 +1,166 @@
+"""Pipeline parallelism (parallel/pipeline.py): the debug model cut into stages over 2 ranks
+trains as one process does, over several optimizer steps, by every schedule: the same losses,
+gradient norms, per-parameter gradients and parameters (fp32), on packed rows with images whose
+microbatches hold unequal loss tokens; each parameter on one stage, under its one-process name.
+Negative control: each microbatch's loss over its own tokens (a mean of means) fails."""
+
+from __future__ import annotations
+
+import pytest
+
+from titan_vlm.config import load_config
+from titan_vlm.errors import ConfigError
+from titan_vlm.parallel.pipeline import StagePlan, bubble, check_schedule, split_layers
+from titan_vlm.validate import validate_job
+
+TOL = 1e-5
+
+
+def assert_one_process(out: list[dict]) -> None:
+    for o in out:
+        assert o["losses"] == pytest.approx(o["ref_losses"], rel=TOL, abs=1e-6), o
+        assert o["grad_norms"] == pytest.approx(o["ref_grad_norms"], rel=TOL), o
+        assert not o["missing_grads"], o["missing_grads"]
+        assert max(o["grad_err"].values()) < TOL, o["grad_err"]
+        assert max(o["param_err"].values()) < TOL, o["param_err"]
+        assert o["zero_grad_abs"] < 1e-8
+
+
+def test_split_layers_are_even_with_the_first_stages_lighter():
+    assert split_layers(3, 2) == [range(0, 1), range(1, 3)]
+    assert split_layers(4, 4) == [range(k, k + 1) for k in range(4)]
+    assert split_layers(7, 3) == [range(0, 2), range(2, 4), range(4, 7)]
+    with pytest.raises(ValueError, match="3 decoder layers cannot make 4 pipeline stages"):
+        split_layers(3, 4)
+    assert StagePlan(1, 2, 1, 3).stages == [1]
+    assert StagePlan(1, 2, 2, 4).stages == [1, 3]
+    assert StagePlan(0, 2, 1, 3).describe() == (
+        "stage 0 (rank 0): vision, projector, embeddings, layers 0-0; "
+        "stage 1 (rank 1): layers 1-2, norm, head"
+    )
+
+
+def test_the_modelled_bubble():
+    assert bubble("1F1B", 2, 1, 4) == pytest.approx(1 / 5)
+    assert bubble("Interleaved1F1B", 4, 2, 4) == pytest.approx(1 / 9)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("1F1B", 4, 1, 2), "needs at least 4 microbatches a step"),
+        (("Interleaved1F1B", 2, 1, 4), "set parallelism.pipeline_parallel_stages_per_rank >= 2"),
+        (("GPipe", 2, 2, 4), "runs one stage a rank"),
+        (("Interleaved1F1B", 2, 2, 3), "3 microbatches a step do not divide into rounds of 2"),
+    ],
+)
+def test_schedules_that_cannot_run_are_one_line(args, message):
+    with pytest.raises(ValueError, match=message):
+        check_schedule(*args)
+    check_schedule("GPipe", 4, 1, 2)  # GPipe runs any count
+
+
+@pytest.mark.parametrize(
+    "schedule, virtual, n_layers", [("1F1B", 1, 3), ("GPipe", 1, 3), ("Interleaved1F1B", 2, 4)]
+)
+def test_two_stage_ranks_train_as_one_process(pool, schedule, virtual, n_layers):
+    out = pool.run("pp_parity", pp=2, schedule=schedule, virtual=virtual, n_layers=n_layers)
+    assert_one_process(out)
+    assert len(set(out[0]["microbatch_tokens"])) > 1  # the normaliser matters
+    names = [set(o["names"]) for o in out]
+    assert not names[0] & names[1]  # each parameter on one stage
+    assert any(n.startswith("vision.") for n in names[0])
+    assert not any(n.startswith("vision.") for n in names[1])
+    assert "decoder.output.weight" in names[1] and "decoder.output.weight" not in names[0]
+
+
+def test_rows_of_two_a_microbatch_cross_stages_padded(pool):
+    """Microbatches of 2 rows: a local sequence up to twice a row (padded_width)."""
+    out = pool.run("pp_parity", pp=2, microbatches=2, rows_per_microbatch=2)
+    assert_one_process(out)
+
+
+def test_a_mean_of_microbatch_means_fails_the_parity(pool):
+    out = pool.run("pp_parity", pp=2, loss_over_each_microbatch=True)
+    for o in out:
+        assert o["losses"][0] != pytest.approx(o["ref_losses"][0], rel=1e-3)
+        assert max(o["grad_err"].values()) > 1e-2
+
+
+# The trainer (real loop, checkpoints) with parallelism.pipeline_parallel_degree = 2.
+RUN = dict(
+    steps=4,
+    training__seq_len=61,
+    training__local_batch_size=4,
+    training__warmup_steps=1,
+    metrics__enable_tensorboard=False,
+    data__num_workers=0,
+)
+
+
+def losses(history: list[dict]) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in history}
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_the_trainer_at_pp_2_trains_the_one_process_curve_and_resumes_at_pp_1(
+    pool, tmp_path, schedule
+):
+    """The real loop at pp = 2 (4 microbatches of 1 row a step) against 1 process: the same
+    losses and grad norms, on every stage rank; its step-2 checkpoint resumed at pp = 1 (the
+    run died after step 3) continues the one-process curve."""
+    one = losses(pool.run("train_run", dp_shard=1, cp=1, job__dump_folder=str(tmp_path), **RUN)[0])
+    ckpt = dict(
+        checkpoint__enable=True,
+        checkpoint__interval=2,
+        job__dump_folder=str(tmp_path / "pp"),
+        parallelism__pipeline_parallel_schedule=schedule,
+        **RUN,
+    )
+    staged = pool.run("train_run", dp_shard=1, cp=1, pp=2, stop_after=3, **ckpt)
+    assert losses(staged[0]) == losses(staged[1])  # every stage rank reports the step's loss
+    assert sorted(losses(staged[0])) == [1, 2, 3]
+    for step, loss in losses(staged[0]).items():
+        assert loss == pytest.approx(one[step], rel=TOL), (step, loss, one[step])
+    resumed = losses(pool.run("train_run", dp_shard=1, cp=1, **ckpt)[0])
+    assert sorted(resumed) == [3, 4]
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(one[step], rel=TOL), (step, loss, one[step])
+
+
+@pytest.mark.parametrize(
+    "keys, world, message",
+    [
+        (["--parallelism.context_parallel_degree=2"], 4, "with parallelism.context_parallel_deg"),
+        (["--parallelism.data_parallel_shard_degree=2"], 4, "with parallelism.data_parallel_shard"),
+        (["--model.flavor=debug_moe"], 2, "a mixture-of-experts decoder: not yet"),
+        (["--compile.enable=true"], 2, "with compile.enable: not yet"),
+        (["--training.local_batch_size=1"], 2, "needs at least 2 microbatches a step"),
+        (["--parallelism.pipeline_parallel_microbatch_size=3"], 2, "does not divide the 4 rows"),
+        (
+            ["--parallelism.pipeline_parallel_schedule=Interleaved1F1B"],
+            2,
+            "set parallelism.pipeline_parallel_stages_per_rank >= 2",
+        ),
+        (
+            [
+                "--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
+                "--parallelism.pipeline_parallel_stages_per_rank=2",
+            ],
+            2,
+            "3 decoder layers cannot make 4 pipeline stages",
+        ),
+    ],
+)
+def test_what_the_pipeline_does_not_run_is_one_line(keys, world, message):
+    cfg = load_config(
+        ["--parallelism.pipeline_parallel_degree=2", "--training.local_batch_size=4", *keys]
+    )
+    with pytest.raises(ConfigError, match=message) as e:
+        validate_job(cfg, world)
+    assert "\n" not in str(e.value) and str(e.value).startswith("parallelism.pipeline_parallel")
+
+
+def test_a_pipeline_config_validates():
+    cfg = load_config(["--parallelism.pipeline_parallel_degree=2", "--training.local_batch_size=4"])
+    assert validate_job(cfg, 2).pp == 2

@@ -1,0 +1,362 @@
+"""Pipeline parallelism: the model cut into stages, a pipeline rank's each, trained over
+microbatches by a schedule of torch.distributed.pipelining (GPipe, 1F1B, Interleaved1F1B).
+
+    stages (pp = 2; Interleaved1F1B: v stages a rank, stage s on rank s mod pp):
+      stage 0:    ViT + projector + tok_embeddings, decoder layers [0, a) -> h [rows, width, dim]
+      stage k:    decoder layers [a, b)                                   -> h [rows, width, dim]
+      last stage: decoder layers [b, n) + norm + output                    -> its summed loss / N
+
+Every pipeline rank reads the same rows (the pp ranks of a dp rank share its batch) and builds
+each microbatch's layout itself (cp = 1: `shard_batch` is arithmetic, no collective), so only
+the hidden states cross stages: padded to one `width` (torch.distributed.pipelining sends
+tensors of one shape, fixed when the stage is built), each stage cutting its microbatch's own
+length back out. The image embeddings are made and used on stage 0 (they enter the first layer's
+input), the loss on the last.
+
+Invariants: the loss of the step is the one process's (each microbatch's summed loss over N,
+the whole step's loss tokens: `loss_tokens`; the schedule scales nothing, scale_grads=False), so
+every pipeline degree, schedule and microbatch count computes the same gradients; a parameter
+lives on one stage, under its one-process name (the model is built whole, then `prune`d), so the
+gradient norm is each stage's squares summed over the pipeline (optim.clip_grad_norm_'s
+`stages`) and a checkpoint holds the one model's names.
+
+Not yet (refused where it is asked for): context, tensor or data parallelism with it,
+mixture-of-experts decoders, tied embeddings, a family other than LLaVA's, compile and
+activation checkpointing of a stage, zero-bubble schedules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from titan_vlm.config import Parallelism, PPSchedule
+from titan_vlm.data.batch import IGNORE_INDEX
+from titan_vlm.distributed import dist_sum
+from titan_vlm.models.common.decoder import Decoder
+from titan_vlm.models.spec import VisionLanguageModel
+from titan_vlm.parallel.context_parallel import shard_batch
+
+if TYPE_CHECKING:
+    from titan_vlm.data.batch import Batch, Images
+    from titan_vlm.layout.seq_layout import SeqLayout
+
+SCHEDULES: dict[PPSchedule, type[PipelineScheduleSingle] | type[PipelineScheduleMulti]] = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+}
+MULTI_STAGE = ("Interleaved1F1B",)  # schedules of several stages a rank
+
+
+def split_layers(n_layers: int, stages: int) -> list[range]:
+    """The decoder layers of each of `stages` stages, in order: as even as they divide, the
+    first stages one fewer where they do not (stage 0 also runs the ViT)."""
+    if stages < 1 or n_layers < stages:
+        raise ValueError(f"{n_layers} decoder layers cannot make {stages} pipeline stages")
+    base, extra = divmod(n_layers, stages)
+    sizes = [base + (k >= stages - extra) for k in range(stages)]
+    starts = [sum(sizes[:k]) for k in range(stages + 1)]
+    return [range(starts[k], starts[k + 1]) for k in range(stages)]
+
+
+def decoder_of(model: VisionLanguageModel) -> Decoder:
+    """The model's decoder (every family holds one as `decoder`: models/common/decoder.py)."""
+    decoder = model.get_submodule("decoder")
+    assert isinstance(decoder, Decoder)
+    return decoder
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Which stages pipeline rank `rank` of `degree` holds and the decoder layers of every stage:
+    one stage a rank (`per_rank` = 1: stage = rank), or `per_rank` of them, stage s on rank
+    s mod degree (Interleaved1F1B's loop order); `split_layers` over degree x per_rank."""
+
+    rank: int
+    degree: int
+    per_rank: int
+    n_layers: int
+
+    @property
+    def num_stages(self) -> int:
+        return self.degree * self.per_rank
+
+    @property
+    def stages(self) -> list[int]:
+        return [self.rank + k * self.degree for k in range(self.per_rank)]
+
+    @property
+    def layers(self) -> list[range]:
+        return split_layers(self.n_layers, self.num_stages)
+
+    def holds(self, stage: int) -> bool:
+        return stage in self.stages
+
+    def describe(self) -> str:
+        """Who holds what, for the log: one clause a stage."""
+        last = self.num_stages - 1
+        parts = []
+        for s, layers in enumerate(self.layers):
+            what = ["vision, projector, embeddings"] if s == 0 else []
+            if len(layers):
+                what.append(f"layers {layers.start}-{layers.stop - 1}")
+            if s == last:
+                what.append("norm, head")
+            parts.append(f"stage {s} (rank {s % self.degree}): {', '.join(what)}")
+        return "; ".join(parts)
+
+    def prune(self, model: VisionLanguageModel) -> None:
+        """Remove from `model` (whole, as one process builds it: on the meta device, before
+        its parameters are allocated) what this rank's stages do not run: every module but the
+        decoder (the ViT, projector) and the token embeddings off stage 0, the final norm and
+        head off the last stage, the decoder layers of other stages (left as parameter-free
+        placeholders, so the kept ones keep their one-process names)."""
+        decoder = decoder_of(model)
+        if decoder.args.tie_embeddings:
+            raise ValueError("pipeline parallelism: tied input and output embeddings (not yet)")
+        if decoder.args.moe is not None:
+            raise ValueError("pipeline parallelism: a mixture-of-experts decoder (not yet)")
+        kept = {i for s in self.stages for i in self.layers[s]}
+        if not self.holds(0):
+            for name, _ in list(model.named_children()):
+                if name != "decoder":
+                    setattr(model, name, None)
+            decoder.tok_embeddings = None  # type: ignore[assignment]
+        if not self.holds(self.num_stages - 1):
+            decoder.norm = None  # type: ignore[assignment]
+            decoder.output = None  # type: ignore[assignment]
+        for i in range(len(decoder.layers)):
+            if i not in kept:
+                decoder.layers[i] = nn.Identity()
+
+
+def stage_plan(p: Parallelism, pp: DeviceMesh, model: VisionLanguageModel) -> StagePlan | None:
+    """This rank's StagePlan of `model` under the config's pipeline keys on the mesh's pp dim;
+    None without pipeline parallelism."""
+    if pp.size() == 1:
+        return None
+    n_layers = decoder_of(model).args.n_layers
+    return StagePlan(pp.get_local_rank(), pp.size(), p.pipeline_parallel_stages_per_rank, n_layers)
+
+
+def bubble(schedule: PPSchedule, stages: int, per_rank: int, microbatches: int) -> float:
+    """The modelled share of a step each rank idles (equal stages, forward and backward of a
+    microbatch on a stage the unit): (p - 1) / (v m + p - 1) for p ranks of v stages each and
+    m microbatches; GPipe and 1F1B idle alike (1F1B only keeps fewer activations alive)."""
+    del schedule
+    p = stages // per_rank
+    return (p - 1) / (per_rank * microbatches + p - 1)
+
+
+def check_schedule(schedule: PPSchedule, degree: int, per_rank: int, microbatches: int) -> None:
+    """ValueError (one line, the config's keys) where `schedule` cannot run `degree` ranks of
+    `per_rank` stages each over `microbatches` microbatches."""
+    key = "parallelism.pipeline_parallel"
+    if schedule not in SCHEDULES:
+        raise ValueError(f"{key}_schedule={schedule!r}: one of {', '.join(SCHEDULES)}")
+    if schedule in MULTI_STAGE and per_rank < 2:
+        raise ValueError(
+            f"{key}_schedule={schedule!r} runs several stages a rank: set "
+            f"{key}_stages_per_rank >= 2"
+        )
+    if schedule not in MULTI_STAGE and per_rank != 1:
+        raise ValueError(
+            f"{key}_schedule={schedule!r} runs one stage a rank, not "
+            f"{key}_stages_per_rank={per_rank} (Interleaved1F1B runs several)"
+        )
+    if schedule != "GPipe" and microbatches < degree:
+        raise ValueError(
+            f"{key}_schedule={schedule!r} needs at least {degree} microbatches a step (one a "
+            f"stage rank), got {microbatches}: more rows a step, or a smaller "
+            f"{key}_microbatch_size"
+        )
+    if schedule in MULTI_STAGE and microbatches % degree:
+        raise ValueError(
+            f"{key}_schedule={schedule!r}: {microbatches} microbatches a step do not divide "
+            f"into rounds of {degree} (one a stage rank)"
+        )
+
+
+@dataclass
+class Microbatch:
+    """One microbatch as every stage sees it: its tokens and labels [B, T], its layout (the
+    whole rows: cp = 1), its images (stage 0 encodes them) and the step's loss tokens N."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    layout: SeqLayout
+    images: Images
+    ntokens: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        """Its local sequence length: image prefix and text section."""
+        return self.layout.num_image_tokens + self.tokens.shape[1]
+
+
+def microbatches(
+    parts: list[Batch], ntokens: torch.Tensor, bidirectional: bool
+) -> list[Microbatch]:
+    """Each part's Microbatch, every one normalised by the step's `ntokens`."""
+    out = []
+    for part in parts:
+        tokens, labels, layout = shard_batch(part, None, bidirectional_images=bidirectional)
+        out.append(Microbatch(tokens, labels, layout, part.images, ntokens))
+    return out
+
+
+def padded_width(rows: int, seq_len: int) -> int:
+    """The longest local sequence a microbatch of `rows` rows of `seq_len` slots can have: its
+    image prefix is the longest row's images and its text section the longest row's text, so
+    one row holds at most seq_len and several at most twice that (what crosses stages is padded
+    to it)."""
+    return seq_len * min(rows, 2)
+
+
+class StageModule(nn.Module):
+    """Stage `stage` of `num_stages` of `model` (pruned: `prune`), as a PipelineStage runs it:
+    `forward(x, mb)` with `mb` the microbatch's number [1] (every stage's keyword input) and `x`
+    stage 0's copy of it, or the hidden states [rows, width, dim] the stage before sent; returns
+    the hidden states padded to `width`, or on the last stage the microbatch's summed loss over
+    N. `table`: this step's microbatches (set before each schedule step)."""
+
+    def __init__(
+        self, model: VisionLanguageModel, stage: int, num_stages: int, layers: range, width: int
+    ):
+        super().__init__()
+        self.first, self.last = stage == 0, stage == num_stages - 1
+        self.layers, self.width = layers, width
+        self.model = [model]  # not a submodule: the stage's own modules are registered below
+        decoder = decoder_of(model)
+        own: dict[str, nn.Module] = {f"layer_{i}": decoder.layers[i] for i in layers}
+        if self.first:
+            own |= {name: m for name, m in model.named_children() if name != "decoder"}
+            own["tok_embeddings"] = decoder.tok_embeddings
+        if self.last:
+            own |= {"norm": decoder.norm, "output": decoder.output}
+        self.own = nn.ModuleDict(own)  # what this stage's backward and optimizer see
+        self.table: list[Microbatch] = []
+
+    @property
+    def decoder(self) -> Decoder:
+        return decoder_of(self.model[0])
+
+    def forward(self, x: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
+        m = self.table[int(mb[0])]
+        if self.first:
+            embeds = self.model[0].encode_images(m.images)
+            layout = m.layout
+            h, _ = self.decoder.local_sequence(
+                m.tokens, layout.place_images(embeds), layout, layout.inline_embeds(embeds)
+            )
+        else:
+            h = x[:, : m.length]
+        if h.shape[1] > self.width:
+            raise ValueError(f"a microbatch of {h.shape[1]} slots, more than {self.width}")
+        h = self.decoder.run_layers(h, m.layout, layers=self.layers)
+        if not self.last:
+            return F.pad(h, (0, 0, 0, self.width - h.shape[1]))
+        logits = self.decoder.output(self.decoder.norm(h[:, m.layout.num_image_tokens :]))
+        return F.cross_entropy(
+            logits.float().flatten(0, 1),
+            m.labels.flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        ) / m.ntokens.clamp(min=1)
+
+
+def _loss(output: torch.Tensor, target: object) -> torch.Tensor:
+    """The schedule's loss of a microbatch: the last stage's output already is."""
+    del target
+    return output
+
+
+class Pipeline:
+    """This pipeline rank's stages (`plan`) of `model` (pruned by plan.prune, its parameters
+    allocated and filled) and the schedule that trains them: `step(parts, ntokens)` runs one
+    optimizer step's forward and backward over the microbatches `parts` (each of `rows` rows of
+    `seq_len` slots) and returns the step's loss (the sum of the microbatches', on every pipeline
+    rank). `group`: the pipeline ranks, in stage order; `device`: this rank's."""
+
+    def __init__(
+        self,
+        model: VisionLanguageModel,
+        plan: StagePlan,
+        group: dist.ProcessGroup,
+        schedule: PPSchedule,
+        n_microbatches: int,
+        rows: int,
+        seq_len: int,
+        device: torch.device,
+    ):
+        check_schedule(schedule, plan.degree, plan.per_rank, n_microbatches)
+        self.group, self.model, self.plan = group, model, plan
+        self.bidirectional = model.bidirectional_images
+        self.width = padded_width(rows, seq_len)
+        dim, last = decoder_of(model).args.dim, plan.num_stages - 1
+        self.modules: list[StageModule] = []
+        stages = []
+        for s in plan.stages:
+            module = StageModule(model, s, plan.num_stages, plan.layers[s], self.width)
+            hidden = torch.empty(rows, self.width, dim, device="meta", requires_grad=True)
+            index = torch.empty(1, dtype=torch.long, device="meta")
+            stages.append(
+                PipelineStage(
+                    module,
+                    s,
+                    plan.num_stages,
+                    device,
+                    input_args=(index if s == 0 else hidden,),
+                    output_args=(torch.empty((), device="meta") if s == last else hidden),
+                    group=group,
+                )
+            )
+            self.modules.append(module)
+        self.first, self.last = plan.holds(0), plan.holds(last)
+        kind = SCHEDULES[schedule]
+        many = issubclass(kind, PipelineScheduleMulti)
+        self.schedule = kind(
+            stages if many else stages[0],  # type: ignore[arg-type]
+            n_microbatches,
+            loss_fn=_loss,
+            scale_grads=False,
+        )
+        self.n_microbatches = n_microbatches
+        self.layouts: list[SeqLayout] = []  # the last step's microbatches' layouts
+
+    def step(self, parts: list[Batch], ntokens: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of the microbatches `parts`, each normalised by `ntokens` (the
+        step's loss tokens); the step's loss, summed over the pipeline (every rank has it)."""
+        if len(parts) != self.n_microbatches:
+            raise ValueError(f"{len(parts)} microbatches, the schedule runs {self.n_microbatches}")
+        table = microbatches(parts, ntokens, self.bidirectional)
+        self.layouts = [m.layout for m in table]
+        for module in self.modules:
+            module.table = table
+        device = parts[0].tokens.device
+        index = torch.arange(self.n_microbatches, device=device)
+        losses: list[torch.Tensor] = []
+        args = (index,) if self.first else ()
+        target = index if self.last else None  # the last stage's loss_fn takes one (unused)
+        try:
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False, mb=index)
+        finally:
+            for module in self.modules:  # the microbatches' tensors are not kept past the step
+                module.table = []
+        total = torch.stack([x.detach() for x in losses]).sum() if losses else index.new_zeros(())
+        return dist_sum(total.float(), self.group)
