@@ -16,14 +16,16 @@ the byte tokenizer (data/jsonl.py JsonlDataset, as the trainer builds it for a .
    gives the mean seconds a step waited for its batch after the first (data_wait_s), batches per
    second with no step at all (what the workers can build), and CPU seconds per batch (this
    process and its workers, from getrusage).
-2. Start-up (the JsonlDataset the trainer builds on every rank, its start-up pass shared by the
-   ranks: data/shared_pass.py, each rank's share split again over it and its data.num_workers,
+2. Start-up (the JsonlDataset the trainer builds on every rank: the files' record spans found,
+   then the first window's pass (data.index_window, 16384 records), shared by the ranks:
+   data/shared_pass.py, each rank's share split again over it and its data.num_workers,
    --startup-workers: data/forked.py): the slowest rank's seconds and the largest peak resident
    memory (a rank's, and a worker's) by corpus size (records of the same mix, image files that
-   exist), number of ranks and of workers, on a fresh gloo group each; built by the pass (and
+   exist), number of ranks and of workers, on a fresh gloo group each; the spans scanned (and
    written to an index cache), then mapped from that cache (data/index_cache.py: a restart's or
-   a resume's start-up; the workers do not take part).
-3. Start-up by format (--format-records records, 1 rank, index built): the same records as
+   a resume's start-up); and the seconds of the next window's pass (the wait of the step that
+   reaches it).
+3. Start-up by format (--format-records records, 1 rank, spans scanned): the same records as
    JSONL, Parquet (row groups of 1,000), an Arrow IPC stream (as save_to_disk writes them) and a
    WebDataset tar (one .json member a record), images beside the data.
 """
@@ -118,9 +120,9 @@ def write_corpus(folder: Path, records: int, size: tuple[int, int], seed: int = 
 def dataset(
     path: Path, share: GroupShare | None = None, cache: IndexCache | None = None, workers: int = 0
 ) -> JsonlDataset:
-    """The corpus as the trainer reads it at these shapes (`share`: the ranks sharing its
-    start-up pass; `cache`: where its index is kept between runs; `workers`: data.num_workers,
-    which split each rank's share of the pass)."""
+    """The corpus as the trainer reads it at these shapes (`share`: the ranks sharing its window
+    passes; `cache`: where its records' spans are kept between runs; `workers`: data.num_workers,
+    which split each rank's share of a pass)."""
     return JsonlDataset(
         str(path),
         ByteTokenizer(),
@@ -191,10 +193,11 @@ def loader_row(path: Path, workers: int, steps: int, step_s: float) -> tuple[flo
 
 
 def startup_worker(rank: int, size: int, results, path: str, cache: str, workers: int = 0) -> None:
-    """One rank of `size` building the dataset, the start-up pass shared as the trainer shares
-    it (data/shared_pass.py) and split over `workers` more processes a rank, its index cache in
-    folder `cache` ("": none); rank 0 reports the slowest rank's seconds and the largest peaks
-    (a rank's; a worker's, from getrusage)."""
+    """One rank of `size` building the dataset, its first window's pass shared as the trainer
+    shares it (data/shared_pass.py) and split over `workers` more processes a rank, its index
+    cache in folder `cache` ("": none), then indexing the next window; rank 0 reports the
+    slowest rank's seconds of each and the largest peaks (a rank's; a worker's, from
+    getrusage)."""
     dist.barrier()
     begin = time.perf_counter()
     data = dataset(
@@ -204,19 +207,26 @@ def startup_worker(rank: int, size: int, results, path: str, cache: str, workers
         workers,
     )
     seconds = time.perf_counter() - begin
+    begin = time.perf_counter()
+    first = data.windows[0]
+    if data.order.windows > 1:
+        data.ensure(range(first.first, first.stop))  # the row after window 0's: window 1
+    window_s = time.perf_counter() - begin
     # VmHWM: this process's peak resident set since it started (spawned: its own), file pages
     # it mapped included (the ranks of a node share those: the page cache); RssAnon: its own
     # memory now, the index it keeps
     status = Path("/proc/self/status").read_text()
     kib = {k: int(status.split(f"{k}:")[1].split()[0]) for k in ("VmHWM", "RssAnon")}
     worker_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # 0: none ran
-    worst = torch.tensor([seconds, kib["VmHWM"] / 1024, kib["RssAnon"] / 1024, worker_mib])
+    worst = torch.tensor(
+        [seconds, kib["VmHWM"] / 1024, kib["RssAnon"] / 1024, worker_mib, window_s]
+    )
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if rank == 0:
         results.put(
             {"s": float(worst[0]), "peak_mib": float(worst[1]), "own_mib": float(worst[2])}
-            | {"worker_mib": float(worst[3])}
-            | {"rows": len(data.rows)}  # the index measured is alive
+            | {"worker_mib": float(worst[3]), "window_s": float(worst[4])}
+            | {"rows": len(first.rows)}  # the index measured is alive
         )
 
 
@@ -228,7 +238,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--records", type=int, default=2000, help="the loader table's corpus")
     p.add_argument("--startup-records", default="1000,10000,100000")
-    p.add_argument("--startup-ranks", default="1,2", help="ranks sharing the start-up pass")
+    p.add_argument("--startup-ranks", default="1,2", help="ranks sharing the window passes")
     p.add_argument("--startup-workers", default="0,2", help="data.num_workers in the pass")
     p.add_argument("--format-records", type=int, default=100000)
     a = p.parse_args()
@@ -248,30 +258,25 @@ def main() -> None:
             wait, rate, cpu = loader_row(path, workers, a.steps, a.step_s)
             print(f"| {h}x{w} | {workers} | {wait:.3f} | {rate:.2f} | {cpu:.3f} |", flush=True)
     print(
-        "\n| records | file MiB | ranks | num_workers | index | start-up s (slowest rank) | "
-        "peak RSS MiB (largest rank) | a worker's peak RSS MiB | own memory after, MiB "
-        "(largest) |"
+        "\n| records | file MiB | ranks | num_workers | spans | start-up s (slowest rank) | "
+        "next window s | peak RSS MiB (largest rank) | a worker's peak RSS MiB | own memory "
+        "after, MiB (largest) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for n in (int(v) for v in a.startup_records.split(",")):
         path = write_corpus(folder, n, (64, 64))
         mib = path.stat().st_size / 2**20
         for ranks in (int(v) for v in a.startup_ranks.split(",")):
-            cache = ""
             for workers in (int(v) for v in a.startup_workers.split(",")):
-                cache = tempfile.mkdtemp(prefix="index_", dir=folder)  # built every time
-                (r,) = run_group(startup_worker, ranks, 1, str(path), cache, workers)
-                print(
-                    f"| {n} | {mib:.1f} | {ranks} | {workers} | built | {r['s']:.2f} | "
-                    f"{r['peak_mib']:.0f} | {r['worker_mib']:.0f} | {r['own_mib']:.0f} |",
-                    flush=True,
-                )
-            (r,) = run_group(startup_worker, ranks, 1, str(path), cache)
-            print(
-                f"| {n} | {mib:.1f} | {ranks} | - | mapped from the cache | {r['s']:.2f} | "
-                f"{r['peak_mib']:.0f} | - | {r['own_mib']:.0f} |",
-                flush=True,
-            )
+                cache = tempfile.mkdtemp(prefix="index_", dir=folder)  # scanned, then mapped
+                for spans in ("scanned", "mapped from the cache"):
+                    (r,) = run_group(startup_worker, ranks, 1, str(path), cache, workers)
+                    print(
+                        f"| {n} | {mib:.1f} | {ranks} | {workers} | {spans} | {r['s']:.2f} | "
+                        f"{r['window_s']:.2f} | {r['peak_mib']:.0f} | {r['worker_mib']:.0f} | "
+                        f"{r['own_mib']:.0f} |",
+                        flush=True,
+                    )
     print("\n| format | records | file MiB | start-up s | peak RSS MiB | own memory after, MiB |")
     print("|---|---|---|---|---|---|")
     path = write_corpus(folder, a.format_records, (64, 64), seed=1)

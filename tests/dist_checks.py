@@ -918,6 +918,16 @@ def _captured_warnings():
         logger.removeHandler(handler)
 
 
+def train_run_keeping_a_new_key(dp_shard: int, cp: int, steps: int, **kwargs) -> list[dict]:
+    """train_run whose trainer keeps one more key in its state than the checkpoints written so
+    far hold (what a checkpoint of an older titan_vlm looks like to this one)."""
+    from titan_vlm.trainer import Trainer
+
+    real = Trainer.state_dict
+    with mock.patch.object(Trainer, "state_dict", lambda self: {**real(self), "a_new_key": 1}):
+        return train_run(dp_shard, cp, steps, **kwargs)
+
+
 def train_run_warnings(dp_shard: int, cp: int, steps: int, **kwargs) -> dict:
     """train_run, also returning the warnings it logged: {"history": ..., "warnings": [...]}."""
     with _captured_warnings() as records:
@@ -926,23 +936,23 @@ def train_run_warnings(dp_shard: int, cp: int, steps: int, **kwargs) -> dict:
 
 
 def _train_run_wrapping_batches(
-    wrap: Callable[[Callable[..., Batch]], Callable[..., Batch]],
+    wrap: Callable[[Callable[[int], tuple[Batch, Batch]]], Callable[[int], tuple[Batch, Batch]]],
     dp_shard: int,
     cp: int,
     steps: int,
     **kwargs,
 ) -> dict:
-    """train_run_warnings whose dataset's `batch` is `wrap(batch)`: {"history", "warnings"}."""
-    import titan_vlm.trainer as train_module
+    """train_run_warnings whose loader hands the trainer `wrap(batch)(step)` in place of
+    `batch(step)` (BatchLoader.batch: each step's batch, on the host and on the device, as the
+    data pipeline built it): {"history", "warnings"}."""
+    from titan_vlm.data.loader import BatchLoader
 
-    real = train_module.build_dataset
+    real = BatchLoader.batch
 
-    def build_dataset(*args, **kw):
-        data = real(*args, **kw)
-        data.batch = wrap(data.batch)
-        return data
+    def batch(self: BatchLoader, step: int) -> tuple[Batch, Batch]:
+        return wrap(lambda k: real(self, k))(step)
 
-    with mock.patch.object(train_module, "build_dataset", build_dataset):
+    with mock.patch.object(BatchLoader, "batch", batch):
         return train_run_warnings(dp_shard, cp, steps, **kwargs)
 
 
@@ -950,12 +960,12 @@ def train_run_with_nan_images(dp_shard: int, cp: int, steps: int, nan_step: int,
     """train_run whose batch of step `nan_step` has NaN pixels (as a corrupt image would give):
     its loss and gradients are NaN. Returns {"history", "warnings"}."""
 
-    def poisoning(batch: Callable[..., Batch]) -> Callable[..., Batch]:
-        def poisoned(index: int, *rest) -> Batch:
-            out = batch(index, *rest)
+    def poisoning(batch: Callable[[int], tuple[Batch, Batch]]) -> Callable[..., tuple]:
+        def poisoned(index: int) -> tuple[Batch, Batch]:
+            host, device = batch(index)
             if index == nan_step - 1:
-                out.images[:] = float("nan")
-            return out
+                device.images[:] = float("nan")
+            return host, device
 
         return poisoned
 
@@ -964,17 +974,27 @@ def train_run_with_nan_images(dp_shard: int, cp: int, steps: int, nan_step: int,
 
 def train_run_with_slow_data(dp_shard: int, cp: int, steps: int, delay_s: float, **kwargs) -> dict:
     """train_run whose dataset takes `delay_s` longer to build each batch on CP rank 1 only (as
-    a slow disk or a large JPEG would). Returns {"history", "warnings"}."""
+    a slow disk or a large JPEG would; Dataset.collated, where a loader worker or, with
+    data.num_workers=0, the training process builds it). Returns {"history", "warnings"}."""
+    import titan_vlm.trainer as train_module
 
-    def slowing(batch: Callable[..., Batch]) -> Callable[..., Batch]:
-        def slow(*args) -> Batch:
-            if dist.get_rank() == 1:
+    real = train_module.build_dataset
+    slow_rank = dist.get_rank() == 1
+
+    def build_dataset(*args, **kw):
+        data = real(*args, **kw)
+        collated = data.collated
+
+        def slow(plan):
+            if slow_rank:
                 time.sleep(delay_s)
-            return batch(*args)
+            return collated(plan)
 
-        return slow
+        data.collated = slow
+        return data
 
-    return _train_run_wrapping_batches(slowing, dp_shard, cp, steps, **kwargs)
+    with mock.patch.object(train_module, "build_dataset", build_dataset):
+        return train_run_warnings(dp_shard, cp, steps, **kwargs)
 
 
 def train_run_with_file_size_limit(
@@ -1398,15 +1418,18 @@ def shared_index(
     fail_on_rank: int | None = None,
     cache_folders: list[str] | None = None,
     rank_paths: list[str] | None = None,
+    window: int = 16384,
+    rows: int = 0,
 ) -> dict:
-    """The JsonlDataset of `path` (test_jsonl_data.py's shapes) built with the start-up pass
-    shared over the world of `dp_shard` ranks (data/shared_pass.py GroupShare), rank 0 logging
-    the start-up
-    warnings: its index, counters, description and warnings, how many records this rank parsed
-    ({"parsed"}), or the one line it raised ({"error"}: a UserError's line, else type and
-    message). `fail_on_rank`: that rank's parsing raises ValueError("a bug"), as a bug would.
-    `cache_folders`: each rank's index cache folder (data/index_cache.py); `rank_paths`: each
-    rank's own `path` (ranks that see other data)."""
+    """The JsonlDataset of `path` (test_jsonl_data.py's shapes) built with its first window's
+    pass shared over the world of `dp_shard` ranks (data/shared_pass.py GroupShare), rank 0
+    logging the pass's warnings: its windows (test_jsonl_data.index_of), counters, description
+    and warnings, how many records this rank parsed ({"parsed"}), or the one line it raised
+    ({"error"}: a UserError's line, else type and message). `fail_on_rank`: that rank's parsing
+    raises ValueError("a bug"), as a bug would. `cache_folders`: each rank's index cache folder
+    (data/index_cache.py); `rank_paths`: each rank's own `path` (ranks that see other data);
+    `window`: data.index_window; `rows`: the global rows then made readable (`ensure`, every
+    rank)."""
     import titan_vlm.data.jsonl as jsonl
     import titan_vlm.data.record_files as record_files
     from titan_vlm.data.index_cache import IndexCache
@@ -1443,20 +1466,19 @@ def shared_index(
                     if cache_folders
                     else None
                 ),
+                window=window,
             )
+            data.ensure(range(0, rows))
         except UserError as e:
             return {"error": str(e), "parsed": len(parsed)}
         except Exception as e:  # noqa: BLE001 - the test reads which one
             return {"error": f"{type(e).__name__}: {e}", "parsed": len(parsed)}
     return {
         "index": [
-            list(data.file_of),
-            list(data.lines),
-            list(data.starts),
-            list(data.ends),
-            list(data.rows),
+            [w.epoch, w.number, w.first, [[list(ref) for ref in row] for row in w.rows]]
+            for w in data.windows
         ],
-        "counts": [data.records, data.bad_at_startup, dict(data.skipped), data.truncated],
+        "counts": [data.records, sum(data.skipped.values()), dict(data.skipped), data.truncated],
         "describe": data.describe(),
         "warnings": warnings,
         "parsed": len(parsed),

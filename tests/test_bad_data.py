@@ -6,6 +6,8 @@ import json
 import logging
 
 import pytest
+from test_jsonl_data import bad, kept
+from test_jsonl_data import lines as kept_lines
 
 from titan_vlm.config import ConfigError
 from titan_vlm.data.jsonl import JsonlDataset
@@ -35,7 +37,7 @@ def test_bad_text_is_a_counted_skip(tmp_path, caplog):
     path.write_bytes(b"\n".join(lines) + b"\n")
     with caplog.at_level(logging.WARNING, logger="titan_vlm"):
         data = dataset(path)
-    assert list(data.lines) == [1, 6] and data.bad_at_startup == 4
+    assert kept_lines(data) == [1, 6] and bad(data) == 4
     assert dict(data.skipped) == {"malformed JSON": 2, "undecodable text": 2}
     assert warnings_of(caplog) == [
         f"data: {path}:2: malformed JSON (nested too deeply) (skipped)",
@@ -62,14 +64,15 @@ def test_a_utf8_byte_order_mark_does_not_cost_line_1(tmp_path, suffix):
     body = GOOD + "\n" + GOOD + "\n" if suffix == ".jsonl" else f"[{GOOD},\n{GOOD}]"
     path.write_bytes(b"\xef\xbb\xbf" + body.encode())
     data = dataset(path)
-    assert data.bad_at_startup == 0 and list(data.lines) == [1, 2]
-    assert data.sample(0).num_slots(16) == dataset_of_plain(tmp_path, body, suffix)
+    assert bad(data) == 0 and kept_lines(data) == [1, 2]
+    assert data.sample(kept(data)[0]).num_slots(16) == dataset_of_plain(tmp_path, body, suffix)
 
 
 def dataset_of_plain(tmp_path, body, suffix) -> int:
     path = tmp_path / f"plain{suffix}"
     path.write_text(body)
-    return dataset(path).sample(0).num_slots(16)
+    plain = dataset(path)
+    return plain.sample(kept(plain)[0]).num_slots(16)
 
 
 def test_batches_without_a_loss_token_stop_the_run_in_one_line(pool, tmp_path):

@@ -238,3 +238,17 @@ def test_a_checkpoint_the_disk_cannot_take_is_one_line_and_latest_stays(pool, tm
         in (lines[0])
     )
     assert (tmp_path / "copy0" / "checkpoint" / "latest").read_text().strip() == "4"
+
+
+def test_a_checkpoint_without_a_key_this_version_keeps_is_one_line(pool, stopped, tmp_path):
+    """A checkpoint written before the trainer kept a key (an older titan_vlm: before the data's
+    position was kept): one line naming the key and what to do, not DCP's error in the load."""
+    dump = damaged_copy(stopped, tmp_path, lambda c: None)
+    with pytest.raises(RuntimeError) as e:
+        pool.run("train_run_keeping_a_new_key", dp_shard=1, cp=2, job__dump_folder=str(dump), **RUN)
+    line = next(x for x in str(e.value).splitlines() if "ConfigError: " in x)
+    assert line.endswith(
+        "step-4: the checkpoint lacks trainer.a_new_key (written by an older titan_vlm, which "
+        "read the data otherwise): start a new checkpoint.folder, with "
+        "checkpoint.initial_load_path at it for its weights"
+    )

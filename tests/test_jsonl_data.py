@@ -17,8 +17,9 @@ from titan_vlm.config import ConfigError, load_config
 from titan_vlm.data.bad_samples import DataError
 from titan_vlm.data.batch import IGNORE_INDEX, Batch, ImageRef, Prompt
 from titan_vlm.data.chat import chat_question
+from titan_vlm.data.dataset import batch_rows, step_rows
 from titan_vlm.data.images import load_image
-from titan_vlm.data.jsonl import JsonlDataset
+from titan_vlm.data.jsonl import JsonlDataset, SampleRef
 from titan_vlm.data.records import sample_frames
 from titan_vlm.data.synthetic import COLORS, draw_image
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
@@ -106,19 +107,40 @@ def text_of(ids) -> str:
     return TOK.decode([i for i in ids if i < 256])
 
 
+# What a dataset's first window holds (these files are one window: all their records)
+def kept(data: JsonlDataset) -> list[SampleRef]:
+    """The window's kept samples, in its order (file order: one block)."""
+    index = data.windows[0].index
+    return [index.sample(i) for i in range(len(index.records))]
+
+
+def lines(data: JsonlDataset) -> list[int]:
+    return [ref.line for ref in kept(data)]
+
+
+def rows(data: JsonlDataset) -> list[list[int]]:
+    """The window's rows in the order they are read, each its samples' places in `kept`."""
+    place = {ref: i for i, ref in enumerate(kept(data))}
+    return [[place[ref] for ref in row] for row in data.windows[0].rows]
+
+
+def bad(data: JsonlDataset) -> int:
+    """The samples its windows left out."""
+    return sum(data.skipped.values())
+
+
 def test_startup_keeps_counts_and_names_file_and_line(files, caplog):
     path = files / "train.jsonl"
     with caplog.at_level(logging.WARNING, logger="titan_vlm"):
         data = dataset(path)
-    kept = [
+    kept_lines = [
         i + 1
         for i, (_, what) in enumerate(RECORDS)
         if what in ("kept", "truncated", "decode", "too large")
     ]
-    assert list(data.lines) == kept and list(data.rows) == [
-        range(i, i + 1) for i in range(len(kept))
-    ]
-    assert data.records == 13 and data.bad_at_startup == 4 and data.truncated == 1
+    assert lines(data) == kept_lines and rows(data) == [[i] for i in range(len(kept_lines))]
+    assert data.records == 13 and bad(data) == 4 and data.truncated == 1
+    assert data.bad_samples(1) == 4 and data.truncated_samples(1) == 1  # window 0: row 0 on
     assert dict(data.skipped) == {
         "malformed JSON": 1,
         "missing image file": 1,
@@ -133,7 +155,8 @@ def test_startup_keeps_counts_and_names_file_and_line(files, caplog):
         f"data: {path}:6: 1 <image> placeholder(s) for 2 image(s) (skipped)",
         f"data: {path}:7: sample of 152 slots is longer than training.seq_len=96 (truncated)",
     ]
-    assert "13 record(s) -> 9 samples with 8 image(s) in 9 rows" in data.describe()
+    assert "13 record(s) (in file order)" in data.describe()
+    assert "all of them: 9 samples with 8 image(s) in 9 rows" in data.describe()
     assert (
         "skipped 4 (1 empty text, 1 malformed JSON, 1 missing image file, 1 placeholder count), "
         "truncated 1" in data.describe()
@@ -145,7 +168,7 @@ def test_bad_images_are_dropped_from_their_rows_when_read(files, caplog):
     data = dataset(path)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="titan_vlm"):
-        rows = data.batch(0, 0, 1, len(data.rows))
+        batch = data.batch(0, 0, 1, 9)
     assert len(data.dropped) == 3
     assert warnings_of(caplog) == [
         f"data: {path}:8: image cannot be decoded: {files / 'truncated.png'} "
@@ -156,29 +179,27 @@ def test_bad_images_are_dropped_from_their_rows_when_read(files, caplog):
         "(image of 64x64 pixels is larger than "
         "data.max_image_pixels=2304) (skipped)",
     ]
-    empty = [r for r in range(rows.num_rows) if (rows.doc[r] < 0).all()]
-    assert [data.lines[r] for r in empty] == [8, 9, 10]  # their samples are gone, nothing else
-    assert rows.images.shape == (5, 3, 32, 32)  # red, blue, red + blue, green
+    empty = [r for r in range(batch.num_rows) if (batch.doc[r] < 0).all()]
+    assert [lines(data)[r] for r in empty] == [8, 9, 10]  # their samples are gone, nothing else
+    assert batch.images.shape == (5, 3, 32, 32)  # red, blue, red + blue, green
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="titan_vlm"):
-        data.batch(
-            1, 0, 1, len(data.rows)
-        )  # the next epoch: dropped again, counted and warned once
+        data.batch(1, 0, 1, 9)  # the next epoch: dropped again, counted and warned once
     assert len(data.dropped) == 3 and warnings_of(caplog) == []  # the same 3: not counted again
 
 
 def test_a_batch_whose_samples_are_all_dropped_keeps_one_untrained_slot(files):
     data = dataset(files / "train.jsonl")
-    row = list(data.lines).index(8)
+    row = lines(data).index(8)
     batch = data.batch(row, 0, 1, 1)  # one row: the broken image's sample
-    assert data.dropped == {row}
+    assert data.dropped == {7}  # its record's number (line 8)
     assert batch.tokens[0, 0] == TOK.PAD and batch.doc[0].tolist() == [0] + [-1] * (SEQ - 1)
     assert (batch.labels == IGNORE_INDEX).all() and batch.images.shape[0] == 0
 
 
 def test_labels_only_on_assistant_turns(files):
     data = dataset(files / "train.jsonl")
-    batch = data.batch(0, 0, 1, len(data.rows))
+    batch = data.batch(0, 0, 1, 9)
     expect = {  # line: (the row's tokens as text, image slots in order, the trained targets)
         1: ("USER: |\nWhat is this? ASSISTANT: A red circle.", [" A red circle.", TOK.EOS]),
         2: ("|a blue circle.", ["a blue circle.", TOK.EOS]),
@@ -189,7 +210,7 @@ def test_labels_only_on_assistant_turns(files):
         12: ("USER: |\nColor? ASSISTANT: blue.", [" blue.", TOK.EOS]),
         13: ("text only, no image.", ["text only, no image.", TOK.EOS]),
     }
-    for r, line in enumerate(data.lines):
+    for r, line in enumerate(lines(data)):
         if line not in expect:
             continue
         tokens, labels, image = batch.tokens[r], batch.labels[r], batch.image[r]
@@ -217,24 +238,28 @@ def test_generate_asks_in_the_training_format(files):
     """generate's chat prompt is the training sample of the same one-image question up to its
     answer."""
     data = dataset(files / "train.jsonl")
-    trained = data.sample(
-        list(data.lines).index(12)
-    ).parts  # {"image": ..., conversations: Color? / blue.}
+    trained = data.sample(kept(data)[lines(data).index(12)]).parts  # {"image": ...: Color? / blue.}
     asked = chat_question(trained[1], "Color?", TOK)
     assert asked == trained[:3] and [type(p) for p in asked] == [type(p) for p in trained[:3]]
 
 
 def test_dp_ranks_read_disjoint_rows_and_the_rows_do_not_depend_on_the_layout(files):
     data = dataset(files / "train.jsonl", shuffle=True)
-    n = len(data.rows)  # 9: steps 0..2 at dp=3 x 1 row read exactly one epoch
-    seen = [[r for step in range(3) for r in data.row_ids(step, rank, 3, 1)] for rank in range(3)]
+    n = len(rows(data))  # 9: steps 0..2 at dp=3 x 1 row read exactly one epoch
+
+    def planned(data, step, rank, dp, size):
+        data.ensure(step_rows(step, dp, size))
+        return data.plan(batch_rows(step, rank, dp, size))
+
+    seen = [
+        [row for step in range(3) for row in planned(data, step, rank, 3, 1)] for rank in (0, 1, 2)
+    ]
     assert all(not set(a) & set(b) for a in seen for b in seen if a is not b)
-    assert sorted(sum(seen, [])) == list(range(n))
-    first, second = [[data.row_ids(s, 0, 1, n)] for s in (0, 1)]
-    assert (
-        sorted(first[0]) == sorted(second[0]) == list(range(n)) and first != second
-    )  # reshuffled per epoch
-    assert dataset(files / "train.jsonl", shuffle=True).row_ids(1, 0, 1, n) == second[0]  # seeded
+    assert sorted(sum(seen, [])) == sorted(data.windows[0].rows)
+    first, second = planned(data, 0, 0, 1, n), planned(data, 1, 0, 1, n)
+    assert sorted(first) == sorted(second) and first != second  # reshuffled per epoch
+    again = dataset(files / "train.jsonl", shuffle=True)
+    assert planned(again, 1, 0, 1, n) == second  # seeded
     # step 1 at dp=2 x 2 rows is step 1 at dp=1 x 4 rows: the same rows, images and tokens
     whole = data.batch(1, 0, 1, 4)
     parts = [data.batch(1, rank, 2, 2) for rank in range(2)]
@@ -245,14 +270,15 @@ def test_dp_ranks_read_disjoint_rows_and_the_rows_do_not_depend_on_the_layout(fi
 
 def test_packing_keeps_file_order_and_every_sample(files):
     data = dataset(files / "train.jsonl", packing=True)
-    assert [i for row in data.rows for i in row] == list(range(9))  # file order, none dropped
-    sizes = [data.sample(i).num_slots(16) for i in range(9)]
-    for row, nxt in zip(data.rows, data.rows[1:]):
+    packed = rows(data)
+    assert [i for row in packed for i in row] == list(range(9))  # file order, none dropped
+    sizes = [data.sample(ref).num_slots(16) for ref in kept(data)]
+    for row, nxt in zip(packed, packed[1:]):
         used = sum(sizes[i] for i in row)
         assert (
             used <= SEQ and used + sizes[nxt[0]] > SEQ
         )  # the next row starts only when the sample does not fit
-    batch = data.batch(0, 0, 1, len(data.rows))
+    batch = data.batch(0, 0, 1, len(packed))
     assert int(batch.doc.max()) >= 1  # some row holds two samples
 
 
@@ -298,20 +324,21 @@ def test_shards_read_as_the_file_they_were_cut_from(files, caplog):
         with caplog.at_level(logging.WARNING, logger="titan_vlm"):
             data = dataset(value, shuffle=True, **kw)
             batches = [data.batch(k, 0, 1, 3) for k in range(3)]
-        assert data.records == 13 and list(data.rows) == list(whole.rows)
+        assert data.records == 13 and rows(data) == rows(whole)
         assert [shape_of(data, i) for i in range(9)] == [shape_of(whole, i) for i in range(9)]
         for got, want in zip(batches, expected_batches):
             assert len(tensors(got)) == len(tensors(want))
             for x, y in zip(tensors(got), tensors(want)):
                 assert torch.equal(x, y)
-        assert (data.bad_at_startup, dict(data.skipped), data.truncated, data.dropped) == (
-            whole.bad_at_startup,
+        assert (bad(data), dict(data.skipped), data.truncated, data.dropped) == (
+            bad(whole),
             dict(whole.skipped),
             whole.truncated,
             whole.dropped,
         )
         assert warnings_of(caplog) == [in_shards(w, whole_path, shards) for w in expected]
-        assert f"{value} (3 files): 13 record(s) -> 9 samples" in data.describe()
+        assert f"{value} (3 files): 13 record(s)" in data.describe()
+        assert "all of them: 9 samples" in data.describe()
 
 
 def test_a_file_whose_name_looks_like_a_pattern_and_a_folder_of_one_file(files):
@@ -362,8 +389,8 @@ def test_json_array_files(files):
     path.write_text(json.dumps(records, indent=1))
     starts = [i + 1 for i, line in enumerate(path.read_text().splitlines()) if line == " {"]
     data = dataset(path)
-    assert data.bad_at_startup == 3 and len(data.rows) == 9  # no malformed line in a valid array
-    assert list(data.lines) == [
+    assert bad(data) == 3 and len(rows(data)) == 9  # no malformed line in a valid array
+    assert lines(data) == [
         starts[i] for i in (0, 1, 5, 6, 7, 8, 9, 10, 11)
     ]  # each record's first line
     one = dataset(files / "train.jsonl").batch(0, 0, 1, 2)
@@ -379,7 +406,7 @@ def test_image_root_and_the_config_keys(files, tmp_path_factory):
     (elsewhere / "train.jsonl").write_text(json.dumps(RECORDS[1][0]) + "\n")
     with pytest.raises(ConfigError, match="no usable samples"):  # blue.png is not next to this file
         dataset(elsewhere / "train.jsonl")
-    assert len(dataset(elsewhere / "train.jsonl", image_root=str(files)).rows) == 1
+    assert len(rows(dataset(elsewhere / "train.jsonl", image_root=str(files)))) == 1
     path = files / "train.jsonl"
     cfg = load_config(
         [f"--data.dataset={path}", "--data.on_bad_sample=error", f"--data.image_root={files}"]
@@ -454,9 +481,10 @@ def shape_of(data: JsonlDataset, i: int) -> list:
     """Sample i's parts as: an image's file (relative to the image root), or its text (a context
     part after "prompt: ")."""
     out: list = []
-    for part in data.sample(i).parts:
+    ref = kept(data)[i]
+    for part in data.sample(ref).parts:
         if isinstance(part, ImageRef):
-            out.append(part.path.relative_to(data.roots[data.file_of[i]]).as_posix())
+            out.append(part.path.relative_to(data.roots[ref.file]).as_posix())
         else:
             out.append(("prompt: " if isinstance(part, Prompt) else "") + text_of(part))
     return out
@@ -472,12 +500,12 @@ def test_frames_are_sampled_evenly_first_and_last_kept(clip):
         *(FRAMES[i] for i in (0, 3, 5, 8, 11, 14, 16, 19)),
         "a green circle moves.",
     ]
-    assert data.num_images == 8 and data.sample(0).num_slots(16) == 8 * 16 + 23
+    assert data.num_images == 8 and data.sample(kept(data)[0]).num_slots(16) == 8 * 16 + 23
     every = video_data(clip, video, max_frames=30)  # more than the frames: all of them
     assert shape_of(every, 0)[:20] == FRAMES and every.num_images == 20
     # the frames not kept are not read: a missing one costs nothing
     (clip / FRAMES[1]).unlink()
-    assert video_data(clip, video, max_frames=8).bad_at_startup == 0
+    assert bad(video_data(clip, video, max_frames=8)) == 0
 
 
 def test_video_placeholder_mid_text_and_with_images_in_reading_order(clip):
@@ -490,7 +518,7 @@ def test_video_placeholder_mid_text_and_with_images_in_reading_order(clip):
         conv("<image> what moves?", "a circle.", image="red.png", video=three),  # video first
     ]
     data = video_data(clip, *records, max_frames=8)
-    assert data.bad_at_startup == 0
+    assert bad(data) == 0
     assert [shape_of(data, i) for i in range(5)] == [
         ["look: ", *three, " it moves."],
         ["prompt: USER: ", "red.png", "prompt:  then ", *three, "prompt: ? ASSISTANT:", " yes."],
@@ -540,7 +568,7 @@ def test_bad_videos_are_bad_samples_with_their_reasons(clip, caplog):
     with caplog.at_level(logging.WARNING, logger="titan_vlm"):
         data = video_data(clip, *records)
     path = clip / "video.jsonl"
-    assert list(data.lines) == [12]
+    assert lines(data) == [12]
     assert [w.removeprefix(f"data: {path}:") for w in warnings_of(caplog)] == [
         "1: 'video' is a file (clip.mp4): video files are decoded where the model folder's "
         "processor reads videos whole (Qwen2.5-VL); give this model a list of frame files "
@@ -577,7 +605,12 @@ def test_max_frames_must_be_positive(files):
 # One real training run on the file (2 ranks: dp_shard=2, one row each, so a rank's whole batch
 # is sometimes a dropped sample), interrupted and resumed.
 def index_of(data: JsonlDataset) -> list:
-    return [list(x) for x in (data.file_of, data.lines, data.starts, data.ends, data.rows)]
+    """The windows a dataset holds: each one's place and rows (their samples' records, files,
+    lines, spans and slots), as plain lists."""
+    return [
+        [w.epoch, w.number, w.first, [[list(ref) for ref in row] for row in w.rows]]
+        for w in data.windows
+    ]
 
 
 def test_the_shared_pass_crosses_shard_boundaries(pool, files, caplog):
@@ -593,7 +626,7 @@ def test_the_shared_pass_crosses_shard_boundaries(pool, files, caplog):
     for rank, o in enumerate(out):
         assert o["index"] == index_of(alone) and o["describe"] == alone.describe()
         assert o["warnings"] == ([] if rank else warnings_of(caplog))
-    assert set(alone.file_of) == {0, 1, 2}
+    assert {ref.file for ref in kept(alone)} == {0, 1, 2}
 
 
 def test_a_resume_sees_any_shard_change(files):
@@ -691,8 +724,8 @@ def test_an_exception_in_one_ranks_share_reaches_every_rank(pool, files):
     out = pool.run("shared_index", path=str(files / "train.jsonl"), dp_shard=2, fail_on_rank=1)
     assert out[1]["error"] == "ValueError: a bug"
     assert out[0]["error"] == (
-        f"RuntimeError: data.dataset: {files / 'train.jsonl'}: the start-up pass failed on rank "
-        "1 of 2: ValueError: a bug"
+        f"RuntimeError: data.dataset: {files / 'train.jsonl'}: the pass over a window failed on "
+        "rank 1 of 2: ValueError: a bug"
     )
 
 
@@ -706,12 +739,14 @@ TRAIN = dict(
 )
 
 
-def interrupted_run(pool, tmp_path, run: dict, before_resume=lambda: None) -> tuple:
+def interrupted_run(
+    pool, tmp_path, run: dict, before_resume=lambda: None, stop_after: int = 3, interval: int = 2
+) -> tuple:
     """`run` (train_run's keys) on 2 ranks uninterrupted, every batch built in the training
     process (data.num_workers=0), in tmp_path/whole; and in tmp_path/ckpt the run that dies after
-    step 3 (saved at 2) with 2 loader workers a rank, resumed with 1 (`before_resume` called
-    between): both histories, checked equal to the bit where they overlap, with the same
-    bad-sample counts."""
+    step `stop_after` (saved at `interval`) with 2 loader workers a rank, resumed with 1
+    (`before_resume` called between): both histories, checked equal to the bit where they
+    overlap, with the same bad-sample counts."""
     whole = pool.run(
         "train_run",
         dp_shard=2,
@@ -723,14 +758,14 @@ def interrupted_run(pool, tmp_path, run: dict, before_resume=lambda: None) -> tu
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in whole)
     ckpt = dict(
         checkpoint__enable=True,
-        checkpoint__interval=2,
+        checkpoint__interval=interval,
         job__dump_folder=str(tmp_path / "ckpt"),
         **run,
     )
-    pool.run("train_run", dp_shard=2, cp=1, stop_after=3, data__num_workers=2, **ckpt)
+    pool.run("train_run", dp_shard=2, cp=1, stop_after=stop_after, data__num_workers=2, **ckpt)
     before_resume()
     resumed = pool.run("train_run", dp_shard=2, cp=1, data__num_workers=1, **ckpt)[0]
-    assert [h["step"] for h in resumed] == [3, 4]
+    assert [h["step"] for h in resumed] == list(range(interval + 1, run["steps"] + 1))
     for h in resumed:
         assert h["loss"] == whole[h["step"] - 1]["loss"], h["step"]
         assert h["data_bad_samples"] == whole[h["step"] - 1]["data_bad_samples"], h["step"]
@@ -752,14 +787,14 @@ def test_training_on_a_jsonl_file_resumes_bit_exact(pool, files, tmp_path):
         job__dump_folder=str(tmp_path / "ckpt"),
         **run,
     )
-    # the counters: the start-up ones plus the distinct samples any dp rank dropped, from an
-    # independent read
+    # the counters: the window's bad samples plus the distinct samples any dp rank dropped, from
+    # an independent read
     data = dataset(path, shuffle=True, seq_len=SEQ)
     expect = []
     for step in range(4):
         for rank in range(2):
             data.batch(step, rank, 2, 1)
-        expect.append(data.bad_at_startup + len(data.dropped))
+        expect.append(data.bad_samples((step + 1) * 2) + len(data.dropped))
     assert expect[-1] > expect[0] >= 4  # broken images were read
     metrics = [
         json.loads(line)

@@ -98,15 +98,19 @@ def test_the_mixture_reads_the_sources_rows_in_the_dealt_order(files):  # noqa: 
         for rank in range(2):
             got = mix.batch(step, rank, 2, 3)
             first = (step * 2 + rank) * 3
-            rows = [alone[s].rows_of([own])[0] for s, own in deal[first : first + 3]]
-            rows = keep_one_slot(rows, ByteTokenizer())  # a batch whose samples all dropped
-            want = collate(rows, mix.seq_len, mix.slots, mix.image_size, PAD, IMAGE, None)
+            read = []
+            for s, own in deal[first : first + 3]:
+                alone[s].ensure(range(own, own + 1))
+                read.append(alone[s].rows_of(alone[s].plan([own]))[0])
+            read = keep_one_slot(read, ByteTokenizer())  # a batch whose samples all dropped
+            want = collate(read, mix.seq_len, mix.slots, mix.image_size, PAD, IMAGE, None)
             assert len(tensors(got)) == len(tensors(want))
             for x, y in zip(tensors(got), tensors(want)):
                 assert torch.equal(x, y), (step, rank)
-    assert mix.bad_at_startup == sum(a.bad_at_startup for a in alone) > 0
-    assert mix.truncated == sum(a.truncated for a in alone)
-    offset = len(alone[0].starts)
+    rows = 4 * 2 * 3  # the global rows read: both sources' first window reached
+    assert mix.bad_samples(rows) == sum(sum(a.skipped.values()) for a in alone) > 0
+    assert mix.truncated_samples(rows) == sum(a.truncated for a in alone)
+    offset = alone[0].records
     assert set(mix.dropped) == set(alone[0].dropped) | {offset + i for i in alone[1].dropped}
     assert alone[0].dropped and alone[1].dropped  # both sources dropped samples
     assert "mixture of 2 sources, rows dealt 3:1: [0] " in mix.describe()

@@ -207,7 +207,7 @@ def native_data(folder: Path, **kw) -> JsonlDataset:
 def test_jsonl_images_keep_their_aspect_ratio_and_take_their_grid_of_slots(folder):
     data = native_data(folder, packing=True)
     # the junk file's header is read at start-up: a bad sample there, not a dropped row later
-    assert data.bad_at_startup == 1 and data.skipped["image cannot be decoded"] == 1
+    assert data.bad_samples(1) == 1 and data.skipped["image cannot be decoded"] == 1
     batch = data.batch(0, 0, 1, 1)
     assert isinstance(batch.images, ImageList)
     frame = (32, 48)

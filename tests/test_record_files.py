@@ -22,8 +22,11 @@ import webdataset
 from test_jsonl_data import (  # noqa: F401
     RECORDS,
     TRAIN,
+    bad,
     dataset,
     files,
+    kept,
+    rows,
     save_png,
     tensors,
     warnings_of,
@@ -101,25 +104,26 @@ def tar_shards(folder: Path, shards: int) -> list[Path]:
 
 def texts(data: JsonlDataset, i: int) -> list:
     """Sample i's parts: its text parts' tokens, and "image" for each image."""
-    return ["image" if isinstance(p, ImageRef) else list(p) for p in data.sample(i).parts]
+    parts = data.sample(kept(data)[i]).parts
+    return ["image" if isinstance(p, ImageRef) else list(p) for p in parts]
 
 
 def same_data(data: JsonlDataset, ref: JsonlDataset) -> None:
     """The same records, samples, rows and counters, and every tensor of a whole epoch's
     batches (images decoded from the bytes or the files) equal."""
     assert data.records == ref.records == len(OBJECTS)
-    assert list(data.rows) == list(ref.rows) and len(data.starts) == len(ref.starts)
-    assert [texts(data, i) for i in range(len(data.starts))] == [
-        texts(ref, i) for i in range(len(ref.starts))
+    assert rows(data) == rows(ref) and len(kept(data)) == len(kept(ref))
+    assert [texts(data, i) for i in range(len(kept(data)))] == [
+        texts(ref, i) for i in range(len(kept(ref)))
     ]
     for step in range(3):
         got, want = data.batch(step, 0, 1, 3), ref.batch(step, 0, 1, 3)
         assert len(tensors(got)) == len(tensors(want))
         for x, y in zip(tensors(got), tensors(want)):
             assert torch.equal(x, y)
-    counts = (data.bad_at_startup, dict(data.skipped), data.truncated, data.dropped)
-    assert counts == (ref.bad_at_startup, dict(ref.skipped), ref.truncated, ref.dropped)
-    assert ref.bad_at_startup and ref.dropped  # the control: bad data of both kinds
+    counts = (bad(data), dict(data.skipped), data.truncated, data.dropped)
+    assert counts == (bad(ref), dict(ref.skipped), ref.truncated, ref.dropped)
+    assert bad(ref) and ref.dropped  # the control: bad data of both kinds
 
 
 def built(value, **kw) -> tuple[JsonlDataset, list[str]]:
@@ -287,7 +291,7 @@ def test_a_caption_shard_a_record_naming_its_members_and_bad_samples(files, capl
     with caplog.at_level(logging.WARNING, logger="titan_vlm"):
         data = dataset(path)
     ref = dataset(files / "caption.jsonl")
-    assert data.records == 8 and len(data.starts) == 3
+    assert data.records == 8 and len(kept(data)) == 3
     assert [texts(data, i) for i in range(3)] == [texts(ref, i) for i in range(3)]
     for got, want in zip(tensors(data.batch(0, 0, 1, 3)), tensors(ref.batch(0, 0, 1, 3))):
         assert torch.equal(got, want)  # b's images in the order its record names them
@@ -335,7 +339,7 @@ def test_a_parquet_image_struct_with_only_a_path_is_a_file(files, caplog):  # no
         with caplog.at_level(logging.WARNING, logger="titan_vlm"):
             data = dataset(files / name)
         assert [texts(data, i) for i in range(2)] == [texts(ref, i) for i in range(2)]
-        assert data.sample(0).parts[0] == ImageRef(files / "red.png")
+        assert data.sample(kept(data)[0]).parts[0] == ImageRef(files / "red.png")
         assert warnings_of(caplog) == [
             f"data: {files / name} row 1: image file not found: {files / 'gone.png'} (skipped)"
         ]
@@ -425,7 +429,7 @@ def test_tar_samples_as_tar_writes_them(files, caplog):  # noqa: F811
     with caplog.at_level(logging.WARNING, logger="titan_vlm"):
         data = dataset(path, seq_len=512)
     ref = dataset(files / "written.jsonl", seq_len=512)
-    assert data.records == 7 and len(data.starts) == 2
+    assert data.records == 7 and len(kept(data)) == 2
     for got, want in zip(tensors(data.batch(0, 0, 1, 2)), tensors(ref.batch(0, 0, 1, 2))):
         assert torch.equal(got, want)  # the eleven images in their numbers' order
     assert warnings_of(caplog) == [
@@ -446,7 +450,7 @@ def test_a_tar_cut_anywhere_is_one_line(files):  # noqa: F811
     whole or not, is one line naming it: never fewer samples read without a word."""
     (shard,) = tar_shards(files, 1)
     raw = shard.read_bytes()
-    data_end = len(dataset(shard, image_root=str(files)).starts)
+    data_end = len(kept(dataset(shard, image_root=str(files))))
     assert data_end > 0
     for cut in range(512, len(raw), 512):
         trailing = raw[cut:]
@@ -466,9 +470,7 @@ def test_a_table_cell_that_is_not_utf8_is_a_bad_sample(files, caplog):  # noqa: 
     with caplog.at_level(logging.WARNING, logger="titan_vlm"):
         data = dataset(files / "utf8.parquet")
     assert (
-        data.records == 3
-        and len(data.starts) == 2
-        and dict(data.skipped) == {"undecodable text": 1}
+        data.records == 3 and len(kept(data)) == 2 and dict(data.skipped) == {"undecodable text": 1}
     )
     (warning,) = warnings_of(caplog)
     assert warning.startswith(f"data: {files / 'utf8.parquet'} row 1: a string cell is not UTF-8")

@@ -63,6 +63,7 @@ def test_what_may_change_is_accepted_and_logged():
         (["--model.name=qwen2_5_vl"], "model.name 'llava' -> 'qwen2_5_vl'"),
         (["--data.native_resolution_pixels=4096"], "data.native_resolution_pixels 0 -> 4096"),
         (["--data.max_image_pixels=100"], "data.max_image_pixels 16777216 -> 100"),
+        (["--data.index_window=1024"], "data.index_window 16384 -> 1024"),
     ],
 )
 def test_what_must_match_is_one_line_naming_the_key(args, named):

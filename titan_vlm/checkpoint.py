@@ -312,6 +312,23 @@ class Checkpointer:
             "trainer": self.trainer,
         }
 
+    def _check_trainer_keys(self, step_dir: Path) -> None:
+        """ConfigError (one line) where the checkpoint lacks a key of the trainer's state this
+        version keeps (one written by an older titan_vlm: e.g. before the data's position was
+        kept, `trainer.data_positions`), rather than DCP's error deep in the load."""
+        saved = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+        missing = [
+            f"trainer.{k}"
+            for k in self.trainer.state_dict()
+            if not any(n == f"trainer.{k}" or n.startswith(f"trainer.{k}.") for n in saved)
+        ]
+        if missing:
+            raise ConfigError(
+                f"resume from {step_dir}: the checkpoint lacks {', '.join(missing)} (written by "
+                "an older titan_vlm, which read the data otherwise): start a new "
+                "checkpoint.folder, with checkpoint.initial_load_path at it for its weights"
+            )
+
     def _gather(self, mine: object) -> list[Any]:
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, mine, group=self.group)
@@ -466,6 +483,7 @@ class Checkpointer:
         if step_dir is None:
             return None
         state = self._state()
+        self._check_trainer_keys(step_dir)
         dcp.load(state, checkpoint_id=str(step_dir), process_group=self.group)
         set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=self._OPTIM)

@@ -210,25 +210,33 @@ class Data:
     """A dataset record's "video" (a list of frame files): at most this many frames, sampled
     evenly from first to last; each frame is an image of the sample, in order."""
     shuffle: bool = True
-    """A dataset file's rows in a new order every epoch (seeded by training.seed)."""
+    """A dataset file's samples in a new order every epoch (seeded by training.seed): its blocks
+    of 1024 consecutive records reordered, and each window's rows shuffled (data.index_window);
+    false: file order."""
     max_empty_steps: int = 3
     """Stop the run when this many steps in a row carry no loss token (every sample bad)."""
+    index_window: int = 16384
+    """Records of a dataset file read, checked, tokenized and packed as one window (whole blocks
+    of 1024), a window at a time as training reaches it (data/windows.py): start-up reads the
+    first window only, whatever the corpus's size; the step whose batch, or the batches its
+    loader workers build ahead, reach a window waits for its pass (shared by every rank and its
+    loader workers' cores, in data_wait); rows never cross a window, and a row's samples come
+    from one window's records."""
     cache_index: bool = True
-    """Keep a dataset file's start-up index (every record parsed, tokenized and sized) in
-    <job.dump_folder>/data_index, so that a restart, a resume or another run of the same files
-    and model with this dump folder maps it instead of building it again (data/index_cache.py;
-    keyed by titan_vlm's code, what the tokenizer and processor do, the keys that size a
-    sample, and each file's path, size and modification time; stale when an image or video file
-    the records name changed); and the files' SHA-256 a checkpoint records, hashed once while
-    they keep their paths, sizes and times."""
+    """Keep where a dataset file's records lie (each record's line and byte span, or row: a
+    JSONL file's lines found, a tar's member headers read) in <job.dump_folder>/data_index, so
+    that a restart, a resume or another run of the same files with this dump folder maps them
+    instead of scanning the files again (data/index_cache.py; keyed by titan_vlm's code and each
+    file's path, size and modification time); and the files' SHA-256 a checkpoint records,
+    hashed once while they keep their paths, sizes and times."""
     num_workers: int = 2
     """Loader worker processes per rank that build the batches (read, decode, preprocess, pack)
     ahead of the step, a step each in turn (data/loader.py); 0: each batch is built in the
     training process when its step starts. Workers change when a batch is built, never what: the
-    losses are bit-identical at any count, and a run may resume at another. A dataset file's
-    first start splits each rank's share of the start-up pass over the rank and up to as many
-    forked processes (data/forked.py; at least 4096 records each, and no more than the node's
-    cores over its ranks allow): the same index, sooner."""
+    losses are bit-identical at any count, and a run may resume at another. Each rank's
+    share of a dataset file's window pass (data.index_window) is split over the rank and up to
+    as many forked processes (data/forked.py; at least 4096 records each, and no more than the
+    node's cores over its ranks allow): the same index, sooner."""
     prefetch: int = 2
     """Batches each loader worker keeps ready ahead of the step (num_workers x prefetch in all,
     each in host memory, pinned on CUDA)."""

@@ -1,5 +1,5 @@
 """Processes that die with the process that started them, in a leaf module that the launcher
-(torchrun under it) and the data's worker processes (loader workers, the start-up pass's) share."""
+(torchrun under it) and the data's worker processes (loader workers, a window pass's) share."""
 
 from __future__ import annotations
 

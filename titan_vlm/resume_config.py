@@ -43,6 +43,7 @@ MUST_MATCH = (
     "data.mixture",
     "data.packing",
     "data.shuffle",
+    "data.index_window",  # the windows: which samples a row holds
     "data.image_root",
     "data.max_frames",
     "data.sentences_per_image",

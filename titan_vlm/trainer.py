@@ -30,7 +30,7 @@ from titan_vlm.checkpoint import Checkpointer, RunStart, load_initial_weights, r
 from titan_vlm.config import JobConfig
 from titan_vlm.data import build_dataset
 from titan_vlm.data.batch import SlotData
-from titan_vlm.data.dataset import Dataset
+from titan_vlm.data.dataset import Dataset, Position
 from titan_vlm.data.hf_processor import HFProcessor
 from titan_vlm.data.image_batch import ImageRule, num_images
 from titan_vlm.data.index_cache import IndexCache, code_digest, index_folder
@@ -107,13 +107,13 @@ class Trainer(Stateful):
         self.cfg, self.mesh, self.device = cfg, mesh, device
         # microbatches of local_batch_size rows per step (training.global_batch_size)
         self.accumulation = accumulation_steps(t, mesh.dp.size())
+        self.global_rows = mesh.dp.size() * t.local_batch_size * self.accumulation  # a step's
         # where the run starts (checkpoint.py run_start), before the model is built: a resume
         # builds the model, tokenizer and processor from the checkpoint's copies of its sources
         # (`sources`) and fills the weights from the checkpoint, not from a Hugging Face folder
         self.start: RunStart | None = None
         if cfg.checkpoint.enable:
-            global_rows = mesh.dp.size() * t.local_batch_size * self.accumulation
-            self.start = run_start(cfg, mesh.world.get_group(), global_rows)
+            self.start = run_start(cfg, mesh.world.get_group(), self.global_rows)
         resuming = self.start is not None and self.start.step_dir is not None
         self.sources = self.start.sources if self.start is not None else cfg
         self.spec = model_spec(self.sources)
@@ -137,6 +137,8 @@ class Trainer(Stateful):
         # loss or grad norm.
         self.step = 0
         self.dropped: set[int] = set()
+        # where the data stands in each dataset file (a resumed run's; what a save keeps)
+        self.data_positions: list[Position] = []
         self.nonfinite_skipped = 0
         self.empty_since: int | None = None  # first step of the current run without a loss token
         self.checkpointer: Checkpointer | None = None
@@ -157,7 +159,7 @@ class Trainer(Stateful):
         self.dp_rank, self.dp = mesh.dp.get_local_rank(), mesh.dp.size()
         rule, slot_data = self.spec.data_rule(self.args, self.sources)
         inputs = self.spec.inputs(self.sources)  # the tokenizer and processor, read once
-        self.data = self.dataset(cfg, inputs, rule, slot_data)
+        self.data = self.dataset(cfg, inputs, rule, slot_data, self.data_positions)
         self.log_data()
         # each step's rows on this dp rank: `accumulation` microbatches of local_batch_size rows
         self.loader = BatchLoader(
@@ -358,8 +360,8 @@ class Trainer(Stateful):
             "step_time_s": result.elapsed_s,
             "data_wait_s": result.data_wait_s,
             "peak_memory_gib": result.peak_memory_gib,
-            "data_bad_samples": self.data.bad_at_startup + len(self.dropped),
-            "data_truncated": self.data.truncated,
+            "data_bad_samples": self.data.bad_samples(self.trained_rows(step)) + len(self.dropped),
+            "data_truncated": self.data.truncated_samples(self.trained_rows(step)),
             "nonfinite_skipped": self.nonfinite_skipped,
         }
         echo = step % self.cfg.metrics.log_freq == 0 or step == t.steps
@@ -403,6 +405,8 @@ class Trainer(Stateful):
             return
         self.log_saved(self.checkpointer.poll())  # an async save whose files are all written
         if step % self.cfg.checkpoint.interval == 0 or step == self.cfg.training.steps or stop:
+            # where the next step's rows lie in the data (state_dict: what a resume builds from)
+            self.data_positions = self.data.positions(self.trained_rows(step))
             # a stop writes synchronously: the process is about to end, nothing to overlap
             step_dir = self.checkpointer.save(step, blocking=stop)
             if step_dir is None:
@@ -421,16 +425,22 @@ class Trainer(Stateful):
 
     # ---- DCP Stateful: what the trainer saves beside the model and the optimizer ----
 
+    def trained_rows(self, step: int) -> int:
+        """The global rows steps 1 .. step train on (the next step's first row)."""
+        return step * self.global_rows
+
     def state_dict(self) -> dict[str, Any]:
-        """The step (the data position: the data is a function of it), the lr schedule, the
-        RNG and the counters. The RNG state is the same on every rank (each process starts
-        from torch's fixed default seed, a resume gives every rank the saved one, and training
-        draws nothing from it), so DCP writing one rank's copy loses nothing."""
+        """The step (the data position: the data is a function of it), where that position lies
+        in each dataset file (the window a resumed run indexes from: data/jsonl.py), the lr
+        schedule, the RNG and the counters. The RNG state is the same on every rank (each
+        process starts from torch's fixed default seed, a resume gives every rank the saved one,
+        and training draws nothing from it), so DCP writing one rank's copy loses nothing."""
         return {
             "step": self.step,
             "scheduler": self.scheduler.state_dict(),
             "rng": torch.get_rng_state(),
             "data_dropped_samples": sorted(self.dropped),
+            "data_positions": [list(p) for p in self.data_positions],
             "nonfinite_skipped": self.nonfinite_skipped,
         }
 
@@ -439,6 +449,7 @@ class Trainer(Stateful):
         self.scheduler.load_state_dict(state_dict["scheduler"])
         torch.set_rng_state(state_dict["rng"])
         self.dropped = set(state_dict["data_dropped_samples"])
+        self.data_positions = [Position(*p) for p in state_dict["data_positions"]]
         self.nonfinite_skipped = int(state_dict["nonfinite_skipped"])
 
     # ---- set-up ----
@@ -466,11 +477,12 @@ class Trainer(Stateful):
         inputs: ModelInputs,
         rule: ImageRule | None,
         slot_data: SlotData | None,
+        positions: list[Position] | None = None,
     ) -> Dataset:
         """The dataset `cfg`'s data keys name, read with the model's inputs (tokenizer, processor)
-        and its image rule. A file's start-up pass is split over every rank of the job
-        (data/shared_pass.py). Start-up warnings once (rank 0); batch-time ones once per dp rank
-        (its rows are its own)."""
+        and its image rule, from `positions` (a resumed run's: Trainer.state_dict). A file's
+        window passes are split over every rank of the job (data/shared_pass.py). The passes'
+        warnings once (rank 0); batch-time ones once per dp rank (its rows are its own)."""
         world = self.mesh.world.get_group()
         return build_dataset(
             cfg,
@@ -484,6 +496,7 @@ class Trainer(Stateful):
             slot_data=slot_data,
             share=GroupShare(world) if dist.get_world_size(world) > 1 else None,
             cache=index_cache(cfg) if cfg.data.cache_index else None,
+            positions=positions or None,
         )
 
     def build_validation_data(
@@ -636,7 +649,8 @@ class Trainer(Stateful):
     def log_data(self) -> None:
         """The data, and who holds which slots of the first batch this run trains on."""
         t, mesh = self.cfg.training, self.mesh
-        first = self.data.batch(self.step, self.dp_rank, self.dp, t.local_batch_size)
+        rows = t.local_batch_size * self.accumulation  # the step's rows on this dp rank
+        first = self.data.batch(self.step, self.dp_rank, self.dp, rows).rows(0, t.local_batch_size)
         sp_multiple = mesh.tp.size() if self.tp.sequence_parallel else 1
         _, _, layout = shard_batch(
             first, mesh.cp, self.cp, self.model.bidirectional_images, sp_multiple
@@ -687,13 +701,9 @@ class Trainer(Stateful):
 
 
 def index_cache(cfg: JobConfig) -> IndexCache:
-    """Where the data's start-up index is kept between runs (data.cache_index), and what of this
-    run decides it besides the dataset's own arguments (which include what its tokenizer and
-    processor do): titan_vlm's code, and the model's family and flavor."""
-    return IndexCache(
-        index_folder(cfg.job.dump_folder),
-        {"code": code_digest(), "model": [cfg.model.name, cfg.model.flavor]},
-    )
+    """Where the data's record spans are kept between runs (data.cache_index), and what of this
+    run decides them besides the files: titan_vlm's code."""
+    return IndexCache(index_folder(cfg.job.dump_folder), {"code": code_digest()})
 
 
 def _runs(positions: list[int]) -> str:

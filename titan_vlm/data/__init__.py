@@ -5,7 +5,9 @@ Dataset (dataset.py).
     batch.py        Sample, Batch, collate: what a row holds and the trainer consumes
     dataset.py      Dataset: rows numbered globally, so the step is the data position
     synthetic.py    the built-in shapes dataset
-    jsonl.py        JsonlDataset: a dataset file's records, indexed and packed
+    jsonl.py        JsonlDataset: a dataset file's records, indexed and packed a window at a time
+      windows.py      the order of the windows: blocks of records reordered every epoch
+      index_cache.py  where the records lie, kept between runs
       record_files.py one reader per format: .jsonl, .json, .parquet, .arrow, WebDataset .tar
       json_spans.py   where each record lies in a JSON / JSONL file
       records.py      the record schema: one record into Sample parts
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from titan_vlm.config import JobConfig
     from titan_vlm.data.batch import SlotData
-    from titan_vlm.data.dataset import Dataset
+    from titan_vlm.data.dataset import Dataset, Position
     from titan_vlm.data.hf_processor import HFProcessor
     from titan_vlm.data.image_batch import ImageRule
     from titan_vlm.data.images import NativeResolution
@@ -74,12 +76,13 @@ def build_dataset(
     slot_data: SlotData | None = None,
     share: IndexShare | None = None,
     cache: IndexCache | None = None,
+    positions: list[Position] | None = None,
 ) -> Dataset:
     """The dataset data.dataset names: "synthetic", a dataset file (or files), or "mixture" of
     several (data/mixture.py). Each reads a batch as
     `batch(step, dp_rank, dp_size, local_batch_size)` (rows numbered globally, so the step is the
-    data position: data/dataset.py) and carry the counters the metrics report (bad_at_startup,
-    truncated, dropped).
+    data position: data/dataset.py) and carry the counters the metrics report (bad_samples,
+    truncated_samples, dropped).
     `processor`: a Hugging Face folder's (`model_inputs`, or the family's ModelSpec.inputs): a
     dataset file's conversations in its chat template and images preprocessed as it says.
     log_startup / log_batches: which warnings this rank logs (JsonlDataset).
@@ -87,8 +90,10 @@ def build_dataset(
     take slots and travel (None: every image at the model's size), its per-slot data. A dataset
     file's images under a rule that is not NativeResolution (a family that sizes its images
     itself) are read through the folder's processor, whose images keep their own sizes.
-    `share`: how the job's processes split a file's start-up pass (data/shared_pass.py);
-    `cache`: where a file's start-up index is kept between runs (data/index_cache.py)."""
+    `share`: how the job's processes split a file's window passes (data/shared_pass.py);
+    `cache`: where a file's record spans are kept between runs (data/index_cache.py);
+    `positions`: where a resumed run's data stands, one a dataset file (Dataset.positions: its
+    checkpoint's; None: a fresh start)."""
     from titan_vlm.data.bad_samples import BadSampleLog
     from titan_vlm.data.forked import spare_cores
     from titan_vlm.data.images import NativeResolution
@@ -120,6 +125,11 @@ def build_dataset(
             "processor settings (preprocessor_config.json or processor_config.json)"
         )
     sources = data_sources(d.dataset, d.mixture)
+    if positions is not None and len(positions) != len(sources):
+        raise ConfigError(
+            f"data: the checkpoint holds the positions of {len(positions)} dataset file(s), "
+            f"the data keys name {len(sources)} (data.dataset / data.mixture changed?)"
+        )
     mixed = d.dataset == "mixture"
     bad = BadSampleLog("data.mixture", d.on_bad_sample) if mixed else None
     built = [
@@ -141,10 +151,12 @@ def build_dataset(
             max_frames=d.max_frames,
             rule=rule,
             slot_data=slot_data,
+            window=d.index_window,
             share=share,
             cache=cache,
             bad=bad,
             workers=min(d.num_workers, spare_cores()),
+            position=positions[k] if positions is not None else None,
         )
         for k, (_, source) in enumerate(sources)  # every rank builds them in this order (share's)
     ]

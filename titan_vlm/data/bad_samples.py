@@ -7,7 +7,7 @@ Invariants: a line is warned about at most once per process, whatever its reason
 often its batch is read again, and only the first MAX_WARNINGS are logged (the trainer's metrics
 count them all), so a broken dataset does not bury the training log; a process logs only the
 kinds of warning its caller lets it (`log`), so that the ranks of a job do not repeat each
-other. A loader worker (data/loader.py) and each process's share of a shared start-up pass
+other. A loader worker (data/loader.py) and each process's share of a shared window pass
 keep their reports instead (`recorded`): the process that logs reports them, in file order, so
 that they are warned about and counted as when one process does everything.
 """
@@ -53,7 +53,7 @@ class BadSampleLog:
     @contextmanager
     def recorded(self) -> Iterator[list[Report]]:
         """Within: each report is kept in the list this yields instead of warned about (a loader
-        worker's batch, a process's share of the start-up pass); whoever reports them where
+        worker's batch, a process's share of a window's pass); whoever reports them where
         they should be warned about calls `report(*r)` for each, in order. "error" still
         raises at the first."""
         outer, self._recorded = self._recorded, []

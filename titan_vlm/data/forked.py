@@ -1,4 +1,4 @@
-"""Work split over child processes forked from this one (data/jsonl.py's start-up pass, over a
+"""Work split over child processes forked from this one (data/jsonl.py's window passes, over a
 rank and its data.num_workers): child j computes `fn(j)` on what this process held when it
 forked (the dataset's spans, tokenizer and processor: nothing is pickled on the way in), and
 sends back its result (pickled), which `results` yields in order.
@@ -53,7 +53,7 @@ def spare_cores() -> int:
 
 class LoaderWorkerDied(RuntimeError):
     """A loader worker died (killed, out of host or shared memory) or failed, building batches
-    (data/loader.py) or its share of the start-up pass (data/jsonl.py): a failure of the run,
+    (data/loader.py) or its share of a window's pass (data/jsonl.py): a failure of the run,
     not of its config or data, so the rank exits 1 after one line (train.py) and torchrun
     restarts the job (job.max_restarts), which resumes from its latest checkpoint."""
 

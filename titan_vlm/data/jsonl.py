@@ -10,48 +10,58 @@ folder's processor (`JsonlDataset(..., processor=...)`, data/hf_processor.py), t
 template and image preprocessing; where each record lies in its file, and how it is read back,
 data/record_files.py's (one reader per format).
 
-Deterministic and resumable without any state of its own: at start-up the file's records are
-parsed and tokenized and their images counted (images are only checked to exist, not decoded),
-each process of the job doing a contiguous share of the records (split again over it and its
-forked `workers`: data/forked.py) and all of them exchanging their parts (`share`: IndexShare;
-the same index, warnings and errors as one process doing them all),
-and every process builds the same fixed packing index, a list of rows of sample numbers
-(`data.packing`: greedily in file order, a sample that does not fit starts the next row, nothing
-dropped; else one sample per row). Global row r of the training run is index row
-`order_e[r mod R]` of epoch e = r div R (R rows; `order_e` a permutation seeded by
-training.seed and e with `data.shuffle`, else the file order), and the rows of a global batch are
-numbered exactly as the built-in data's (data/dataset.py batch_rows). So the checkpointed step IS
-the data position, and a run resumed at another dp / cp layout with the same global batch reads
-the same rows. Only the byte span of each record is kept; a batch reads its records back from
-the file (which must not change while a run and its resumes use it) and decodes only its own
-rows' images.
+Indexed a window at a time, so that start-up does not grow with the corpus: at start-up only
+where each record lies is found (its line and byte span, or row: data/record_files.py; kept
+between runs by data/index_cache.py), and the first window's records are parsed and tokenized
+and their images counted (images are only checked to exist, not decoded); each later window
+when training reaches it (`ensure`, the step's wait). A window (data/windows.py) is
+data.index_window records, whole blocks of 1024 consecutive records, the blocks in a new seeded
+order every epoch (`data.shuffle`; else file order). Each process of the job does a contiguous
+share of a window's records (split again over it and its forked `workers`: data/forked.py) and
+all of them exchange their parts (`share`: IndexShare; the same window, warnings and errors as
+one process doing them all). A window's kept samples are packed in its order (`data.packing`:
+greedily, a sample that does not fit starts the next row, nothing dropped; else one sample per
+row; rows never cross a window) and its rows shuffled (`data.shuffle`). The run's global rows
+are epoch 0's windows' rows in turn, then epoch 1's, and the rows of a global batch are numbered
+exactly as the built-in data's (data/dataset.py batch_rows):
+
+    epoch 0:  | window 0: rows 0..R0-1 | window 1: rows R0..R0+R1-1 | ... | then epoch 1's windows
+
+So a row is a pure function of its number, the files and the settings, and the checkpointed step
+is the data position; the checkpoint also keeps where that row's window starts (`position`: its
+epoch, number and first row, and the bad samples before it), so that a resumed run indexes from
+there, not from row 0, and a run resumed at another dp / cp layout with the same global batch
+reads the same rows. Only the byte span of each kept sample is kept; a batch reads its records
+back from the file (which must not change while a run and its resumes use it) and decodes only
+its own rows' images.
 
 Bad input, each counted and reported once per process as `data: <file>:<line>: <reason> (skipped)`
 (data/bad_samples.py: the first MAX_WARNINGS; the counts cover all), or with `data.on_bad_sample =
 "error"` a DataError naming the file and line: a malformed JSON line, a record without the keys of
 data/records.py (or with a bad "video"), an empty text, a placeholder / image (or video) count
 mismatch, a conversation the chat template cannot render and a missing image (or kept video frame)
-file are found at start-up and leave the sample out of the index; a sample longer than
-training.seq_len is cut to it (Sample.truncated, "(truncated)"); JSON nested too deeply, text that
-is not valid Unicode (a lone surrogate escape such as "\\ud800") and bytes that are not UTF-8 are
-bad samples too, and a UTF-8 byte order mark at the start of the file is skipped; an image that
-cannot be decoded or has more than `data.max_image_pixels` pixels (read from its header; a video's
-frames are images) is found when its batch is built, and its sample is left out of that row (the
-same way on every read, so runs stay deterministic; a rank whose whole batch is left out gets one
-untrained padding token, so it still runs the step).
+file are found by their window's pass and leave the sample out of the index (the first window's
+at start-up, a later one's when training reaches it; each reported in epoch 0 only); a sample
+longer than training.seq_len is cut to it (Sample.truncated, "(truncated)"); JSON nested too
+deeply, text that is not valid Unicode (a lone surrogate escape such as "\\ud800") and bytes
+that are not UTF-8 are bad samples too, and a UTF-8 byte order mark at the start of the file is
+skipped; an image that cannot be decoded or has more than `data.max_image_pixels` pixels (read
+from its header; a video's frames are images) is found when its batch is built, and its sample
+is left out of that row (the same way on every read, so runs stay deterministic; a rank whose
+whole batch is left out gets one untrained padding token, so it still runs the step).
 
 Native resolution (`native`, data.native_resolution_pixels > 0): each image keeps its aspect
 ratio at the size NativeResolution.fit gives its header's size, and takes that size's
-image_tokens slots. So the start-up reads every image's (and kept frame's) header (not its
+image_tokens slots. So a window's pass reads every image's (and kept frame's) header (not its
 pixels) to size the samples, and an image whose header Pillow cannot read or that is larger than
-data.max_image_pixels is a bad sample at start-up; a batch reads the headers again (the same
+data.max_image_pixels is a bad sample of the pass; a batch reads the headers again (the same
 sizes, the file unchanged) and decodes at those sizes.
 
 A family's own image sizes (`rule`, an ImageRule that is not NativeResolution, e.g. Qwen2.5-VL's
 QwenRule, with its folder's `processor`): the same, with the rule's `fit` (the processor's
 smart_resize) in place of NativeResolution's, and the processor making each image's pixels at
 that size. Where the processor reads a video whole (HFProcessor.reads_videos), a record's video
-is one part (data/images.py VideoRef): all its kept frames' headers are read at start-up (frames
+is one part (data/images.py VideoRef): all its kept frames' headers are read by the pass (frames
 of different sizes are a bad sample), the frames enter at `fit(h, w, frames)` of their size and
 count, the part takes `rule.size_slots(h, w, frames)` slots, and decodes to [T, 3, H, W]. The
 parts are sized before the chat template is rendered (data/records.py parse_record's `sized`),
@@ -65,13 +75,13 @@ from __future__ import annotations
 import glob
 import json
 import logging
-import random
+import time
 from array import array
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, overload
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -86,7 +96,7 @@ from titan_vlm.data.batch import (
     VideoFrames,
     part_slots,
 )
-from titan_vlm.data.dataset import Dataset, batch_rows, keep_one_slot
+from titan_vlm.data.dataset import Dataset, Position, keep_one_slot
 from titan_vlm.data.forked import Forked, LoaderWorkerDied
 from titan_vlm.data.hf_processor import HFProcessor, kept_frame_files, video_file_frames
 from titan_vlm.data.image_batch import ImageRule
@@ -98,21 +108,16 @@ from titan_vlm.data.images import (
     load_native_image,
     open_image,
 )
-from titan_vlm.data.index_cache import (
-    CachedIndex,
-    IndexCache,
-    identity,
-    index_key,
-    inputs_digest,
-)
+from titan_vlm.data.index_cache import IndexCache, identity, index_key
 from titan_vlm.data.index_cache import load as load_index
 from titan_vlm.data.index_cache import save as save_index
 from titan_vlm.data.json_spans import Span, Spans
 from titan_vlm.data.mixture import Schedule, data_sources
 from titan_vlm.data.record_files import FORMATS, RecordFile, open_records, require_pyarrow
-from titan_vlm.data.records import BadSample, named_files, parse_record
+from titan_vlm.data.records import BadSample, parse_record
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 from titan_vlm.data.video import VideoError
+from titan_vlm.data.windows import BLOCK, WindowOrder, positions, window_blocks
 from titan_vlm.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
@@ -121,7 +126,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("titan_vlm")
 
-# the fewest records a process of a start-up pass takes (JsonlDataset `workers`): fewer are not
+# the fewest records a process of a window's pass takes (JsonlDataset `workers`): fewer are not
 # worth a fork (about 0.2 s of parsing)
 PASS_RECORDS = 4096
 GLOB = "*?["  # a dataset value holding one of these is a glob pattern
@@ -227,6 +232,7 @@ def validate_data_config(data: Data) -> None:
     if data.max_image_pixels < 1:
         raise ConfigError(f"data.max_image_pixels must be >= 1, got {data.max_image_pixels}")
     _check_max_frames(data.max_frames)
+    _check_window(data.index_window)
     if data.native_resolution_pixels < 0:
         raise ConfigError(
             f"data.native_resolution_pixels must be >= 0, got {data.native_resolution_pixels}"
@@ -258,11 +264,16 @@ def _check_max_frames(max_frames: int) -> None:
         raise ConfigError(f"data.max_frames must be >= 1, got {max_frames}")
 
 
+def _check_window(window: int) -> None:
+    if window < 1:
+        raise ConfigError(f"data.index_window must be >= 1, got {window}")
+
+
 class IndexShare(Protocol):
-    """How the processes of a job share the start-up pass over a file's records: this process
-    indexes records `part(n)` (a contiguous run of the n), and `gather(mine)` returns every
-    process's part in process order, which is file order; `agree(mine)`, whether every process
-    says yes; `differing(mine)`, the first process whose value is not the first's (the
+    """How the processes of a job share a window's pass over its records: this process indexes
+    positions `part(n)` (a contiguous run of the window's n), and `gather(mine)` returns every
+    process's part in process order, which is the window's order; `agree(mine)`, whether every
+    process says yes; `differing(mine)`, the first process whose value is not the first's (the
     trainer's: data/shared_pass.py)."""
 
     rank: int  # this process's part in the gathered list
@@ -276,17 +287,30 @@ class IndexShare(Protocol):
     def gather(self, mine: IndexPart) -> list[IndexPart]: ...
 
 
+class SampleRef(NamedTuple):
+    """A kept sample as a window's pass found it: its record's number (the dataset's records of
+    every file numbered in turn), file, line, byte span (or row) and slots (after truncation).
+    What a loader worker needs to read it back (data/loader.py: a step's plan)."""
+
+    record: int
+    file: int
+    line: int
+    start: int
+    end: int
+    size: int
+
+
 @dataclass
 class IndexPart:
-    """The start-up pass over a run of records: its kept samples (line, byte span, slots), its
-    counters, the reports of its bad samples (BadSampleLog.report's arguments, in file order),
-    the video files whose headers it read (JsonlDataset._video_files), the image and video files
-    its records name (where the index is cached: a change of one makes the cache stale), and
-    the UserError that stopped it (data.on_bad_sample = "error"; `failure`: any other
-    exception, in one line), if one did."""
+    """The pass over a run of a window's records: its kept samples (record, file, line, byte
+    span, slots), its counters, the reports of its bad samples (BadSampleLog.report's
+    arguments, in the window's order), the video files whose headers it read
+    (JsonlDataset._video_files), and the UserError that stopped it (data.on_bad_sample =
+    "error"; `failure`: any other exception, in one line), if one did."""
 
-    lines: array = field(default_factory=lambda: array("q"))
+    records: array = field(default_factory=lambda: array("q"))
     files: array = field(default_factory=lambda: array("q"))
+    lines: array = field(default_factory=lambda: array("q"))
     starts: array = field(default_factory=lambda: array("q"))
     ends: array = field(default_factory=lambda: array("q"))
     sizes: array = field(default_factory=lambda: array("q"))
@@ -296,8 +320,6 @@ class IndexPart:
     num_videos: int = 0
     reports: list[Report] = field(default_factory=list)
     videos: dict[Path, VideoRef] = field(default_factory=dict)
-    # image and video files named (`track`): path -> [size, mtime_ns] as the pass found them
-    named: dict[str, list[int]] = field(default_factory=dict)
     error: UserError | None = None
     failure: str | None = None
 
@@ -306,23 +328,46 @@ class IndexPart:
         gone over both: nothing of it where this one stopped (an error, a failure)."""
         if self.error is not None or self.failure is not None:
             return
-        for mine, theirs in (
-            (self.lines, later.lines),
-            (self.files, later.files),
-            (self.starts, later.starts),
-            (self.ends, later.ends),
-            (self.sizes, later.sizes),
-        ):
-            mine.extend(theirs)
+        for name in ("records", "files", "lines", "starts", "ends", "sizes"):
+            getattr(self, name).extend(getattr(later, name))
         self.skipped.update(later.skipped)
         self.truncated += later.truncated
         self.num_images += later.num_images
         self.num_videos += later.num_videos
         self.reports.extend(later.reports)
         self.videos.update(later.videos)
-        for path, found in later.named.items():  # as the pass first found it
-            self.named.setdefault(path, found)
         self.error, self.failure = later.error, later.failure
+
+    def sample(self, i: int) -> SampleRef:
+        return SampleRef(
+            self.records[i],
+            self.files[i],
+            self.lines[i],
+            self.starts[i],
+            self.ends[i],
+            self.sizes[i],
+        )
+
+
+@dataclass
+class Window:
+    """Window `number` of epoch `epoch` as its pass indexed it (data/windows.py): its rows, in
+    the order they are read (each row its samples in packing order), the first of them global
+    row `first`; what it held and left out (samples, images, videos, bad and cut samples)."""
+
+    epoch: int
+    number: int
+    first: int
+    rows: list[tuple[SampleRef, ...]]
+    index: IndexPart
+
+    @property
+    def stop(self) -> int:
+        return self.first + len(self.rows)
+
+    @property
+    def bad(self) -> int:
+        return sum(self.index.skipped.values())
 
 
 class OpenFiles:
@@ -346,41 +391,21 @@ class OpenFiles:
             f.close()
 
 
-class PackedRows(Sequence[range]):
-    """The packing index: row i is samples `range(starts[i], starts[i + 1])` (rows are packed in
-    file order, so each is a run of consecutive samples); 8 bytes a row."""
-
-    def __init__(self) -> None:
-        self.starts = array("q")  # each row's first sample, then the number of samples
-
-    def __len__(self) -> int:
-        return max(len(self.starts) - 1, 0)
-
-    @overload
-    def __getitem__(self, i: int) -> range: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[range]: ...
-
-    def __getitem__(self, i: int | slice) -> range | list[range]:
-        if isinstance(i, slice):
-            return [self[k] for k in range(len(self))[i]]
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"row {i} of {len(self)}")
-        i %= len(self)
-        return range(self.starts[i], self.starts[i + 1])
+Plan = list[tuple[SampleRef, ...]]  # a step's rows, each its samples: what a worker reads
 
 
 class JsonlDataset(Dataset):
-    """A JSON / JSONL file of LLaVA conversations or captions (see the module docstring), read
-    as every Dataset is (data/dataset.py): `batch(step, dp_rank, dp_size, batch_size) -> Batch`.
+    """A dataset file (or files) of LLaVA conversations or captions (see the module docstring),
+    read as every Dataset is (data/dataset.py): `ensure(rows)` on every process, then
+    `plan(rows)` and `read(plan)`, or `batch(step, dp_rank, dp_size, batch_size) -> Batch`.
 
-    Counters: `bad_at_startup` (samples left out of the index), `truncated` (samples cut to
-    seq_len), `dropped` (the sample numbers this process left out of its batches: an image
-    that cannot be decoded or is too large; a sample read again is not counted again).
-    `log_startup` / `log_batches`: whether this process logs the start-up / batch-time warnings
-    (the trainer lets one rank log each kind once: start-up on rank 0, batch-time on each dp
-    rank's first cp and tp rank).
+    Counters: `skipped` (by kind) and `truncated`, the samples epoch 0's windows indexed so far
+    left out or cut to seq_len (`bad_samples(rows)` / `truncated_samples(rows)`: those of the
+    windows that rows 0..rows-1 reach, what the metrics report); `dropped` (the record numbers
+    this process left out of its batches: an image that cannot be decoded or is too large; a
+    sample read again is not counted again). `log_startup` / `log_batches`: whether this process
+    logs the pass's / batch-time warnings (the trainer lets one rank log each kind once: the
+    pass's on rank 0, batch-time on each dp rank's first cp and tp rank).
 
     `processor`: a Hugging Face model folder's (data/hf_processor.py): conversations in its chat
     template, images preprocessed by its image processor (its image size, where it fixes one,
@@ -391,13 +416,16 @@ class JsonlDataset(Dataset):
     to image_size x image_size and takes `tokens_per_image` slots. `rule`: instead, a family's
     ImageRule that sizes images itself (module docstring; it needs a `processor` whose images
     keep their own sizes); `slot_data`: the family's per-slot data of each sample (collate).
-    `share`: how the processes of a job split the start-up pass (IndexShare; None: this process
-    does it all). `cache`: where the index is kept between runs (data/index_cache.py; None: it
-    is built every time). `bad`: the log its bad samples are reported through (a mixture's,
-    data/mixture.py; None: its own, by data.on_bad_sample). `workers`: this process's share of
-    the start-up pass is split over it and up to this many processes forked from it
-    (data.num_workers; each takes at least PASS_RECORDS records): the same index, warnings and
-    first error as this process alone, sooner where the cores are there."""
+    `window`: records a window's pass indexes (data.index_window; whole blocks of
+    data/windows.py BLOCK). `share`: how the processes of a job split each window's pass
+    (IndexShare; None: this process does it all). `cache`: where the records' spans are kept
+    between runs (data/index_cache.py; None: the files are scanned every time). `bad`: the log
+    its bad samples are reported through (a mixture's, data/mixture.py; None: its own, by
+    data.on_bad_sample). `workers`: this process's share of a window's pass is split over it and
+    up to this many processes forked from it (data.num_workers; each takes at least
+    PASS_RECORDS records): the same index, warnings and first error as this process alone,
+    sooner where the cores are there. `position`: where a resumed run's data stands (Position,
+    from its checkpoint; None: row 0)."""
 
     bad: BadSampleLog
 
@@ -421,12 +449,15 @@ class JsonlDataset(Dataset):
         native: NativeResolution | None = None,
         rule: ImageRule | None = None,
         slot_data: SlotData | None = None,
+        window: int = 16384,
         share: IndexShare | None = None,
         cache: IndexCache | None = None,
         bad: BadSampleLog | None = None,
         workers: int = 0,
+        position: Position | None = None,
     ):
         _check_max_frames(max_frames)
+        _check_window(window)
         if native is not None and rule is not None and rule is not native:
             raise ValueError("JsonlDataset: `native` or `rule`, not both")
         rule = native if native is not None else rule
@@ -465,47 +496,37 @@ class JsonlDataset(Dataset):
         # the folder each file's image paths are relative to: data.image_root, else its own
         self.roots = [Path(image_root) if image_root else f.parent for f in self.files]
         self.max_image_pixels, self.max_frames = max_image_pixels, max_frames
-        self.log_batches, self.workers = log_batches, workers
-        self.skipped: Counter[str] = Counter()  # start-up reasons, by kind
+        self.log_startup, self.log_batches = log_startup, log_batches
+        self.share, self.workers = share, workers
         self.dropped: set[int] = set()
-        self._orders: dict[int, list[int]] = {}
-
         # a video file's sized VideoRef, read once (its header: a Matroska file's packets are
         # counted, a scan of the file) and reused each time its record is read back
         self._video_files: dict[Path, VideoRef] = {}
         if share is not None:  # every process must number the same records
             self._check_same_files(share, listing)
-        # The index: read from the cache of an earlier run of the same data and model (every
-        # process, or none: data/index_cache.py), else built by the start-up pass.
-        index, key = None, None
-        if cache is not None:
-            key = index_key({**cache.settings, **self._settings()}, self.files)
-            index = load_index(cache.folder, key, share.part if share is not None else None)
-            if share is not None and not share.agree(index is not None):
-                index = None  # some process cannot read it: all of them build the index
-        if index is None:
-            index = self._start_up_pass(share, log_startup, track=cache is not None)
-            if cache is not None and key is not None and (share is None or share.rank == 0):
-                save_index(cache.folder, key, index)
-        elif log_startup and cache is not None:
-            logger.info("data: %s: the index read from %s", self.name, cache.folder / str(key))
-        for where, reason, action in index.reports:  # in file order, logged where it logs
-            self.bad.report(where, reason, log_startup, action)
-        self.records = index.records
-        # Kept samples: where each record is, and its size in slots (after truncation).
-        self.lines, self.starts, self.ends = index.lines, index.starts, index.ends
-        self.file_of = index.files  # each kept sample's file (self.files)
-        self._video_files.update(index.videos)
-        self.skipped.update(index.skipped)
-        self.truncated, self.num_images = index.truncated, index.num_images
-        self.num_videos = index.num_videos
-        self.bad_at_startup = sum(self.skipped.values())
-        sizes = index.sizes
-        self.rows = self._pack(sizes)
-        if not self.rows:
+        self.spans = self._spans(share, cache)
+        self.firsts = [0]  # file k's records are numbers firsts[k] .. firsts[k + 1] - 1
+        for sp in self.spans:
+            self.firsts.append(self.firsts[-1] + len(sp))
+        self.records = self.firsts[-1]
+        if not self.records:
+            raise ConfigError(f"data.dataset: {self.name}: no records")
+        self.order = WindowOrder(self.records, window_blocks(window), seed, shuffle)
+        # What the passes found: epoch 0's windows' counters (a later epoch's pass finds the
+        # same records again), and each such window's first row and bad and cut samples.
+        self.skipped: Counter[str] = Counter()
+        self.truncated = self.num_images = self.num_videos = 0
+        self._counted: dict[int, tuple[int, int, int]] = {}  # number: (first, bad, truncated)
+        start = position if position is not None else Position(0, 0, 0, 0, 0)
+        if not (0 <= start.number < self.order.windows and start.epoch >= 0 and start.first >= 0):
             raise ConfigError(
-                f"data.dataset: {self.name}: no usable samples in {self.records} record(s)"
+                f"data.dataset: {self.name}: the checkpoint's data position {tuple(start)} is "
+                f"not one of these {self.order.windows} windows (the data changed?)"
             )
+        self._start = self._before = start  # the counts of epoch 0's windows before it
+        self._next = (start.epoch, start.number, start.first)  # the next window to index
+        self.windows: list[Window] = []  # those indexed that rows still to come may read
+        self.ensure(range(start.first, start.first))  # the first window, now
 
     def _check_same_files(self, share: IndexShare, listing: ConfigError | None) -> None:
         """ConfigError, on every process, where one lists other files (or sizes) than the first:
@@ -525,55 +546,118 @@ class JsonlDataset(Dataset):
                 "data on another node)"
             )
 
-    def _settings(self) -> dict[str, object]:
-        """What of this dataset's own arguments decides its index (the cache key's part)."""
-        return {
-            "dataset": self.name,
-            "image_size": self.image_size,
-            "tokens_per_image": self.tokens_per_image,
-            "seq_len": self.seq_len,
-            "rule": repr(self.rule),
-            "roots": [str(r.resolve()) for r in self.roots],
-            "max_image_pixels": self.max_image_pixels,
-            "max_frames": self.max_frames,
-            "reads": inputs_digest(self.tokenizer, self.processor),
-        }
-
-    def _start_up_pass(
-        self, share: IndexShare | None, log_startup: bool, track: bool
-    ) -> CachedIndex:
-        """The index, built: each file's record spans (data/record_files.py; a JSON file is
-        memory-mapped: its pages are the page cache's, shared by the ranks of a node; a .json
-        array is decoded whole), then the start-up pass (parse, tokenize, read headers) over the
-        files' records numbered in turn, split over the processes `share` names, each a
-        contiguous run of them (and each process's run split again over it and its `workers`),
-        and merged in file order: every process holds the whole index.
-        `track`: keep the image and video files the records name (for the index cache).
-        The first error in file order is raised on every process (after the bad samples before
-        it are reported); the reports of a pass that ends are the caller's to report."""
+    def _spans(self, share: IndexShare | None, cache: IndexCache | None) -> list[Spans]:
+        """Each file's record spans (data/record_files.py: a JSONL file memory-mapped and its
+        lines found, a tar's member headers read, a table's rows counted): read from the cache
+        of an earlier run of the same files (every process, or none: data/index_cache.py), else
+        found, and kept there by the first process."""
+        key = spans = None
+        if cache is not None:
+            key = index_key({**cache.settings, "dataset": self.name}, self.files)
+            spans = load_index(cache.folder, key)
+            if share is not None and not share.agree(spans is not None):
+                spans = None  # some process cannot read them: all of them find them
+        if spans is not None:
+            if self.log_startup and cache is not None:
+                logger.info("data: %s: the records' spans read from %s", self.name, cache.folder)
+            return spans
         spans = []
         for k in range(len(self.files)):
             with open_records(self.files[k], self.names[k]) as source:
                 spans.append(source.spans())
-        records = sum(len(sp) for sp in spans)
-        part = share.part(records) if share is not None else range(records)
+        if cache is not None and key is not None and (share is None or share.rank == 0):
+            save_index(cache.folder, key, spans)
+        return spans
+
+    # ---- the windows: indexed as training reaches them ----
+
+    def ensure(self, rows: range) -> None:
+        """Index the windows up to the one holding row `rows.stop` (each window's pass shared by
+        the processes of `share`: every one of them calls this with the same rows); rows before
+        the first window kept (`forget`) are indexed again from this run's first window."""
+        if self.windows and rows.start < self.windows[0].first:  # back (validation's rows)
+            if rows.start < self._start.first:
+                raise IndexError(f"{self.name}: row {rows.start} is before this run's first")
+            self.windows = []
+            self._next = (self._start.epoch, self._start.number, self._start.first)
+        while not self.windows or self.windows[-1].stop <= rows.stop:
+            self.windows.append(self._index_next())
+
+    def forget(self, row: int) -> None:
+        """Drop the windows wholly before `row` (the last one indexed stays)."""
+        while len(self.windows) > 1 and self.windows[0].stop <= row:
+            self.windows.pop(0)
+
+    def _index_next(self) -> Window:
+        """The next window of the epochs, indexed (its pass's warnings reported in its order,
+        its first error raised): its samples packed in its order (`data.packing`: greedily, a
+        sample that does not fit starts the next row, nothing dropped; else one a row), then
+        its rows put in their order."""
+        epoch, number, first = self._next
+        begin = time.perf_counter()
+        index = self._pass(self.order.records_of(epoch, number), log=epoch == 0)
+        packed: list[list[int]] = []
+        used = 0
+        for i, size in enumerate(index.sizes):
+            if not packed or not self.packing or used + size > self.seq_len:
+                packed.append([])
+                used = 0
+            packed[-1].append(i)
+            used += size
+        rows = [
+            tuple(index.sample(i) for i in packed[r])
+            for r in self.order.row_order(epoch, number, len(packed))
+        ]
+        window = Window(epoch, number, first, rows, index)
+        if epoch == 0 and number not in self._counted:  # indexed again: counted once
+            self.skipped.update(index.skipped)
+            self.truncated += index.truncated
+            self.num_images += index.num_images
+            self.num_videos += index.num_videos
+            self._counted[number] = (first, window.bad, index.truncated)
+        last = number + 1 == self.order.windows
+        if last and epoch == 0 and window.stop == 0:
+            raise ConfigError(
+                f"data.dataset: {self.name}: no usable samples in {self.records} record(s)"
+            )
+        self._next = (epoch + 1, 0, window.stop) if last else (epoch, number + 1, window.stop)
+        if self.log_startup and self.order.windows > 1:
+            logger.info(
+                "data: %s: window %d of %d of epoch %d indexed: %s, %.1f s",
+                self.name,
+                number + 1,
+                self.order.windows,
+                epoch,
+                self._counts(window),
+                time.perf_counter() - begin,
+            )
+        return window
+
+    def _pass(self, runs: list[range], log: bool) -> IndexPart:
+        """The pass over a window's records (`runs` of record numbers, in its order: parse,
+        tokenize, read image headers), split over the processes `share` names, each a
+        contiguous run of its positions (and each process's run split again over it and its
+        `workers`), and merged in the window's order: every process holds the whole window's
+        index. The first error in that order is raised on every process (after the bad samples
+        before it are reported); the reports of a pass that ends are reported here (`log`:
+        whether this process may log them; a later epoch's pass reports nothing: its records
+        were reported in epoch 0)."""
+        n = sum(len(run) for run in runs)
+        part = self.share.part(n) if self.share is not None else range(n)
         # this process's run, split over it and up to `workers` forked ones (data/forked.py)
-        n = max(min(self.workers + 1, len(part) // PASS_RECORDS), 1)
-        runs = [part[len(part) * j // n : len(part) * (j + 1) // n] for j in range(n)]
+        k = max(min(self.workers + 1, len(part) // PASS_RECORDS), 1)
+        subs = [part[len(part) * j // k : len(part) * (j + 1) // k] for j in range(k)]
+        log = log and self.log_startup
 
         def index_run(j: int) -> tuple[IndexPart, Exception | None]:
-            mine, failure, first = IndexPart(), None, 0
-            for k, sp in enumerate(spans):
-                lo = max(runs[j].start - first, 0)
-                hi = min(runs[j].stop - first, len(sp))
-                first += len(sp)
-                if lo < hi and mine.error is None and failure is None:
-                    with open_records(self.files[k], self.names[k]) as source:
-                        failure = self._index_part(k, source, sp[lo:hi], log_startup, mine, track)
+            mine, failure = IndexPart(), None
+            for run in positions(runs, subs[j]):
+                if mine.error is None and failure is None:
+                    failure = self._index_records(run, log, mine)
             return mine, failure
 
-        what = f"data.dataset: {self.name}: the start-up pass"
-        with Forked(lambda j: index_run(j)[0], n, what) as workers:
+        what = f"data.dataset: {self.name}: the pass over a window"
+        with Forked(lambda j: index_run(j)[0], k, what) as workers:
             mine, failure = index_run(0)  # its own exception, raised below as it came
             stopped = mine.error is not None or mine.failure is not None
             try:
@@ -586,54 +670,58 @@ class JsonlDataset(Dataset):
             except Exception as e:  # noqa: BLE001 - every process must learn of it (no hang)
                 line = str(e) if isinstance(e, LoaderWorkerDied) else f"{what}: {e}"
                 mine.failure, failure = line.splitlines()[0], e
-        spans.clear()
-        parts = share.gather(mine) if share is not None else [mine]
-        index = CachedIndex.empty(records)
-        for k, got in enumerate(parts):  # file order, as one process would have gone
-            index.reports += [(where, reason, action) for where, reason, _, action in got.reports]
+        parts = self.share.gather(mine) if self.share is not None else [mine]
+        index = IndexPart()
+        for rank, got in enumerate(parts):  # the window's order, as one process would have gone
             if got.error is not None or got.failure is not None:
-                for where, reason, action in index.reports:  # those before it, then the error
-                    self.bad.report(where, reason, log_startup, action)
-            if got.error is not None:  # the first error in file order stops every process
+                for where, reason, _, action in index.reports + got.reports:  # then the error
+                    self.bad.report(where, reason, log, action)
+            if got.error is not None:  # the first error in the window stops every process
                 raise got.error
             if got.failure is not None:
-                if k == (share.rank if share is not None else 0) and failure is not None:
+                if rank == (self.share.rank if self.share is not None else 0) and failure:
                     raise failure  # this process's own: raised as it came
                 raise RuntimeError(
-                    f"data.dataset: {self.name}: the start-up pass failed on rank {k} of "
-                    f"{len(parts)}: {got.failure}"
+                    f"data.dataset: {self.name}: the pass over a window failed on rank {rank} "
+                    f"of {len(parts)}: {got.failure}"
                 )
-            index.videos.update(got.videos)
-            index.named.update(got.named)
-            index.lines.extend(got.lines)
-            index.files.extend(got.files)
-            index.starts.extend(got.starts)
-            index.ends.extend(got.ends)
-            index.sizes.extend(got.sizes)
-            index.skipped.update(got.skipped)
-            index.truncated += got.truncated
-            index.num_images += got.num_images
-            index.num_videos += got.num_videos
+            index.then(got)
+        for where, reason, _, action in index.reports:  # logged where this process logs
+            self.bad.report(where, reason, log, action)
+        self._video_files.update(index.videos)
         return index
 
+    def _index_records(self, run: range, log: bool, out: IndexPart) -> Exception | None:
+        """The pass over records `run` (consecutive record numbers, of one file or several)."""
+        for k in range(len(self.files)):
+            lo = max(run.start, self.firsts[k]) - self.firsts[k]
+            hi = min(run.stop, self.firsts[k + 1]) - self.firsts[k]
+            if lo < hi:
+                try:
+                    with open_records(self.files[k], self.names[k]) as source:
+                        failure = self._index_part(k, source, lo, self.spans[k][lo:hi], log, out)
+                except UserError as e:  # a file that cannot be read as one now: every rank's
+                    out.error = e
+                except Exception as e:  # noqa: BLE001 - every process must learn of it
+                    out.failure, failure = f"{type(e).__name__}: {e}".splitlines()[0], e
+                if failure is not None or out.error is not None:
+                    return failure
+        return None
+
     def _index_part(
-        self, k: int, source: RecordFile, spans: Spans, log: bool, out: IndexPart, track: bool
+        self, k: int, source: RecordFile, lo: int, spans: Spans, log: bool, out: IndexPart
     ) -> Exception | None:
-        """The start-up pass over `spans` (a contiguous run of file k's records, read from
-        `source`) into `out`: each record parsed, its parts sized and its slots counted
-        (truncated to seq_len); its bad samples' reports kept for the caller to report in file
-        order (`log`: whether this process would log them), a UserError (data.on_bad_sample =
-        "error") kept in `out`, not raised, so that every process of a shared pass raises it; any
-        other exception is returned (raised again here, its one line sent to the others in
-        `out`). `track`: the files each record names go to `out.named`."""
+        """The pass over `spans` (file k's records lo, lo + 1, ..., read from `source`) into
+        `out`: each record parsed, its parts sized and its slots counted (truncated to seq_len);
+        its bad samples' reports kept for the caller to report in order (`log`: whether this
+        process would log them), a UserError (data.on_bad_sample = "error") kept in `out`, not
+        raised, so that every process of a shared pass raises it; any other exception is
+        returned (raised again here, its one line sent to the others in `out`)."""
         failure, root = None, self.roots[k]
+        known = set(self._video_files)  # sent only the video headers this part reads
         with self.bad.recorded() as reports:
             try:
-                for span, record in source.records(spans):
-                    if track and not isinstance(record, BadSample):
-                        for path in map(str, named_files(record, root, self.max_frames)):
-                            if path not in out.named:  # its identity when the pass reads it
-                                out.named[path] = identity(path)
+                for j, (span, record) in enumerate(source.records(spans)):
                     try:
                         if isinstance(record, BadSample):
                             raise record
@@ -663,8 +751,9 @@ class JsonlDataset(Dataset):
                         out.truncated += 1
                         sample = self._truncated(sample)
                         size = self._num_slots(sample)
-                    out.lines.append(span.line)
+                    out.records.append(self.firsts[k] + lo + j)
                     out.files.append(k)
+                    out.lines.append(span.line)
                     out.starts.append(span.start)
                     out.ends.append(span.end)
                     out.sizes.append(size)
@@ -677,7 +766,7 @@ class JsonlDataset(Dataset):
             except Exception as e:  # noqa: BLE001 - every process must learn of it (no hang)
                 out.failure, failure = f"{type(e).__name__}: {e}".splitlines()[0], e
         out.reports.extend(reports)
-        out.videos.update(self._video_files)
+        out.videos.update((p, v) for p, v in self._video_files.items() if p not in known)
         return failure
 
     def _sized(self, parts: list[Part]) -> list[Part]:
@@ -786,19 +875,17 @@ class JsonlDataset(Dataset):
                 break
         return Sample(parts)
 
-    def _pack(self, sizes: Sequence[int]) -> PackedRows:
-        """The packing index: rows of sample numbers in file order, none dropped."""
-        rows, used = PackedRows(), 0
-        for i, size in enumerate(sizes):
-            if i == 0 or not self.packing or used + size > self.seq_len:
-                rows.starts.append(i)
-                used = 0
-            used += size
-        rows.starts.append(len(sizes))
-        return rows
+    def _counts(self, window: Window) -> str:
+        index = window.index
+        kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(index.skipped.items()))
+        videos = f" and {index.num_videos} video(s)" if index.num_videos else ""
+        return (
+            f"{len(index.records)} samples with {index.num_images} image(s){videos} in "
+            f"{len(window.rows)} rows, skipped {window.bad}{f' ({kinds})' if kinds else ''}, "
+            f"truncated {index.truncated}"
+        )
 
     def describe(self) -> str:
-        kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(self.skipped.items()))
         native = (
             f", images at native resolution up to {self.native.max_pixels} pixels"
             if self.native is not None
@@ -806,59 +893,85 @@ class JsonlDataset(Dataset):
             if self.rule is not None
             else ""
         )
-        videos = f" and {self.num_videos} video(s)" if self.num_videos else ""
+        order = self.order
+        if order.windows == 1:
+            how = "rows shuffled per epoch" if self.shuffle else "in file order"
+        else:
+            how = (
+                f"indexed {order.window_records} at a time as training reaches them, blocks of "
+                f"{BLOCK} records in a new order every epoch and rows shuffled in their window"
+                if self.shuffle
+                else f"indexed {order.window_records} at a time as training reaches them, in "
+                "file order"
+            )
+        first = self.windows[0]
+        which = (
+            "all of them"
+            if order.windows == 1
+            else f"window {first.number + 1} of {order.windows} of epoch {first.epoch}"
+        )
         return (
             f"{self.name}{'' if self.single else f' ({_files(len(self.files))})'}: "
-            f"{self.records} record(s) -> {len(self.starts)} samples with "
-            f"{self.num_images} image(s){videos} in {len(self.rows)} rows of {self.seq_len} slots "
-            f"({'packed' if self.packing else 'one sample per row'}"
-            f"{', rows shuffled per epoch' if self.shuffle else ''}"
-            f"{native}); "
-            f"skipped {self.bad_at_startup}{f' ({kinds})' if kinds else ''}, "
-            f"truncated {self.truncated}"
+            f"{self.records} record(s) ({how}), rows of {self.seq_len} slots "
+            f"({'packed' if self.packing else 'one sample per row'}{native}); "
+            f"{which}: {self._counts(first)}"
         )
 
-    def _order(self, epoch: int) -> list[int]:
-        if epoch not in self._orders:
-            order = list(range(len(self.rows)))
-            if self.shuffle:
-                random.Random(f"{self.seed}/rows/{epoch}").shuffle(order)
-            if len(self._orders) >= 2:  # the epochs in use: usually one, two where a batch crosses
-                self._orders.pop(min(self._orders))
-            self._orders[epoch] = order
-        return self._orders[epoch]
+    def plan(self, rows: Iterable[int]) -> Plan:
+        """Global rows `rows`' samples (their windows indexed: `ensure`)."""
+        out: Plan = []
+        for r in rows:
+            window = next((w for w in self.windows if w.first <= r < w.stop), None)
+            if window is None:
+                held = f"{self.windows[0].first}..{self.windows[-1].stop - 1}"
+                raise IndexError(f"{self.name}: row {r} is not indexed (rows {held} are)")
+            out.append(window.rows[r - window.first])
+        return out
 
-    def row_ids(self, step: int, dp_rank: int, dp_size: int, batch_size: int) -> list[int]:
-        """Which rows of the packing index this rank reads at `step` (global row numbering)."""
-        return [self._index_row(r) for r in batch_rows(step, dp_rank, dp_size, batch_size)]
+    def position(self, row: int) -> Position:
+        """Where global row `row` lies (its window indexed: `ensure`), for a run resumed there
+        to index from: JsonlDataset(position=...) then numbers rows and counts bad samples as
+        this run does."""
+        window = next((w for w in self.windows if w.first <= row < w.stop), None)
+        if window is None:
+            raise IndexError(f"{self.name}: row {row} is not indexed")
+        before = [c for n, c in self._counted.items() if (0, n) < (window.epoch, window.number)]
+        return Position(
+            window.epoch,
+            window.number,
+            window.first,
+            self._before.bad + sum(c[1] for c in before),
+            self._before.truncated + sum(c[2] for c in before),
+        )
 
-    def _index_row(self, r: int) -> int:
-        """The packing index row that global row `r` reads."""
-        return self._order(r // len(self.rows))[r % len(self.rows)]
+    def positions(self, row: int) -> list[Position]:
+        return [self.position(row)]
 
-    def sample(self, i: int) -> Sample:
-        """Kept sample i with its images as ImageRef (read back from the file; under native
+    def bad_samples(self, rows: int) -> int:
+        return self._before.bad + sum(c[1] for c in self._counted.values() if c[0] < rows)
+
+    def truncated_samples(self, rows: int) -> int:
+        return self._before.truncated + sum(c[2] for c in self._counted.values() if c[0] < rows)
+
+    def sample(self, ref: SampleRef) -> Sample:
+        """A kept sample with its images as ImageRef (read back from the file; under native
         resolution, or a family's rule, sized from their headers; a video read whole as one
         VideoRef, whose slots `rule.size_slots(*frame_size, len(frames))` counts)."""
         with OpenFiles(self.files, self.names) as files:
-            sample = self._read(files, i)
+            sample = self._read(files, ref)
             if sample is None:
-                where = self._where(files, i)
+                where = self._where(files, ref)
                 raise ConfigError(f"data.dataset: {where}: an image header cannot be read")
         return sample
 
-    def _span(self, i: int) -> Span:
-        return Span(self.lines[i], self.starts[i], self.ends[i])
+    def _where(self, files: OpenFiles, ref: SampleRef) -> str:
+        """A kept sample's file and record (its line, row or key), as warnings name them."""
+        return files.file(ref.file).where(Span(ref.line, ref.start, ref.end))
 
-    def _where(self, files: OpenFiles, i: int) -> str:
-        """Kept sample i's file and record (its line, row or key), as warnings name them."""
-        return files.file(self.file_of[i]).where(self._span(i))
-
-    def _read(self, files: OpenFiles, i: int) -> Sample | None:
-        """Kept sample i as read back from its file (opened into `files` once, for the rest of
-        its batch), truncated as at start-up; None (reported, the sample counted as dropped) if,
-        under native resolution, an image header can no longer be read."""
-        k = self.file_of[i]
+    def _read(self, files: OpenFiles, ref: SampleRef) -> Sample | None:
+        """A kept sample as read back from its file (opened into `files` once, for the rest of
+        its batch), truncated as its pass did; None (reported, the sample counted as dropped)
+        if, under native resolution, an image header can no longer be read."""
         unusable: list[BadSample] = []  # a header that can no longer be read, not a new record
 
         def sized(parts: list[Part]) -> list[Part]:
@@ -870,9 +983,9 @@ class JsonlDataset(Dataset):
 
         try:
             parts = parse_record(
-                files.file(k).record(self._span(i)),
+                files.file(ref.file).record(Span(ref.line, ref.start, ref.end)),
                 self.tokenizer,
-                self.roots[k],
+                self.roots[ref.file],
                 check_files=False,
                 processor=self.processor,
                 max_frames=self.max_frames,
@@ -880,20 +993,20 @@ class JsonlDataset(Dataset):
             )
         except BadSample as bad:
             if unusable:
-                self.bad.report(self._where(files, i), str(bad), self.log_batches)
-                self.dropped.add(i)
+                self.bad.report(self._where(files, ref), str(bad), self.log_batches)
+                self.dropped.add(ref.record)
                 return None
             raise ConfigError(
-                f"data.dataset: {self._where(files, i)} changed since start-up (batches read "
-                "their records back from the file)"
+                f"data.dataset: {self._where(files, ref)} changed since it was indexed (batches "
+                "read their records back from the file)"
             ) from None
         return self._truncated(Sample(parts))
 
-    def _decoded(self, files: OpenFiles, i: int, sample: Sample | None) -> Sample | None:
+    def _decoded(self, files: OpenFiles, ref: SampleRef, sample: Sample | None) -> Sample | None:
         """The sample with its images decoded, or None (reported) if one cannot be used."""
         if sample is None:
             return None
-        whole = self._whole_files(files, i, sample)
+        whole = self._whole_files(files, ref, sample)
         if whole is None:
             return None
         parts: list[Part] = []
@@ -903,7 +1016,7 @@ class JsonlDataset(Dataset):
                 at = [place[j] for j in part.indices]
                 part = VideoFrames(video.frames[at], video.fps, tuple(video.times[j] for j in at))
             elif isinstance(part, ImageRef):
-                image = self._image(files, i, part)
+                image = self._image(files, ref, part)
                 if image is None:
                     return None
                 part = image
@@ -911,7 +1024,7 @@ class JsonlDataset(Dataset):
         return Sample(parts)
 
     def _whole_files(
-        self, files: OpenFiles, i: int, sample: Sample
+        self, files: OpenFiles, ref: SampleRef, sample: Sample
     ) -> dict[Path, tuple[VideoFrames, dict[int, int]]] | None:
         """Each video file the sample holds in several parts (its frame groups: a processor that
         splits videos) decoded once, all their frames, with each decoded index's place among
@@ -925,14 +1038,16 @@ class JsonlDataset(Dataset):
             if len(groups) < 2:
                 continue
             kept = sorted({j for g in groups for j in g.indices})
-            video = self._image(files, i, replace(groups[0], indices=tuple(kept)))
+            video = self._image(files, ref, replace(groups[0], indices=tuple(kept)))
             if video is None:
                 return None
             assert isinstance(video, VideoFrames)
             whole[path] = (video, {j: n for n, j in enumerate(kept)})
         return whole
 
-    def _image(self, files: OpenFiles, i: int, ref: ImageRef) -> torch.Tensor | VideoFrames | None:
+    def _image(
+        self, files: OpenFiles, sample: SampleRef, ref: ImageRef
+    ) -> torch.Tensor | VideoFrames | None:
         """Sample i's image `ref` decoded, or None (reported, and the sample counted as dropped)
         if it cannot be decoded or is too large."""
         try:
@@ -949,22 +1064,19 @@ class JsonlDataset(Dataset):
             reason = f"video cannot be decoded: {e}"
         except (OSError, SyntaxError, ValueError, EOFError) as e:  # what Pillow raises
             reason = f"image cannot be decoded: {ref.path} ({type(e).__name__}: {e})"
-        self.bad.report(self._where(files, i), reason, self.log_batches)
-        self.dropped.add(i)
+        self.bad.report(self._where(files, sample), reason, self.log_batches)
+        self.dropped.add(sample.record)
         return None
 
-    def read(self, rows: range) -> list[list[Sample]]:
-        return keep_one_slot(self.rows_of(rows), self.tokenizer)
+    def read(self, plan: Plan) -> list[list[Sample]]:
+        return keep_one_slot(self.rows_of(plan), self.tokenizer)
 
-    def rows_of(self, rows: Iterable[int]) -> list[list[Sample]]:
-        """Global rows `rows` (index rows `_index_row(r)`), their images decoded; a sample whose
-        image cannot be used is left out of its row (which may be left empty)."""
+    def rows_of(self, plan: Plan) -> list[list[Sample]]:
+        """The rows of `plan` (`plan(rows)`), their images decoded; a sample whose image cannot
+        be used is left out of its row (which may be left empty)."""
         out: list[list[Sample]] = []
         with OpenFiles(self.files, self.names) as files:  # each file a batch reads, opened once
-            for r in rows:
-                decoded = (
-                    self._decoded(files, i, self._read(files, i))
-                    for i in self.rows[self._index_row(r)]
-                )
+            for row in plan:
+                decoded = (self._decoded(files, ref, self._read(files, ref)) for ref in row)
                 out.append([s for s in decoded if s is not None])
         return out

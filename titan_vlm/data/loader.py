@@ -6,8 +6,11 @@
                        (each worker keeps data.prefetch batches ready; step k's batch is built
                         by worker (k - first) mod num_workers)
 
-A worker calls the very `Dataset.batch(step, dp_rank, dp_size, rows)` the training process calls
-with num_workers = 0, and a batch is a pure function of its step (data/dataset.py). So:
+The training process makes each step's rows readable (`Dataset.ensure`: a dataset file indexes
+the windows that hold them, every rank at the same step) and says what reading them takes
+(`Dataset.plan`: a dataset file's samples and where they lie); a worker builds the batch from
+that plan (`Dataset.collated`), as the training process does itself with num_workers = 0, and a
+batch is a pure function of its step (data/dataset.py). So:
 
 Invariants: workers change when a batch is built, never what it holds (losses are bit-identical
 at any data.num_workers); the loader has no position of its own beyond the step, so a run
@@ -23,12 +26,12 @@ it was sending cannot block it), one that dies between batches at the next batch
 then kills the others rather than wait for torch's pin thread (on CUDA), which such a message
 can leave blocked.
 
-Workers are forked from the training process when the loop starts (`start`): they read the
-dataset the trainer built (its index, tokenizer and processor) without pickling it and touch no
-accelerator. Each runs in a process group of its own (torchrun signals a rank's whole group;
-the rank stops at a step boundary and closes its workers) and is killed with its rank
-(process_tree.killed_with_parent). On CUDA, batches are copied into pinned host memory by the
-loader's pin thread, then to the device without blocking.
+Workers are forked from the training process when the loop starts (`start`): they read the dataset
+the trainer built (its files, tokenizer and processor) without pickling it, get each step's plan
+pickled, and touch no accelerator. Each runs in a process group of its own (torchrun signals a
+rank's whole group; the rank stops at a step boundary and closes its workers) and is killed with
+its rank (process_tree.killed_with_parent). On CUDA, batches are copied into pinned host memory by
+the loader's pin thread, then to the device without blocking.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import torch
 import torch.utils.data
 
 from titan_vlm.data.bad_samples import Report
+from titan_vlm.data.dataset import batch_rows, step_rows
 from titan_vlm.data.forked import LoaderWorkerDied, death
 from titan_vlm.errors import UserError
 from titan_vlm.process_tree import killed_with_parent
@@ -75,12 +79,13 @@ class Built:
 
 
 class _StepBatches(torch.utils.data.Dataset):
-    """Step k's batch of dp rank `dp_rank` (`rows` rows) as item k: what a worker builds."""
+    """A step's batch from its plan (Dataset.plan) as the item of that plan: what a worker
+    builds."""
 
-    def __init__(self, data: Dataset, dp_rank: int, dp_size: int, rows: int):
-        self.data, self.dp_rank, self.dp_size, self.rows = data, dp_rank, dp_size, rows
+    def __init__(self, data: Dataset):
+        self.data = data
 
-    def __getitem__(self, step: int) -> Built:
+    def __getitem__(self, plan: Any) -> Built:
         data = self.data
         before = len(data.dropped)
         seen = set(data.dropped) if before else set()
@@ -89,7 +94,7 @@ class _StepBatches(torch.utils.data.Dataset):
         )
         with recording as reports:
             try:
-                batch = data.batch(step, self.dp_rank, self.dp_size, self.rows)
+                batch = data.collated(plan)
             except UserError as e:  # raised again in the training process: one line, as there
                 return Built(None, reports=tuple(reports), error=e)
         dropped = frozenset(data.dropped) - seen if len(data.dropped) != before else frozenset()
@@ -97,6 +102,20 @@ class _StepBatches(torch.utils.data.Dataset):
 
     def __len__(self) -> int:  # the sampler says which steps; this is only DataLoader's question
         raise TypeError("_StepBatches has no length: the sampler names the steps")
+
+
+class _Plans:
+    """The plans of dp rank `dp_rank`'s batches of `rows` rows at steps `steps`, each made when
+    the DataLoader asks for it (in the training process: num_workers x prefetch steps ahead of
+    the step being trained, whose rows BatchLoader.batch made readable)."""
+
+    def __init__(self, data: Dataset, dp_rank: int, dp_size: int, rows: int, steps: range):
+        self.data, self.dp_rank, self.dp_size, self.rows = data, dp_rank, dp_size, rows
+        self.steps = steps
+
+    def __iter__(self) -> Iterator[Any]:
+        for step in self.steps:
+            yield self.data.plan(batch_rows(step, self.dp_rank, self.dp_size, self.rows))
 
 
 def _start_worker(worker_id: int) -> None:
@@ -136,6 +155,7 @@ class BatchLoader:
     ):
         self.data, self.dp_rank, self.dp_size, self.rows = data, dp_rank, dp_size, rows
         self.num_workers, self.prefetch, self.last = num_workers, prefetch, last
+        self.ahead = num_workers * prefetch  # the steps the workers build ahead of the step
         self.device = device
         self._batches: Iterator[Built] | None = None
         self._next = -1  # the step the workers' next batch is for
@@ -145,10 +165,12 @@ class BatchLoader:
 
     def start(self, first: int) -> None:
         """Start the workers on steps `first`, `first` + 1, ... (none with num_workers = 0, or
-        when `first` is past the last step)."""
+        when `first` is past the last step). Every rank calls it at the same step (the rows the
+        workers build first are made readable: Dataset.ensure)."""
         self.close()
         if self.num_workers == 0 or first >= self.last:
             return
+        self._readable(first)  # the steps the DataLoader asks plans of at once
         outer = signal.getsignal(signal.SIGCHLD)
         self._batches = iter(self._loader(first))
         if threading.current_thread() is threading.main_thread():
@@ -169,10 +191,15 @@ class BatchLoader:
             self._gone = self._gone or e
 
     def batch(self, step: int) -> tuple[Batch, Batch]:
-        """Step `step`'s batch: (on the host, on `device`). What building it reported is
-        reported here (bad samples logged once, their numbers added to data.dropped)."""
+        """Step `step`'s batch: (on the host, on `device`). Every rank calls it at the same step:
+        the rows of this step and of the steps the workers build ahead are made readable
+        (Dataset.ensure), with the next step's first row (a checkpoint's position). What
+        building it reported is reported here (bad samples logged once, their numbers added to
+        data.dropped)."""
+        self._readable(step)
         if self.num_workers == 0:
-            host = self.data.batch(step, self.dp_rank, self.dp_size, self.rows)
+            rows = batch_rows(step, self.dp_rank, self.dp_size, self.rows)
+            host = self.data.collated(self.data.plan(rows))
             return host, host.to(self.device)
         built = self._from_workers(step)
         if self.data.bad is not None:
@@ -184,6 +211,14 @@ class BatchLoader:
             self.data.dropped.update(built.dropped)  # type: ignore[attr-defined]
         assert built.batch is not None
         return built.batch, built.batch.to(self.device, non_blocking=True)
+
+    def _readable(self, step: int) -> None:
+        """Rows of `step` and of the steps the workers build ahead (not past the last) readable,
+        with the first row after them (a checkpoint's position), and those before it forgotten
+        (every rank calls this at the same step: Dataset.ensure)."""
+        steps = max(min(1 + self.ahead, self.last - step), 1)
+        self.data.ensure(step_rows(step, self.dp_size, self.rows, steps))
+        self.data.forget(step_rows(step, self.dp_size, self.rows).start)
 
     def _from_workers(self, step: int) -> Built:
         if self._batches is None or step != self._next:
@@ -224,10 +259,11 @@ class BatchLoader:
         )
 
     def _loader(self, first: int) -> torch.utils.data.DataLoader:
+        steps = range(first, self.last)
         return torch.utils.data.DataLoader(
-            _StepBatches(self.data, self.dp_rank, self.dp_size, self.rows),
+            _StepBatches(self.data),
             batch_size=None,
-            sampler=range(first, self.last),
+            sampler=_Plans(self.data, self.dp_rank, self.dp_size, self.rows, steps),
             num_workers=self.num_workers,
             prefetch_factor=self.prefetch,
             collate_fn=_one,

@@ -16,21 +16,23 @@ than once per epoch of a large one, which is what a weight asks for).
 Invariants: a global row's source and source row are a pure function of r and the weights
 (`Schedule.row`), so the step stays the data position (data/dataset.py): a run resumes, at any
 dp / cp layout with the same global batch, at the same rows. Over any P consecutive rows, source
-s gets exactly k_s of them. Sample numbers (`dropped`) are the sources' own, shifted by the
-samples of the sources before it, so they are distinct across sources.
+s gets exactly k_s of them. Record numbers (`dropped`) are the sources' own, shifted by the
+records of the sources before it, so they are distinct across sources. A source's windows are
+indexed as its own rows reach them (`ensure`), and a checkpoint keeps each source's position.
 """
 
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_left
 from collections.abc import Iterable, Iterator, MutableSet, Sequence
 from fractions import Fraction
 from math import gcd, lcm
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from titan_vlm.data.bad_samples import BadSampleLog
 from titan_vlm.data.batch import Sample, SlotData, SlotRule
-from titan_vlm.data.dataset import Dataset, keep_one_slot
+from titan_vlm.data.dataset import Dataset, Position, keep_one_slot
 from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
 from titan_vlm.errors import ConfigError
 
@@ -114,6 +116,10 @@ class Schedule:
             self.source.append(s)
             self.before.append(seen[s])
             seen[s] += 1
+        # each source's period slots, in order (`count`)
+        self.slots = [array("q") for _ in self.shares]
+        for t, s in enumerate(self.source):
+            self.slots[s].append(t)
 
     def row(self, r: int) -> tuple[int, int]:
         """Global row r's (source, row of that source)."""
@@ -121,11 +127,16 @@ class Schedule:
         s = self.source[t]
         return s, cycle * self.shares[s] + self.before[t]
 
+    def count(self, s: int, rows: int) -> int:
+        """Source s's rows among global rows 0 .. rows - 1 (its next row's number)."""
+        cycle, t = divmod(rows, self.period)
+        return cycle * self.shares[s] + bisect_left(self.slots[s], t)
+
 
 class Source(Protocol):
     """What the mixture needs of a source (data/jsonl.py JsonlDataset is one): the shapes of its
-    rows, its kept samples (`starts`, one a sample), its counters, and its rows by their own
-    global numbers."""
+    rows, its records (numbered 0 .. records - 1), its counters, and its rows by their own global
+    numbers."""
 
     seq_len: int
     tokens_per_image: int
@@ -135,19 +146,27 @@ class Source(Protocol):
     slot_data: SlotData | None
     dropped: set[int]
     bad: BadSampleLog
-    bad_at_startup: int
-    truncated: int
+    records: int
 
-    @property
-    def starts(self) -> Sequence[int]: ...
+    def ensure(self, rows: range) -> None: ...
 
-    def rows_of(self, rows: Iterable[int]) -> list[list[Sample]]: ...
+    def forget(self, row: int) -> None: ...
+
+    def plan(self, rows: Iterable[int]) -> list[Any]: ...
+
+    def rows_of(self, plan: list[Any]) -> list[list[Sample]]: ...
+
+    def bad_samples(self, rows: int) -> int: ...
+
+    def truncated_samples(self, rows: int) -> int: ...
+
+    def position(self, row: int) -> Position: ...
 
     def describe(self) -> str: ...
 
 
 class _Dropped(MutableSet[int]):
-    """The sources' dropped sample numbers as one set: source k's sample i is `firsts[k] + i`."""
+    """The sources' dropped record numbers as one set: source k's record i is `firsts[k] + i`."""
 
     def __init__(self, sources: Sequence[Source], firsts: Sequence[int]):
         self.sources, self.firsts = sources, firsts
@@ -202,20 +221,51 @@ class MixtureDataset(Dataset):
         self.bad = bad
         if any(source.bad is not bad for source in self.sources):
             raise ValueError("MixtureDataset: every source reports through the mixture's `bad`")
-        self.bad_at_startup = sum(s.bad_at_startup for s in self.sources)
-        self.truncated = sum(s.truncated for s in self.sources)
         firsts, n = [], 0
         for source in self.sources:
             firsts.append(n)
-            n += len(source.starts)
+            n += source.records
         self.dropped = _Dropped(self.sources, firsts)
 
-    def read(self, rows: range) -> list[list[Sample]]:
-        wanted = [self.schedule.row(r) for r in rows]  # (source, its row) of each
+    def _own(self, rows: range) -> list[range]:
+        """Each source's own rows among global rows `rows`."""
+        c = self.schedule.count
+        return [range(c(s, rows.start), c(s, rows.stop)) for s in range(len(self.sources))]
+
+    def ensure(self, rows: range) -> None:
+        for source, own in zip(self.sources, self._own(rows)):
+            source.ensure(own)
+
+    def forget(self, row: int) -> None:
+        for s, source in enumerate(self.sources):
+            source.forget(self.schedule.count(s, row))
+
+    def plan(self, rows: range) -> list[tuple[int, Any]]:
+        """Each row's (source, its plan row)."""
+        wanted = [self.schedule.row(r) for r in rows]
+        planned = {
+            s: iter(self.sources[s].plan([own for t, own in wanted if t == s]))
+            for s in sorted({s for s, _ in wanted})
+        }
+        return [(s, next(planned[s])) for s, _ in wanted]
+
+    def read(self, plan: list[tuple[int, Any]]) -> list[list[Sample]]:
         got: dict[int, Iterator[list[Sample]]] = {}
-        for s in sorted({s for s, _ in wanted}):  # each source's rows read together
-            got[s] = iter(self.sources[s].rows_of([own for t, own in wanted if t == s]))
-        return keep_one_slot([next(got[s]) for s, _ in wanted], self.tokenizer)
+        for s in sorted({s for s, _ in plan}):  # each source's rows read together
+            got[s] = iter(self.sources[s].rows_of([row for t, row in plan if t == s]))
+        return keep_one_slot([next(got[s]) for s, _ in plan], self.tokenizer)
+
+    def bad_samples(self, rows: int) -> int:
+        c = self.schedule.count
+        return sum(src.bad_samples(c(s, rows)) for s, src in enumerate(self.sources))
+
+    def truncated_samples(self, rows: int) -> int:
+        c = self.schedule.count
+        return sum(src.truncated_samples(c(s, rows)) for s, src in enumerate(self.sources))
+
+    def positions(self, row: int) -> list[Position]:
+        c = self.schedule.count
+        return [src.position(c(s, row)) for s, src in enumerate(self.sources)]
 
     def describe(self) -> str:
         shares = ":".join(map(str, self.schedule.shares))

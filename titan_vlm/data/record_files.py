@@ -1,5 +1,5 @@
 """The files a dataset's records come from: one reader per format, chosen by the file's ending
-(`READERS`), so that the start-up pass, the index, the loader and the bad-sample policy
+(`READERS`), so that the window passes, the index, the loader and the bad-sample policy
 (data/jsonl.py) are the same for every format.
 
     ending     format                                a record is        warnings name it
@@ -89,7 +89,7 @@ class RecordFile(ABC):
 
     def records(self, spans: Spans) -> Iterator[tuple[Span, Json | BadSample]]:
         """`record` of each of `spans` (in file order), a BadSample in its place where one
-        cannot be a record: the start-up pass's reading."""
+        cannot be a record: a window pass's reading."""
         for span in spans:
             try:
                 yield span, self.record(span)
@@ -166,7 +166,7 @@ def row_spans(n: int) -> Spans:
 class TableRecords(RecordFile):
     """A table's rows in pieces (a Parquet file's row groups, an Arrow file's record batches),
     the last piece read kept: a packed row's consecutive records cost one piece. A record read
-    alone (a batch's) converts its row; the start-up pass (`records`) a piece at a time."""
+    alone (a batch's) converts its row; a window's pass (`records`) a piece at a time."""
 
     def __init__(self, path: Path, name: str):
         super().__init__(path, name)
@@ -370,7 +370,7 @@ class TarRecords(RecordFile):
                     data = tar.extractfile(member) if member.isfile() else None
                     out.append((member.name, data.read() if data is not None else None))
         except (tarfile.TarError, OSError) as e:
-            raise self._cannot(f"changed since start-up ({e})") from None
+            raise self._cannot(f"changed since it was scanned ({e})") from None
         return out
 
     def where(self, span: Span) -> str:
@@ -391,7 +391,7 @@ class TarRecords(RecordFile):
         members = self.members(span)
         keys = {_ending(name)[0] for name, _ in members}
         if len(keys) != 1:
-            raise self._cannot(f"changed since start-up (no sample at byte {span.start})")
+            raise self._cannot(f"changed since it was scanned (no sample at byte {span.start})")
         (key,) = keys
         self.last = (span.start, key)
         by_ending: dict[str, tuple[str, bytes]] = {}

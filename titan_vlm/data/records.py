@@ -233,21 +233,6 @@ def _turns(conversations: Json) -> list[tuple[bool, str]]:
 _NOT_TURNS = '\'conversations\' must be a list of {"from": ..., "value": ...}'
 
 
-def named_files(record: Json, image_root: Path, max_frames: int) -> list[Path]:
-    """The image, frame and video files `record` names (relative to `image_root`), whatever else
-    it holds: the files whose existence and headers can decide what it becomes (none where its
-    image and video keys are malformed: then no file does)."""
-    if not isinstance(record, dict):
-        return []
-    try:
-        names = [p for p in _paths(record) if isinstance(p, str)]
-        video = _video(record, max_frames)
-    except BadSample:
-        return []
-    names += [video] if isinstance(video, str) else (video or [])
-    return [image_root / name for name in names]
-
-
 _NOT_PATHS = "'image' / 'images' must be a path or a list of paths"
 _NOT_FRAMES = "'video' must be a list of frame paths"  # or a video file's path
 

@@ -1,14 +1,15 @@
-"""The start-up pass over a dataset file's records, shared by the ranks of a job (data/jsonl.py
-IndexShare): rank k of n parses and tokenizes the k-th of n contiguous runs of the records, and
-an all-gather gives every rank every run, in rank order (which is file order).
+"""A window's pass over a dataset file's records, shared by the ranks of a job (data/jsonl.py
+IndexShare): rank k of n parses and tokenizes the k-th of n contiguous runs of the window's
+records, and an all-gather gives every rank every run, in rank order (the window's order).
 
-    records:  |---- rank 0 ----|---- rank 1 ----|---- rank 2 ----|---- rank 3 ----|
-    then:     every rank holds the whole index, as if it had read every record itself
+    window:   |---- rank 0 ----|---- rank 1 ----|---- rank 2 ----|---- rank 3 ----|
+    then:     every rank holds the whole window, as if it had read every record itself
 
-Invariants: every rank of `group` calls `gather` once per dataset it builds, in the same order
-(the trainer builds the training data, then the validation data, on every rank); the index is the
-one a single process builds (data/jsonl.py merges the parts in file order: the same samples,
-counters, warnings, and first error).
+Invariants: every rank of `group` makes the same calls in the same order (the datasets are
+built, and their windows indexed as the training loop, validation and the log reach the same
+rows, on every rank: Dataset.ensure); a window is the one a single process indexes
+(data/jsonl.py merges the parts in order: the same samples, counters, warnings, and first
+error).
 """
 
 from __future__ import annotations

@@ -103,9 +103,8 @@ class SyntheticCaptions(Dataset):
     the start, in the middle or at the end of its text. `tokens_per_image` is the model's
     image-token count for one image."""
 
-    # The data counters of the trainer's metrics (data/dataset.py): drawn data has no bad samples,
-    # and a long caption is cut to its row by design (data.sentences_per_image).
-    bad_at_startup = truncated = 0
+    # The data counters of the trainer's metrics (data/dataset.py): drawn data has no bad samples
+    # (Dataset's 0s), and a long caption is cut to its row by design (data.sentences_per_image).
     dropped: frozenset[int] = frozenset()
 
     def __init__(
