@@ -34,7 +34,7 @@ from titan_vlm.config import JobConfig, Training
 from titan_vlm.data.batch import IGNORE_INDEX, Batch, Sample, collate
 from titan_vlm.data.images import NativeResolution
 from titan_vlm.data.synthetic import SyntheticCaptions
-from titan_vlm.distributed import local_tensor
+from titan_vlm.distributed import dist_sum, local_tensor
 from titan_vlm.layout import LayoutCost, SeqLayout
 from titan_vlm.metrics import SavedForBackward
 from titan_vlm.models.build import unfilled_model
@@ -1424,7 +1424,8 @@ def shared_index(
     """The JsonlDataset of `path` (test_jsonl_data.py's shapes) built with its first window's
     pass shared over the world of `dp_shard` ranks (data/shared_pass.py GroupShare), rank 0
     logging the pass's warnings: its windows (test_jsonl_data.index_of), counters, description
-    and warnings, how many records this rank parsed ({"parsed"}), or the one line it raised
+    and warnings, how many records this rank parsed ({"parsed"}) and how many files it scanned
+    for their spans ({"scans"}: not read from the cache), or the one line it raised
     ({"error"}: a UserError's line, else type and message). `fail_on_rank`: that rank's parsing
     raises ValueError("a bug"), as a bug would. `cache_folders`: each rank's index cache folder
     (data/index_cache.py); `rank_paths`: each rank's own `path` (ranks that see other data);
@@ -1447,8 +1448,16 @@ def shared_index(
             raise ValueError("a bug")
         return real(raw, *args, **kwargs)
 
+    scans: list[str] = []
+    real_spans = record_files.JsonRecords.spans
+
+    def scanning(self):
+        scans.append(str(self.path))
+        return real_spans(self)
+
     counted = mock.patch.object(record_files, "decode_record", counting)
-    with counted, _captured_warnings() as warnings:
+    scanned = mock.patch.object(record_files.JsonRecords, "spans", scanning)
+    with counted, scanned, _captured_warnings() as warnings:
         try:
             data = jsonl.JsonlDataset(
                 rank_paths[dist.get_rank()] if rank_paths else path,
@@ -1462,7 +1471,7 @@ def shared_index(
                 log_startup=dist.get_rank() == 0,
                 share=GroupShare(dist.group.WORLD),
                 cache=(
-                    IndexCache(Path(cache_folders[dist.get_rank()]), {"test": 1})
+                    IndexCache(Path(cache_folders[dist.get_rank()]), {"code": "this"})
                     if cache_folders
                     else None
                 ),
@@ -1482,6 +1491,7 @@ def shared_index(
         "describe": data.describe(),
         "warnings": warnings,
         "parsed": len(parsed),
+        "scans": len(scans),
     }
 
 
@@ -1514,28 +1524,31 @@ def pp_parity(
     steps: int = 2,
     seed: int = 5,
     loss_over_each_microbatch: bool = False,
+    dp_shard: int = 1,
 ) -> dict:
     """`steps` optimizer steps of the debug model (`n_layers` decoder layers) cut into `pp` x
-    `virtual` pipeline stages (parallel/pipeline.py) against one process with the same weights
-    and global batches (packed synthetic rows with images, their loss tokens unequal across the
-    microbatches). Returns each step's losses and gradient norms, both sides, and, over this
-    rank's own parameters, the worst relative error of the last step's gradient and of the
-    parameter after the steps, per group (vision, projector, decoder), with the names this rank
-    holds. `loss_over_each_microbatch`: the negative control (_loss_over_each_microbatch)."""
+    `virtual` pipeline stages (parallel/pipeline.py), each stage's units sharded over `dp_shard`
+    ranks (FSDP: the llava family's parallelize, as the trainer builds it) that read their own
+    rows of the global batch, against one process with the same weights and global batches
+    (packed synthetic rows with images, their loss tokens unequal across the microbatches).
+    Returns each step's losses and gradient norms, both sides, and, over this rank's own
+    parameters, the worst relative error of the last step's gradient and of the parameter after
+    the steps, per group (vision, projector, decoder), with the names this rank holds.
+    `loss_over_each_microbatch`: the negative control (_loss_over_each_microbatch)."""
+    from titan_vlm.models.llava.parallelize import parallelize_vlm
     from titan_vlm.optim import clip_grad_norm_
     from titan_vlm.parallel.pipeline import Pipeline, StagePlan
 
     base = get_flavor("debug")
     args = dataclasses.replace(base, decoder=dataclasses.replace(base.decoder, n_layers=n_layers))
     t = Training(lr=1e-3, warmup_steps=0, steps=10, max_norm=1.0, seq_len=seq_len)
-    rows = microbatches * rows_per_microbatch
+    rows = microbatches * rows_per_microbatch  # a dp rank's, a step
     data = SyntheticCaptions(
         args.vision.image_size, args.tokens_per_image, seq_len, seed, 2, packing=True
     )
-    batches = [data.batch(step, 0, 1, rows) for step in range(steps)]
-    group = init_device_mesh(
-        "cpu", (dist.get_world_size() // pp, pp), mesh_dim_names=("copies", "pp")
-    )["pp"].get_group()
+    batches = [data.batch(step, 0, 1, rows * dp_shard) for step in range(steps)]  # global
+    mesh = make_mesh(dp_shard=dp_shard, cp=1, pp=pp)
+    group, dp_rank = mesh.pp.get_group(), mesh.dp.get_local_rank()
 
     torch.manual_seed(seed)
     ref = VLM(args)
@@ -1554,6 +1567,7 @@ def pp_parity(
     model = VLM(args)  # the whole model, as one process builds it, then cut to this rank's stages
     plan = StagePlan(dist.get_rank(group), pp, virtual, n_layers)
     plan.prune(model)
+    parallelize_vlm(model, mesh)  # FSDP over the dp ranks, as build_model applies it
     pipe = Pipeline(
         model,
         plan,
@@ -1568,15 +1582,16 @@ def pp_parity(
     losses, norms = [], []
     for batch in batches:
         opt.zero_grad(set_to_none=True)
+        mine = batch.rows(dp_rank * rows, (dp_rank + 1) * rows)
         parts = [
-            batch.rows(k * rows_per_microbatch, (k + 1) * rows_per_microbatch)
+            mine.rows(k * rows_per_microbatch, (k + 1) * rows_per_microbatch)
             for k in range(microbatches)
         ]
-        ntokens = (batch.labels != IGNORE_INDEX).sum()
+        ntokens = (batch.labels != IGNORE_INDEX).sum()  # the global batch's
         with (
             _loss_over_each_microbatch() if loss_over_each_microbatch else contextlib.nullcontext()
         ):
-            losses.append(pipe.step(parts, ntokens).item())
+            losses.append(dist_sum(pipe.step(parts, ntokens), mesh.job.get_group()).item())
         norms.append(clip_grad_norm_(list(model.parameters()), t.max_norm, group).item())
         opt.step()
 
@@ -1589,12 +1604,12 @@ def pp_parity(
         if p.grad is None or r.grad is None:
             missing.append(name)
             continue
-        group_name, g, rg = name.split(".")[0], p.grad, r.grad
+        group_name, g, rg = name.split(".")[0], _full(p.grad), r.grad
         if name.endswith(ZERO_GRAD_SUFFIXES):  # rounding noise on both sides (parity's note)
             zero_grad_abs = max(zero_grad_abs, float(g.norm()), float(rg.norm()))
         else:
             grad_err[group_name] = max(grad_err[group_name], float((g - rg).norm() / rg.norm()))
-        p, r = p.detach(), r.detach()
+        p, r = _full(p.detach()), r.detach()
         param_err[group_name] = max(param_err[group_name], float((p - r).norm() / r.norm()))
     return {
         "losses": losses,

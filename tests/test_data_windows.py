@@ -15,11 +15,14 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from test_jsonl_data import TRAIN, files, index_of, interrupted_run, save_png  # noqa: F401
 
 import titan_vlm.data.record_files as record_files
 from titan_vlm.data.bad_samples import DataError
+from titan_vlm.data.dataset import Position
 from titan_vlm.data.jsonl import JsonlDataset
+from titan_vlm.data.loader import BatchLoader
 from titan_vlm.data.tokenizer import ByteTokenizer
 from titan_vlm.data.windows import BLOCK
 
@@ -164,6 +167,41 @@ def test_a_dataset_built_at_a_position_reads_what_the_run_reads(files):  # noqa:
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.images, want.images)
 
 
+def test_a_position_off_by_a_window_reads_other_rows(files):  # noqa: F811
+    """The control of the positions: a dataset built at the position of another window (its
+    first row said to be the run's) reads other samples at the same rows."""
+    path = corpus(files, 3 * BLOCK)
+    run = dataset(path)
+    run.ensure(range(0, 2000))
+    w1, w2 = (next(w for w in run.windows if w.number == k) for k in (1, 2))
+    wrong = Position(0, 2, w1.first, 0, 0)  # window 2's samples numbered from window 1's row
+    shifted = dataset(path, position=wrong)
+    shifted.ensure(range(w1.first, w1.first + 5))
+    assert shifted.plan(range(w1.first, w1.first + 5)) != run.plan(range(w1.first, w1.first + 5))
+    assert shifted.plan(range(w1.first, w1.first + 5)) == w2.rows[:5]
+
+
+def test_loader_workers_across_windows_and_a_restart_before_them(files):  # noqa: F811
+    """BatchLoader with 2 workers over 3 windows: every step's batch is the training process's
+    (the workers' plans made after each window's pass); asked for step 0 again once the
+    windows before the current one were forgotten, the dataset indexes again from row 0's
+    window and gives step 0's batch."""
+    path = corpus(files, 3 * BLOCK)
+    steps, rows = 12, 64  # 768 rows: windows 0 to 2
+    alone = dataset(path)
+    want = [alone.batch(k, 0, 1, rows) for k in range(steps)]
+    data = dataset(path)
+    batches = BatchLoader(data, 0, 1, rows, 2, 2, steps, torch.device("cpu"))
+    try:
+        for k in range(steps):
+            got = batches.batch(k)[0]
+            assert torch.equal(got.tokens, want[k].tokens) and torch.equal(got.doc, want[k].doc)
+        assert data.windows[0].number >= 1  # those before were forgotten
+        assert torch.equal(batches.batch(0)[0].tokens, want[0].tokens)
+    finally:
+        batches.close()
+
+
 def test_bad_samples_count_once_when_training_reaches_their_window(files):  # noqa: F811
     """bad_samples(rows) counts the windows rows 0..rows-1 reach, however far the index was
     read ahead, and epoch 1 (the same records again) adds nothing."""
@@ -180,8 +218,8 @@ def test_bad_samples_count_once_when_training_reaches_their_window(files):  # no
 
 
 def test_a_later_windows_bad_record_stops_the_run_when_training_reaches_it(files):  # noqa: F811
-    """on_bad_sample="error": start-up passes (window 0 is clean), and the row that reaches the
-    bad record's window raises its line."""
+    """on_bad_sample="error": the dataset builds (window 0 is clean), and the row that reaches
+    the bad record's window raises its line."""
     path = corpus(files, 3 * BLOCK, bad_every=0, long_every=0)
     lines = path.read_text().splitlines()
     lines[2 * BLOCK + 10] = "{not json"
@@ -204,24 +242,55 @@ def test_the_ranks_share_each_windows_pass(pool, files):  # noqa: F811
     assert max(o["parsed"] for o in out) <= 5 * BLOCK // 2 + 5
 
 
+def windowed_run(path: Path, **keys) -> dict:
+    """train_run's keys for a packed run on `path` in windows of one block."""
+    return dict(TRAIN, data__dataset=str(path), data__packing=True, data__index_window=BLOCK) | keys
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load of one key here
 def test_training_across_windows_resumes_bit_exact_at_any_workers(pool, files, tmp_path):  # noqa: F811
     """Windows of 1024 records (about 300 packed rows each) and 128 rows a step (2 microbatches
     of 32 rows on each of 2 dp ranks): 10 steps cross windows; uninterrupted with no loader
-    workers, and killed after step 7 (2 workers a rank, checkpoint at 6, inside window 2) and
-    resumed with 1 worker: the same losses and bad-sample counts to the bit."""
+    workers, and killed after step 7 (2 workers a rank, checkpoint at 6, its data position past
+    window 0) and resumed with 1 worker: the same losses and bad-sample counts to the bit."""
     path = corpus(files, 4 * BLOCK, bad_every=53, longest=20)
     alone = dataset(path)
-    rows = [w.stop for w, _ in epoch_rows(alone)]
-    assert 2 <= len(set(rows)) and 6 * 128 < rows[-1]  # 6 steps end inside the epoch
-    run = dict(
-        TRAIN,
-        steps=10,
-        data__dataset=str(path),
-        data__packing=True,
-        data__index_window=BLOCK,
-        training__local_batch_size=32,
-        training__global_batch_size=128,
-    )
+    stops = [w.stop for w, _ in epoch_rows(alone)]
+    assert 6 * 128 < stops[-1]  # 6 steps end inside the epoch
+    run = windowed_run(path, steps=10, training__local_batch_size=32)
+    run["training__global_batch_size"] = 128
     whole, _ = interrupted_run(pool, tmp_path, run, stop_after=7, interval=6)
     counts = [h["data_bad_samples"] for h in whole]
     assert counts[0] < counts[-1]  # the control: later windows' bad samples came in
+    # the checkpoint the run resumed from keeps where row 6 x 128 lies: the window a fresh
+    # dataset built there starts at (not row 0's), with the bad samples before it
+    saved = {"trainer": {"data_positions": []}}
+    dcp.load(saved, checkpoint_id=str(tmp_path / "ckpt/copy0/checkpoint/step-6"), no_dist=True)
+    ((epoch, number, first, bad, _),) = saved["trainer"]["data_positions"]
+    alone.ensure(range(0, 6 * 128 + 1))
+    assert tuple(alone.position(6 * 128))[:3] == (epoch, number, first) and number >= 1
+    assert bad == alone.bad_samples(first) > 0
+
+
+def test_a_resume_that_changes_the_windows_reads_from_row_0s_window(pool, files, tmp_path):  # noqa: F811
+    """checkpoint.allow_config_change with another data.index_window: the checkpoint's data
+    position names other windows, so it is not used (a warning) and the run goes on from row
+    0's window; without the flag the resume is refused (data.index_window must match)."""
+    path = corpus(files, 3 * BLOCK, longest=20)
+    run = windowed_run(path, steps=4, training__local_batch_size=64)
+    run |= dict(
+        checkpoint__enable=True,
+        checkpoint__interval=2,
+        job__dump_folder=str(tmp_path),
+    )
+    pool.run("train_run", dp_shard=2, cp=1, stop_after=3, **run)
+    with pytest.raises(RuntimeError, match="data.index_window 1024 -> 2048 changed"):
+        pool.run("train_run", dp_shard=2, cp=1, **{**run, "data__index_window": 2048})
+    out = pool.run(
+        "train_run_warnings",
+        dp_shard=2,
+        cp=1,
+        **{**run, "data__index_window": 2048, "checkpoint__allow_config_change": True},
+    )
+    assert [h["step"] for h in out[0]["history"]] == [3, 4]
+    assert any("the data's position in the checkpoint is not used" in w for w in out[0]["warnings"])

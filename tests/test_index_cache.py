@@ -133,16 +133,18 @@ def test_error_mode_on_cached_spans_is_the_passs_line(files, tmp_path):  # noqa:
 
 
 def test_ranks_that_disagree_on_the_cache_all_scan(pool, files, tmp_path):  # noqa: F811
-    """Rank 0 sees a cache, rank 1 (another folder) does not: both scan (no rank waits in the
-    other's all-gather), and each holds one process's windows; the pass is shared either way."""
+    """Rank 0 sees a cache, rank 1 (another folder) does not: both scan the file (no rank waits
+    in the other's all-gather) and hold one process's windows; with one folder, neither scans."""
     path = files / "train.jsonl"
-    alone = cached(path, tmp_path / "rank0")
+    alone = cached(path, tmp_path / "rank0")  # the settings shared_index gives the cache
     folders = [str(tmp_path / "rank0"), str(tmp_path / "rank1")]
     out = pool.run("shared_index", path=str(path), dp_shard=2, cache_folders=folders)
     assert [o["index"] for o in out] == [index_of(alone)] * 2
+    assert [o["scans"] for o in out] == [1, 1]
     out = pool.run("shared_index", path=str(path), dp_shard=2, cache_folders=[folders[0]] * 2)
     assert [o["index"] for o in out] == [index_of(alone)] * 2
-    assert sum(o["parsed"] for o in out) == 13  # the pass ran, shared
+    assert [o["scans"] for o in out] == [0, 0]  # both read the cache
+    assert sum(o["parsed"] for o in out) == 13  # the window's pass ran, shared
 
 
 def test_the_data_files_digest_is_hashed_once_while_they_keep_their_times(files, monkeypatch):  # noqa: F811

@@ -649,7 +649,7 @@ def test_a_resume_sees_any_shard_change(files):
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_the_ranks_share_the_start_up_pass_and_hold_one_processs_index(pool, files, ranks, caplog):
+def test_the_ranks_share_the_windows_pass_and_hold_one_processs_index(pool, files, ranks, caplog):
     """Each of 2 (4) ranks parses its contiguous run of the 13 records (7 and 6; 4, 3, 3, 3) and
     every rank ends with the index one process builds alone: the same kept samples, spans,
     packing rows, counters and description; rank 0 logs every start-up warning, in file order,

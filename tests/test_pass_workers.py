@@ -1,4 +1,4 @@
-"""A rank's share of the start-up pass split over it and its loader workers (JsonlDataset
+"""A rank's share of a window's pass split over it and its loader workers (JsonlDataset
 `workers`, data.num_workers; data/forked.py): the index, counters, description, warnings and
 first error of one process doing it all; the work really done in other processes; a worker that
 dies or fails is one line, not a hang."""
@@ -50,7 +50,7 @@ def parsed_by_pid(folder: Path):
 
 def test_two_workers_build_the_index_one_process_builds(files, caplog):  # noqa: F811
     """13 x COPIES records over this process and 2 workers, a third each: the same kept samples,
-    spans, rows, counters, description and start-up warnings (in file order, the first 100) as
+    spans, rows, counters, description and warnings (in the window's order, the first 100) as
     workers=0; control: three processes decoded the records, each about a third."""
     path = corpus(files)
     with caplog.at_level(logging.WARNING, logger="titan_vlm"):

@@ -6,6 +6,8 @@ Negative control: each microbatch's loss over its own tokens (a mean of means) f
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from titan_vlm.config import load_config
@@ -74,6 +76,26 @@ def test_two_stage_ranks_train_as_one_process(pool, schedule, virtual, n_layers)
     assert "decoder.output.weight" in names[1] and "decoder.output.weight" not in names[0]
 
 
+@pytest.mark.parametrize("schedule, virtual, n_layers", [("1F1B", 1, 3), ("Interleaved1F1B", 2, 4)])
+def test_stages_sharded_over_two_dp_ranks_train_as_one_process(pool, schedule, virtual, n_layers):
+    """pp = 2 x dp_shard = 2 on 4 ranks: each stage's units FSDP-sharded over the 2 dp ranks,
+    which read their own rows of the global batch; the whole gradient of each parameter (its
+    shards gathered) and the parameters after the steps are one process's."""
+    out = pool.run(
+        "pp_parity", pp=2, dp_shard=2, schedule=schedule, virtual=virtual, n_layers=n_layers
+    )
+    assert len(out) == 4
+    assert_one_process(out)
+    assert [set(o["names"]) for o in out[:2]] != [set(o["names"]) for o in out[2:]]
+
+
+def test_a_mean_of_microbatch_means_fails_the_parity_sharded_too(pool):
+    out = pool.run("pp_parity", pp=2, dp_shard=2, loss_over_each_microbatch=True)
+    for o in out:
+        assert o["losses"][0] != pytest.approx(o["ref_losses"][0], rel=1e-3)
+        assert max(o["grad_err"].values()) > 1e-2
+
+
 def test_rows_of_two_a_microbatch_cross_stages_padded(pool):
     """Microbatches of 2 rows: a local sequence up to twice a row (padded_width)."""
     out = pool.run("pp_parity", pp=2, microbatches=2, rows_per_microbatch=2)
@@ -102,14 +124,15 @@ def losses(history: list[dict]) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in history}
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+@pytest.mark.parametrize("schedule, dp", [("1F1B", 1), ("GPipe", 1), ("1F1B", 2)])
 def test_the_trainer_at_pp_2_trains_the_one_process_curve_and_resumes_at_pp_1(
-    pool, tmp_path, schedule
+    pool, tmp_path, schedule, dp
 ):
-    """The real loop at pp = 2 (4 microbatches of 1 row a step) against 1 process: the same
-    losses and grad norms, on every stage rank; its step-2 checkpoint resumed at pp = 1 (the
-    run died after step 3) continues the one-process curve."""
-    one = losses(pool.run("train_run", dp_shard=1, cp=1, job__dump_folder=str(tmp_path), **RUN)[0])
+    """The real loop at pp = 2 (4 microbatches of 1 row a step), with dp = 2 each stage sharded
+    over 2 dp ranks (4 ranks), against the same dp without stages (which the parity tests tie to
+    one process): the same losses and grad norms, on every rank; its step-2 checkpoint resumed
+    without stages (the run died after step 3) continues the curve."""
+    one = losses(pool.run("train_run", dp_shard=dp, cp=1, job__dump_folder=str(tmp_path), **RUN)[0])
     ckpt = dict(
         checkpoint__enable=True,
         checkpoint__interval=2,
@@ -117,22 +140,52 @@ def test_the_trainer_at_pp_2_trains_the_one_process_curve_and_resumes_at_pp_1(
         parallelism__pipeline_parallel_schedule=schedule,
         **RUN,
     )
-    staged = pool.run("train_run", dp_shard=1, cp=1, pp=2, stop_after=3, **ckpt)
-    assert losses(staged[0]) == losses(staged[1])  # every stage rank reports the step's loss
+    staged = pool.run("train_run", dp_shard=dp, cp=1, pp=2, stop_after=3, **ckpt)
+    assert len(staged) == 2 * dp
+    assert all(losses(s) == losses(staged[0]) for s in staged)  # every rank has the loss
     assert sorted(losses(staged[0])) == [1, 2, 3]
     for step, loss in losses(staged[0]).items():
         assert loss == pytest.approx(one[step], rel=TOL), (step, loss, one[step])
-    resumed = losses(pool.run("train_run", dp_shard=1, cp=1, **ckpt)[0])
+    resumed = losses(pool.run("train_run", dp_shard=dp, cp=1, **ckpt)[0])
     assert sorted(resumed) == [3, 4]
     for step, loss in resumed.items():
         assert loss == pytest.approx(one[step], rel=TOL), (step, loss, one[step])
+
+
+def test_a_checkpoint_resumes_at_another_pipeline_layout(pool, tmp_path):
+    """A pp = 2 run's step-2 checkpoint resumed at pp = 2 and at pp = 2 x dp_shard = 2 (each
+    stage sharded), and a one-process checkpoint resumed at pp = 2: each continues the
+    one-process curve (the model, the optimizer state and the schedule)."""
+    one = losses(pool.run("train_run", dp_shard=1, cp=1, job__dump_folder=str(tmp_path), **RUN)[0])
+    save = dict(checkpoint__enable=True, checkpoint__interval=2, **RUN)
+    for name, pp in (("pp", 2), ("one", 1)):
+        pool.run(
+            "train_run",
+            dp_shard=1,
+            cp=1,
+            pp=pp,
+            stop_after=3,
+            job__dump_folder=str(tmp_path / name),
+            **save,
+        )
+    for name, dp in (("pp", 1), ("one", 1), ("pp", 2)):
+        folder = tmp_path / f"{name}-{dp}"
+        shutil.copytree(tmp_path / name, folder)
+        rows = {"training__local_batch_size": RUN["training__local_batch_size"] // dp}
+        out = pool.run(
+            "train_run", dp_shard=dp, cp=1, pp=2, job__dump_folder=str(folder), **{**save, **rows}
+        )
+        resumed = losses(out[0])
+        assert sorted(resumed) == [3, 4], (name, dp)
+        for step, loss in resumed.items():
+            assert loss == pytest.approx(one[step], rel=TOL), (name, dp, step, loss, one[step])
 
 
 @pytest.mark.parametrize(
     "keys, world, message",
     [
         (["--parallelism.context_parallel_degree=2"], 4, "with parallelism.context_parallel_deg"),
-        (["--parallelism.data_parallel_shard_degree=2"], 4, "with parallelism.data_parallel_shard"),
+        (["--parallelism.tensor_parallel_degree=2"], 4, "with parallelism.tensor_parallel_deg"),
         (["--model.flavor=debug_moe"], 2, "a mixture-of-experts decoder: not yet"),
         (["--compile.enable=true"], 2, "with compile.enable: not yet"),
         (["--training.local_batch_size=1"], 2, "needs at least 2 microbatches a step"),
@@ -164,3 +217,11 @@ def test_what_the_pipeline_does_not_run_is_one_line(keys, world, message):
 def test_a_pipeline_config_validates():
     cfg = load_config(["--parallelism.pipeline_parallel_degree=2", "--training.local_batch_size=4"])
     assert validate_job(cfg, 2).pp == 2
+    sharded = load_config(
+        [
+            "--parallelism.pipeline_parallel_degree=2",
+            "--parallelism.data_parallel_shard_degree=2",
+            "--training.local_batch_size=4",
+        ]
+    )
+    assert validate_job(sharded, 4).dp_shard == 2  # each stage sharded over 2 dp ranks

@@ -223,7 +223,7 @@ def test_webdataset_shards_with_images_as_members(files):  # noqa: F811
 
 
 def test_training_on_a_saved_dataset_and_on_tar_shards_equals_the_jsonl(pool, files, tmp_path):  # noqa: F811
-    """Real runs (2 ranks sharing the start-up pass, 2 loader workers a rank forked after
+    """Real runs (2 ranks sharing the window's pass, 2 loader workers a rank forked after
     pyarrow has read the files): the Hugging Face folder and the tar shards give the JSONL
     file's losses to the bit, and its bad-sample counts."""
     (files / "nowhere.png").write_bytes(b"\x00 not an image either")  # as save_to_disk keeps it

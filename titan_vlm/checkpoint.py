@@ -486,8 +486,21 @@ class Checkpointer:
         self._check_trainer_keys(step_dir)
         dcp.load(state, checkpoint_id=str(step_dir), process_group=self.group)
         set_model_state_dict(self.model, state["model"])
-        set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=self._OPTIM)
+        self._load_optimizer(state["optim"])
         return step_dir  # dcp.load has called the trainer's load_state_dict
+
+    def _load_optimizer(self, optim: dict[str, Any]) -> None:
+        """The optimizer's state from its flattened state dict. Torch's load cannot place an
+        empty param group (under pipeline parallelism every rank keeps every group, and its
+        stages may hold no parameter of one: optim.build_optimizer's `keys`): those are set
+        aside while it loads and put back in their places."""
+        groups = self.optimizer.param_groups
+        self.optimizer.param_groups = [g for g in groups if g["params"]]
+        try:
+            set_optimizer_state_dict(self.model, self.optimizer, optim, options=self._OPTIM)
+        finally:
+            loaded = iter(self.optimizer.param_groups)
+            self.optimizer.param_groups = [next(loaded) if g["params"] else g for g in groups]
 
 
 @dataclass
@@ -499,6 +512,9 @@ class RunStart:
     facts: dict[str, Any]  # what its checkpoints record for a resume to match (rank 0's)
     sources: JobConfig  # the config its model, tokenizer and processor are built from
     copied: bool  # `sources` names the resumed checkpoint's copies (config_with_copies)
+    # a key that must match changed (checkpoint.allow_config_change): the data's position in
+    # the checkpoint may name other rows, so the data is read from row 0's window
+    changed: bool = False
 
 
 def run_start(cfg: JobConfig, group: dist.ProcessGroup, global_rows: int) -> RunStart:
@@ -532,6 +548,7 @@ def run_start(cfg: JobConfig, group: dist.ProcessGroup, global_rows: int) -> Run
     ]
     dist.broadcast_object_list(box, group=group, group_src=0)
     facts = cast(dict[str, Any], box[0])
+    warning = None
     if step_dir is not None:
         warning, note = check_resume_config(saved_cfg, saved_facts, cfg, facts, step_dir)
         if warning and rank0:
@@ -540,7 +557,7 @@ def run_start(cfg: JobConfig, group: dist.ProcessGroup, global_rows: int) -> Run
             logger.info("%s", note)  # rank 0's log shows INFO
         if sources is not None and rank0:
             warn_if_sources_changed(cfg, facts[SOURCE_FILES], step_dir)
-    return RunStart(step_dir, facts, sources or cfg, sources is not None)
+    return RunStart(step_dir, facts, sources or cfg, sources is not None, warning is not None)
 
 
 def warn_if_sources_changed(cfg: JobConfig, trained: dict[str, str], step_dir: Path) -> None:

@@ -230,7 +230,7 @@ class Data:
     file's path, size and modification time); and the files' SHA-256 a checkpoint records,
     hashed once while they keep their paths, sizes and times."""
     num_workers: int = 2
-    """Loader worker processes per rank that build the batches (read, decode, preprocess, pack)
+    """Loader worker processes per rank that build the batches (read, decode, preprocess, collate)
     ahead of the step, a step each in turn (data/loader.py); 0: each batch is built in the
     training process when its step starts. Workers change when a batch is built, never what: the
     losses are bit-identical at any count, and a run may resume at another. Each rank's
@@ -252,10 +252,11 @@ class Parallelism:
     projector and token embeddings in the first, the norm and head in the last), each rank
     holding its stages' parameters only, trained over microbatches by
     pipeline_parallel_schedule; the loss and every gradient are one process's
-    (parallel/pipeline.py). Not yet with another degree > 1, a mixture-of-experts decoder, tied
-    embeddings, a family other than llava, Hugging Face weights, bf16, compile, activation
-    checkpointing, validation, or a resume at pp > 1 (a pp run's checkpoint resumes at pp = 1)
-    (one-line errors)."""
+    (parallel/pipeline.py). With data parallelism each stage is FSDP-sharded over its dp ranks;
+    a checkpoint resumes at any pipeline layout. Not yet with context, tensor or expert
+    parallelism, a mixture-of-experts decoder, tied embeddings, a family other than llava,
+    Hugging Face weights, bf16, compile, activation checkpointing or validation (one-line
+    errors)."""
     pipeline_parallel_schedule: PPSchedule = "1F1B"
     """torch.distributed.pipelining's schedule: "GPipe" (every forward, then every backward),
     "1F1B" (one forward, one backward: at most `degree` microbatches' activations alive; needs

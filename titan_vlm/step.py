@@ -164,7 +164,7 @@ def train_step(
     loss = torch.zeros((), device=batch.tokens.device)
     layouts: list[SeqLayout] = []
     loads: list[ExpertLoad] = []
-    if pipeline is not None:  # the stages' schedule runs every microbatch (no FSDP, no MoE)
+    if pipeline is not None:  # the stages' schedule runs every microbatch (no MoE yet)
         loss = dist_sum(pipeline.step(parts, ntokens), mesh.job.get_group())
         layouts = pipeline.layouts
     else:

@@ -108,6 +108,7 @@ class Trainer(Stateful):
         # microbatches of local_batch_size rows per step (training.global_batch_size)
         self.accumulation = accumulation_steps(t, mesh.dp.size())
         self.global_rows = mesh.dp.size() * t.local_batch_size * self.accumulation  # a step's
+        self.files = cfg.data.dataset != "synthetic" or bool(cfg.data.mixture)  # dataset files
         # where the run starts (checkpoint.py run_start), before the model is built: a resume
         # builds the model, tokenizer and processor from the checkpoint's copies of its sources
         # (`sources`) and fills the weights from the checkpoint, not from a Hugging Face folder
@@ -159,6 +160,13 @@ class Trainer(Stateful):
         self.dp_rank, self.dp = mesh.dp.get_local_rank(), mesh.dp.size()
         rule, slot_data = self.spec.data_rule(self.args, self.sources)
         inputs = self.spec.inputs(self.sources)  # the tokenizer and processor, read once
+        if self.data_positions and self.start is not None and self.start.changed:
+            logger.warning(
+                "the data's position in the checkpoint is not used (a key that must match "
+                "changed: checkpoint.allow_config_change): dataset files are indexed from the "
+                "window of row 0"
+            )
+            self.data_positions = []
         self.data = self.dataset(cfg, inputs, rule, slot_data, self.data_positions)
         self.log_data()
         # each step's rows on this dp rank: `accumulation` microbatches of local_batch_size rows
@@ -440,16 +448,19 @@ class Trainer(Stateful):
             "scheduler": self.scheduler.state_dict(),
             "rng": torch.get_rng_state(),
             "data_dropped_samples": sorted(self.dropped),
-            "data_positions": [list(p) for p in self.data_positions],
             "nonfinite_skipped": self.nonfinite_skipped,
-        }
+        } | (
+            # only with dataset files (the built-in data's rows need no position, and a
+            # checkpoint of a titan_vlm before positions resumes such a run unchanged)
+            {"data_positions": [list(p) for p in self.data_positions]} if self.files else {}
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
         self.scheduler.load_state_dict(state_dict["scheduler"])
         torch.set_rng_state(state_dict["rng"])
         self.dropped = set(state_dict["data_dropped_samples"])
-        self.data_positions = [Position(*p) for p in state_dict["data_positions"]]
+        self.data_positions = [Position(*p) for p in state_dict.get("data_positions", [])]
         self.nonfinite_skipped = int(state_dict["nonfinite_skipped"])
 
     # ---- set-up ----

@@ -109,12 +109,12 @@ def validate_job(cfg: JobConfig, world_size: int, weights: bool = True) -> Paral
     for key in ("enable_sequence_parallel", "image_embed_tp_shard"):
         if getattr(cfg.parallelism, key) and dims.tp == 1:
             raise ConfigError(f"parallelism.{key} needs parallelism.tensor_parallel_degree > 1")
-    _validate_pipeline(cfg, dims, args, resuming)
+    _validate_pipeline(cfg, dims, args)
     spec.validate(args, dims, sources)
     return dims
 
 
-def _validate_pipeline(cfg: JobConfig, dims: ParallelDims, args: object, resuming: bool) -> None:
+def _validate_pipeline(cfg: JobConfig, dims: ParallelDims, args: object) -> None:
     """parallelism.pipeline_parallel_*: what the pipeline runs so far (parallel/pipeline.py), its
     schedule against the stages and the step's microbatches, and the stages against the
     decoder's layers."""
@@ -130,8 +130,6 @@ def _validate_pipeline(cfg: JobConfig, dims: ParallelDims, args: object, resumin
         return
     what = f"{key}_degree={dims.pp}"
     others = {
-        "data_parallel_replicate_degree": dims.dp_replicate,
-        "data_parallel_shard_degree": dims.dp_shard,
         "context_parallel_degree": dims.cp,
         "tensor_parallel_degree": dims.tp,
         "expert_parallel_degree": dims.ep,
@@ -139,8 +137,9 @@ def _validate_pipeline(cfg: JobConfig, dims: ParallelDims, args: object, resumin
     for name, degree in others.items():
         if degree > 1:
             raise ConfigError(
-                f"{what} with parallelism.{name}={degree}: pipeline parallelism runs alone so "
-                "far (every other degree 1)"
+                f"{what} with parallelism.{name}={degree}: pipeline parallelism runs with data "
+                "parallelism (FSDP, HSDP) so far, not yet with context, tensor or expert "
+                "parallelism"
             )
     for wrong, name in (
         (cfg.model.name != "llava", f"model.name={cfg.model.name!r} (llava's pipeline only)"),
@@ -148,7 +147,6 @@ def _validate_pipeline(cfg: JobConfig, dims: ParallelDims, args: object, resumin
         (cfg.activation_checkpoint.mode != "none", "activation_checkpoint.mode"),
         (cfg.validation.enable, "validation.enable"),
         (cfg.training.mixed_precision != "fp32", "training.mixed_precision (fp32 only)"),
-        (resuming, "a checkpoint to resume (resume it at pp = 1)"),
         (bool(cfg.checkpoint.initial_load_path), "checkpoint.initial_load_path"),
         (
             bool(cfg.model.hf_path or cfg.model.hf_vision_path or cfg.model.hf_text_path),

@@ -575,7 +575,7 @@ class JsonlDataset(Dataset):
         """Index the windows up to the one holding row `rows.stop` (each window's pass shared by
         the processes of `share`: every one of them calls this with the same rows); rows before
         the first window kept (`forget`) are indexed again from this run's first window."""
-        if self.windows and rows.start < self.windows[0].first:  # back (validation's rows)
+        if self.windows and rows.start < self.windows[0].first:  # back (a loader restarted)
             if rows.start < self._start.first:
                 raise IndexError(f"{self.name}: row {rows.start} is before this run's first")
             self.windows = []
@@ -621,14 +621,14 @@ class JsonlDataset(Dataset):
                 f"data.dataset: {self.name}: no usable samples in {self.records} record(s)"
             )
         self._next = (epoch + 1, 0, window.stop) if last else (epoch, number + 1, window.stop)
-        if self.log_startup and self.order.windows > 1:
+        if self.log_startup and self.order.windows > 1 and self.windows:  # (describe: the first)
             logger.info(
                 "data: %s: window %d of %d of epoch %d indexed: %s, %.1f s",
                 self.name,
                 number + 1,
                 self.order.windows,
                 epoch,
-                self._counts(window),
+                self._counts(window, bad=epoch == 0),
                 time.perf_counter() - begin,
             )
         return window
@@ -651,9 +651,10 @@ class JsonlDataset(Dataset):
 
         def index_run(j: int) -> tuple[IndexPart, Exception | None]:
             mine, failure = IndexPart(), None
-            for run in positions(runs, subs[j]):
-                if mine.error is None and failure is None:
-                    failure = self._index_records(run, log, mine)
+            with OpenFiles(self.files, self.names) as files:  # each opened once a pass
+                for run in positions(runs, subs[j]):
+                    if mine.error is None and failure is None:
+                        failure = self._index_records(files, run, log, mine)
             return mine, failure
 
         what = f"data.dataset: {self.name}: the pass over a window"
@@ -691,15 +692,18 @@ class JsonlDataset(Dataset):
         self._video_files.update(index.videos)
         return index
 
-    def _index_records(self, run: range, log: bool, out: IndexPart) -> Exception | None:
-        """The pass over records `run` (consecutive record numbers, of one file or several)."""
+    def _index_records(
+        self, files: OpenFiles, run: range, log: bool, out: IndexPart
+    ) -> Exception | None:
+        """The pass over records `run` (consecutive record numbers, of one file or several,
+        opened into `files`)."""
         for k in range(len(self.files)):
             lo = max(run.start, self.firsts[k]) - self.firsts[k]
             hi = min(run.stop, self.firsts[k + 1]) - self.firsts[k]
             if lo < hi:
                 try:
-                    with open_records(self.files[k], self.names[k]) as source:
-                        failure = self._index_part(k, source, lo, self.spans[k][lo:hi], log, out)
+                    source = files.file(k)
+                    failure = self._index_part(k, source, lo, self.spans[k][lo:hi], log, out)
                 except UserError as e:  # a file that cannot be read as one now: every rank's
                     out.error = e
                 except Exception as e:  # noqa: BLE001 - every process must learn of it
@@ -875,13 +879,20 @@ class JsonlDataset(Dataset):
                 break
         return Sample(parts)
 
-    def _counts(self, window: Window) -> str:
+    def _counts(self, window: Window, bad: bool = True) -> str:
+        """What a window holds, for the log; `bad`: with the samples it left out or cut (epoch
+        0's: a later epoch finds the same ones again)."""
         index = window.index
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(index.skipped.items()))
         videos = f" and {index.num_videos} video(s)" if index.num_videos else ""
-        return (
+        held = (
             f"{len(index.records)} samples with {index.num_images} image(s){videos} in "
-            f"{len(window.rows)} rows, skipped {window.bad}{f' ({kinds})' if kinds else ''}, "
+            f"{len(window.rows)} rows"
+        )
+        if not bad:
+            return held
+        return (
+            f"{held}, skipped {window.bad}{f' ({kinds})' if kinds else ''}, "
             f"truncated {index.truncated}"
         )
 
@@ -894,16 +905,15 @@ class JsonlDataset(Dataset):
             else ""
         )
         order = self.order
-        if order.windows == 1:
-            how = "rows shuffled per epoch" if self.shuffle else "in file order"
-        else:
-            how = (
-                f"indexed {order.window_records} at a time as training reaches them, blocks of "
-                f"{BLOCK} records in a new order every epoch and rows shuffled in their window"
-                if self.shuffle
-                else f"indexed {order.window_records} at a time as training reaches them, in "
-                "file order"
-            )
+        how = (
+            "in file order"
+            if not self.shuffle
+            else "rows shuffled every epoch"
+            if order.blocks == 1
+            else f"blocks of {BLOCK} records reordered and rows shuffled every epoch"
+        )
+        if order.windows > 1:
+            how += f", indexed {order.window_records} at a time as training reaches them"
         first = self.windows[0]
         which = (
             "all of them"

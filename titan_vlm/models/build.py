@@ -101,10 +101,9 @@ def build_model(
     with torch.device("meta"):
         model = spec.build(args)
     plan = stage_plan(cfg.parallelism, mesh.pp, model)
-    if plan is not None:  # this rank's pipeline stages only (every other degree is 1)
+    if plan is not None:  # this rank's pipeline stages only, then sharded over the dp ranks
         plan.prune(model)
-    else:
-        spec.parallelize(model, mesh, cfg)
+    spec.parallelize(model, mesh, cfg)
     model.to_empty(device=device)
     spec.after_to_empty(model)
     if not fill:

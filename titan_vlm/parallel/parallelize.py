@@ -67,6 +67,22 @@ def _shard(
     module.set_force_sum_reduction_for_comms(True)
 
 
+def pipeline_units(decoder: nn.Module) -> list[nn.Module]:
+    """A pipeline stage's FSDP units of `decoder` (parallel/pipeline.py: the stages call its
+    parts, never its own forward, so it cannot be a unit itself): each decoder layer it holds,
+    then each other part that holds parameters (the token embeddings on the first stage, the
+    final norm and the head on the last), each run as a module of its own."""
+    layers = decoder.get_submodule("layers")
+    assert isinstance(layers, nn.ModuleList)
+    units = [m for m in layers if any(True for _ in m.parameters())]
+    units += [
+        m
+        for name, m in decoder.named_children()
+        if name != "layers" and any(True for _ in m.parameters())
+    ]
+    return units
+
+
 def apply_fsdp(
     vision: list[nn.Module],
     decoder: list[nn.Module],

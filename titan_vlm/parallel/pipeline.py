@@ -20,9 +20,11 @@ lives on one stage, under its one-process name (the model is built whole, then `
 gradient norm is each stage's squares summed over the pipeline (optim.clip_grad_norm_'s
 `stages`) and a checkpoint holds the one model's names.
 
-Not yet (refused where it is asked for): context, tensor or data parallelism with it,
-mixture-of-experts decoders, tied embeddings, a family other than LLaVA's, compile and
-activation checkpointing of a stage, zero-bubble schedules.
+With data parallelism, each stage's units are FSDP-sharded over its dp ranks by the family's
+parallelize (parallel/parallelize.py pipeline_units: what a stage calls as a module), and each
+dp rank reads its own rows. Not yet (refused where it is asked for): context, tensor or expert
+parallelism with it, mixture-of-experts decoders, tied embeddings, a family other than LLaVA's,
+compile and activation checkpointing of a stage, zero-bubble schedules.
 """
 
 from __future__ import annotations

@@ -99,7 +99,15 @@ def parallelize_vlm(
 ) -> VLM:
     """Everything the trainer applies to the model: tensor parallelism (`apply_tp`), then
     torch.compile of each block, activation checkpointing around the compiled blocks and FSDP
-    (why in this order: parallel/parallelize.py)."""
+    (why in this order: parallel/parallelize.py). Under pipeline parallelism the model is this
+    rank's stages (parallel/pipeline.py StagePlan.prune: the rest removed) and only FSDP
+    applies (the other degrees are 1), on what its stages hold (shared.pipeline_units)."""
+    if mesh.pp.size() > 1:
+        vision = [*model.vision.layers, model.vision, model.projector] if model.vision else []
+        shared.apply_fsdp(
+            vision, shared.pipeline_units(model.decoder), mesh, mixed_precision, cp_vision
+        )
+        return model
     apply_tp(model, mesh.tp, tp)
     if compile_blocks:
         apply_compile(model, fullgraph, compile_backend, mesh.ep is not None)
