@@ -45,6 +45,7 @@ def test_split_layers_are_even_with_the_first_stages_lighter():
 def test_the_modelled_bubble():
     assert bubble("1F1B", 2, 1, 4) == pytest.approx(1 / 5)
     assert bubble("Interleaved1F1B", 4, 2, 4) == pytest.approx(1 / 9)
+    assert bubble("InterleavedZeroBubble", 2, 1, 4) == pytest.approx(1 / 13)  # a third of it
 
 
 @pytest.mark.parametrize(
@@ -54,6 +55,7 @@ def test_the_modelled_bubble():
         (("Interleaved1F1B", 2, 1, 4), "set parallelism.pipeline_parallel_stages_per_rank >= 2"),
         (("GPipe", 2, 2, 4), "runs one stage a rank"),
         (("Interleaved1F1B", 2, 2, 3), "3 microbatches a step do not divide into rounds of 2"),
+        (("InterleavedZeroBubble", 2, 1, 3), "3 microbatches a step do not divide into rounds"),
     ],
 )
 def test_schedules_that_cannot_run_are_one_line(args, message):
@@ -63,7 +65,14 @@ def test_schedules_that_cannot_run_are_one_line(args, message):
 
 
 @pytest.mark.parametrize(
-    "schedule, virtual, n_layers", [("1F1B", 1, 3), ("GPipe", 1, 3), ("Interleaved1F1B", 2, 4)]
+    "schedule, virtual, n_layers",
+    [
+        ("1F1B", 1, 3),
+        ("GPipe", 1, 3),
+        ("Interleaved1F1B", 2, 4),
+        ("InterleavedZeroBubble", 1, 3),
+        ("InterleavedZeroBubble", 2, 4),
+    ],
 )
 def test_two_stage_ranks_train_as_one_process(pool, schedule, virtual, n_layers):
     out = pool.run("pp_parity", pp=2, schedule=schedule, virtual=virtual, n_layers=n_layers)
@@ -186,6 +195,14 @@ def test_a_checkpoint_resumes_at_another_pipeline_layout(pool, tmp_path):
     [
         (["--parallelism.context_parallel_degree=2"], 4, "with parallelism.context_parallel_deg"),
         (["--parallelism.tensor_parallel_degree=2"], 4, "with parallelism.tensor_parallel_deg"),
+        (
+            [
+                "--parallelism.pipeline_parallel_schedule=InterleavedZeroBubble",
+                "--parallelism.data_parallel_shard_degree=2",
+            ],
+            4,
+            "'InterleavedZeroBubble' with data parallelism: not yet",
+        ),
         (["--model.flavor=debug_moe"], 2, "a mixture-of-experts decoder: not yet"),
         (["--compile.enable=true"], 2, "with compile.enable: not yet"),
         (["--training.local_batch_size=1"], 2, "needs at least 2 microbatches a step"),

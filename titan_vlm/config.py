@@ -41,7 +41,7 @@ OnNonfinite = Literal["stop", "skip"]
 OnBadSample = Literal["skip", "error"]
 CPCommType = Literal["p2p", "allgather", "a2a"]  # parallel/cp_attention.py CP_ATTENTION
 CPVision = Literal["replicate", "broadcast", "shard"]  # parallel/context_parallel.py
-PPSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]  # parallel/pipeline.py SCHEDULES
+PPSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble"]  # pipeline.py
 CPSamplePlacement = Literal["split", "auto"]  # layout/placement.py SAMPLE_PLACEMENTS
 CPImageTokens = Literal["replicate", "shard", "auto"]  # layout/placement.py IMAGE_TOKEN_MODES
 ACMode = Literal["none", "selective", "full"]  # parallel/parallelize.py, plan/memory.py
@@ -255,13 +255,15 @@ class Parallelism:
     (parallel/pipeline.py). With data parallelism each stage is FSDP-sharded over its dp ranks;
     a checkpoint resumes at any pipeline layout. Not yet with context, tensor or expert
     parallelism, a mixture-of-experts decoder, tied embeddings, a family other than llava,
-    Hugging Face weights, bf16, compile, activation checkpointing or validation (one-line
-    errors)."""
+    Hugging Face weights, checkpoint.initial_load_path, bf16, compile, activation
+    checkpointing or validation (one-line errors)."""
     pipeline_parallel_schedule: PPSchedule = "1F1B"
     """torch.distributed.pipelining's schedule: "GPipe" (every forward, then every backward),
     "1F1B" (one forward, one backward: at most `degree` microbatches' activations alive; needs
     at least `degree` microbatches), "Interleaved1F1B" (pipeline_parallel_stages_per_rank >= 2
-    stages a rank, a smaller bubble)."""
+    stages a rank, a smaller bubble), "InterleavedZeroBubble" (ZB-1P: each backward split into
+    the inputs' gradients and the weights', which fill the bubble; one or more stages a rank;
+    not yet with data parallelism)."""
     pipeline_parallel_microbatch_size: int = 1
     """Rows a pipeline microbatch: a step's rows on a dp rank (training.local_batch_size x the
     accumulation steps) are split into microbatches of this many, each crossing the stages in

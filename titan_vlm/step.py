@@ -148,8 +148,9 @@ def train_step(
     """One optimizer step over `batch`, in `microbatches` equal groups of its rows (gradient
     accumulation: training.global_batch_size; with a `pipeline`, its microbatches, run by its
     schedule over the stages: parallel/pipeline.py): each microbatch's loss over the whole
-    step's loss tokens, FSDP's gradient reduction once, after the last, so the step is the one
-    the whole batch would take at once. Returns its stats and this rank's layout of each microbatch
+    step's loss tokens, FSDP's gradient reduction once, after the last (with a pipeline, after
+    each microbatch's backward: the same sums), so the step is the one the whole batch would
+    take at once. Returns its stats and this rank's layout of each microbatch
     (the CP stats are the last one's). A non-finite loss or gradient norm (the same on every
     rank: both are reduced over the job) updates nothing: the optimizer does not step and
     "nonfinite" is 1; the caller stops or goes on (training.on_nonfinite). The lr schedule

@@ -119,7 +119,7 @@ def _validate_pipeline(cfg: JobConfig, dims: ParallelDims, args: object) -> None
     schedule against the stages and the step's microbatches, and the stages against the
     decoder's layers."""
     from titan_vlm.optim import accumulation_steps
-    from titan_vlm.parallel.pipeline import check_schedule, split_layers
+    from titan_vlm.parallel.pipeline import ZERO_BUBBLE, check_schedule, split_layers
 
     p, key = cfg.parallelism, "parallelism.pipeline_parallel"
     for name in ("microbatch_size", "stages_per_rank"):
@@ -160,6 +160,11 @@ def _validate_pipeline(cfg: JobConfig, dims: ParallelDims, args: object) -> None
         raise ConfigError(f"{what} with tied input and output embeddings: not yet")
     if decoder.moe is not None:
         raise ConfigError(f"{what} with a mixture-of-experts decoder: not yet")
+    if p.pipeline_parallel_schedule in ZERO_BUBBLE and dims.dp_replicate * dims.dp_shard > 1:
+        raise ConfigError(
+            f"{key}_schedule={p.pipeline_parallel_schedule!r} with data parallelism: not yet "
+            "(its split backward computes the weights' gradients on the parameters FSDP shards)"
+        )
     t = cfg.training
     rows = t.local_batch_size * accumulation_steps(t, dims.dp_replicate * dims.dp_shard)
     size = p.pipeline_parallel_microbatch_size

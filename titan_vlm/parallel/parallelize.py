@@ -57,9 +57,16 @@ AC_MODES = ("none", "full", "selective")
 
 
 def _shard(
-    module: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, divide_by: int = 1
+    module: nn.Module,
+    mesh: DeviceMesh,
+    mp: MixedPrecisionPolicy,
+    divide_by: int = 1,
+    reshard: bool | None = None,
 ) -> None:
-    fully_shard(module, mesh=mesh, mp_policy=mp)
+    if reshard is None:
+        fully_shard(module, mesh=mesh, mp_policy=mp)  # torch's choice: roots stay unsharded
+    else:
+        fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     assert isinstance(module, FSDPModule)
     # Sum over ranks, then divide by `divide_by` (1: a plain sum): sum-only comms, since gloo has
     # no PREMUL_SUM / AVG.
@@ -89,13 +96,17 @@ def apply_fsdp(
     mesh: Mesh,
     mixed_precision: str = "fp32",
     cp_vision: str = "shard",
+    reshard: bool | None = None,
 ) -> None:
     """FSDP2 on a family's units, innermost first (its blocks, then the modules holding them):
     `vision`, the modules encode_images runs (vision tower and projector), on the mesh and with
     the divisor the module docstring gives for cp_vision; `decoder` on mesh.fsdp, summed. With
     expert parallelism, the decoder's experts (models/common/moe.py Experts) are first split
     over mesh.ep (parallel/expert_parallel.py apply_ep) and made FSDP units of their own on
-    mesh.expert_fsdp, summed (the ranks there hold the same experts for other tokens)."""
+    mesh.expert_fsdp, summed (the ranks there hold the same experts for other tokens).
+    `reshard`: every unit's parameters freed after its forward (pipeline stages: each unit is
+    a root of its own there, which torch would otherwise keep whole from a microbatch's forward
+    to its backward); None: torch's choice."""
     if mixed_precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
@@ -103,7 +114,7 @@ def apply_fsdp(
     vision_mesh = mesh.fsdp_no_cp if cp_vision == "broadcast" else mesh.fsdp
     vision_divide = mesh.cp.size() if cp_vision == "replicate" else 1
     for module in vision:
-        _shard(module, vision_mesh, mp, vision_divide)
+        _shard(module, vision_mesh, mp, vision_divide, reshard)
     if mesh.ep is not None:  # the experts first: split over ep, their own FSDP units
         assert mesh.expert_fsdp is not None
         experts = list(
@@ -113,7 +124,7 @@ def apply_fsdp(
         for module in experts:
             _shard(module, mesh.expert_fsdp, mp)
     for module in decoder:
-        _shard(module, mesh.fsdp, mp)
+        _shard(module, mesh.fsdp, mp, reshard=reshard)
 
 
 def apply_ep(experts: list[Experts], ep: DeviceMesh) -> None:

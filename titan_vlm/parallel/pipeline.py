@@ -1,5 +1,6 @@
 """Pipeline parallelism: the model cut into stages, a pipeline rank's each, trained over
-microbatches by a schedule of torch.distributed.pipelining (GPipe, 1F1B, Interleaved1F1B).
+microbatches by a schedule of torch.distributed.pipelining (GPipe, 1F1B, Interleaved1F1B,
+InterleavedZeroBubble).
 
     stages (pp = 2; Interleaved1F1B: v stages a rank, stage s on rank s mod pp):
       stage 0:    ViT + projector + tok_embeddings, decoder layers [0, a) -> h [rows, width, dim]
@@ -22,9 +23,11 @@ gradient norm is each stage's squares summed over the pipeline (optim.clip_grad_
 
 With data parallelism, each stage's units are FSDP-sharded over its dp ranks by the family's
 parallelize (parallel/parallelize.py pipeline_units: what a stage calls as a module), and each
-dp rank reads its own rows. Not yet (refused where it is asked for): context, tensor or expert
-parallelism with it, mixture-of-experts decoders, tied embeddings, a family other than LLaVA's,
-compile and activation checkpointing of a stage, zero-bubble schedules.
+dp rank reads its own rows (not with a zero-bubble schedule: its split backward computes the
+weights' gradients on the module's own parameters, which FSDP swaps for unsharded ones). Not
+yet (refused where it is asked for): context, tensor or expert parallelism with it,
+mixture-of-experts decoders, tied embeddings, a family other than LLaVA's, Hugging Face weights
+and initial_load_path, bf16, validation, compile and activation checkpointing of a stage.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
 )
 
 from titan_vlm.config import Parallelism, PPSchedule
@@ -61,8 +65,11 @@ SCHEDULES: dict[PPSchedule, type[PipelineScheduleSingle] | type[PipelineSchedule
     "GPipe": ScheduleGPipe,
     "1F1B": Schedule1F1B,
     "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
 }
 MULTI_STAGE = ("Interleaved1F1B",)  # schedules of several stages a rank
+ZERO_BUBBLE = ("InterleavedZeroBubble",)  # each backward split: inputs' gradients, then weights'
+ROUNDS = (*MULTI_STAGE, *ZERO_BUBBLE)  # microbatches in rounds of one a stage rank
 
 
 def split_layers(n_layers: int, stages: int) -> list[range]:
@@ -159,9 +166,13 @@ def stage_plan(p: Parallelism, pp: DeviceMesh, model: VisionLanguageModel) -> St
 def bubble(schedule: PPSchedule, stages: int, per_rank: int, microbatches: int) -> float:
     """The modelled share of a step each rank idles (equal stages, forward and backward of a
     microbatch on a stage the unit): (p - 1) / (v m + p - 1) for p ranks of v stages each and
-    m microbatches; GPipe and 1F1B idle alike (1F1B only keeps fewer activations alive)."""
-    del schedule
+    m microbatches; GPipe and 1F1B idle alike (1F1B only keeps fewer activations alive). A
+    zero-bubble schedule fills the bubble with the weights' gradients: the ZB-1P paper's
+    (p - 1)(F + B - W) of idle time, a third of 1F1B's (p - 1)(F + B + W) with the forward F,
+    the inputs' backward B and the weights' W alike: (p - 1) / (3 v m + p - 1)."""
     p = stages // per_rank
+    if schedule in ZERO_BUBBLE:
+        return (p - 1) / (3 * per_rank * microbatches + p - 1)
     return (p - 1) / (per_rank * microbatches + p - 1)
 
 
@@ -176,7 +187,7 @@ def check_schedule(schedule: PPSchedule, degree: int, per_rank: int, microbatche
             f"{key}_schedule={schedule!r} runs several stages a rank: set "
             f"{key}_stages_per_rank >= 2"
         )
-    if schedule not in MULTI_STAGE and per_rank != 1:
+    if schedule not in ROUNDS and per_rank != 1:
         raise ValueError(
             f"{key}_schedule={schedule!r} runs one stage a rank, not "
             f"{key}_stages_per_rank={per_rank} (Interleaved1F1B runs several)"
@@ -187,7 +198,7 @@ def check_schedule(schedule: PPSchedule, degree: int, per_rank: int, microbatche
             f"stage rank), got {microbatches}: more rows a step, or a smaller "
             f"{key}_microbatch_size"
         )
-    if schedule in MULTI_STAGE and microbatches % degree:
+    if schedule in ROUNDS and microbatches % degree:
         raise ValueError(
             f"{key}_schedule={schedule!r}: {microbatches} microbatches a step do not divide "
             f"into rounds of {degree} (one a stage rank)"

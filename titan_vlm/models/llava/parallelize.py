@@ -101,12 +101,14 @@ def parallelize_vlm(
     torch.compile of each block, activation checkpointing around the compiled blocks and FSDP
     (why in this order: parallel/parallelize.py). Under pipeline parallelism the model is this
     rank's stages (parallel/pipeline.py StagePlan.prune: the rest removed) and only FSDP
-    applies (the other degrees are 1), on what its stages hold (shared.pipeline_units)."""
+    applies (the other degrees are 1), on what its stages hold (shared.pipeline_units), and
+    only with dp ranks to shard over (a zero-bubble schedule's split backward needs the
+    parameters themselves: parallel/pipeline.py)."""
     if mesh.pp.size() > 1:
-        vision = [*model.vision.layers, model.vision, model.projector] if model.vision else []
-        shared.apply_fsdp(
-            vision, shared.pipeline_units(model.decoder), mesh, mixed_precision, cp_vision
-        )
+        if mesh.fsdp.size() > 1:
+            vision = [*model.vision.layers, model.vision, model.projector] if model.vision else []
+            units = shared.pipeline_units(model.decoder)
+            shared.apply_fsdp(vision, units, mesh, mixed_precision, cp_vision, reshard=True)
         return model
     apply_tp(model, mesh.tp, tp)
     if compile_blocks:
