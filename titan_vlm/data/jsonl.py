@@ -931,20 +931,23 @@ class JsonlDataset(Dataset):
         """Global rows `rows`' samples (their windows indexed: `ensure`)."""
         out: Plan = []
         for r in rows:
-            window = next((w for w in self.windows if w.first <= r < w.stop), None)
-            if window is None:
-                held = f"{self.windows[0].first}..{self.windows[-1].stop - 1}"
-                raise IndexError(f"{self.name}: row {r} is not indexed (rows {held} are)")
+            window = self._window_of(r)
             out.append(window.rows[r - window.first])
         return out
+
+    def _window_of(self, row: int) -> Window:
+        """The indexed window that holds global row `row` (IndexError: none does)."""
+        window = next((w for w in self.windows if w.first <= row < w.stop), None)
+        if window is None:
+            held = f"{self.windows[0].first}..{self.windows[-1].stop - 1}"
+            raise IndexError(f"{self.name}: row {row} is not indexed (rows {held} are)")
+        return window
 
     def position(self, row: int) -> Position:
         """Where global row `row` lies (its window indexed: `ensure`), for a run resumed there
         to index from: JsonlDataset(position=...) then numbers rows and counts bad samples as
         this run does."""
-        window = next((w for w in self.windows if w.first <= row < w.stop), None)
-        if window is None:
-            raise IndexError(f"{self.name}: row {row} is not indexed")
+        window = self._window_of(row)
         before = [c for n, c in self._counted.items() if (0, n) < (window.epoch, window.number)]
         return Position(
             window.epoch,
