@@ -1503,8 +1503,8 @@ def _loss_over_each_microbatch() -> Iterator[None]:
 
     real = pipeline.microbatches
 
-    def own(parts, ntokens, bidirectional):
-        out = real(parts, ntokens, bidirectional)
+    def own(parts, ntokens, bidirectional, ctx):
+        out = real(parts, ntokens, bidirectional, ctx)
         for m, part in zip(out, parts):
             m.ntokens = (part.labels != IGNORE_INDEX).sum()
         return out
@@ -1525,16 +1525,22 @@ def pp_parity(
     seed: int = 5,
     loss_over_each_microbatch: bool = False,
     dp_shard: int = 1,
+    cp: int = 1,
+    cp_options: dict | None = None,
+    image_grads_not_summed: bool = False,
 ) -> dict:
     """`steps` optimizer steps of the debug model (`n_layers` decoder layers) cut into `pp` x
     `virtual` pipeline stages (parallel/pipeline.py), each stage's units sharded over `dp_shard`
-    ranks (FSDP: the llava family's parallelize, as the trainer builds it) that read their own
-    rows of the global batch, against one process with the same weights and global batches
-    (packed synthetic rows with images, their loss tokens unequal across the microbatches).
+    x `cp` ranks (FSDP: the llava family's parallelize, as the trainer builds it); the dp ranks
+    read their own rows of the global batch, the cp ranks of one their CP shares of it
+    (`cp_options`: CPOptions' fields), against one process with the same weights and global
+    batches (packed synthetic rows with images, their loss tokens unequal across the
+    microbatches).
     Returns each step's losses and gradient norms, both sides, and, over this rank's own
     parameters, the worst relative error of the last step's gradient and of the parameter after
     the steps, per group (vision, projector, decoder), with the names this rank holds.
-    `loss_over_each_microbatch`: the negative control (_loss_over_each_microbatch)."""
+    `loss_over_each_microbatch`: the negative control (_loss_over_each_microbatch);
+    `image_grads_not_summed`: CP's (_image_grads_not_summed_over_cp)."""
     from titan_vlm.models.llava.parallelize import parallelize_vlm
     from titan_vlm.optim import clip_grad_norm_
     from titan_vlm.parallel.pipeline import Pipeline, StagePlan
@@ -1547,8 +1553,9 @@ def pp_parity(
         args.vision.image_size, args.tokens_per_image, seq_len, seed, 2, packing=True
     )
     batches = [data.batch(step, 0, 1, rows * dp_shard) for step in range(steps)]  # global
-    mesh = make_mesh(dp_shard=dp_shard, cp=1, pp=pp)
+    mesh = make_mesh(dp_shard=dp_shard, cp=cp, pp=pp)
     group, dp_rank = mesh.pp.get_group(), mesh.dp.get_local_rank()
+    options = CPOptions(**(cp_options or {}))
 
     torch.manual_seed(seed)
     ref = VLM(args)
@@ -1567,7 +1574,8 @@ def pp_parity(
     model = VLM(args)  # the whole model, as one process builds it, then cut to this rank's stages
     plan = StagePlan(dist.get_rank(group), pp, virtual, n_layers)
     plan.prune(model)
-    parallelize_vlm(model, mesh)  # FSDP over the dp ranks, as build_model applies it
+    # FSDP over the dp x cp ranks, as build_model applies it
+    parallelize_vlm(model, mesh, cp_vision=options.vision)
     pipe = Pipeline(
         model,
         plan,
@@ -1577,6 +1585,7 @@ def pp_parity(
         rows_per_microbatch,
         seq_len,
         torch.device("cpu"),
+        CPContext(mesh.cp, options),
     )
     opt = build_optimizer(model, t)
     losses, norms = [], []
@@ -1589,7 +1598,10 @@ def pp_parity(
         ]
         ntokens = (batch.labels != IGNORE_INDEX).sum()  # the global batch's
         with (
-            _loss_over_each_microbatch() if loss_over_each_microbatch else contextlib.nullcontext()
+            _loss_over_each_microbatch() if loss_over_each_microbatch else contextlib.nullcontext(),
+            _image_grads_not_summed_over_cp()
+            if image_grads_not_summed
+            else contextlib.nullcontext(),
         ):
             losses.append(dist_sum(pipe.step(parts, ntokens), mesh.job.get_group()).item())
         norms.append(clip_grad_norm_(list(model.parameters()), t.max_norm, group).item())

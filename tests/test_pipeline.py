@@ -16,6 +16,10 @@ from titan_vlm.parallel.pipeline import StagePlan, bubble, check_schedule, split
 from titan_vlm.validate import validate_job
 
 TOL = 1e-5
+# after the AdamW steps: its first step is about lr * sign(g), so gradient elements near zero turn
+# their rounding into whole-lr differences (tests/test_parity.py PARAM_TOL); under CP the sums'
+# order differs more than between stages (measured 1.6e-5 for the ViT at pp = 2 x cp = 2)
+PARAM_TOL = 1e-4
 
 
 def assert_one_process(out: list[dict]) -> None:
@@ -24,7 +28,7 @@ def assert_one_process(out: list[dict]) -> None:
         assert o["grad_norms"] == pytest.approx(o["ref_grad_norms"], rel=TOL), o
         assert not o["missing_grads"], o["missing_grads"]
         assert max(o["grad_err"].values()) < TOL, o["grad_err"]
-        assert max(o["param_err"].values()) < TOL, o["param_err"]
+        assert max(o["param_err"].values()) < PARAM_TOL, o["param_err"]
         assert o["zero_grad_abs"] < 1e-8
 
 
@@ -98,6 +102,42 @@ def test_stages_sharded_over_two_dp_ranks_train_as_one_process(pool, schedule, v
     assert [set(o["names"]) for o in out[:2]] != [set(o["names"]) for o in out[2:]]
 
 
+@pytest.mark.parametrize(
+    "schedule, virtual, n_layers, cp_options",
+    [
+        ("Interleaved1F1B", 2, 4, {"comm_type": "p2p"}),
+        ("1F1B", 1, 3, {"comm_type": "allgather", "vision": "broadcast"}),
+        ("1F1B", 1, 3, {"comm_type": "a2a", "sample_placement": "auto", "vision": "replicate"}),
+    ],
+)
+def test_stages_over_two_cp_ranks_train_as_one_process(
+    pool, schedule, virtual, n_layers, cp_options
+):
+    """pp = 2 x cp = 2 on 4 ranks: each (stage, cp rank) sends its cp rank's hidden states to the
+    next stage's rank of the same cp rank; every stage's attention is exact over its cp ranks (each
+    comm type), stage 0's image embeddings whole on both and their gradient summed over cp; the
+    stages' units FSDP-sharded over cp. Loss and each parameter's gradient are one process's."""
+    out = pool.run(
+        "pp_parity",
+        pp=2,
+        cp=2,
+        schedule=schedule,
+        virtual=virtual,
+        n_layers=n_layers,
+        cp_options=cp_options,
+    )
+    assert len(out) == 4
+    assert_one_process(out)
+
+
+def test_image_grads_not_summed_over_cp_fail_the_pipeline_parity(pool):
+    out = pool.run("pp_parity", pp=2, cp=2, image_grads_not_summed=True)
+    first_stage = [o for o in out if any(n.startswith("vision.") for n in o["names"])]
+    assert first_stage
+    for o in first_stage:
+        assert max(o["grad_err"]["vision"], o["grad_err"]["projector"]) > 1e-2
+
+
 def test_a_mean_of_microbatch_means_fails_the_parity_sharded_too(pool):
     out = pool.run("pp_parity", pp=2, dp_shard=2, loss_over_each_microbatch=True)
     for o in out:
@@ -106,7 +146,7 @@ def test_a_mean_of_microbatch_means_fails_the_parity_sharded_too(pool):
 
 
 def test_rows_of_two_a_microbatch_cross_stages_padded(pool):
-    """Microbatches of 2 rows: a local sequence up to twice a row (padded_width)."""
+    """Microbatches of 2 rows: a local sequence up to twice a row (wire_slots)."""
     out = pool.run("pp_parity", pp=2, microbatches=2, rows_per_microbatch=2)
     assert_one_process(out)
 
@@ -133,15 +173,20 @@ def losses(history: list[dict]) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in history}
 
 
-@pytest.mark.parametrize("schedule, dp", [("1F1B", 1), ("GPipe", 1), ("1F1B", 2)])
+@pytest.mark.parametrize(
+    "schedule, dp, cp", [("1F1B", 1, 1), ("GPipe", 1, 1), ("1F1B", 2, 1), ("1F1B", 1, 2)]
+)
 def test_the_trainer_at_pp_2_trains_the_one_process_curve_and_resumes_at_pp_1(
-    pool, tmp_path, schedule, dp
+    pool, tmp_path, schedule, dp, cp
 ):
     """The real loop at pp = 2 (4 microbatches of 1 row a step), with dp = 2 each stage sharded
-    over 2 dp ranks (4 ranks), against the same dp without stages (which the parity tests tie to
-    one process): the same losses and grad norms, on every rank; its step-2 checkpoint resumed
-    without stages (the run died after step 3) continues the curve."""
-    one = losses(pool.run("train_run", dp_shard=dp, cp=1, job__dump_folder=str(tmp_path), **RUN)[0])
+    over 2 dp ranks, with cp = 2 each stage's attention over 2 cp ranks (4 ranks), against the
+    same dp and cp without stages (which the parity tests tie to one process): the same losses
+    and grad norms, on every rank; its step-2 checkpoint resumed without stages (the run died
+    after step 3) continues the curve."""
+    one = losses(
+        pool.run("train_run", dp_shard=dp, cp=cp, job__dump_folder=str(tmp_path), **RUN)[0]
+    )
     ckpt = dict(
         checkpoint__enable=True,
         checkpoint__interval=2,
@@ -149,13 +194,13 @@ def test_the_trainer_at_pp_2_trains_the_one_process_curve_and_resumes_at_pp_1(
         parallelism__pipeline_parallel_schedule=schedule,
         **RUN,
     )
-    staged = pool.run("train_run", dp_shard=dp, cp=1, pp=2, stop_after=3, **ckpt)
-    assert len(staged) == 2 * dp
+    staged = pool.run("train_run", dp_shard=dp, cp=cp, pp=2, stop_after=3, **ckpt)
+    assert len(staged) == 2 * dp * cp
     assert all(losses(s) == losses(staged[0]) for s in staged)  # every rank has the loss
     assert sorted(losses(staged[0])) == [1, 2, 3]
     for step, loss in losses(staged[0]).items():
         assert loss == pytest.approx(one[step], rel=TOL), (step, loss, one[step])
-    resumed = losses(pool.run("train_run", dp_shard=dp, cp=1, **ckpt)[0])
+    resumed = losses(pool.run("train_run", dp_shard=dp, cp=cp, **ckpt)[0])
     assert sorted(resumed) == [3, 4]
     for step, loss in resumed.items():
         assert loss == pytest.approx(one[step], rel=TOL), (step, loss, one[step])
@@ -193,7 +238,6 @@ def test_a_checkpoint_resumes_at_another_pipeline_layout(pool, tmp_path):
 @pytest.mark.parametrize(
     "keys, world, message",
     [
-        (["--parallelism.context_parallel_degree=2"], 4, "with parallelism.context_parallel_deg"),
         (["--parallelism.tensor_parallel_degree=2"], 4, "with parallelism.tensor_parallel_deg"),
         (
             [
@@ -201,7 +245,15 @@ def test_a_checkpoint_resumes_at_another_pipeline_layout(pool, tmp_path):
                 "--parallelism.data_parallel_shard_degree=2",
             ],
             4,
-            "'InterleavedZeroBubble' with data parallelism: not yet",
+            "'InterleavedZeroBubble' with data or context parallelism: not yet",
+        ),
+        (
+            [
+                "--parallelism.pipeline_parallel_schedule=InterleavedZeroBubble",
+                "--parallelism.context_parallel_degree=2",
+            ],
+            4,
+            "'InterleavedZeroBubble' with data or context parallelism: not yet",
         ),
         (["--model.flavor=debug_moe"], 2, "a mixture-of-experts decoder: not yet"),
         (["--compile.enable=true"], 2, "with compile.enable: not yet"),

@@ -252,9 +252,10 @@ class Parallelism:
     projector and token embeddings in the first, the norm and head in the last), each rank
     holding its stages' parameters only, trained over microbatches by
     pipeline_parallel_schedule; the loss and every gradient are one process's
-    (parallel/pipeline.py). With data parallelism each stage is FSDP-sharded over its dp ranks;
-    a checkpoint resumes at any pipeline layout. Not yet with context, tensor or expert
-    parallelism, a mixture-of-experts decoder, tied embeddings, a family other than llava,
+    (parallel/pipeline.py). With data or context parallelism each stage is FSDP-sharded over
+    its dp x cp ranks, and with CP each stage's attention is exact over its cp ranks; a
+    checkpoint resumes at any pipeline layout. Not yet with tensor or expert parallelism, a
+    mixture-of-experts decoder, tied embeddings, a family other than llava,
     Hugging Face weights, checkpoint.initial_load_path, bf16, compile, activation
     checkpointing or validation (one-line errors)."""
     pipeline_parallel_schedule: PPSchedule = "1F1B"
@@ -263,7 +264,7 @@ class Parallelism:
     at least `degree` microbatches), "Interleaved1F1B" (pipeline_parallel_stages_per_rank >= 2
     stages a rank, a smaller bubble), "InterleavedZeroBubble" (ZB-1P: each backward split into
     the inputs' gradients and the weights', which fill the bubble; one or more stages a rank;
-    not yet with data parallelism)."""
+    not yet with data or context parallelism)."""
     pipeline_parallel_microbatch_size: int = 1
     """Rows a pipeline microbatch: a step's rows on a dp rank (training.local_batch_size x the
     accumulation steps) are split into microbatches of this many, each crossing the stages in

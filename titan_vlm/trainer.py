@@ -59,7 +59,7 @@ from titan_vlm.optim import (
     frozen_groups,
     param_group_keys,
 )
-from titan_vlm.parallel.context_parallel import CPOptions, shard_batch
+from titan_vlm.parallel.context_parallel import CPContext, CPOptions, shard_batch
 from titan_vlm.parallel.pipeline import Pipeline, bubble, stage_plan
 from titan_vlm.parallel.tensor_parallel import TPOptions
 from titan_vlm.parallel_dims import Mesh
@@ -123,10 +123,10 @@ class Trainer(Stateful):
         self.model, self.args = build_model(
             self.spec, self.sources, mesh, device, fill=not resuming
         )
-        # pipeline parallelism: this rank's stages of the model and their schedule
-        self.pipeline = self.build_pipeline()
         # the cost model's weights come from the architecture (ModelSpec.layout_cost)
         self.cp = CPOptions.from_config(p, self.spec.layout_cost(self.args))
+        # pipeline parallelism: this rank's stages of the model and their schedule
+        self.pipeline = self.build_pipeline()
         # training.freeze: before the optimizer, which then holds no state for them
         freeze(self.model, self.spec.group_of, frozen_groups(t))
         self.log_model()
@@ -565,6 +565,7 @@ class Trainer(Stateful):
             size,
             t.seq_len,
             self.device,
+            CPContext(self.mesh.cp, self.cp),
         )
         logger.info(
             "pipeline parallel: %d ranks x %d stage(s), %s over %d microbatches of %d row(s) a "

@@ -129,16 +129,12 @@ def _validate_pipeline(cfg: JobConfig, dims: ParallelDims, args: object) -> None
     if dims.pp == 1:
         return
     what = f"{key}_degree={dims.pp}"
-    others = {
-        "context_parallel_degree": dims.cp,
-        "tensor_parallel_degree": dims.tp,
-        "expert_parallel_degree": dims.ep,
-    }
+    others = {"tensor_parallel_degree": dims.tp, "expert_parallel_degree": dims.ep}
     for name, degree in others.items():
         if degree > 1:
             raise ConfigError(
                 f"{what} with parallelism.{name}={degree}: pipeline parallelism runs with data "
-                "parallelism (FSDP, HSDP) so far, not yet with context, tensor or expert "
+                "and context parallelism (FSDP, HSDP, CP) so far, not yet with tensor or expert "
                 "parallelism"
             )
     for wrong, name in (
@@ -160,10 +156,14 @@ def _validate_pipeline(cfg: JobConfig, dims: ParallelDims, args: object) -> None
         raise ConfigError(f"{what} with tied input and output embeddings: not yet")
     if decoder.moe is not None:
         raise ConfigError(f"{what} with a mixture-of-experts decoder: not yet")
-    if p.pipeline_parallel_schedule in ZERO_BUBBLE and dims.dp_replicate * dims.dp_shard > 1:
+    if (
+        p.pipeline_parallel_schedule in ZERO_BUBBLE
+        and dims.dp_replicate * dims.dp_shard * dims.cp > 1
+    ):
         raise ConfigError(
-            f"{key}_schedule={p.pipeline_parallel_schedule!r} with data parallelism: not yet "
-            "(its split backward computes the weights' gradients on the parameters FSDP shards)"
+            f"{key}_schedule={p.pipeline_parallel_schedule!r} with data or context parallelism: "
+            "not yet (its split backward computes the weights' gradients on the parameters FSDP "
+            "shards over dp x cp)"
         )
     t = cfg.training
     rows = t.local_batch_size * accumulation_steps(t, dims.dp_replicate * dims.dp_shard)

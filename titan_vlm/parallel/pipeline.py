@@ -3,16 +3,25 @@ microbatches by a schedule of torch.distributed.pipelining (GPipe, 1F1B, Interle
 InterleavedZeroBubble).
 
     stages (pp = 2; Interleaved1F1B: v stages a rank, stage s on rank s mod pp):
-      stage 0:    ViT + projector + tok_embeddings, decoder layers [0, a) -> h [rows, width, dim]
-      stage k:    decoder layers [a, b)                                   -> h [rows, width, dim]
+      stage 0:    ViT + projector + tok_embeddings, decoder layers [0, a) -> h [slots, dim]
+      stage k:    decoder layers [a, b)                                   -> h [slots, dim]
       last stage: decoder layers [b, n) + norm + output                    -> its summed loss / N
 
-Every pipeline rank reads the same rows (the pp ranks of a dp rank share its batch) and builds
-each microbatch's layout itself (cp = 1: `shard_batch` is arithmetic, no collective), so only
-the hidden states cross stages: padded to one `width` (torch.distributed.pipelining sends
-tensors of one shape, fixed when the stage is built), each stage cutting its microbatch's own
-length back out. The image embeddings are made and used on stage 0 (they enter the first layer's
-input), the loss on the last.
+Every pipeline rank reads the same rows (the pp and cp ranks of a dp rank share its batch) and
+builds each microbatch's CP layout itself (`CPContext.place`: arithmetic on the rows, no
+collective), so only the hidden states cross stages, from a (stage, cp rank) to the next stage's
+rank of the same cp rank:
+
+    pp x cp = 2 x 2:   (stage 0, cp 0) --h of cp 0's slots--> (stage 1, cp 0)
+                       (stage 0, cp 1) --h of cp 1's slots--> (stage 1, cp 1)
+    each stage's attention exact over its cp ranks (the layout's CP attention, as without pp)
+
+They travel flattened, [rows x local length, dim], padded to one number of slots (`wire_slots`:
+torch.distributed.pipelining sends tensors of one shape, fixed when the stage is built), each
+stage cutting its microbatch's own [rows, length] back out (its layout says which). The image
+embeddings are made on stage 0's cp ranks, whole on each (CPContext.encode_images: their gradient
+summed over cp before the projector and ViT) and used there (they enter the first layer's input),
+the loss on the last.
 
 Invariants: the loss of the step is the one process's (each microbatch's summed loss over N,
 the whole step's loss tokens: `loss_tokens`; the schedule scales nothing, scale_grads=False), so
@@ -24,8 +33,10 @@ gradient norm is each stage's squares summed over the pipeline (optim.clip_grad_
 With data parallelism, each stage's units are FSDP-sharded over its dp ranks by the family's
 parallelize (parallel/parallelize.py pipeline_units: what a stage calls as a module), and each
 dp rank reads its own rows (not with a zero-bubble schedule: its split backward computes the
-weights' gradients on the module's own parameters, which FSDP swaps for unsharded ones). Not
-yet (refused where it is asked for): context, tensor or expert parallelism with it,
+weights' gradients on the module's own parameters, which FSDP swaps for unsharded ones). With
+context parallelism, the stage's units are FSDP-sharded over dp x cp (mesh.fsdp), which sums the
+cp ranks' gradients as without pp. Not yet (refused where it is asked for): tensor or expert
+parallelism with it,
 mixture-of-experts decoders, tied embeddings, a family other than LLaVA's, Hugging Face weights
 and initial_load_path, bf16, validation, compile and activation checkpointing of a stage.
 """
@@ -40,32 +51,26 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleMulti,
-    PipelineScheduleSingle,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
 
 from titan_vlm.config import Parallelism, PPSchedule
 from titan_vlm.data.batch import IGNORE_INDEX
 from titan_vlm.distributed import dist_sum
 from titan_vlm.models.common.decoder import Decoder
 from titan_vlm.models.spec import VisionLanguageModel
-from titan_vlm.parallel.context_parallel import shard_batch
+from titan_vlm.parallel.context_parallel import CPContext, sync_broadcast_vision_grads
 
 if TYPE_CHECKING:
     from titan_vlm.data.batch import Batch, Images
     from titan_vlm.layout.seq_layout import SeqLayout
 
-SCHEDULES: dict[PPSchedule, type[PipelineScheduleSingle] | type[PipelineScheduleMulti]] = {
-    "GPipe": ScheduleGPipe,
-    "1F1B": Schedule1F1B,
-    "Interleaved1F1B": ScheduleInterleaved1F1B,
-    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+# parallelism.pipeline_parallel_schedule -> torch.distributed.pipelining.schedules' class (that
+# module is imported where a pipeline is built: it imports torch._dynamo, half a second of every
+# worker's start-up, which runs without stages need not pay)
+SCHEDULES: dict[PPSchedule, str] = {
+    "GPipe": "ScheduleGPipe",
+    "1F1B": "Schedule1F1B",
+    "Interleaved1F1B": "ScheduleInterleaved1F1B",
+    "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
 }
 MULTI_STAGE = ("Interleaved1F1B",)  # schedules of several stages a rank
 ZERO_BUBBLE = ("InterleavedZeroBubble",)  # each backward split: inputs' gradients, then weights'
@@ -207,8 +212,9 @@ def check_schedule(schedule: PPSchedule, degree: int, per_rank: int, microbatche
 
 @dataclass
 class Microbatch:
-    """One microbatch as every stage sees it: its tokens and labels [B, T], its layout (the
-    whole rows: cp = 1), its images (stage 0 encodes them) and the step's loss tokens N."""
+    """One microbatch as every stage of a cp rank sees it: this cp rank's tokens and labels
+    [B, T] and layout (B: its rows, or 1 where cp_sample_placement = "auto" places them as one),
+    its images (stage 0 encodes them) and the step's loss tokens N."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
@@ -221,39 +227,52 @@ class Microbatch:
         """Its local sequence length: image prefix and text section."""
         return self.layout.num_image_tokens + self.tokens.shape[1]
 
+    @property
+    def slots(self) -> int:
+        """The hidden states' slots [rows x length] that cross stages."""
+        return self.tokens.shape[0] * self.length
+
 
 def microbatches(
-    parts: list[Batch], ntokens: torch.Tensor, bidirectional: bool
+    parts: list[Batch], ntokens: torch.Tensor, bidirectional: bool, ctx: CPContext
 ) -> list[Microbatch]:
-    """Each part's Microbatch, every one normalised by the step's `ntokens`."""
+    """Each part's Microbatch on this cp rank, every one normalised by the step's `ntokens`."""
     out = []
     for part in parts:
-        tokens, labels, layout = shard_batch(part, None, bidirectional_images=bidirectional)
+        tokens, labels, layout = ctx.place(part, bidirectional)
         out.append(Microbatch(tokens, labels, layout, part.images, ntokens))
     return out
 
 
-def padded_width(rows: int, seq_len: int) -> int:
-    """The longest local sequence a microbatch of `rows` rows of `seq_len` slots can have: its
-    image prefix is the longest row's images and its text section the longest row's text, so
-    one row holds at most seq_len and several at most twice that (what crosses stages is padded
-    to it)."""
-    return seq_len * min(rows, 2)
+def wire_slots(rows: int, seq_len: int, cp: int) -> int:
+    """The most hidden-state slots a cp rank's microbatch of `rows` rows of `seq_len` slots can
+    have, rows x local length (what crosses stages is padded to it): the image prefix is at
+    most the longest row's images and the text section at most the longest row's text (a cp
+    rank's share of it, or with cp_sample_placement = "auto" all rows as one), so one row
+    without cp holds at most seq_len and otherwise each row at most twice that."""
+    return rows * seq_len * (1 if rows == 1 and cp == 1 else 2)
 
 
 class StageModule(nn.Module):
     """Stage `stage` of `num_stages` of `model` (pruned: `prune`), as a PipelineStage runs it:
     `forward(x, mb)` with `mb` the microbatch's number [1] (every stage's keyword input) and `x`
-    stage 0's copy of it, or the hidden states [rows, width, dim] the stage before sent; returns
-    the hidden states padded to `width`, or on the last stage the microbatch's summed loss over
-    N. `table`: this step's microbatches (set before each schedule step)."""
+    stage 0's copy of it, or the hidden states [slots, dim] the stage before sent (flattened
+    [rows, length, dim], padded); returns the hidden states so, or on the last stage the
+    microbatch's summed loss over N. `table`: this step's microbatches (set before each schedule
+    step); `ctx`: the cp rank's groups and choices (stage 0 encodes the images through it)."""
 
     def __init__(
-        self, model: VisionLanguageModel, stage: int, num_stages: int, layers: range, width: int
+        self,
+        model: VisionLanguageModel,
+        stage: int,
+        num_stages: int,
+        layers: range,
+        slots: int,
+        ctx: CPContext,
     ):
         super().__init__()
         self.first, self.last = stage == 0, stage == num_stages - 1
-        self.layers, self.width = layers, width
+        self.layers, self.slots, self.ctx = layers, slots, ctx
         self.model = [model]  # not a submodule: the stage's own modules are registered below
         decoder = decoder_of(model)
         own: dict[str, nn.Module] = {f"layer_{i}": decoder.layers[i] for i in layers}
@@ -271,19 +290,22 @@ class StageModule(nn.Module):
 
     def forward(self, x: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
         m = self.table[int(mb[0])]
+        if m.slots > self.slots:
+            raise ValueError(
+                f"a microbatch's {m.tokens.shape[0]} x {m.length} local slots exceed the "
+                f"{self.slots} its pipeline stages send"
+            )
         if self.first:
-            embeds = self.model[0].encode_images(m.images)
+            embeds = self.ctx.encode_images(self.model[0], m.images)
             layout = m.layout
             h, _ = self.decoder.local_sequence(
                 m.tokens, layout.place_images(embeds), layout, layout.inline_embeds(embeds)
             )
         else:
-            h = x[:, : m.length]
-        if h.shape[1] > self.width:
-            raise ValueError(f"a microbatch of {h.shape[1]} slots, more than {self.width}")
+            h = x[: m.slots].view(m.tokens.shape[0], m.length, -1)
         h = self.decoder.run_layers(h, m.layout, layers=self.layers)
         if not self.last:
-            return F.pad(h, (0, 0, 0, self.width - h.shape[1]))
+            return F.pad(h.reshape(m.slots, -1), (0, 0, 0, self.slots - m.slots))
         logits = self.decoder.output(self.decoder.norm(h[:, m.layout.num_image_tokens :]))
         return F.cross_entropy(
             logits.float().flatten(0, 1),
@@ -304,7 +326,8 @@ class Pipeline:
     allocated and filled) and the schedule that trains them: `step(parts, ntokens)` runs one
     optimizer step's forward and backward over the microbatches `parts` (each of `rows` rows of
     `seq_len` slots) and returns the step's loss (the sum of the microbatches', on every pipeline
-    rank). `group`: the pipeline ranks, in stage order; `device`: this rank's."""
+    rank). `group`: the pipeline ranks, in stage order; `device`: this rank's; `ctx`: this rank's
+    cp group and choices (CPContext(): no context parallelism)."""
 
     def __init__(
         self,
@@ -316,17 +339,21 @@ class Pipeline:
         rows: int,
         seq_len: int,
         device: torch.device,
+        ctx: CPContext = CPContext(),
     ):
+        from torch.distributed.pipelining import PipelineStage, schedules
+
         check_schedule(schedule, plan.degree, plan.per_rank, n_microbatches)
-        self.group, self.model, self.plan = group, model, plan
+        self.group, self.model, self.plan, self.ctx = group, model, plan, ctx
         self.bidirectional = model.bidirectional_images
-        self.width = padded_width(rows, seq_len)
+        cp = ctx.cp_mesh.size() if ctx.cp_mesh is not None else 1
+        self.slots = wire_slots(rows, seq_len, cp)
         dim, last = decoder_of(model).args.dim, plan.num_stages - 1
         self.modules: list[StageModule] = []
         stages = []
         for s in plan.stages:
-            module = StageModule(model, s, plan.num_stages, plan.layers[s], self.width)
-            hidden = torch.empty(rows, self.width, dim, device="meta", requires_grad=True)
+            module = StageModule(model, s, plan.num_stages, plan.layers[s], self.slots, ctx)
+            hidden = torch.empty(self.slots, dim, device="meta", requires_grad=True)
             index = torch.empty(1, dtype=torch.long, device="meta")
             stages.append(
                 PipelineStage(
@@ -341,10 +368,10 @@ class Pipeline:
             )
             self.modules.append(module)
         self.first, self.last = plan.holds(0), plan.holds(last)
-        kind = SCHEDULES[schedule]
-        many = issubclass(kind, PipelineScheduleMulti)
+        kind = getattr(schedules, SCHEDULES[schedule])
+        many = issubclass(kind, schedules.PipelineScheduleMulti)
         self.schedule = kind(
-            stages if many else stages[0],  # type: ignore[arg-type]
+            stages if many else stages[0],
             n_microbatches,
             loss_fn=_loss,
             scale_grads=False,
@@ -357,7 +384,7 @@ class Pipeline:
         step's loss tokens); the step's loss, summed over the pipeline (every rank has it)."""
         if len(parts) != self.n_microbatches:
             raise ValueError(f"{len(parts)} microbatches, the schedule runs {self.n_microbatches}")
-        table = microbatches(parts, ntokens, self.bidirectional)
+        table = microbatches(parts, ntokens, self.bidirectional, self.ctx)
         self.layouts = [m.layout for m in table]
         for module in self.modules:
             module.table = table
@@ -371,5 +398,8 @@ class Pipeline:
         finally:
             for module in self.modules:  # the microbatches' tensors are not kept past the step
                 module.table = []
+        cp = self.ctx.cp_mesh
+        if self.first and cp is not None and self.ctx.options.vision == "broadcast":
+            sync_broadcast_vision_grads(self.model, cp)  # cp rank 0 ran the ViT: its gradients
         total = torch.stack([x.detach() for x in losses]).sum() if losses else index.new_zeros(())
         return dist_sum(total.float(), self.group)
