@@ -35,7 +35,8 @@ parallelize (parallel/parallelize.py pipeline_units: what a stage calls as a mod
 dp rank reads its own rows (not with a zero-bubble schedule: its split backward computes the
 weights' gradients on the module's own parameters, which FSDP swaps for unsharded ones). With
 context parallelism, the stage's units are FSDP-sharded over dp x cp (mesh.fsdp), which sums the
-cp ranks' gradients as without pp. Not yet (refused where it is asked for): tensor or expert
+cp ranks' gradients as without pp (the ViT and projector as without pp too: over dp alone
+with cp_vision = "broadcast"). Not yet (refused where it is asked for): tensor or expert
 parallelism with it,
 mixture-of-experts decoders, tied embeddings, a family other than LLaVA's, Hugging Face weights
 and initial_load_path, bf16, validation, compile and activation checkpointing of a stage.
@@ -246,11 +247,16 @@ def microbatches(
 
 def wire_slots(rows: int, seq_len: int, cp: int) -> int:
     """The most hidden-state slots a cp rank's microbatch of `rows` rows of `seq_len` slots can
-    have, rows x local length (what crosses stages is padded to it): the image prefix is at
-    most the longest row's images and the text section at most the longest row's text (a cp
-    rank's share of it, or with cp_sample_placement = "auto" all rows as one), so one row
-    without cp holds at most seq_len and otherwise each row at most twice that."""
-    return rows * seq_len * (1 if rows == 1 and cp == 1 else 2)
+    have, rows x local length (what crosses stages is padded to it). The image prefix is the
+    longest row's replicated images (at most seq_len) and the text section the longest row's
+    share of its text: at most seq_len without cp, and with cp at most twice a row's text slots
+    (a one-token sample is padded to 2 cp slots, 2 on each rank). So one row holds at most
+    seq_len without cp and 2 seq_len with it; several rows at most 2 seq_len a row without cp,
+    3 seq_len with it (the prefix of one row, the text of another; cp_sample_placement = "auto"
+    joins the rows into one, within that)."""
+    if cp == 1:
+        return rows * seq_len * min(rows, 2)
+    return rows * seq_len * (2 if rows == 1 else 3)
 
 
 class StageModule(nn.Module):
@@ -290,11 +296,6 @@ class StageModule(nn.Module):
 
     def forward(self, x: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
         m = self.table[int(mb[0])]
-        if m.slots > self.slots:
-            raise ValueError(
-                f"a microbatch's {m.tokens.shape[0]} x {m.length} local slots exceed the "
-                f"{self.slots} its pipeline stages send"
-            )
         if self.first:
             embeds = self.ctx.encode_images(self.model[0], m.images)
             layout = m.layout
@@ -385,6 +386,12 @@ class Pipeline:
         if len(parts) != self.n_microbatches:
             raise ValueError(f"{len(parts)} microbatches, the schedule runs {self.n_microbatches}")
         table = microbatches(parts, ntokens, self.bidirectional, self.ctx)
+        for m in table:  # every stage rank built every layout: all raise, before any send
+            if m.slots > self.slots:
+                raise ValueError(
+                    f"a pipeline microbatch's {m.tokens.shape[0]} x {m.length} local slots "
+                    f"exceed the {self.slots} its stages send (parallel/pipeline.py wire_slots)"
+                )
         self.layouts = [m.layout for m in table]
         for module in self.modules:
             module.table = table
