@@ -780,21 +780,28 @@ def model_state_bytes(
     ep: int = 1,
     sp: bool = False,
     family: str = "llava",
+    pp: int = 1,
 ) -> int:
     """The trainer's "model state per rank" on this rank, in bytes: STATE_BYTES_PER_PARAM times
     the local elements of every parameter of a family's model parallelized through its
-    ModelSpec (as build_model does) with parallelism.cp_vision `vision` and sequence
-    parallelism `sp` (run_training's expression)."""
+    ModelSpec (as build_model does: with `pp` pipeline ranks, this rank's stage of it) with
+    parallelism.cp_vision `vision` and sequence parallelism `sp` (run_training's expression)."""
     from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM
+    from titan_vlm.parallel.pipeline import stage_plan
 
     spec, cfg = family_config(family, flavor)
     cfg.parallelism.cp_vision = vision  # type: ignore[assignment]
     cfg.parallelism.tensor_parallel_degree = tp
     cfg.parallelism.enable_sequence_parallel = sp
     cfg.parallelism.expert_parallel_degree = ep
+    cfg.parallelism.pipeline_parallel_degree = pp
     torch.manual_seed(0)
     model = spec.build(spec.args(cfg))
-    spec.parallelize(model, make_mesh(dp_shard, cp, dp_replicate, tp, ep), cfg)
+    mesh = make_mesh(dp_shard, cp, dp_replicate, tp, ep, pp)
+    plan = stage_plan(cfg, mesh.pp, model, spec.layout_cost(spec.args(cfg)))
+    if plan is not None:
+        plan.prune(model)
+    spec.parallelize(model, mesh, cfg)
     local = sum(local_tensor(p).numel() for p in model.parameters())
     return STATE_BYTES_PER_PARAM * local
 
@@ -1643,3 +1650,37 @@ def pp_parity(
             for k in range(microbatches)
         ],
     }
+
+
+def pipeline_saved_peak(
+    schedule: str,
+    virtual: int = 1,
+    microbatches: int = 4,
+    n_layers: int = 4,
+    seq_len: int = 528,
+    pp: int = 2,
+) -> dict:
+    """One step of the debug model (fp32, `n_layers` decoder layers) cut into `pp` x `virtual`
+    stages under `schedule`, on rows of one image and text to the end (the planner's uniform
+    rows: SyntheticCaptions, 40 sentences); the most bytes autograd held saved for backward at
+    once on this rank (metrics.SavedForBackward.peak), and the rows' slot metadata."""
+    from titan_vlm.parallel.pipeline import Pipeline, StagePlan
+
+    base = get_flavor("debug")
+    args = dataclasses.replace(base, decoder=dataclasses.replace(base.decoder, n_layers=n_layers))
+    data = SyntheticCaptions(
+        args.vision.image_size, args.tokens_per_image, seq_len, 0, sentences_per_image=40
+    )
+    batch = data.batch(0, 0, 1, microbatches)
+    mesh = make_mesh(dp_shard=1, cp=1, pp=pp)
+    group = mesh.pp.get_group()
+    torch.manual_seed(0)
+    model = VLM(args)
+    plan = StagePlan(dist.get_rank(group), pp, virtual, n_layers)
+    plan.prune(model)
+    pipe = Pipeline(model, plan, group, schedule, microbatches, 1, seq_len, torch.device("cpu"))
+    parts = [batch.rows(k, k + 1) for k in range(microbatches)]
+    ntokens = (batch.labels != IGNORE_INDEX).sum()
+    with SavedForBackward(model.parameters()) as saved:
+        pipe.step(parts, ntokens)
+    return {"peak": saved.peak, "alive_after": saved.alive, "doc": batch.doc, "image": batch.image}

@@ -38,6 +38,11 @@ from typing import Any
 
 CHECKS_MODULE = "dist_checks"
 RELEASE_ABOVE_BYTES = 2**30  # a pool process's resident memory that `_release_memory` trims
+# the pools' resident memory in all above which DistPools closes the idle ones (`_make_room`):
+# compiled graphs and allocator caches grow over a session (14 processes held 10 GiB after six
+# test files), and what they hold is taken from the page cache every torchrun test re-reads
+# torch from (a run_train test took 81-162 s in the suite, 20 s alone)
+POOLS_MEMORY_BYTES = 6 * 2**30
 CLOSE_GRACE_S = 3.0  # how long the session's end waits for the workers to leave their groups
 MESH_DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the checks' mesh keywords
 
@@ -98,15 +103,22 @@ def _worker(rank: int, world: int, port: int, tasks: list[Queue], results: Queue
     dist.destroy_process_group()
 
 
+def resident_bytes(pid: int) -> int:
+    """Resident memory of process `pid` (0 where it is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def _release_memory() -> None:
     """Between checks, once this process holds more than RELEASE_ABOVE_BYTES: free what the last
     checks left and hand the freed heap back to the OS (the pools' 8 idle processes otherwise
     held over 5 GiB after two test files, memory the machine's reclaim then takes from every
     later test). Below it nothing is done: a trim costs the next check its page faults.
     Compiled graphs stay: later checks reuse them."""
-    with open("/proc/self/statm") as f:
-        resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    if resident > RELEASE_ABOVE_BYTES:
+    if resident_bytes(os.getpid()) > RELEASE_ABOVE_BYTES:
         gc.collect()
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
@@ -200,19 +212,38 @@ class DistPools:
     def run(self, check: str, **kwargs: Any) -> list[Any]:
         """Run `dist_checks.<check>(**kwargs)` on every rank of its mesh; results in rank order."""
         world = self.world_of(check, kwargs)
+        self._make_room(world)
         if world not in self.pools:
             self.pools[world] = DistPool(world, self.timeout_s, self.defaults)
         return self.pools[world].run(check, **kwargs)
 
+    def memory(self) -> int:
+        return sum(
+            resident_bytes(p.pid) for pool in self.pools.values() for p in pool.procs if p.pid
+        )
+
+    def _make_room(self, world: int) -> None:
+        """Above POOLS_MEMORY_BYTES in all, close the pools other than `world`'s, then, if still
+        above, that one too: each starts again (a few seconds) when a check next needs it."""
+        if self.memory() <= POOLS_MEMORY_BYTES:
+            return
+        self._close([w for w in self.pools if w != world])
+        if self.memory() > POOLS_MEMORY_BYTES:
+            self._close([world] if world in self.pools else [])
+
     def close(self) -> None:
-        """Every pool's workers told to stop at once, then joined: they shut down side by side,
-        for at most `CLOSE_GRACE_S` in all (the session is over: a worker still leaving its
-        group then is killed, which costs nothing but its own cleanup)."""
-        for p in self.pools.values():
+        """Every pool closed (`_close`)."""
+        self._close(list(self.pools))
+
+    def _close(self, worlds: list[int]) -> None:
+        """The pools of `worlds`' workers told to stop at once, then joined: they shut down side
+        by side, for at most `CLOSE_GRACE_S` in all (a worker still leaving its group then is
+        killed, which costs nothing but its own cleanup)."""
+        pools = [self.pools.pop(w) for w in worlds]
+        for p in pools:
             p.ask_to_stop()
         deadline = time.monotonic() + CLOSE_GRACE_S
-        for p in self.pools.values():
+        for p in pools:
             for proc in p.procs:
                 proc.join(timeout=max(0.0, deadline - time.monotonic()))
             p.close(graceful=False)
-        self.pools = {}

@@ -12,7 +12,16 @@ import pytest
 
 from titan_vlm.config import load_config
 from titan_vlm.errors import ConfigError
-from titan_vlm.parallel.pipeline import StagePlan, bubble, check_schedule, split_layers
+from titan_vlm.models.llava.args import get_flavor
+from titan_vlm.models.llava.flops import layout_cost
+from titan_vlm.parallel.pipeline import (
+    StagePlan,
+    balanced_split,
+    bubble,
+    check_schedule,
+    split_layers,
+    stage_split,
+)
 from titan_vlm.validate import validate_job
 
 TOL = 1e-5
@@ -45,6 +54,27 @@ def test_split_layers_are_even_with_the_first_stages_lighter():
         "stage 0 (rank 0): vision, projector, embeddings, layers 0-0; "
         "stage 1 (rank 1): layers 1-2, norm, head"
     )
+
+
+def test_the_layers_are_split_by_the_cost_model_or_as_set():
+    """balanced_split: the costliest stage as cheap as can be, a layer costing 1, the first
+    stage's ViT and the last's head on top; the most even among those; with no extra cost it is
+    split_layers. stage_split: the config's pipeline_parallel_stage_layers where set, else the
+    cost model's for the config's rows (the debug model's head, 264 x 128, costs more of a layer
+    than its ViT on 3 images: the last stage gets fewer layers)."""
+    for n, stages in ((3, 2), (4, 4), (7, 3), (32, 8)):
+        assert balanced_split(n, stages, 0.0, 0.0) == split_layers(n, stages)
+    assert [len(r) for r in balanced_split(8, 4, 2.0, 0.0)] == [1, 2, 2, 3]
+    assert [len(r) for r in balanced_split(8, 4, 0.0, 1.5)] == [2, 2, 3, 1]
+    assert [len(r) for r in balanced_split(6, 2, 0.4, 0.0)] == [3, 3]  # 3.4 < 4
+    cfg = load_config(
+        ["--config", "train_configs/vlm_cp.toml", "--parallelism.pipeline_parallel_degree=2"]
+    )
+    args = get_flavor("debug")
+    cost = layout_cost(args)
+    assert stage_split(cfg, 2, cost, args.decoder) == [range(0, 2), range(2, 3)]
+    cfg.parallelism.pipeline_parallel_stage_layers = "1,2"
+    assert stage_split(cfg, 2, cost, args.decoder) == [range(0, 1), range(1, 3)]
 
 
 def test_the_modelled_bubble():
@@ -203,6 +233,8 @@ def test_the_trainer_at_pp_2_trains_the_one_process_curve_and_resumes_at_pp_1(
         checkpoint__interval=2,
         job__dump_folder=str(tmp_path / "pp"),
         parallelism__pipeline_parallel_schedule=schedule,
+        # the layers as set (the others: the cost model's split, 2 and 1)
+        parallelism__pipeline_parallel_stage_layers="1,2" if schedule == "GPipe" else "",
         **RUN,
     )
     staged = pool.run("train_run", dp_shard=dp, cp=cp, pp=2, stop_after=3, **ckpt)
@@ -282,6 +314,16 @@ def test_a_checkpoint_resumes_at_another_pipeline_layout(pool, tmp_path):
             ],
             2,
             "3 decoder layers cannot make 4 pipeline stages",
+        ),
+        (
+            ["--parallelism.pipeline_parallel_stage_layers=1,1"],
+            2,
+            "needs 2 counts .* summing to the decoder's 3 layers",
+        ),
+        (
+            ["--parallelism.pipeline_parallel_stage_layers=1;2"],
+            2,
+            "expected comma-separated layer counts",
         ),
     ],
 )

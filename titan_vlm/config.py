@@ -270,8 +270,14 @@ class Parallelism:
     accumulation steps) are split into microbatches of this many, each crossing the stages in
     turn."""
     pipeline_parallel_stages_per_rank: int = 1
-    """Stages each pipeline rank holds (Interleaved1F1B: >= 2; stage s on rank s mod degree);
-    the decoder layers are split evenly over degree x this many stages, the first lighter."""
+    """Stages each pipeline rank holds (Interleaved1F1B: >= 2; stage s on rank s mod degree)."""
+    pipeline_parallel_stage_layers: str = ""
+    """The decoder layers of each stage, comma-separated in stage order (degree x
+    stages_per_rank counts of at least 1, summing to the decoder's layers; e.g. "1,2").
+    "": split by the model's cost model so the costliest stage is cheapest, the first stage's
+    ViT, projector and embeddings and the last's head counted, for microbatches of the
+    config's rows (training.seq_len slots, data.images_per_sample images a row: what
+    `python -m titan_vlm.plan` prices); set it where a dataset's rows differ."""
 
     data_parallel_replicate_degree: int = 1
     """HSDP replicas: parameters replicated across them, gradients all-reduced."""

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import resource
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -169,22 +170,56 @@ class MetricsLogger:
             self.wandb = None
 
 
+class _Saved:
+    """What autograd holds for one saved tensor inside SavedForBackward: dropped when autograd
+    frees the saved tensor (its backward ran, or its graph went away)."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
 class SavedForBackward:
     """Context manager counting what autograd saves for backward inside it: `bytes` (each storage
-    once, the given parameters left out) and `longest_dim` (of any saved tensor)."""
+    once, the given parameters left out), `peak` (the most of those bytes autograd held at once:
+    a storage counts from its first save to the release of its last saved tensor) and
+    `longest_dim` (of any saved tensor)."""
 
     def __init__(self, params: Iterable[torch.Tensor] = ()):
         self.params = {p.untyped_storage().data_ptr() for p in params}
         self.storages: dict[int, int] = {}
         self.longest_dim = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self.alive = self.peak = 0
+        self._holders: dict[int, int] = {}  # storage -> saved tensors autograd holds of it
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _pack(self, t: torch.Tensor) -> object:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in self.params:
-            self.storages[storage.data_ptr()] = storage.nbytes()
-            self.longest_dim = max([self.longest_dim, *t.shape])
-        return t
+        ptr = storage.data_ptr()
+        if ptr in self.params:
+            return t
+        self.storages[ptr] = storage.nbytes()
+        self.longest_dim = max([self.longest_dim, *t.shape])
+        if not self._holders.get(ptr):
+            self.alive += storage.nbytes()
+            self.peak = max(self.peak, self.alive)
+        self._holders[ptr] = self._holders.get(ptr, 0) + 1
+        # detached: holding a saved output (its grad_fn holds what we return) would make a cycle
+        # through autograd's graph that Python cannot collect
+        saved = _Saved(t.detach())
+        weakref.finalize(saved, self._release, ptr, storage.nbytes())
+        return saved
+
+    @staticmethod
+    def _unpack(saved: object) -> torch.Tensor:
+        return saved.tensor if isinstance(saved, _Saved) else saved  # type: ignore[return-value]
+
+    def _release(self, ptr: int, nbytes: int) -> None:
+        self._holders[ptr] -= 1
+        if not self._holders[ptr]:
+            del self._holders[ptr]
+            self.alive -= nbytes
 
     @property
     def bytes(self) -> int:

@@ -551,7 +551,7 @@ class Trainer(Stateful):
         stages of the model (pruned by build_model) and the schedule over a step's microbatches,
         logged; else None."""
         p, t = self.cfg.parallelism, self.cfg.training
-        plan = stage_plan(p, self.mesh.pp, self.model)
+        plan = stage_plan(self.cfg, self.mesh.pp, self.model, self.spec.layout_cost(self.args))
         if plan is None:
             return None
         rows = t.local_batch_size * self.accumulation

@@ -100,7 +100,7 @@ def build_model(
     args = spec.args(cfg)
     with torch.device("meta"):
         model = spec.build(args)
-    plan = stage_plan(cfg.parallelism, mesh.pp, model)
+    plan = stage_plan(cfg, mesh.pp, model, spec.layout_cost(args))
     if plan is not None:  # this rank's pipeline stages only, then sharded over the dp ranks
         plan.prune(model)
     spec.parallelize(model, mesh, cfg)

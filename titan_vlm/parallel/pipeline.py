@@ -53,10 +53,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_vlm.config import Parallelism, PPSchedule
+from titan_vlm.config import JobConfig, PPSchedule
 from titan_vlm.data.batch import IGNORE_INDEX
 from titan_vlm.distributed import dist_sum
+from titan_vlm.layout import LayoutCost
 from titan_vlm.models.common.decoder import Decoder
+from titan_vlm.models.common.text_args import DecoderArgs
 from titan_vlm.models.spec import VisionLanguageModel
 from titan_vlm.parallel.context_parallel import CPContext, sync_broadcast_vision_grads
 
@@ -89,6 +91,71 @@ def split_layers(n_layers: int, stages: int) -> list[range]:
     return [range(starts[k], starts[k + 1]) for k in range(stages)]
 
 
+def balanced_split(n_layers: int, stages: int, first: float, last: float) -> list[range]:
+    """The decoder layers of each of `stages` stages, in order and at least one each, that make
+    the costliest stage cheapest, a decoder layer costing 1 and the first stage `first` more (the
+    ViT, projector and token embeddings) and the last `last` more (the norm, head and loss);
+    among those the most even (the least sum of squared stage costs), then the lightest first
+    stages. With first = last = 0 it is `split_layers`."""
+    if stages < 1 or n_layers < stages:
+        raise ValueError(f"{n_layers} decoder layers cannot make {stages} pipeline stages")
+    extra = [0.0] * stages
+    extra[0] += first
+    extra[-1] += last
+    best: dict[tuple[int, int], tuple[float, float, tuple[int, ...]]] = {}
+
+    def solve(k: int, start: int) -> tuple[float, float, tuple[int, ...]]:
+        """The best split of layers [start, n) over stages k.."""
+        if k == stages - 1:
+            cost = n_layers - start + extra[k]
+            return cost, cost * cost, (n_layers - start,)
+        if (k, start) not in best:
+            options = []
+            for j in range(1, n_layers - start - (stages - 1 - k) + 1):
+                worst, squares, rest = solve(k + 1, start + j)
+                cost = j + extra[k]
+                options.append((max(cost, worst), cost * cost + squares, (j, *rest)))
+            best[k, start] = min(options)
+        return best[k, start]
+
+    sizes = solve(0, 0)[2]
+    starts = [sum(sizes[:k]) for k in range(stages + 1)]
+    return [range(starts[k], starts[k + 1]) for k in range(stages)]
+
+
+def stage_costs(
+    cost: LayoutCost, head_per_token: float, n_layers: int, rows: int, seq_len: int, images: int
+) -> tuple[float, float]:
+    """(first, last) of `balanced_split`: what a microbatch of `rows` rows of `seq_len` slots,
+    one sample each with `images` images in all, costs the first stage beyond its layers (the
+    ViT and projector: `cost.image` an image) and the last (the head: `head_per_token` a slot),
+    in units of one decoder layer's cost (its share of `cost.slot` a slot and `cost.pair` a
+    query-key pair, causal over each row). `cost`: the family's (ModelSpec.layout_cost)."""
+    pairs = seq_len * (seq_len + 1) / 2
+    layer = rows * (cost.slot * seq_len + cost.pair * pairs) / n_layers
+    return cost.image * images / layer, head_per_token * rows * seq_len / layer
+
+
+def parse_stage_layers(text: str, stages: int, n_layers: int) -> list[range] | None:
+    """parallelism.pipeline_parallel_stage_layers ("1,2": each stage's decoder layers, in
+    order) as the stages' layers; None where it is empty. ValueError (one line) where it does
+    not give `stages` counts of at least one summing to `n_layers`."""
+    if not text.strip():
+        return None
+    key = f"parallelism.pipeline_parallel_stage_layers={text!r}"
+    parts = [x.strip() for x in text.split(",")]
+    if not all(x.isdigit() for x in parts):
+        raise ValueError(f'{key}: expected comma-separated layer counts, e.g. "1,2"')
+    sizes = [int(x) for x in parts]
+    if len(sizes) != stages or min(sizes) < 1 or sum(sizes) != n_layers:
+        raise ValueError(
+            f"{key}: needs {stages} counts (one a stage: degree x stages_per_rank) of at least "
+            f"1 layer, summing to the decoder's {n_layers} layers"
+        )
+    starts = [sum(sizes[:k]) for k in range(stages + 1)]
+    return [range(starts[k], starts[k + 1]) for k in range(stages)]
+
+
 def decoder_of(model: VisionLanguageModel) -> Decoder:
     """The model's decoder (every family holds one as `decoder`: models/common/decoder.py)."""
     decoder = model.get_submodule("decoder")
@@ -100,12 +167,14 @@ def decoder_of(model: VisionLanguageModel) -> Decoder:
 class StagePlan:
     """Which stages pipeline rank `rank` of `degree` holds and the decoder layers of every stage:
     one stage a rank (`per_rank` = 1: stage = rank), or `per_rank` of them, stage s on rank
-    s mod degree (Interleaved1F1B's loop order); `split_layers` over degree x per_rank."""
+    s mod degree (Interleaved1F1B's loop order); `split`: each stage's layers (`stage_split`),
+    or none: `split_layers` over degree x per_rank."""
 
     rank: int
     degree: int
     per_rank: int
     n_layers: int
+    split: tuple[range, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -117,7 +186,7 @@ class StagePlan:
 
     @property
     def layers(self) -> list[range]:
-        return split_layers(self.n_layers, self.num_stages)
+        return list(self.split) or split_layers(self.n_layers, self.num_stages)
 
     def holds(self, stage: int) -> bool:
         return stage in self.stages
@@ -160,13 +229,50 @@ class StagePlan:
                 decoder.layers[i] = nn.Identity()
 
 
-def stage_plan(p: Parallelism, pp: DeviceMesh, model: VisionLanguageModel) -> StagePlan | None:
-    """This rank's StagePlan of `model` under the config's pipeline keys on the mesh's pp dim;
-    None without pipeline parallelism."""
+def stage_split(cfg: JobConfig, degree: int, cost: LayoutCost, decoder: DecoderArgs) -> list[range]:
+    """Each stage's decoder layers: parallelism.pipeline_parallel_stage_layers where it is set,
+    else `balanced_split` of the family's cost model (`cost`: ModelSpec.layout_cost) for a
+    microbatch of the config's rows (pipeline_parallel_microbatch_size rows of training.seq_len
+    slots, data.images_per_sample images each; the planner prices the same rows). ValueError
+    (one line) for a split that does not fit."""
+    p = cfg.parallelism
+    stages = degree * p.pipeline_parallel_stages_per_rank
+    given = parse_stage_layers(p.pipeline_parallel_stage_layers, stages, decoder.n_layers)
+    if given is not None:
+        return given
+    rows = p.pipeline_parallel_microbatch_size
+    first, last = stage_costs(
+        cost,
+        head_flops_per_token(decoder.dim, decoder.vocab_size),
+        decoder.n_layers,
+        rows,
+        cfg.training.seq_len,
+        rows * cfg.data.images_per_sample,
+    )
+    return balanced_split(decoder.n_layers, stages, first, last)
+
+
+def head_flops_per_token(dim: int, vocab_size: int) -> float:
+    """Model FLOPs of forward + backward of the output head on one slot (2 a weight, 3x)."""
+    return 6.0 * dim * vocab_size
+
+
+def stage_plan(
+    cfg: JobConfig, pp: DeviceMesh, model: VisionLanguageModel, cost: LayoutCost
+) -> StagePlan | None:
+    """This rank's StagePlan of `model` under the config's pipeline keys on the mesh's pp dim
+    (`stage_split`; `cost`: the family's cost model); None without pipeline parallelism."""
     if pp.size() == 1:
         return None
-    n_layers = decoder_of(model).args.n_layers
-    return StagePlan(pp.get_local_rank(), pp.size(), p.pipeline_parallel_stages_per_rank, n_layers)
+    decoder = decoder_of(model).args
+    split = stage_split(cfg, pp.size(), cost, decoder)
+    return StagePlan(
+        pp.get_local_rank(),
+        pp.size(),
+        cfg.parallelism.pipeline_parallel_stages_per_rank,
+        decoder.n_layers,
+        tuple(split),
+    )
 
 
 def bubble(schedule: PPSchedule, stages: int, per_rank: int, microbatches: int) -> float:

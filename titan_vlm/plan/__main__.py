@@ -58,11 +58,6 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, JobConfig]:
     )
     opts, rest = parser.parse_known_args(argv)
     cfg = load_config(rest)
-    if cfg.parallelism.pipeline_parallel_degree > 1:
-        raise ConfigError(
-            "parallelism.pipeline_parallel_degree > 1: the planner does not price pipeline "
-            "parallelism yet (its bubble and memory per stage: docs/limits.md)"
-        )
     if opts.seq_len is not None:
         cfg.training.seq_len = opts.seq_len
     return opts, cfg
@@ -139,6 +134,28 @@ def experts_lines(
     ]
 
 
+def pipeline_lines(plan: Plan, gib: Callable[[float], str], unit: str) -> list[str]:
+    """Under pipeline parallelism: the schedule, the modelled bubble, and each pipeline rank's
+    stages, model state, activations with the microbatches alive at its peak, peak memory and
+    the bytes it sends to other stages (plan/pipeline.py)."""
+    lay = plan.layout
+    m = plan.microbatches
+    lines = [
+        f"pipeline: {lay.pp} ranks x {lay.pp_stages_per_rank} stage(s), {lay.pp_schedule} over "
+        f"{m} microbatches of {lay.pp_microbatch_size} row(s) a step; modelled bubble "
+        f"{100 * plan.bubble:.0f}% of the step",
+        f"  {'rank':<5}{'state':>9}{'activations':>13}{'peak':>9}{'sends':>9}  "
+        f"microbatches alive at the peak by stage; what the rank holds ({unit})",
+    ]
+    num_stages = lay.pp * lay.pp_stages_per_rank
+    for r in plan.ranks:
+        lines.append(
+            f"  {r.rank:<5}{gib(r.state.total):>9}{gib(r.peak.activations):>13}"
+            f"{gib(r.peak.total):>9}{gib(r.sent):>9}  {r.alive}; {r.describe(num_stages)}"
+        )
+    return lines
+
+
 def report(plan: Plan, shapes: ModelShapes, work: Workload, args_line: str) -> list[str]:
     lay, hw = plan.layout, plan.hardware
     unit = "GiB" if plan.state.total >= GIB else "MiB"
@@ -157,18 +174,22 @@ def report(plan: Plan, shapes: ModelShapes, work: Workload, args_line: str) -> l
         "(the trainer's 'model state per rank' line)",
         *experts_lines(shapes, lay, gib, unit),
         "",
-        f"activations saved for backward per rank (the busiest), {unit}:",
-        f"  {'module':<30}" + "".join(f"{m:>11}" for m in AC_MODES),
     ]
-    modules = list(plan.activations["none"])
-    for m in modules:
+    if plan.ranks:
+        lines += pipeline_lines(plan, gib, unit)
+    else:
+        lines += [
+            f"activations saved for backward per rank (the busiest), {unit}:",
+            f"  {'module':<30}" + "".join(f"{m:>11}" for m in AC_MODES),
+        ]
+        for m in plan.activations["none"]:
+            lines.append(
+                f"  {m:<30}" + "".join(f"{gib(plan.activations[ac][m]):>11}" for ac in AC_MODES)
+            )
         lines.append(
-            f"  {m:<30}" + "".join(f"{gib(plan.activations[ac][m]):>11}" for ac in AC_MODES)
+            f"  {'total':<30}"
+            + "".join(f"{gib(sum(plan.activations[ac].values())):>11}" for ac in AC_MODES)
         )
-    lines.append(
-        f"  {'total':<30}"
-        + "".join(f"{gib(sum(plan.activations[ac].values())):>11}" for ac in AC_MODES)
-    )
     p = plan.peak
     lines += [
         "",
@@ -179,7 +200,12 @@ def report(plan: Plan, shapes: ModelShapes, work: Workload, args_line: str) -> l
         "",
         f"FLOPs per step: {flops(plan.useful_flops)} useful (whole job, image tokens once); the "
         f"busiest rank runs {flops(plan.rank_flops)} = {plan.compute_s:.3f} s at "
-        f"{flops(plan.rank_flops / plan.compute_s)}/s ({plan.efficiency:.0%} of peak)",
+        f"{flops(plan.rank_flops / plan.compute_s)}/s ({plan.efficiency:.0%} of peak)"
+        + (
+            f", over {1 - plan.bubble:.0%} of the step (the pipeline's bubble)"
+            if plan.ranks
+            else ""
+        ),
         "",
         "collectives, bytes each rank sends per step:",
         f"  {'what':<34}{'group':>13}{'ranks':>6}{'link':>9}{unit:>10}{'s':>9}  overlapped",
@@ -253,16 +279,17 @@ def main(argv: list[str] | None = None) -> None:
                 f"{len(fitting)} fit; fastest first:"
             )
             print(
-                f"  {'dp_rep':>6}{'dp_shard':>9}{'cp':>5}{'tp':>4}{'sp':>4}{'ep':>4}  {'comm':<10}"
-                f"{'vision':<10}"
+                f"  {'pp':>3}{'dp_rep':>7}{'dp_shard':>9}{'cp':>5}{'tp':>4}{'sp':>4}{'ep':>4}  "
+                f"{'schedule':<22}{'comm':<10}{'vision':<10}"
                 f"{'ac':<10}{'peak GiB':>9}{'step s':>9}{'MFU %':>7}{'tokens/s':>12}"
             )
             for p in fitting[: opts.top]:
                 lay = p.layout
+                schedule = lay.pp_schedule if lay.pp > 1 else "-"
                 print(
-                    f"  {lay.dp_replicate:>6}{lay.dp_shard:>9}{lay.cp:>5}{lay.tp:>4}"
+                    f"  {lay.pp:>3}{lay.dp_replicate:>7}{lay.dp_shard:>9}{lay.cp:>5}{lay.tp:>4}"
                     f"{'on' if lay.sequence_parallel else 'off':>4}{lay.ep:>4}  "
-                    f"{lay.cp_comm_type:<10}{lay.cp_vision:<10}{lay.ac_mode:<10}"
+                    f"{schedule:<22}{lay.cp_comm_type:<10}{lay.cp_vision:<10}{lay.ac_mode:<10}"
                     f"{p.peak.total / GIB:>9.1f}{p.step_s:>9.3f}{100 * p.mfu:>7.1f}"
                     f"{p.tokens_per_s:>12,.0f}"
                 )

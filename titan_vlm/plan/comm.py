@@ -32,6 +32,7 @@ reduce-scatter or all-to-all (P-1)/P of its input, a point-to-point send its ten
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -203,7 +204,10 @@ def tp_bytes(shapes: ModelShapes, layout: Layout, work: Workload) -> int:
 
 
 def collectives(shapes: ModelShapes, layout: Layout, work: Workload) -> list[Collective]:
+    """Every collective of a rank holding `shapes.params` (a pipeline rank: its stages'; the
+    image embeddings' only where it holds the tower) and `shapes.decoder.n_layers` layers."""
     out = []
+    tower = any(p.group != "decoder" for p in shapes.params)
     if layout.cp > 1:
         out.append(
             Collective(
@@ -214,6 +218,7 @@ def collectives(shapes: ModelShapes, layout: Layout, work: Workload) -> list[Col
                 layout.cp_comm_type == "p2p",
             )
         )
+    if layout.cp > 1 and tower:
         out.append(
             Collective(
                 f"image embeddings ({layout.cp_vision})",
@@ -230,5 +235,11 @@ def collectives(shapes: ModelShapes, layout: Layout, work: Workload) -> list[Col
     if layout.ep > 1 and shapes.decoder.moe is not None:
         sent = ep_bytes(shapes, layout, work)
         out.append(Collective("experts all-to-all", "ep", layout.ep, sent, False))
-    out.extend(fsdp_collectives(shapes, layout))
+    # under pipeline parallelism each stage's units are FSDP roots, resharded after each
+    # microbatch's forward: gathered, and their gradients reduced, once a microbatch
+    times = work.rows // layout.pp_microbatch_size if layout.pp > 1 else 1
+    out.extend(
+        dataclasses.replace(c, sent_bytes=c.sent_bytes * times)
+        for c in fsdp_collectives(shapes, layout)
+    )
     return out

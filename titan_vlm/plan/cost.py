@@ -12,20 +12,20 @@ ModelShapes.train_flops, image tokens once) against world x peak x step time.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from titan_vlm.plan.comm import Collective, collectives
+from titan_vlm.plan.flops import executed_flops
 from titan_vlm.plan.hardware import Hardware
 from titan_vlm.plan.memory import (
+    AC_MODES,
     PeakMemory,
     StateBytes,
     activation_bytes,
-    checkpointed,
     peak_memory,
     state_bytes,
-    vision_images_on_rank,
 )
+from titan_vlm.plan.pipeline import RankPlan, pipeline_bubble, rank_plans
 from titan_vlm.plan.shapes import ModelShapes
 from titan_vlm.plan.spec import Layout, Workload
 
@@ -40,52 +40,14 @@ def span(layout: Layout, group: str) -> int:
         "ep": layout.ep * layout.tp,  # mesh (dp_replicate, efsdp, ep, tp)
         "fsdp": layout.dp_shard * layout.cp * layout.tp,
         "efsdp": layout.dp_shard * layout.cp * layout.tp,
-        "dp_replicate": layout.world,
+        "dp_replicate": layout.world // layout.pp,
+        "pp": layout.world,  # the next stage's rank: world / pp ranks on
     }
     return inner[group]
 
 
 def link_gbps(layout: Layout, group: str, hw: Hardware, gpus_per_node: int) -> float:
     return hw.intra_gbps if span(layout, group) <= gpus_per_node else hw.inter_gbps
-
-
-def executed_flops(shapes: ModelShapes, layout: Layout, work: Workload) -> float:
-    """FLOPs the busiest rank runs per step: train_flops of its images (cp_vision), its text
-    section and its attention pairs, with the decoder's linear layers corrected from the slots
-    of the images it encoded to the replicated image slots it holds (a negative correction
-    where images are kept whole elsewhere or sharded: their slots are in some rank's text
-    section), plus the recomputed forward of checkpointed blocks; over tp."""
-    g = work.placed(layout)
-    n_vis = vision_images_on_rank(layout, work.num_images)
-    if layout.cp_comm_type == "a2a" and layout.cp > 1:
-        # every rank: the shared rows on H/P heads, its kept samples on every head
-        shared = (g.whole_pairs - sum(g.kept_pairs)) / layout.cp
-        pairs = shared + max(g.kept_pairs)
-    else:
-        pairs = max(g.pairs)
-    text = g.rows * g.section_slots
-    flops = shapes.train_flops(n_vis, text, pairs)
-    block_params = active_block_params(shapes)
-    other_image_slots = g.rows * g.image_slots - n_vis * shapes.tokens_per_image
-    flops += 6 * block_params * other_image_slots
-    d = shapes.decoder
-    share = checkpointed(d.n_layers, layout.ac_mode) / d.n_layers
-    flops += share * flops / 3  # one more forward of the checkpointed share (head included: small)
-    return flops / layout.tp
-
-
-def active_block_params(shapes: ModelShapes) -> float:
-    """The decoder blocks' matrix weights one token meets (2 FLOPs each forward, 6 in all): a
-    mixture-of-experts layer's router and top_k of its E experts (top_k / E of the stacked
-    experts' weights; under expert parallelism the busiest rank's share when the router spreads
-    the picks evenly)."""
-    d = shapes.decoder
-    active = d.moe.top_k / d.moe.num_experts if d.moe else 1.0
-    return sum(
-        math.prod(p.shape) * (active if p.expert else 1.0)
-        for p in shapes.params
-        if p.group == "decoder" and ".layers." in p.name and len(p.shape) > 1
-    )
 
 
 @dataclass(frozen=True)
@@ -109,6 +71,11 @@ class Plan:
     step_s: float
     tokens_per_step: int
     efficiency: float
+    # pipeline parallelism: every pipeline rank's price (the slowest one's comms and compute
+    # above, the largest peak) and the modelled bubble; none without it
+    ranks: list[RankPlan] = field(default_factory=list)
+    bubble: float = 0.0
+    microbatches: int = 1
 
     @property
     def mfu(self) -> float:
@@ -133,6 +100,22 @@ class Plan:
         return self.tokens_per_step / self.step_s
 
 
+def timed_comms(
+    collected: list[Collective], layout: Layout, hw: Hardware, gpus_per_node: int
+) -> list[Timed]:
+    return [
+        Timed(c, c.sent_bytes / (link_gbps(layout, c.group, hw, gpus_per_node) * 1e9))
+        for c in collected
+    ]
+
+
+def step_seconds(compute_s: float, timed: list[Timed]) -> float:
+    """Compute, or the overlapped collectives where they take longer, plus the exposed ones."""
+    overlapped = sum(t.seconds for t in timed if t.collective.overlapped)
+    exposed = sum(t.seconds for t in timed if not t.collective.overlapped)
+    return max(compute_s, overlapped) + exposed
+
+
 def make_plan(
     shapes: ModelShapes,
     layout: Layout,
@@ -142,31 +125,60 @@ def make_plan(
     efficiency: float = EFFICIENCY,
 ) -> Plan:
     """Price `layout` for `work` (one dp rank's rows) on `hw`."""
-    acts = {m: activation_bytes(shapes, layout, work, m) for m in ("none", "selective", "full")}
     peak_flops = hw.peak_flops if layout.mixed_precision == "bf16" else hw.peak_flops_fp32
-    rank_flops = executed_flops(shapes, layout, work)
-    compute_s = rank_flops / (peak_flops * efficiency)
-    timed = [
-        Timed(c, c.sent_bytes / (link_gbps(layout, c.group, hw, gpus_per_node) * 1e9))
-        for c in collectives(shapes, layout, work)
-    ]
-    overlapped = sum(t.seconds for t in timed if t.collective.overlapped)
-    exposed = sum(t.seconds for t in timed if not t.collective.overlapped)
-    step_s = max(compute_s, overlapped) + exposed
     g = work.whole()
     useful = layout.dp * shapes.train_flops(work.num_images, work.text_tokens, g.whole_pairs)
-    return Plan(
+    common = dict(
         layout=layout,
         hardware=hw,
         gpus_per_node=gpus_per_node,
-        state=state_bytes(shapes, layout),
-        activations=acts,
-        peak=peak_memory(shapes, layout, work, layout.ac_mode),
         useful_flops=useful,
+        tokens_per_step=layout.dp * work.rows * work.seq_len,
+        efficiency=efficiency,
+    )
+    if layout.pp > 1:
+        return _pipeline_plan(shapes, layout, work, peak_flops, common)
+    rank_flops = executed_flops(shapes, layout, work)
+    compute_s = rank_flops / (peak_flops * efficiency)
+    timed = timed_comms(collectives(shapes, layout, work), layout, hw, gpus_per_node)
+    return Plan(
+        state=state_bytes(shapes, layout),
+        activations={m: activation_bytes(shapes, layout, work, m) for m in AC_MODES},
+        peak=peak_memory(shapes, layout, work, layout.ac_mode),
         rank_flops=rank_flops,
         comms=timed,
         compute_s=compute_s,
+        step_s=step_seconds(compute_s, timed),
+        **common,  # type: ignore[arg-type]
+    )
+
+
+def _pipeline_plan(
+    shapes: ModelShapes, layout: Layout, work: Workload, peak_flops: float, common: dict
+) -> Plan:
+    """make_plan under pipeline parallelism: each pipeline rank's compute over 1 - the bubble,
+    its collectives (its stages' layers and parameters, FSDP's once a microbatch) and the
+    stage-to-stage sends; the slowest rank sets the step, the largest peak the memory."""
+    ranks = rank_plans(shapes, layout, work)
+    bub = pipeline_bubble(layout, work.rows)
+    hw, gpn, eff = common["hardware"], common["gpus_per_node"], common["efficiency"]
+    steps = []
+    for r in ranks:
+        sent = Collective("pp stage-to-stage", "pp", layout.pp, r.sent, False)
+        timed = timed_comms([*collectives(r.shapes, layout, work), sent], layout, hw, gpn)
+        compute_s = r.flops / (peak_flops * eff)  # its stages' work; idle for the bubble too
+        steps.append((step_seconds(compute_s / (1 - bub), timed), compute_s, timed, r))
+    step_s, compute_s, timed, slowest = max(steps, key=lambda x: x[0])
+    return Plan(
+        state=ranks[0].state,
+        activations={},
+        peak=max((r.peak for r in ranks), key=lambda p: p.total),
+        rank_flops=slowest.flops,
+        comms=timed,
+        compute_s=compute_s,
         step_s=step_s,
-        tokens_per_step=layout.dp * work.rows * work.seq_len,
-        efficiency=efficiency,
+        ranks=ranks,
+        bubble=bub,
+        microbatches=work.rows // layout.pp_microbatch_size,
+        **common,
     )

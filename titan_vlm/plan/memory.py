@@ -37,7 +37,7 @@ them (each storage once; checked against `metrics.SavedForBackward` by tests/tes
 The replicated image slots are in L on every CP rank; token ids, the head and the loss run on the
 text section (T + W). Activation checkpointing keeps, for each
 checkpointed block, only its input ("checkpointed block inputs") and recomputes the block in
-backward (a transient of one block's activations, `recompute_bytes`).
+backward (a transient of one block's activations, `transient_bytes`).
 """
 
 from __future__ import annotations
@@ -167,16 +167,14 @@ def decoder_block_bytes(shapes: ModelShapes, layout: Layout, g: Geometry, sparse
     return g.rows * (norms + attn + moe) + 8 * e  # the rows per expert: one for the batch
 
 
-def decoder_blocks_bytes(shapes: ModelShapes, layout: Layout, g: Geometry, mode: str) -> int:
-    """The saved bytes of the decoder blocks AC `mode` does not checkpoint."""
+def decoder_blocks_bytes(
+    shapes: ModelShapes, layout: Layout, g: Geometry, mode: str, layers: range
+) -> int:
+    """The saved bytes of the decoder blocks of `layers` that AC `mode` does not checkpoint."""
     d = shapes.decoder
     dense = decoder_block_bytes(shapes, layout, g, False)
     sparse = decoder_block_bytes(shapes, layout, g, True) if d.moe is not None else 0
-    return sum(
-        sparse if d.is_sparse(i) else dense
-        for i in range(d.n_layers)
-        if not is_checkpointed(i, mode)
-    )
+    return sum(sparse if d.is_sparse(i) else dense for i in layers if not is_checkpointed(i, mode))
 
 
 def largest_decoder_block(shapes: ModelShapes, layout: Layout, g: Geometry) -> int:
@@ -220,40 +218,55 @@ def merger_bytes(shapes: ModelShapes, layout: Layout, images: int) -> int:
     return images * v.patches * (main + deepstack)
 
 
+@dataclass(frozen=True)
+class StageShare:
+    """What of the model a pipeline stage runs (parallel/pipeline.py): its decoder `layers`;
+    `first`: the tower, projector and token embeddings; `last`: the final norm, head and loss.
+    The whole model is one stage of every layer, first and last."""
+
+    layers: range
+    first: bool = True
+    last: bool = True
+
+
 def activation_bytes(
-    shapes: ModelShapes, layout: Layout, work: Workload, mode: str
+    shapes: ModelShapes,
+    layout: Layout,
+    work: Workload,
+    mode: str,
+    stage: StageShare | None = None,
 ) -> dict[str, int]:
-    """Saved-for-backward bytes of one rank (the busiest) by module under AC `mode`."""
+    """Saved-for-backward bytes of one rank (the busiest) by module under AC `mode`, for the
+    modules of `stage` (None: the whole model)."""
     d, v = shapes.decoder, shapes.vision
+    stage = stage or StageShare(range(d.n_layers))
     a, t = layout.act_bytes, layout.tp
     g = work.placed(layout)
     B, L, T = g.rows, g.local_slots, g.section_slots
-    n_vis = vision_images_on_rank(layout, work.num_images)
+    n_vis = vision_images_on_rank(layout, work.num_images) if stage.first else 0
     vit_block = vision_block_bytes(shapes, layout, n_vis)
-    dec_ckpt = checkpointed(d.n_layers, mode)
+    dec_ckpt = sum(is_checkpointed(i, mode) for i in stage.layers)
     vit_ckpt = checkpointed(v.n_layers, mode)
     block_in = L // t if layout.sequence_parallel else L
     last_hidden = 4 * L * d.dim if a == 4 else 4 * T * d.dim  # fp32: the norm keeps h itself
-    return {
+    first = {
         "vision blocks": (v.n_layers - vit_ckpt) * vit_block,
         "vision pixels and tables": n_vis * (v.pixels * a + v.patches * v.tables),
         "projector": merger_bytes(shapes, layout, n_vis),
-        "decoder blocks": decoder_blocks_bytes(shapes, layout, g, mode),
+    }
+    return {
+        **(first if stage.first else {}),
+        "decoder blocks": decoder_blocks_bytes(shapes, layout, g, mode, stage.layers),
         "rope tables": B * L * 2 * 4 * d.head_dim,
-        "token ids": B * T * 8,
-        "head and loss": B * (last_hidden + T * (4 + 2 * a * d.dim + 4 * d.vocab_size + 8)),
+        **({"token ids": B * T * 8} if stage.first else {}),
+        **(
+            {"head and loss": B * (last_hidden + T * (4 + 2 * a * d.dim + 4 * d.vocab_size + 8))}
+            if stage.last
+            else {}
+        ),
         "checkpointed block inputs": dec_ckpt * B * block_in * a * d.dim
         + vit_ckpt * n_vis * v.patches * a * v.dim,
     }
-
-
-def recompute_bytes(shapes: ModelShapes, layout: Layout, work: Workload, mode: str) -> int:
-    """The transient of backward under AC: one checkpointed block's activations, recomputed."""
-    if mode == "none":
-        return 0
-    g = work.placed(layout)
-    n_vis = vision_images_on_rank(layout, work.num_images)
-    return max(largest_decoder_block(shapes, layout, g), vision_block_bytes(shapes, layout, n_vis))
 
 
 @dataclass(frozen=True)
@@ -268,11 +281,11 @@ class PeakMemory:
         return self.state + self.unsharded_params + self.activations + self.transient
 
 
-def peak_memory(shapes: ModelShapes, layout: Layout, work: Workload, mode: str) -> PeakMemory:
-    """An estimate: state + unsharded parameters (the FSDP root modules, which stay gathered
-    through the step, and two blocks: the one computing and the one prefetched, with their
-    unsharded gradients) + activations + the larger of the loss's logits buffers (logits, their
-    fp32 copy and gradient) and a block's activation gradients plus its recomputation."""
+def gathered_bytes(shapes: ModelShapes, layout: Layout) -> int:
+    """FSDP's all-gathered parameters in use at once (the tp / ep rank's, in the compute dtype):
+    the root modules (what is not in a block), which stay gathered through the step, and the two
+    largest blocks (the one computing and the one prefetched) with their unsharded fp32
+    gradients; of `shapes.params` (a pipeline rank's: its stages')."""
     a, t = layout.act_bytes, layout.tp
 
     def full(p: Param) -> int:  # unsharded by FSDP: the tp (ep) rank's
@@ -280,20 +293,42 @@ def peak_memory(shapes: ModelShapes, layout: Layout, work: Workload, mode: str) 
         return n // t if p.tp_dim is not None else n // layout.ep if p.expert else n
 
     roots = sum(full(p) for p in shapes.params if ".layers." not in p.name)
-    block = max(
-        sum(full(p) for p in shapes.params if p.name.startswith(f"{prefix}.layers.{i}."))
-        for prefix, n in (("decoder", shapes.decoder.n_layers), ("vision", shapes.vision.n_layers))
-        for i in range(n)
-    )
+    blocks: dict[str, int] = {}
+    for p in shapes.params:
+        if ".layers." in p.name:
+            prefix, rest = p.name.split(".layers.", 1)
+            key = f"{prefix}.{rest.split('.')[0]}"
+            blocks[key] = blocks.get(key, 0) + full(p)
+    return roots * a + 2 * max(blocks.values(), default=0) * (a + 4)
+
+
+def transient_bytes(
+    shapes: ModelShapes,
+    layout: Layout,
+    work: Workload,
+    mode: str,
+    stage: StageShare | None = None,
+) -> int:
+    """The larger of the loss's logits buffers (logits, their fp32 copy and gradient: on the
+    last stage) and a block's activation gradients plus its recomputation (the tower's on the
+    first)."""
+    stage = stage or StageShare(range(shapes.decoder.n_layers))
     g = work.placed(layout)
-    logits = g.rows * g.section_slots * shapes.decoder.vocab_size * (a + 4 + 4)
-    n_vis = vision_images_on_rank(layout, work.num_images)
+    logits = g.rows * g.section_slots * shapes.decoder.vocab_size * (layout.act_bytes + 4 + 4)
+    n_vis = vision_images_on_rank(layout, work.num_images) if stage.first else 0
     one_block = max(
         largest_decoder_block(shapes, layout, g), vision_block_bytes(shapes, layout, n_vis)
     )
+    recompute = one_block if mode != "none" else 0  # the block recomputed under AC
+    return max(logits if stage.last else 0, one_block + recompute)
+
+
+def peak_memory(shapes: ModelShapes, layout: Layout, work: Workload, mode: str) -> PeakMemory:
+    """An estimate: state + unsharded parameters (`gathered_bytes`) + activations + the
+    transient of backward (`transient_bytes`)."""
     return PeakMemory(
         state=state_bytes(shapes, layout).total,
-        unsharded_params=roots * a + 2 * block * (a + 4),
+        unsharded_params=gathered_bytes(shapes, layout),
         activations=sum(activation_bytes(shapes, layout, work, mode).values()),
-        transient=max(logits, one_block + recompute_bytes(shapes, layout, work, mode)),
+        transient=transient_bytes(shapes, layout, work, mode),
     )

@@ -7,7 +7,7 @@ import copy
 import itertools
 from typing import get_args
 
-from titan_vlm.config import ACMode, ConfigError, CPCommType, CPVision, JobConfig
+from titan_vlm.config import ACMode, ConfigError, CPCommType, CPVision, JobConfig, PPSchedule
 from titan_vlm.plan.cost import Plan, make_plan
 from titan_vlm.plan.hardware import Hardware
 from titan_vlm.plan.shapes import ModelShapes
@@ -19,27 +19,39 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def pipelines(pp: int) -> list[tuple[PPSchedule, int]]:
+    """The (schedule, stages a rank) --search tries at pipeline degree `pp`: every schedule, the
+    interleaved one at 2 stages a rank; none (1F1B, unused) without a pipeline."""
+    if pp == 1:
+        return [("1F1B", 1)]
+    return [(s, 2 if s == "Interleaved1F1B" else 1) for s in get_args(PPSchedule)]
+
+
 def candidate_layouts(
     cfg: JobConfig, world: int, gpus_per_node: int, experts: bool = False
 ) -> list[Layout]:
-    """(dp_replicate, dp_shard, cp, tp) with product `world` and tp within a node, each with every
-    cp_comm_type and cp_vision (cp > 1) and AC mode, and (`experts`: a mixture-of-experts
-    decoder) every expert-parallel degree dividing dp_shard x cp; sequence parallelism on
-    whenever tp > 1 and the trainer takes it (not with experts: their TP plan has none; not for
-    a family without it); the config's cp_sample_placement and cp_image_tokens.
+    """(pp, dp_replicate, dp_shard, cp, tp) with product `world` and tp within a node, each with
+    every pipeline schedule (`pipelines`; pp > 1, the config's microbatch size), cp_comm_type and
+    cp_vision (cp > 1) and AC mode, and (`experts`: a mixture-of-experts decoder) every
+    expert-parallel degree dividing dp_shard x cp; sequence parallelism on whenever tp > 1 and
+    the trainer takes it (not with experts: their TP plan has none; not for a family without
+    it); the config's cp_sample_placement and cp_image_tokens.
     Layouts the trainer would refuse (validate.validate_job: heads, a2a, experts that do not
-    split, ...) are left out."""
+    split, what a pipeline does not run yet, ...) are left out."""
     out = []
-    for tp in (t for t in divisors(world) if t <= gpus_per_node):
-        for cp in divisors(world // tp):
-            for rep in divisors(world // (tp * cp)):
-                shard = world // (tp * cp * rep)
+    for pp, tp in itertools.product(divisors(world), divisors(world)):
+        if tp > gpus_per_node or world % (pp * tp):
+            continue
+        inner = world // (pp * tp)  # dp_replicate x dp_shard x cp
+        for cp in divisors(inner):
+            for rep in divisors(inner // cp):
+                shard = inner // (cp * rep)
                 comms: tuple[CPCommType, ...] = get_args(CPCommType) if cp > 1 else ("p2p",)
                 visions: tuple[CPVision, ...] = get_args(CPVision) if cp > 1 else ("shard",)
                 eps = divisors(shard * cp) if experts else [1]
                 sps = (True, False) if tp > 1 and not experts else (False,)
-                for comm, vision, ac, ep in itertools.product(
-                    comms, visions, get_args(ACMode), eps
+                for comm, vision, ac, ep, (schedule, per_rank) in itertools.product(
+                    comms, visions, get_args(ACMode), eps, pipelines(pp)
                 ):
                     layouts = (
                         Layout(
@@ -55,6 +67,10 @@ def candidate_layouts(
                             cp_sample_placement=cfg.parallelism.cp_sample_placement,
                             cp_image_tokens=cfg.parallelism.cp_image_tokens,
                             ep=ep,
+                            pp=pp,
+                            pp_schedule=schedule,
+                            pp_microbatch_size=cfg.parallelism.pipeline_parallel_microbatch_size,
+                            pp_stages_per_rank=per_rank,
                         )
                         for sp in sps
                     )
@@ -76,6 +92,10 @@ def configured(cfg: JobConfig, layout: Layout) -> JobConfig:
     p.enable_sequence_parallel = layout.sequence_parallel
     p.image_embed_tp_shard = False
     p.expert_parallel_degree = layout.ep
+    p.pipeline_parallel_degree = layout.pp
+    p.pipeline_parallel_schedule = layout.pp_schedule
+    p.pipeline_parallel_microbatch_size = layout.pp_microbatch_size
+    p.pipeline_parallel_stages_per_rank = layout.pp_stages_per_rank
     c.activation_checkpoint.mode = layout.ac_mode
     return c
 

@@ -18,6 +18,7 @@ from titan_vlm.config import (
     CPVision,
     JobConfig,
     MixedPrecision,
+    PPSchedule,
     world_size_of,
 )
 from titan_vlm.data.batch import join_rows
@@ -42,10 +43,17 @@ class Layout:
     cp_image_tokens: CPImageTokens = "replicate"
     # expert parallelism: consecutive ranks of dp_shard x cp that split a MoE layer's experts
     ep: int = 1
+    # pipeline parallelism (the mesh's outermost dim): pp ranks of pp_stages_per_rank stages,
+    # pp_microbatch_size rows a microbatch, run by pp_schedule (parallel/pipeline.py)
+    pp: int = 1
+    pp_schedule: PPSchedule = "1F1B"
+    pp_microbatch_size: int = 1
+    pp_stages_per_rank: int = 1
+    pp_stage_layers: str = ""  # parallelism.pipeline_parallel_stage_layers ("": by cost)
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
@@ -64,8 +72,15 @@ class Layout:
     def describe(self) -> str:
         extra = " sp" if self.sequence_parallel else ""
         extra += f" ep={self.ep}" if self.ep > 1 else ""
+        pp = (
+            f"pp={self.pp} ({self.pp_schedule}, {self.pp_stages_per_rank} stage(s) a rank, "
+            f"microbatches of {self.pp_microbatch_size} row(s)) "
+            if self.pp > 1
+            else ""
+        )
         return (
-            f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp}"
+            f"{pp}dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} cp={self.cp} "
+            f"tp={self.tp}"
             f"{extra} cp_comm_type={self.cp_comm_type} cp_vision={self.cp_vision} "
             f"cp_sample_placement={self.cp_sample_placement} "
             f"cp_image_tokens={self.cp_image_tokens} ac={self.ac_mode} {self.mixed_precision}"
@@ -93,6 +108,11 @@ class Layout:
             p.cp_sample_placement,
             p.cp_image_tokens,
             p.expert_parallel_degree,
+            p.pipeline_parallel_degree,
+            p.pipeline_parallel_schedule,
+            p.pipeline_parallel_microbatch_size,
+            p.pipeline_parallel_stages_per_rank,
+            p.pipeline_parallel_stage_layers,
         )
 
 

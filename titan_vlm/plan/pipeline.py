@@ -1,0 +1,237 @@
+"""Pipeline parallelism's price (parallel/pipeline.py): what each pipeline rank holds, the
+microbatches whose activations it keeps at once under the schedule, its compute, the bubble and
+the stage-to-stage bytes.
+
+    pp rank r holds stages r, r + pp, ... (pipeline_parallel_stages_per_rank of them), each its
+    decoder layers (StagePlan.layers), stage 0 also the tower, projector and token embeddings,
+    the last stage the norm, head and loss. Per rank:
+
+      model state   16 bytes per local element of its stages' parameters (FSDP over dp x cp as
+                    without stages; rank 0's is the trainer's "model state per rank" line)
+      activations   the most bytes alive at once: each microbatch of a stage keeps the stage's
+                    saved-for-backward bytes (memory.activation_bytes of one microbatch's rows)
+                    from its forward to its backward (a zero-bubble schedule: to its weights'
+                    backward), in the order torch's schedule runs them (`rank_actions`); a stage
+                    after the first also keeps the buffer it received (its first block's input
+                    is a view of it: the padding is the extra), a stage before the last the
+                    buffer it sent (the schedule holds its output until the backward)
+      compute       its stages' share of a microbatch's FLOPs (the tower on stage 0, the head on
+                    the last, the decoder's layers each alike) x the microbatches, over
+                    1 - bubble (parallel.pipeline.bubble: equal stages; the slowest rank's time)
+      sent          each microbatch's hidden states [wire_slots, dim] to the next stage and their
+                    gradient back (parallel.pipeline.wire_slots), on the critical path
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from titan_vlm.config import PPSchedule
+from titan_vlm.parallel.pipeline import (
+    ZERO_BUBBLE,
+    StagePlan,
+    balanced_split,
+    bubble,
+    head_flops_per_token,
+    parse_stage_layers,
+    stage_costs,
+    wire_slots,
+)
+from titan_vlm.plan.flops import executed_flops, head_flops, vision_flops
+from titan_vlm.plan.memory import (
+    PeakMemory,
+    StageShare,
+    StateBytes,
+    activation_bytes,
+    gathered_bytes,
+    state_bytes,
+    transient_bytes,
+)
+from titan_vlm.plan.shapes import ModelShapes, Param
+from titan_vlm.plan.spec import Layout, Workload
+
+Action = tuple[str, int]  # ("F" forward | "R" release, local stage index)
+
+
+def rank_actions(schedule: PPSchedule, pp: int, per_rank: int, m: int, rank: int) -> list[Action]:
+    """The forwards of pipeline rank `rank` and the points where a microbatch's saved tensors of
+    a local stage are released, in the order torch.distributed.pipelining's schedule runs them:
+    GPipe every forward, then every backward; 1F1B min(m, pp - rank) forwards, then one backward
+    and one forward; the interleaved schedules (Interleaved1F1B, InterleavedZeroBubble) their
+    warm-up forwards ((v - 1) rounds and 2 (1 for zero bubble) per rank after this one, each
+    round's microbatches on one local stage in turn), then a forward and a backward, the
+    backwards in reverse stage order; a zero-bubble schedule releases at its weights' backward,
+    `rank` backwards later."""
+    if schedule == "GPipe":
+        return [("F", 0)] * m + [("R", 0)] * m
+    if schedule == "1F1B":
+        warm = min(m, pp - rank)
+        return [("F", 0)] * warm + [("R", 0), ("F", 0)] * (m - warm) + [("R", 0)] * warm
+    v = per_rank
+    per_round = m // max(1, m // pp)
+    zero_bubble = schedule in ZERO_BUBBLE
+    warm = min((v - 1) * per_round + (1 if zero_bubble else 2) * (pp - 1 - rank), m * v)
+    total = m * v
+
+    def forward_stage(op: int) -> int:
+        return (op // per_round) % v
+
+    def backward_stage(op: int) -> int:
+        return v - 1 - ((op - warm) // per_round) % v
+
+    out: list[Action] = []
+    backwards: list[int] = []  # the local stage of each backward, in order
+    released = 0
+    for op in range(total + warm):
+        if op < total:
+            out.append(("F", forward_stage(op)))
+        if op >= warm:
+            backwards.append(backward_stage(op))
+            if not zero_bubble:
+                out.append(("R", backwards[-1]))
+            elif op - warm >= rank:  # the weights' backward of an earlier backward
+                out.append(("R", backwards[released]))
+                released += 1
+    out += [("R", s) for s in backwards[released:]] if zero_bubble else []
+    return out
+
+
+def peak_alive(actions: list[Action], stage_bytes: list[int]) -> tuple[int, list[int]]:
+    """(the most bytes alive at once, and the microbatches alive of each local stage then) when
+    each forward on local stage s keeps `stage_bytes[s]` until its release."""
+    alive = [0] * len(stage_bytes)
+    best, at = 0, list(alive)
+    for kind, s in actions:
+        alive[s] += 1 if kind == "F" else -1
+        now = sum(n * b for n, b in zip(alive, stage_bytes))
+        if now > best:
+            best, at = now, list(alive)
+    return best, at
+
+
+def stage_of(p: Param, layers: list[range]) -> int:
+    """The stage that holds parameter `p` (its one-process name; StagePlan.prune)."""
+    if p.group != "decoder" or p.name.startswith("decoder.tok_embeddings."):
+        return 0
+    if p.name.startswith("decoder.layers."):
+        i = int(p.name.split(".")[2])
+        return next(s for s, r in enumerate(layers) if i in r)
+    return len(layers) - 1  # the final norm and the head
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Pipeline rank `rank`'s price: its stages and their layers; `shapes`, the model as this
+    rank holds it (its stages' parameters, its decoder layers' count: what its collectives
+    move); its model state and peak memory; its stages' saved bytes for one microbatch
+    (`stage_bytes`, by local stage) and the microbatches alive at its peak (`alive`); its
+    compute in FLOPs per step (`flops`) and the bytes it sends to other stages per step
+    (`sent`)."""
+
+    rank: int
+    stages: list[int]
+    layers: list[range]
+    shapes: ModelShapes
+    state: StateBytes
+    peak: PeakMemory
+    stage_bytes: list[int]
+    alive: list[int]
+    flops: float
+    sent: int
+
+    def describe(self, num_stages: int) -> str:
+        parts = []
+        for s, r in zip(self.stages, self.layers):
+            what = ["vision, projector, embeddings"] if s == 0 else []
+            what += [f"layers {r.start}-{r.stop - 1}"] if len(r) else []
+            what += ["norm, head"] if s == num_stages - 1 else []
+            parts.append(f"stage {s} ({', '.join(what)})")
+        return "; ".join(parts)
+
+
+def microbatch(work: Workload, rows: int) -> Workload:
+    """One pipeline microbatch of `work`: its first `rows` rows (a uniform workload's rows are
+    alike)."""
+    return dataclasses.replace(work, doc=work.doc[:rows], image=work.image[:rows], _geometries={})
+
+
+def stage_flops(
+    shapes: ModelShapes, layout: Layout, mb: Workload, share: StageShare, n_layers: int
+) -> float:
+    """FLOPs of one microbatch on a stage, on the busiest cp rank: cost.executed_flops of the
+    microbatch split by what the stage runs (the tower and projector on the first, the head on
+    the last, each decoder layer alike)."""
+    total = executed_flops(shapes, layout, mb)
+    head, vision = head_flops(shapes, layout, mb), vision_flops(shapes, layout, mb)
+    decoder = total - head - vision
+    out = decoder * len(share.layers) / n_layers
+    return out + (vision if share.first else 0.0) + (head if share.last else 0.0)
+
+
+def layer_split(shapes: ModelShapes, layout: Layout, mb: Workload) -> list[range]:
+    """Each stage's decoder layers, as the trainer splits them (parallel.pipeline.stage_split):
+    the config's pp_stage_layers, else balanced by the cost model for the microbatch `mb`."""
+    d, stages = shapes.decoder, layout.pp * layout.pp_stages_per_rank
+    given = parse_stage_layers(layout.pp_stage_layers, stages, d.n_layers)
+    if given is not None:
+        return given
+    first, last = stage_costs(
+        mb.cost,
+        head_flops_per_token(d.dim, d.vocab_size),
+        d.n_layers,
+        mb.rows,
+        mb.seq_len,
+        mb.num_images,
+    )
+    return balanced_split(d.n_layers, stages, first, last)
+
+
+def rank_plans(shapes: ModelShapes, layout: Layout, work: Workload) -> list[RankPlan]:
+    """Every pipeline rank's RankPlan under `layout` (its pp, schedule, microbatch size and
+    stages a rank) for `work` (one dp rank's rows of a step)."""
+    n_layers = shapes.decoder.n_layers
+    m = work.rows // layout.pp_microbatch_size
+    mb = microbatch(work, layout.pp_microbatch_size)
+    g = mb.placed(layout)
+    wire = wire_slots(mb.rows, mb.seq_len, layout.cp) * shapes.decoder.dim * layout.act_bytes
+    fp32 = layout.act_bytes == 4
+    viewed = g.rows * g.local_slots * 4 * shapes.decoder.dim if fp32 else 0
+    split = tuple(layer_split(shapes, layout, mb))
+    out = []
+    for rank in range(layout.pp):
+        plan = StagePlan(rank, layout.pp, layout.pp_stages_per_rank, n_layers, split)
+        layers, last = plan.layers, plan.num_stages - 1
+        held = tuple(p for p in shapes.params if plan.holds(stage_of(p, layers)))
+        own = [layers[s] for s in plan.stages]
+        decoder = dataclasses.replace(shapes.decoder, n_layers=sum(map(len, own)))
+        rank_shapes = dataclasses.replace(shapes, params=held, decoder=decoder)
+        stage_bytes, transient, flops, sent = [], 0, 0.0, 0
+        for s in plan.stages:
+            share = StageShare(layers[s], s == 0, s == last)
+            saved = sum(activation_bytes(shapes, layout, mb, layout.ac_mode, share).values())
+            if s > 0:  # the received buffer; in fp32 the first block's saved input views it
+                saved += wire - viewed
+            if s < last:  # the sent buffer, held until the microbatch's backward
+                saved += wire
+            stage_bytes.append(saved)
+            transient = max(transient, transient_bytes(shapes, layout, mb, layout.ac_mode, share))
+            flops += m * stage_flops(shapes, layout, mb, share, n_layers)
+            sent += m * wire * ((s < last) + (s > 0))  # h forward, its gradient backward
+        actions = rank_actions(layout.pp_schedule, layout.pp, plan.per_rank, m, rank)
+        activations, alive = peak_alive(actions, stage_bytes)
+        state = state_bytes(rank_shapes, layout)
+        peak = PeakMemory(state.total, gathered_bytes(rank_shapes, layout), activations, transient)
+        out.append(
+            RankPlan(
+                rank, plan.stages, own, rank_shapes, state, peak, stage_bytes, alive, flops, sent
+            )
+        )
+    return out
+
+
+def pipeline_bubble(layout: Layout, rows: int) -> float:
+    """The modelled idle share of a step (parallel.pipeline.bubble) for `rows` rows a dp rank."""
+    m = rows // layout.pp_microbatch_size
+    v = layout.pp_stages_per_rank
+    return bubble(layout.pp_schedule, layout.pp * v, v, m)
