@@ -27,6 +27,7 @@ import math
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -143,8 +144,26 @@ class DistPool:
         self.results = ctx.Queue()
         self.procs = spawn_group(_worker, self.world_size, self.tasks, self.results, daemon=False)
 
+    def signal(self, sig: signal.Signals) -> None:
+        """Send `sig` to every worker still there."""
+        for p in self.procs:
+            if p.pid is not None and p.is_alive():
+                os.kill(p.pid, sig)
+
     def run(self, check: str, **kwargs: Any) -> list[Any]:
-        """Run `dist_checks.<check>(**kwargs)` on every rank; results in rank order."""
+        """Run `dist_checks.<check>(**kwargs)` on every rank; results in rank order. Between
+        runs the workers are stopped (SIGSTOP): every gloo group a check makes keeps a TCP loop
+        thread that wakes on its own, and idle pools grew to over 500 of them a process, which
+        took a core of the 2 from every later test."""
+        self.signal(signal.SIGCONT)
+        procs = self.procs
+        try:
+            return self._run(check, **kwargs)
+        finally:
+            if self.procs is procs:  # not a pool restarted after a failure, still starting
+                self.signal(signal.SIGSTOP)
+
+    def _run(self, check: str, **kwargs: Any) -> list[Any]:
         kwargs = {**self.defaults.get(check, {}), **kwargs}
         for q in self.tasks:
             q.put((check, kwargs))
@@ -173,6 +192,7 @@ class DistPool:
 
     def ask_to_stop(self) -> None:
         """Tell every worker to leave its process group and exit (`close` waits for them)."""
+        self.signal(signal.SIGCONT)
         if not self.asked:
             for q in self.tasks:
                 q.put(None)

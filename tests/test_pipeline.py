@@ -243,6 +243,7 @@ def test_the_trainer_at_pp_2_trains_the_one_process_curve_and_resumes_at_pp_1(
     assert sorted(losses(staged[0])) == [1, 2, 3]
     for step, loss in losses(staged[0]).items():
         assert loss == pytest.approx(one[step], rel=TOL), (step, loss, one[step])
+    ckpt.pop("parallelism__pipeline_parallel_stage_layers")  # no stages to split
     resumed = losses(pool.run("train_run", dp_shard=dp, cp=cp, **ckpt)[0])
     assert sorted(resumed) == [3, 4]
     for step, loss in resumed.items():
@@ -324,6 +325,14 @@ def test_a_checkpoint_resumes_at_another_pipeline_layout(pool, tmp_path):
             ["--parallelism.pipeline_parallel_stage_layers=1;2"],
             2,
             "expected comma-separated layer counts",
+        ),
+        (
+            [
+                "--parallelism.pipeline_parallel_degree=1",
+                "--parallelism.pipeline_parallel_stage_layers=1,2",
+            ],
+            1,
+            "stage_layers='1,2' without pipeline parallelism",
         ),
     ],
 )

@@ -569,7 +569,7 @@ class Trainer(Stateful):
         )
         logger.info(
             "pipeline parallel: %d ranks x %d stage(s), %s over %d microbatches of %d row(s) a "
-            "step, modelled bubble %.0f%%; %s",
+            "step, modelled bubble %.0f%%; layers %s; %s",
             plan.degree,
             plan.per_rank,
             p.pipeline_parallel_schedule,
@@ -577,6 +577,9 @@ class Trainer(Stateful):
             size,
             100
             * bubble(p.pipeline_parallel_schedule, plan.num_stages, plan.per_rank, rows // size),
+            "as set (parallelism.pipeline_parallel_stage_layers)"
+            if p.pipeline_parallel_stage_layers.strip()
+            else "split by the cost model",
             plan.describe(),
         )
         return pipeline

@@ -127,6 +127,11 @@ def _validate_pipeline(cfg: JobConfig, dims: ParallelDims, args: object) -> None
         if value < 1:
             raise ConfigError(f"{key}_{name} must be >= 1, got {value}")
     if dims.pp == 1:
+        if p.pipeline_parallel_stage_layers.strip():
+            raise ConfigError(
+                f"{key}_stage_layers={p.pipeline_parallel_stage_layers!r} without pipeline "
+                f"parallelism ({key}_degree=1): set the degree, or leave it empty"
+            )
         return
     what = f"{key}_degree={dims.pp}"
     others = {"tensor_parallel_degree": dims.tp, "expert_parallel_degree": dims.ep}

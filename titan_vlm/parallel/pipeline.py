@@ -128,7 +128,9 @@ def stage_costs(
 ) -> tuple[float, float]:
     """(first, last) of `balanced_split`: what a microbatch of `rows` rows of `seq_len` slots,
     one sample each with `images` images in all, costs the first stage beyond its layers (the
-    ViT and projector: `cost.image` an image) and the last (the head: `head_per_token` a slot),
+    ViT and projector: `cost.image` an image) and the last (the head: `head_per_token` a slot,
+    counted on every slot although it runs on the text: a bound, which the image slots'
+    share of a row makes loose),
     in units of one decoder layer's cost (its share of `cost.slot` a slot and `cost.pair` a
     query-key pair, causal over each row). `cost`: the family's (ModelSpec.layout_cost)."""
     pairs = seq_len * (seq_len + 1) / 2

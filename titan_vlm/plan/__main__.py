@@ -28,6 +28,7 @@ from titan_vlm.plan.comm import cp_attention_bytes
 from titan_vlm.plan.cost import EFFICIENCY, Plan, make_plan, span
 from titan_vlm.plan.hardware import HARDWARE, get_hardware
 from titan_vlm.plan.memory import AC_MODES, local_shape
+from titan_vlm.plan.pipeline import rows_of
 from titan_vlm.plan.search import check_without_layout, search
 from titan_vlm.plan.shapes import ModelShapes
 from titan_vlm.plan.spec import Layout, Workload
@@ -144,14 +145,15 @@ def pipeline_lines(plan: Plan, gib: Callable[[float], str], unit: str) -> list[s
         f"pipeline: {lay.pp} ranks x {lay.pp_stages_per_rank} stage(s), {lay.pp_schedule} over "
         f"{m} microbatches of {lay.pp_microbatch_size} row(s) a step; modelled bubble "
         f"{100 * plan.bubble:.0f}% of the step",
-        f"  {'rank':<5}{'state':>9}{'activations':>13}{'peak':>9}{'sends':>9}  "
+        f"  {'rank':<5}{'state':>9}{'activations':>13}{'buffers':>9}{'peak':>9}{'sends':>9}  "
         f"microbatches alive at the peak by stage; what the rank holds ({unit})",
     ]
     num_stages = lay.pp * lay.pp_stages_per_rank
     for r in plan.ranks:
         lines.append(
-            f"  {r.rank:<5}{gib(r.state.total):>9}{gib(r.peak.activations):>13}"
-            f"{gib(r.peak.total):>9}{gib(r.sent):>9}  {r.alive}; {r.describe(num_stages)}"
+            f"  {r.rank:<5}{gib(r.state.total):>9}{gib(r.peak.activations - r.buffers):>13}"
+            f"{gib(r.buffers):>9}{gib(r.peak.total):>9}{gib(r.sent):>9}  {r.alive}; "
+            f"{r.describe(num_stages)}"
         )
     return lines
 
@@ -218,6 +220,9 @@ def report(plan: Plan, shapes: ModelShapes, work: Workload, args_line: str) -> l
             f"{t.seconds:>9.4f}  {'yes' if c.overlapped else 'no'}"
         )
     if lay.cp > 1:
+        # the collectives' rank: the slowest pipeline rank's layers and a step's rows under pp
+        held = plan.ranks[plan.slowest].shapes if plan.ranks else shapes
+        step = rows_of(work, work.rows * lay.accumulation) if plan.ranks else work
         by_type = []
         for comm in get_args(CPCommType):
             other = dataclasses.replace(lay, cp_comm_type=comm)
@@ -225,7 +230,7 @@ def report(plan: Plan, shapes: ModelShapes, work: Workload, args_line: str) -> l
             if comm == "a2a" and heads % lay.cp:
                 by_type.append(f"{comm} - (heads per tp rank do not divide by cp)")
             else:
-                by_type.append(f"{comm} {gib(cp_attention_bytes(shapes, other, work))}")
+                by_type.append(f"{comm} {gib(cp_attention_bytes(held, other, step))}")
         lines.append(f"  cp attention by cp_comm_type, {unit}: " + " | ".join(by_type))
     lines += [
         "",

@@ -163,7 +163,10 @@ def fsdp_collectives(shapes: ModelShapes, layout: Layout) -> list[Collective]:
         shard = sum(padded_shard_numel(q, layout) for q in params)
         in_blocks = sum(padded_shard_numel(q, layout) for q in params if ".layers." in q.name)
         if s > 1:
-            gathers = (shard + in_blocks) * layout.act_bytes * (s - 1)
+            # forward, and again in backward what is freed after the forward: the blocks, or
+            # under pipeline parallelism every unit (each its own root)
+            again = shard if layout.pp > 1 else in_blocks
+            gathers = (shard + again) * layout.act_bytes * (s - 1)
             out.append(Collective(f"fsdp all-gather ({side})", group, s, gathers, True))
             out.append(
                 Collective(f"fsdp reduce-scatter ({side})", group, s, shard * 4 * (s - 1), True)

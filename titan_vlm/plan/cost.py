@@ -25,7 +25,7 @@ from titan_vlm.plan.memory import (
     peak_memory,
     state_bytes,
 )
-from titan_vlm.plan.pipeline import RankPlan, pipeline_bubble, rank_plans
+from titan_vlm.plan.pipeline import RankPlan, pipeline_bubble, rank_plans, rows_of
 from titan_vlm.plan.shapes import ModelShapes
 from titan_vlm.plan.spec import Layout, Workload
 
@@ -41,7 +41,7 @@ def span(layout: Layout, group: str) -> int:
         "fsdp": layout.dp_shard * layout.cp * layout.tp,
         "efsdp": layout.dp_shard * layout.cp * layout.tp,
         "dp_replicate": layout.world // layout.pp,
-        "pp": layout.world,  # the next stage's rank: world / pp ranks on
+        "pp": min(layout.world, 2 * layout.world // layout.pp),  # a stage and the next
     }
     return inner[group]
 
@@ -74,6 +74,7 @@ class Plan:
     # pipeline parallelism: every pipeline rank's price (the slowest one's comms and compute
     # above, the largest peak) and the modelled bubble; none without it
     ranks: list[RankPlan] = field(default_factory=list)
+    slowest: int = 0  # the pipeline rank whose step and collectives these are
     bubble: float = 0.0
     microbatches: int = 1
 
@@ -124,7 +125,10 @@ def make_plan(
     gpus_per_node: int,
     efficiency: float = EFFICIENCY,
 ) -> Plan:
-    """Price `layout` for `work` (one dp rank's rows) on `hw`."""
+    """Price `layout` for `work` (one dp rank's rows) on `hw`; under pipeline parallelism a
+    whole step's rows (its accumulation's microsteps, which the pipeline runs as one)."""
+    if layout.pp > 1:
+        work = rows_of(work, work.rows * layout.accumulation)
     peak_flops = hw.peak_flops if layout.mixed_precision == "bf16" else hw.peak_flops_fp32
     g = work.whole()
     useful = layout.dp * shapes.train_flops(work.num_images, work.text_tokens, g.whole_pairs)
@@ -178,6 +182,7 @@ def _pipeline_plan(
         compute_s=compute_s,
         step_s=step_s,
         ranks=ranks,
+        slowest=slowest.rank,
         bubble=bub,
         microbatches=work.rows // layout.pp_microbatch_size,
         **common,

@@ -281,12 +281,10 @@ class PeakMemory:
         return self.state + self.unsharded_params + self.activations + self.transient
 
 
-def gathered_bytes(shapes: ModelShapes, layout: Layout) -> int:
-    """FSDP's all-gathered parameters in use at once (the tp / ep rank's, in the compute dtype):
-    the root modules (what is not in a block), which stay gathered through the step, and the two
-    largest blocks (the one computing and the one prefetched) with their unsharded fp32
-    gradients; of `shapes.params` (a pipeline rank's: its stages')."""
-    a, t = layout.act_bytes, layout.tp
+def unit_sizes(shapes: ModelShapes, layout: Layout) -> tuple[int, list[int]]:
+    """Elements FSDP gathers of `shapes.params` (the tp / ep rank's): of the root modules (what
+    is not in a block), and of each block."""
+    t = layout.tp
 
     def full(p: Param) -> int:  # unsharded by FSDP: the tp (ep) rank's
         n = math.prod(p.shape)
@@ -299,7 +297,16 @@ def gathered_bytes(shapes: ModelShapes, layout: Layout) -> int:
             prefix, rest = p.name.split(".layers.", 1)
             key = f"{prefix}.{rest.split('.')[0]}"
             blocks[key] = blocks.get(key, 0) + full(p)
-    return roots * a + 2 * max(blocks.values(), default=0) * (a + 4)
+    return roots, list(blocks.values())
+
+
+def gathered_bytes(shapes: ModelShapes, layout: Layout) -> int:
+    """FSDP's all-gathered parameters in use at once (in the compute dtype): the root modules,
+    which stay gathered through the step, and the two largest blocks (the one computing and the
+    one prefetched) with their unsharded fp32 gradients; of `shapes.params`."""
+    a = layout.act_bytes
+    roots, blocks = unit_sizes(shapes, layout)
+    return roots * a + 2 * max(blocks, default=0) * (a + 4)
 
 
 def transient_bytes(

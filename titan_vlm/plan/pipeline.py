@@ -11,10 +11,12 @@ the stage-to-stage bytes.
       activations   the most bytes alive at once: each microbatch of a stage keeps the stage's
                     saved-for-backward bytes (memory.activation_bytes of one microbatch's rows)
                     from its forward to its backward (a zero-bubble schedule: to its weights'
-                    backward), in the order torch's schedule runs them (`rank_actions`); a stage
-                    after the first also keeps the buffer it received (its first block's input
-                    is a view of it: the padding is the extra), a stage before the last the
-                    buffer it sent (the schedule holds its output until the backward)
+                    backward), in the order torch's schedule runs them (`rank_actions`), and the
+                    buffer it sends on (a stage before the last: the schedule holds its output
+                    until the backward); plus what torch's PipelineStage allocates once for the
+                    run: a receive buffer a microbatch (a stage after the first: the first
+                    block's input views it) and a gradient receive buffer a microbatch (a stage
+                    before the last)
       compute       its stages' share of a microbatch's FLOPs (the tower on stage 0, the head on
                     the last, the decoder's layers each alike) x the microbatches, over
                     1 - bubble (parallel.pipeline.bubble: equal stages; the slowest rank's time)
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+import torch
 
 from titan_vlm.config import PPSchedule
 from titan_vlm.parallel.pipeline import (
@@ -44,9 +48,9 @@ from titan_vlm.plan.memory import (
     StageShare,
     StateBytes,
     activation_bytes,
-    gathered_bytes,
     state_bytes,
     transient_bytes,
+    unit_sizes,
 )
 from titan_vlm.plan.shapes import ModelShapes, Param
 from titan_vlm.plan.spec import Layout, Workload
@@ -124,10 +128,11 @@ def stage_of(p: Param, layers: list[range]) -> int:
 class RankPlan:
     """Pipeline rank `rank`'s price: its stages and their layers; `shapes`, the model as this
     rank holds it (its stages' parameters, its decoder layers' count: what its collectives
-    move); its model state and peak memory; its stages' saved bytes for one microbatch
-    (`stage_bytes`, by local stage) and the microbatches alive at its peak (`alive`); its
-    compute in FLOPs per step (`flops`) and the bytes it sends to other stages per step
-    (`sent`)."""
+    move); its model state and peak memory; what autograd saves for one microbatch on each of
+    its stages (`stage_saved`, by local stage: the received buffer's storage among it), the
+    microbatches alive at its peak (`alive`) and the pipeline's buffers allocated for the run
+    (`buffers`); its compute in FLOPs per step (`flops`) and the bytes it sends to other stages
+    per step (`sent`)."""
 
     rank: int
     stages: list[int]
@@ -135,8 +140,9 @@ class RankPlan:
     shapes: ModelShapes
     state: StateBytes
     peak: PeakMemory
-    stage_bytes: list[int]
+    stage_saved: list[int]
     alive: list[int]
+    buffers: int
     flops: float
     sent: int
 
@@ -150,10 +156,15 @@ class RankPlan:
         return "; ".join(parts)
 
 
-def microbatch(work: Workload, rows: int) -> Workload:
-    """One pipeline microbatch of `work`: its first `rows` rows (a uniform workload's rows are
-    alike)."""
-    return dataclasses.replace(work, doc=work.doc[:rows], image=work.image[:rows], _geometries={})
+def rows_of(work: Workload, rows: int) -> Workload:
+    """`rows` rows of the uniform workload `work` (its rows in turn, again from the first where
+    there are more; each copy's images their own)."""
+    index = torch.arange(rows) % work.rows
+    copy = (torch.arange(rows) // work.rows)[:, None]
+    image = work.image[index]
+    per_copy = int(work.image.max()) + 1 if (work.image >= 0).any() else 0
+    image = torch.where(image >= 0, image + copy * per_copy, image)
+    return dataclasses.replace(work, doc=work.doc[index], image=image, _geometries={})
 
 
 def stage_flops(
@@ -192,7 +203,7 @@ def rank_plans(shapes: ModelShapes, layout: Layout, work: Workload) -> list[Rank
     stages a rank) for `work` (one dp rank's rows of a step)."""
     n_layers = shapes.decoder.n_layers
     m = work.rows // layout.pp_microbatch_size
-    mb = microbatch(work, layout.pp_microbatch_size)
+    mb = rows_of(work, layout.pp_microbatch_size)
     g = mb.placed(layout)
     wire = wire_slots(mb.rows, mb.seq_len, layout.cp) * shapes.decoder.dim * layout.act_bytes
     fp32 = layout.act_bytes == 4
@@ -202,32 +213,57 @@ def rank_plans(shapes: ModelShapes, layout: Layout, work: Workload) -> list[Rank
     for rank in range(layout.pp):
         plan = StagePlan(rank, layout.pp, layout.pp_stages_per_rank, n_layers, split)
         layers, last = plan.layers, plan.num_stages - 1
-        held = tuple(p for p in shapes.params if plan.holds(stage_of(p, layers)))
+        params = tuple(p for p in shapes.params if plan.holds(stage_of(p, layers)))
         own = [layers[s] for s in plan.stages]
         decoder = dataclasses.replace(shapes.decoder, n_layers=sum(map(len, own)))
-        rank_shapes = dataclasses.replace(shapes, params=held, decoder=decoder)
-        stage_bytes, transient, flops, sent = [], 0, 0.0, 0
+        rank_shapes = dataclasses.replace(shapes, params=params, decoder=decoder)
+        stage_saved, held, transient, flops, sent, buffers = [], [], 0, 0.0, 0, 0
         for s in plan.stages:
             share = StageShare(layers[s], s == 0, s == last)
             saved = sum(activation_bytes(shapes, layout, mb, layout.ac_mode, share).values())
-            if s > 0:  # the received buffer; in fp32 the first block's saved input views it
+            if s > 0:  # its received buffer; in fp32 the first block's saved input views it
                 saved += wire - viewed
-            if s < last:  # the sent buffer, held until the microbatch's backward
-                saved += wire
-            stage_bytes.append(saved)
+            stage_saved.append(saved)
+            # a microbatch alive: what autograd saves, less the received buffer (allocated for
+            # the run, below), plus the sent buffer
+            held.append(saved - wire * (s > 0) + wire * (s < last))
+            buffers += m * wire * ((s > 0) + (s < last))
             transient = max(transient, transient_bytes(shapes, layout, mb, layout.ac_mode, share))
             flops += m * stage_flops(shapes, layout, mb, share, n_layers)
             sent += m * wire * ((s < last) + (s > 0))  # h forward, its gradient backward
         actions = rank_actions(layout.pp_schedule, layout.pp, plan.per_rank, m, rank)
-        activations, alive = peak_alive(actions, stage_bytes)
+        activations, alive = peak_alive(actions, held)
         state = state_bytes(rank_shapes, layout)
-        peak = PeakMemory(state.total, gathered_bytes(rank_shapes, layout), activations, transient)
+        peak = PeakMemory(
+            state.total, pipeline_gathered(rank_shapes, layout), activations + buffers, transient
+        )
         out.append(
             RankPlan(
-                rank, plan.stages, own, rank_shapes, state, peak, stage_bytes, alive, flops, sent
+                rank,
+                plan.stages,
+                own,
+                rank_shapes,
+                state,
+                peak,
+                stage_saved,
+                alive,
+                buffers,
+                flops,
+                sent,
             )
         )
     return out
+
+
+def pipeline_gathered(shapes: ModelShapes, layout: Layout) -> int:
+    """FSDP's gathered parameters in use at once on a pipeline rank holding `shapes.params`:
+    none without dp or cp ranks (no FSDP: parallelize_vlm); else every unit is an FSDP root
+    freed after each forward, so two units (the largest: a block, or the roots counted as one)
+    with their unsharded fp32 gradients."""
+    if layout.dp_replicate * layout.dp_shard * layout.cp == 1:
+        return 0
+    roots, blocks = unit_sizes(shapes, layout)
+    return 2 * max([roots, *blocks]) * (layout.act_bytes + 4)
 
 
 def pipeline_bubble(layout: Layout, rows: int) -> float:

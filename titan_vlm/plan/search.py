@@ -8,6 +8,7 @@ import itertools
 from typing import get_args
 
 from titan_vlm.config import ACMode, ConfigError, CPCommType, CPVision, JobConfig, PPSchedule
+from titan_vlm.optim import accumulation_steps
 from titan_vlm.plan.cost import Plan, make_plan
 from titan_vlm.plan.hardware import Hardware
 from titan_vlm.plan.shapes import ModelShapes
@@ -35,7 +36,7 @@ def candidate_layouts(
     cp_vision (cp > 1) and AC mode, and (`experts`: a mixture-of-experts decoder) every
     expert-parallel degree dividing dp_shard x cp; sequence parallelism on whenever tp > 1 and
     the trainer takes it (not with experts: their TP plan has none; not for a family without
-    it); the config's cp_sample_placement and cp_image_tokens.
+    it); the config's cp_sample_placement, cp_image_tokens and pipeline stage layers.
     Layouts the trainer would refuse (validate.validate_job: heads, a2a, experts that do not
     split, what a pipeline does not run yet, ...) are left out."""
     out = []
@@ -71,6 +72,8 @@ def candidate_layouts(
                             pp_schedule=schedule,
                             pp_microbatch_size=cfg.parallelism.pipeline_parallel_microbatch_size,
                             pp_stages_per_rank=per_rank,
+                            pp_stage_layers=cfg.parallelism.pipeline_parallel_stage_layers,
+                            accumulation=accumulation_steps(cfg.training, rep * shard),
                         )
                         for sp in sps
                     )
@@ -96,6 +99,7 @@ def configured(cfg: JobConfig, layout: Layout) -> JobConfig:
     p.pipeline_parallel_schedule = layout.pp_schedule
     p.pipeline_parallel_microbatch_size = layout.pp_microbatch_size
     p.pipeline_parallel_stages_per_rank = layout.pp_stages_per_rank
+    p.pipeline_parallel_stage_layers = layout.pp_stage_layers
     c.activation_checkpoint.mode = layout.ac_mode
     return c
 

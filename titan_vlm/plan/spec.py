@@ -23,6 +23,7 @@ from titan_vlm.config import (
 )
 from titan_vlm.data.batch import join_rows
 from titan_vlm.layout import LayoutCost, build_layout
+from titan_vlm.optim import accumulation_steps
 from titan_vlm.parallel.context_parallel import vit_shares
 
 
@@ -50,6 +51,9 @@ class Layout:
     pp_microbatch_size: int = 1
     pp_stages_per_rank: int = 1
     pp_stage_layers: str = ""  # parallelism.pipeline_parallel_stage_layers ("": by cost)
+    # microsteps a step (training.global_batch_size): a pipeline runs all their rows as its
+    # microbatches in one schedule step; without one each is priced alone
+    accumulation: int = 1
 
     @property
     def world(self) -> int:
@@ -113,6 +117,7 @@ class Layout:
             p.pipeline_parallel_microbatch_size,
             p.pipeline_parallel_stages_per_rank,
             p.pipeline_parallel_stage_layers,
+            accumulation_steps(cfg.training, p.data_parallel_replicate_degree * dp_shard),
         )
 
 
