@@ -39,10 +39,9 @@ from titan_vlm.parallel.context_parallel import CPContext
 from titan_vlm.parallel.pipeline import (
     Pipeline,
     StagePlan,
-    balanced_split,
     bubble,
     head_flops_per_token,
-    stage_costs,
+    split_stages,
 )
 
 SCHEDULES = (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 1))
@@ -68,14 +67,12 @@ def whole_step(model: VLM, parts: list[Batch], ntokens: torch.Tensor) -> None:
 
 
 def cost_split(args: VLMArgs, stages: int, seq_len: int, images: int) -> tuple[range, ...]:
-    """The trainer's split of the layers (parallel.pipeline.stage_split) for microbatches of
-    one row of `seq_len` slots holding `images` images."""
+    """The trainer's split of the layers (parallel.pipeline.split_stages, by the cost model)
+    for microbatches of one row of `seq_len` slots holding `images` images."""
     d = args.decoder
-    first, last = stage_costs(
-        layout_cost(args), head_flops_per_token(d.dim, d.vocab_size), d.n_layers, 1, seq_len,
-        images,
-    )  # fmt: skip
-    return tuple(balanced_split(d.n_layers, stages, first, last))
+    head = head_flops_per_token(d.dim, d.vocab_size)
+    cost = layout_cost(args)
+    return tuple(split_stages("", stages, cost, head, d.n_layers, 1, seq_len, images))
 
 
 def worker(

@@ -40,9 +40,9 @@ from typing import Any
 CHECKS_MODULE = "dist_checks"
 RELEASE_ABOVE_BYTES = 2**30  # a pool process's resident memory that `_release_memory` trims
 # the pools' resident memory in all above which DistPools closes the idle ones (`_make_room`):
-# compiled graphs and allocator caches grow over a session (14 processes held 10 GiB after six
-# test files), and what they hold is taken from the page cache every torchrun test re-reads
-# torch from (a run_train test took 81-162 s in the suite, 20 s alone)
+# compiled graphs and allocator caches grow over a session (14 processes held 9.6 GiB after six
+# test files), memory the torchrun tests and the CI machine need too. (It was not what made
+# those tests slow in the suite: idle workers' threads were, which DistPool.run stops.)
 POOLS_MEMORY_BYTES = 6 * 2**30
 CLOSE_GRACE_S = 3.0  # how long the session's end waits for the workers to leave their groups
 MESH_DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the checks' mesh keywords

@@ -119,7 +119,12 @@ def _validate_pipeline(cfg: JobConfig, dims: ParallelDims, args: object) -> None
     schedule against the stages and the step's microbatches, and the stages against the
     decoder's layers."""
     from titan_vlm.optim import accumulation_steps
-    from titan_vlm.parallel.pipeline import ZERO_BUBBLE, check_schedule, parse_stage_layers
+    from titan_vlm.parallel.pipeline import (
+        ZERO_BUBBLE,
+        check_schedule,
+        parse_stage_layers,
+        split_layers,
+    )
 
     p, key = cfg.parallelism, "parallelism.pipeline_parallel"
     for name in ("microbatch_size", "stages_per_rank"):
@@ -183,10 +188,7 @@ def _validate_pipeline(cfg: JobConfig, dims: ParallelDims, args: object) -> None
             p.pipeline_parallel_schedule, dims.pp, p.pipeline_parallel_stages_per_rank, rows // size
         )
         stages = dims.pp * p.pipeline_parallel_stages_per_rank
-        if stages > decoder.n_layers:
-            raise ValueError(
-                f"{decoder.n_layers} decoder layers cannot make {stages} pipeline stages"
-            )
+        split_layers(decoder.n_layers, stages)  # enough layers for the stages
         parse_stage_layers(p.pipeline_parallel_stage_layers, stages, decoder.n_layers)
     except ValueError as e:
         raise ConfigError(f"{what}: {e}") from None

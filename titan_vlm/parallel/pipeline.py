@@ -44,6 +44,7 @@ and initial_load_path, bf16, validation, compile and activation checkpointing of
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -86,9 +87,13 @@ def split_layers(n_layers: int, stages: int) -> list[range]:
     if stages < 1 or n_layers < stages:
         raise ValueError(f"{n_layers} decoder layers cannot make {stages} pipeline stages")
     base, extra = divmod(n_layers, stages)
-    sizes = [base + (k >= stages - extra) for k in range(stages)]
-    starts = [sum(sizes[:k]) for k in range(stages + 1)]
-    return [range(starts[k], starts[k + 1]) for k in range(stages)]
+    return ranges_of([base + (k >= stages - extra) for k in range(stages)])
+
+
+def ranges_of(sizes: Sequence[int]) -> list[range]:
+    """Consecutive layer ranges of these sizes, from layer 0."""
+    starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+    return [range(starts[k], starts[k + 1]) for k in range(len(sizes))]
 
 
 def balanced_split(n_layers: int, stages: int, first: float, last: float) -> list[range]:
@@ -118,9 +123,7 @@ def balanced_split(n_layers: int, stages: int, first: float, last: float) -> lis
             best[k, start] = min(options)
         return best[k, start]
 
-    sizes = solve(0, 0)[2]
-    starts = [sum(sizes[:k]) for k in range(stages + 1)]
-    return [range(starts[k], starts[k + 1]) for k in range(stages)]
+    return ranges_of(solve(0, 0)[2])
 
 
 def stage_costs(
@@ -154,8 +157,16 @@ def parse_stage_layers(text: str, stages: int, n_layers: int) -> list[range] | N
             f"{key}: needs {stages} counts (one a stage: degree x stages_per_rank) of at least "
             f"1 layer, summing to the decoder's {n_layers} layers"
         )
-    starts = [sum(sizes[:k]) for k in range(stages + 1)]
-    return [range(starts[k], starts[k + 1]) for k in range(stages)]
+    return ranges_of(sizes)
+
+
+def stage_holds(stage: int, layers: range, num_stages: int) -> str:
+    """What stage `stage` of `num_stages` runs, in words: the tower, projector and embeddings
+    on the first, its decoder `layers`, the norm and head on the last."""
+    what = ["vision, projector, embeddings"] if stage == 0 else []
+    what += [f"layers {layers.start}-{layers.stop - 1}"] if len(layers) else []
+    what += ["norm, head"] if stage == num_stages - 1 else []
+    return ", ".join(what)
 
 
 def decoder_of(model: VisionLanguageModel) -> Decoder:
@@ -195,16 +206,10 @@ class StagePlan:
 
     def describe(self) -> str:
         """Who holds what, for the log: one clause a stage."""
-        last = self.num_stages - 1
-        parts = []
-        for s, layers in enumerate(self.layers):
-            what = ["vision, projector, embeddings"] if s == 0 else []
-            if len(layers):
-                what.append(f"layers {layers.start}-{layers.stop - 1}")
-            if s == last:
-                what.append("norm, head")
-            parts.append(f"stage {s} (rank {s % self.degree}): {', '.join(what)}")
-        return "; ".join(parts)
+        return "; ".join(
+            f"stage {s} (rank {s % self.degree}): {stage_holds(s, layers, self.num_stages)}"
+            for s, layers in enumerate(self.layers)
+        )
 
     def prune(self, model: VisionLanguageModel) -> None:
         """Remove from `model` (whole, as one process builds it: on the meta device, before
@@ -232,18 +237,15 @@ class StagePlan:
 
 
 def stage_split(cfg: JobConfig, degree: int, cost: LayoutCost, decoder: DecoderArgs) -> list[range]:
-    """Each stage's decoder layers: parallelism.pipeline_parallel_stage_layers where it is set,
-    else `balanced_split` of the family's cost model (`cost`: ModelSpec.layout_cost) for a
-    microbatch of the config's rows (pipeline_parallel_microbatch_size rows of training.seq_len
-    slots, data.images_per_sample images each; the planner prices the same rows). ValueError
-    (one line) for a split that does not fit."""
+    """Each stage's decoder layers for the trainer (`split_stages`) for a microbatch of the
+    config's rows: pipeline_parallel_microbatch_size rows of training.seq_len slots,
+    data.images_per_sample images each (the planner prices the same rows). `cost`: the family's
+    cost model (ModelSpec.layout_cost)."""
     p = cfg.parallelism
-    stages = degree * p.pipeline_parallel_stages_per_rank
-    given = parse_stage_layers(p.pipeline_parallel_stage_layers, stages, decoder.n_layers)
-    if given is not None:
-        return given
     rows = p.pipeline_parallel_microbatch_size
-    first, last = stage_costs(
+    return split_stages(
+        p.pipeline_parallel_stage_layers,
+        degree * p.pipeline_parallel_stages_per_rank,
         cost,
         head_flops_per_token(decoder.dim, decoder.vocab_size),
         decoder.n_layers,
@@ -251,7 +253,28 @@ def stage_split(cfg: JobConfig, degree: int, cost: LayoutCost, decoder: DecoderA
         cfg.training.seq_len,
         rows * cfg.data.images_per_sample,
     )
-    return balanced_split(decoder.n_layers, stages, first, last)
+
+
+def split_stages(
+    stage_layers: str,
+    stages: int,
+    cost: LayoutCost,
+    head_per_token: float,
+    n_layers: int,
+    rows: int,
+    seq_len: int,
+    images: int,
+) -> list[range]:
+    """Each of `stages` stages' decoder layers: `stage_layers`
+    (parallelism.pipeline_parallel_stage_layers) where it is set, else `balanced_split` by
+    `stage_costs` of a microbatch of `rows` rows of `seq_len` slots holding `images` images.
+    The one rule the trainer (`stage_split`) and the planner (plan/pipeline.py) split by.
+    ValueError (one line) for a split that does not fit."""
+    given = parse_stage_layers(stage_layers, stages, n_layers)
+    if given is not None:
+        return given
+    first, last = stage_costs(cost, head_per_token, n_layers, rows, seq_len, images)
+    return balanced_split(n_layers, stages, first, last)
 
 
 def head_flops_per_token(dim: int, vocab_size: int) -> float:

@@ -28,7 +28,7 @@ from titan_vlm.plan.comm import cp_attention_bytes
 from titan_vlm.plan.cost import EFFICIENCY, Plan, make_plan, span
 from titan_vlm.plan.hardware import HARDWARE, get_hardware
 from titan_vlm.plan.memory import AC_MODES, local_shape
-from titan_vlm.plan.pipeline import rows_of
+from titan_vlm.plan.pipeline import step_work
 from titan_vlm.plan.search import check_without_layout, search
 from titan_vlm.plan.shapes import ModelShapes
 from titan_vlm.plan.spec import Layout, Workload
@@ -222,7 +222,7 @@ def report(plan: Plan, shapes: ModelShapes, work: Workload, args_line: str) -> l
     if lay.cp > 1:
         # the collectives' rank: the slowest pipeline rank's layers and a step's rows under pp
         held = plan.ranks[plan.slowest].shapes if plan.ranks else shapes
-        step = rows_of(work, work.rows * lay.accumulation) if plan.ranks else work
+        step = step_work(lay, work)
         by_type = []
         for comm in get_args(CPCommType):
             other = dataclasses.replace(lay, cp_comm_type=comm)

@@ -25,7 +25,7 @@ from titan_vlm.plan.memory import (
     peak_memory,
     state_bytes,
 )
-from titan_vlm.plan.pipeline import RankPlan, pipeline_bubble, rank_plans, rows_of
+from titan_vlm.plan.pipeline import RankPlan, pipeline_bubble, rank_plans, step_work
 from titan_vlm.plan.shapes import ModelShapes
 from titan_vlm.plan.spec import Layout, Workload
 
@@ -127,8 +127,7 @@ def make_plan(
 ) -> Plan:
     """Price `layout` for `work` (one dp rank's rows) on `hw`; under pipeline parallelism a
     whole step's rows (its accumulation's microsteps, which the pipeline runs as one)."""
-    if layout.pp > 1:
-        work = rows_of(work, work.rows * layout.accumulation)
+    work = step_work(layout, work)
     peak_flops = hw.peak_flops if layout.mixed_precision == "bf16" else hw.peak_flops_fp32
     g = work.whole()
     useful = layout.dp * shapes.train_flops(work.num_images, work.text_tokens, g.whole_pairs)

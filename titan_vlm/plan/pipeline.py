@@ -35,11 +35,10 @@ from titan_vlm.config import PPSchedule
 from titan_vlm.parallel.pipeline import (
     ZERO_BUBBLE,
     StagePlan,
-    balanced_split,
     bubble,
     head_flops_per_token,
-    parse_stage_layers,
-    stage_costs,
+    split_stages,
+    stage_holds,
     wire_slots,
 )
 from titan_vlm.plan.flops import executed_flops, head_flops, vision_flops
@@ -147,13 +146,9 @@ class RankPlan:
     sent: int
 
     def describe(self, num_stages: int) -> str:
-        parts = []
-        for s, r in zip(self.stages, self.layers):
-            what = ["vision, projector, embeddings"] if s == 0 else []
-            what += [f"layers {r.start}-{r.stop - 1}"] if len(r) else []
-            what += ["norm, head"] if s == num_stages - 1 else []
-            parts.append(f"stage {s} ({', '.join(what)})")
-        return "; ".join(parts)
+        return "; ".join(
+            f"stage {s} ({stage_holds(s, r, num_stages)})" for s, r in zip(self.stages, self.layers)
+        )
 
 
 def rows_of(work: Workload, rows: int) -> Workload:
@@ -181,13 +176,12 @@ def stage_flops(
 
 
 def layer_split(shapes: ModelShapes, layout: Layout, mb: Workload) -> list[range]:
-    """Each stage's decoder layers, as the trainer splits them (parallel.pipeline.stage_split):
-    the config's pp_stage_layers, else balanced by the cost model for the microbatch `mb`."""
-    d, stages = shapes.decoder, layout.pp * layout.pp_stages_per_rank
-    given = parse_stage_layers(layout.pp_stage_layers, stages, d.n_layers)
-    if given is not None:
-        return given
-    first, last = stage_costs(
+    """Each stage's decoder layers, as the trainer splits them (parallel.pipeline.split_stages)
+    for the microbatch `mb`."""
+    d = shapes.decoder
+    return split_stages(
+        layout.pp_stage_layers,
+        layout.pp * layout.pp_stages_per_rank,
         mb.cost,
         head_flops_per_token(d.dim, d.vocab_size),
         d.n_layers,
@@ -195,7 +189,13 @@ def layer_split(shapes: ModelShapes, layout: Layout, mb: Workload) -> list[range
         mb.seq_len,
         mb.num_images,
     )
-    return balanced_split(d.n_layers, stages, first, last)
+
+
+def step_work(layout: Layout, work: Workload) -> Workload:
+    """The rows a step of `layout` prices: `work` (a microstep's), or under pipeline
+    parallelism all of a step's (its accumulation's microsteps, which the pipeline runs as
+    one schedule step)."""
+    return rows_of(work, work.rows * layout.accumulation) if layout.pp > 1 else work
 
 
 def rank_plans(shapes: ModelShapes, layout: Layout, work: Workload) -> list[RankPlan]:
@@ -227,10 +227,14 @@ def rank_plans(shapes: ModelShapes, layout: Layout, work: Workload) -> list[Rank
             # a microbatch alive: what autograd saves, less the received buffer (allocated for
             # the run, below), plus the sent buffer
             held.append(saved - wire * (s > 0) + wire * (s < last))
-            buffers += m * wire * ((s > 0) + (s < last))
+            # a wire buffer a microbatch and neighbour: what torch allocates for the run (a
+            # receive buffer from the stage before, a gradient's from the one after), and what
+            # crosses (h forward to the stage after, its gradient back to the one before)
+            wires = m * wire * ((s > 0) + (s < last))
+            buffers += wires
+            sent += wires
             transient = max(transient, transient_bytes(shapes, layout, mb, layout.ac_mode, share))
             flops += m * stage_flops(shapes, layout, mb, share, n_layers)
-            sent += m * wire * ((s < last) + (s > 0))  # h forward, its gradient backward
         actions = rank_actions(layout.pp_schedule, layout.pp, plan.per_rank, m, rank)
         activations, alive = peak_alive(actions, held)
         state = state_bytes(rank_shapes, layout)
