@@ -781,11 +781,13 @@ def model_state_bytes(
     sp: bool = False,
     family: str = "llava",
     pp: int = 1,
+    tie: bool = False,
 ) -> int:
     """The trainer's "model state per rank" on this rank, in bytes: STATE_BYTES_PER_PARAM times
     the local elements of every parameter of a family's model parallelized through its
     ModelSpec (as build_model does: with `pp` pipeline ranks, this rank's stage of it) with
-    parallelism.cp_vision `vision` and sequence parallelism `sp` (run_training's expression)."""
+    parallelism.cp_vision `vision` and sequence parallelism `sp` (run_training's expression);
+    `tie`: its head tied to its embeddings."""
     from titan_vlm.models.accounting import STATE_BYTES_PER_PARAM
     from titan_vlm.parallel.pipeline import stage_plan
 
@@ -796,9 +798,14 @@ def model_state_bytes(
     cfg.parallelism.expert_parallel_degree = ep
     cfg.parallelism.pipeline_parallel_degree = pp
     torch.manual_seed(0)
-    model = spec.build(spec.args(cfg))
+    args = spec.args(cfg)
+    if tie:
+        args = dataclasses.replace(
+            args, decoder=dataclasses.replace(args.decoder, tie_embeddings=True)
+        )
+    model = spec.build(args)
     mesh = make_mesh(dp_shard, cp, dp_replicate, tp, ep, pp)
-    plan = stage_plan(cfg, mesh.pp, model, spec.layout_cost(spec.args(cfg)))
+    plan = stage_plan(cfg, mesh.pp, model, spec.layout_cost(args))
     if plan is not None:
         plan.prune(model)
     spec.parallelize(model, mesh, cfg)
@@ -1066,6 +1073,44 @@ def compiled_train_run(dp_shard: int, cp: int, steps: int, tp: int = 1, **overri
             "decoder": len(_debug_get_cache_entry_list(DecoderBlock.forward)),
         },
         "shapes": {name: sorted(s) for name, s in shapes.items()},
+    }
+
+
+def staged_compiled_run(dp_shard: int, cp: int, steps: int, pp: int, **overrides) -> dict:
+    """train_run at `pp` pipeline ranks with compile.enable and the overrides' activation
+    checkpointing, dynamo's caches reset first and a graph break or recompile-limit hit an
+    error. Returns {"history", "graph_breaks", "compiled": the decoder and ViT blocks this rank
+    compiled, "checkpointed": the blocks it wrapped in activation checkpointing} (its stages'
+    blocks only: the others' placeholders are neither)."""
+    from torch._dynamo.utils import counters
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from titan_vlm.parallel import parallelize
+
+    torch._dynamo.reset()
+    breaks = sum(counters["graph_break"].values())
+    seen = {"compiled": 0, "checkpointed": 0}
+    real_compile, real_ac = parallelize.apply_compile, parallelize.apply_ac
+
+    def apply_compile(stacks, *args, **kwargs) -> None:
+        real_compile(stacks, *args, **kwargs)
+        blocks = [b for layers in stacks for b in layers]
+        seen["compiled"] += sum(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
+
+    def apply_ac(stacks, mode) -> None:
+        real_ac(stacks, mode)
+        blocks = [b for layers in stacks for b in layers]
+        seen["checkpointed"] += sum(isinstance(b, CheckpointWrapper) for b in blocks)
+
+    with (
+        mock.patch.object(parallelize, "apply_compile", apply_compile),
+        mock.patch.object(parallelize, "apply_ac", apply_ac),
+    ):
+        history = train_run(dp_shard, cp, steps, pp=pp, compile__enable=True, **overrides)
+    return {
+        "history": history,
+        "graph_breaks": sum(counters["graph_break"].values()) - breaks,
+        **seen,
     }
 
 
@@ -1535,8 +1580,11 @@ def pp_parity(
     cp: int = 1,
     cp_options: dict | None = None,
     image_grads_not_summed: bool = False,
+    tie: bool = False,
+    tied_grads_not_summed: bool = False,
 ) -> dict:
-    """`steps` optimizer steps of the debug model (`n_layers` decoder layers) cut into `pp` x
+    """`steps` optimizer steps of the debug model (`n_layers` decoder layers; `tie`: its head
+    tied to its embeddings) cut into `pp` x
     `virtual` pipeline stages (parallel/pipeline.py), each stage's units sharded over `dp_shard`
     x `cp` ranks (FSDP: the llava family's parallelize, as the trainer builds it); the dp ranks
     read their own rows of the global batch, the cp ranks of one their CP shares of it
@@ -1547,13 +1595,15 @@ def pp_parity(
     parameters, the worst relative error of the last step's gradient and of the parameter after
     the steps, per group (vision, projector, decoder), with the names this rank holds.
     `loss_over_each_microbatch`: the negative control (_loss_over_each_microbatch);
-    `image_grads_not_summed`: CP's (_image_grads_not_summed_over_cp)."""
+    `image_grads_not_summed`: CP's (_image_grads_not_summed_over_cp); `tied_grads_not_summed`:
+    the tied embedding's (each stage's copy steps with its own half of the gradient)."""
     from titan_vlm.models.llava.parallelize import parallelize_vlm
     from titan_vlm.optim import clip_grad_norm_
     from titan_vlm.parallel.pipeline import Pipeline, StagePlan
 
     base = get_flavor("debug")
-    args = dataclasses.replace(base, decoder=dataclasses.replace(base.decoder, n_layers=n_layers))
+    decoder = dataclasses.replace(base.decoder, n_layers=n_layers, tie_embeddings=tie)
+    args = dataclasses.replace(base, decoder=decoder)
     t = Training(lr=1e-3, warmup_steps=0, steps=10, max_norm=1.0, seq_len=seq_len)
     rows = microbatches * rows_per_microbatch  # a dp rank's, a step
     data = SyntheticCaptions(
@@ -1609,9 +1659,13 @@ def pp_parity(
             _image_grads_not_summed_over_cp()
             if image_grads_not_summed
             else contextlib.nullcontext(),
+            mock.patch("titan_vlm.parallel.pipeline.sum_tied_grads")
+            if tied_grads_not_summed
+            else contextlib.nullcontext(),
         ):
             losses.append(dist_sum(pipe.step(parts, ntokens), mesh.job.get_group()).item())
-        norms.append(clip_grad_norm_(list(model.parameters()), t.max_norm, group).item())
+        params = list(model.parameters())
+        norms.append(clip_grad_norm_(params, t.max_norm, group, pipe.copies()).item())
         opt.step()
 
     ref_params = dict(ref.named_parameters())

@@ -514,14 +514,20 @@ def test_pipeline_activations_per_rank_are_what_autograd_holds_at_once(pool, sch
     assert any(abs(c / o["peak"] - 1) >= 0.01 for c, o in zip(control, out)), control
 
 
-@pytest.mark.parametrize("dp_shard, cp", [(1, 1), (1, 2), (2, 1)])
-def test_each_pipeline_ranks_model_state_is_the_trainers_exactly(pool, dp_shard, cp):
-    """pp = 2 (the debug model's 3 layers: stage 0 the tower, projector, embeddings and layer 0;
-    stage 1 layers 1-2, the norm and head), each stage sharded over dp x cp: every rank's model
-    state is its pipeline rank's in the plan; the trainer's line (rank 0's) is the plan's."""
+@pytest.mark.parametrize(
+    "dp_shard, cp, tie", [(1, 1, False), (1, 2, False), (2, 1, False), (2, 1, True)]
+)
+def test_each_pipeline_ranks_model_state_is_the_trainers_exactly(pool, dp_shard, cp, tie):
+    """pp = 2 (the debug model's 3 layers: stage 0 the tower, projector, embeddings and layers
+    0-1; stage 1 layer 2, the norm and head; with `tie`, the head's weight the embeddings', on
+    both stages), each stage sharded over dp x cp: every rank's model state is its pipeline
+    rank's in the plan; the trainer's line (rank 0's) is the plan's."""
     from titan_vlm.plan.pipeline import rank_plans
 
-    per_rank = pool.run("model_state_bytes", dp_shard=dp_shard, cp=cp, pp=2)
+    per_rank = pool.run("model_state_bytes", dp_shard=dp_shard, cp=cp, pp=2, tie=tie)
+    args = dataclasses.replace(
+        DEBUG, decoder=dataclasses.replace(DEBUG.decoder, tie_embeddings=tie)
+    )
     layout = Layout(dp_shard=dp_shard, cp=cp, pp=2, pp_microbatch_size=1)
     cfg = JobConfig()  # the rows the trainer's split is balanced for (stage_split)
     work = Workload.uniform(
@@ -532,7 +538,7 @@ def test_each_pipeline_ranks_model_state_is_the_trainers_exactly(pool, dp_shard,
         cost=layout_cost(DEBUG),
         bidirectional_images=False,
     )
-    ranks = rank_plans(SHAPES, layout, work)
+    ranks = rank_plans(plan_shapes(args), layout, work)
     inner = dp_shard * cp  # the mesh's pp dim is the outermost: ranks [0, inner) are stage 0
     for rank, state in enumerate(per_rank):
         fsdp_rank_0 = rank % inner == 0  # the largest FSDP shard, as the plan prices

@@ -211,7 +211,8 @@ def load_initial_weights(model: torch.nn.Module, path: str, group: dist.ProcessG
     """checkpoint.initial_load_path: the model weights of another run's checkpoint (a checkpoint
     folder or a step dir), verified as a resume verifies, into `model` on every rank of `group`
     (DCP reshards them to this run's layout); the optimizer and the step are not read. The
-    saved model must have this model's parameters and global shapes: one line naming the first
+    saved model must have this model's parameters (those of every rank of `group`: under
+    pipeline parallelism a rank holds its stages') and global shapes: one line naming the first
     that differs. Returns the step dir read."""
     key = f"checkpoint.initial_load_path={path!r}"
     try:
@@ -231,6 +232,10 @@ def load_initial_weights(model: torch.nn.Module, path: str, group: dist.ProcessG
     }
     state = {"model": get_model_state_dict(model)}
     mine = {name: tuple(cast(torch.Tensor, t).shape) for name, t in state["model"].items()}
+    # the run's model is every rank's parameters together (a pipeline rank holds its stages')
+    everyone: list[dict[str, tuple[int, ...]] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    mine = {name: shape for shapes in everyone if shapes for name, shape in shapes.items()}
     for name in sorted(mine.keys() | saved.keys()):
         if saved.get(name) != mine.get(name):
             there = "absent" if name not in saved else f"{list(saved[name])}"

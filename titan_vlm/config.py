@@ -253,11 +253,13 @@ class Parallelism:
     holding its stages' parameters only, trained over microbatches by
     pipeline_parallel_schedule; the loss and every gradient are one process's
     (parallel/pipeline.py). With data or context parallelism each stage is FSDP-sharded over
-    its dp x cp ranks, and with CP each stage's attention is exact over its cp ranks; a
-    checkpoint resumes at any pipeline layout. Not yet with tensor or expert parallelism, a
-    mixture-of-experts decoder, tied embeddings, a family other than llava,
-    Hugging Face weights, checkpoint.initial_load_path, bf16, compile, activation
-    checkpointing or validation (one-line errors)."""
+    its dp x cp ranks, and with CP each stage's attention is exact over its cp ranks; every
+    family (Qwen3-VL's DeepStack layers on the first stage), tied embeddings (a copy on the
+    first and last stages, their gradients summed), Hugging Face weights and
+    checkpoint.initial_load_path (each rank reads its stages'), compile and activation
+    checkpointing of each stage's blocks; a checkpoint resumes at any pipeline layout. Not
+    yet with tensor or expert parallelism, a mixture-of-experts decoder, bf16 or validation
+    (one-line errors)."""
     pipeline_parallel_schedule: PPSchedule = "1F1B"
     """torch.distributed.pipelining's schedule: "GPipe" (every forward, then every backward),
     "1F1B" (one forward, one backward: at most `degree` microbatches' activations alive; needs

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -115,7 +115,10 @@ def build_scheduler(opt: torch.optim.Optimizer, t: Training) -> torch.optim.lr_s
 
 @torch.no_grad()
 def clip_grad_norm_(
-    params: list[torch.Tensor], max_norm: float, stages: dist.ProcessGroup | None = None
+    params: list[torch.Tensor],
+    max_norm: float,
+    stages: dist.ProcessGroup | None = None,
+    copies: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Global L2 norm of all gradients (as one unsharded model would have), clipped to max_norm.
 
@@ -124,11 +127,14 @@ def clip_grad_norm_(
     it (HSDP's dp_replicate, tp for norms) and ranks outside a mesh's reduction (e.g. CP ranks for
     the vision tower) hold identical copies and are not added again. `stages`: the pipeline's
     group (parallel/pipeline.py), whose ranks hold disjoint parameters: their squares are summed
-    over it too (every rank joins, whatever gradients it holds).
+    over it too (every rank joins, whatever gradients it holds). `copies`: parameters of
+    `params` whose gradient another pipeline rank holds and counts too (a tied embedding's
+    last-stage copy: Pipeline.copies), clipped but not counted here.
     """
     groups: dict[tuple, list[torch.Tensor]] = {}
+    clipped_only = [p.grad for p in copies if p.grad is not None]
     for p in params:
-        if p.grad is None:
+        if p.grad is None or any(p is c for c in copies):
             continue
         g = p.grad
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else (None, ())
@@ -156,7 +162,7 @@ def clip_grad_norm_(
     norm = total_sq.sqrt()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for grads in groups.values():
+        for grads in [*groups.values(), clipped_only]:
             for g in grads:
                 local_tensor(g).mul_(coef.to(g.device))
     return norm

@@ -181,7 +181,8 @@ def train_step(
             if out.experts is not None:
                 loads.append(out.experts)
     stages = mesh.pp.get_group() if pipeline is not None else None  # disjoint parameters
-    grad_norm = clip_grad_norm_(list(model.parameters()), max_norm, stages)
+    copies = pipeline.copies() if pipeline is not None else []  # a tied embedding's
+    grad_norm = clip_grad_norm_(list(model.parameters()), max_norm, stages, copies)
     lrs = current_lrs(optimizer)  # this step's rates, before the schedule advances
     finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
     if finite:

@@ -61,8 +61,11 @@ def load_hf(model: nn.Module, spec: ModelSpec, args: Any, cfg: JobConfig) -> Non
                         f"{raw.file_of(copy)} is not '{original}' (set tie_word_embeddings "
                         "to false, or drop the tensor)"
                     )
+            wanted -= set(names)
+            # a pipeline rank holds its stages' parameters (parallel/pipeline.py StagePlan.prune):
+            # the other stages' are theirs to read (the adapter named the whole model's)
+            names = {ours: theirs for ours, theirs in names.items() if ours in params}
             read = load_hf_shards(params, st, names, key)
-        wanted -= set(names)
         logger.info(
             "%s: loaded %d tensors (%.1f MiB read on this rank)%s",
             key,

@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from titan_vlm.data.image_batch import ImageRule, Images
     from titan_vlm.data.tokenizer import ByteTokenizer, HFTokenizer
     from titan_vlm.layout import LayoutCost, SeqLayout
+    from titan_vlm.models.common.decoder import Decoder
     from titan_vlm.models.common.moe import RouterStats
     from titan_vlm.models.loading import Init
     from titan_vlm.parallel_dims import Mesh, ParallelDims
@@ -102,7 +103,10 @@ class VisionLanguageModel(nn.Module, ABC):
     order, which is how the layout indexes them (SeqLayout.place_images flattens them to
     [tokens, D]). Between the two, context parallelism replicates the embeddings over the cp
     ranks (and sums their gradient there); single-device `forward` is
-    `decode(encode_images(...))`."""
+    `decode(encode_images(...))`. Every family's text model is a common/decoder.py Decoder held
+    as `decoder`."""
+
+    decoder: Decoder
 
     def forward_local(
         self, batch: Batch, ctx: BatchContext
@@ -134,6 +138,41 @@ class VisionLanguageModel(nn.Module, ABC):
         embeddings of every image of the rows (`encode_images`' output, rows in order), placed
         by the layout into its image prefix and (samples a CP rank keeps whole) among the text
         (SeqLayout.place_images, inline_embeds)."""
+
+    def decode_stage(
+        self,
+        tokens: torch.Tensor,
+        embeds: torch.Tensor | None,
+        layout: SeqLayout,
+        h: torch.Tensor | None,
+        layers: range,
+        head: bool,
+    ) -> torch.Tensor:
+        """A pipeline stage's part of `decode` (parallel/pipeline.py StageModule): the first
+        stage (`h` None) builds the first block's input from `tokens` and the image `embeds` as
+        `decode` does; every stage runs the decoder blocks in `layers` on it (h [B, L, dim]); with
+        `head`, the final norm and head on the text section give the logits [B, T, vocab], else
+        h is returned. It calls the decoder's parts, each an FSDP unit of its own under pipeline
+        parallelism (parallel/parallelize.py decoder_units), never the decoder's forward. A
+        family that adds image features after decoder layers (Qwen3-VL's DeepStack) overrides
+        it; those layers are on the first stage (`first_stage_layers`)."""
+        decoder = self.decoder
+        if h is None:
+            assert embeds is not None
+            h, _ = decoder.local_sequence(
+                tokens, layout.place_images(embeds), layout, layout.inline_embeds(embeds)
+            )
+        h = decoder.run_layers(h, layout, layers=layers)
+        if not head:
+            return h
+        return decoder.output(decoder.norm(h[:, layout.num_image_tokens :]))
+
+    @property
+    def first_stage_layers(self) -> int:
+        """The decoder layers (0, 1, ...) a first pipeline stage must hold: those after which the
+        family adds the image embeddings' features (Qwen3-VL's DeepStack), which exist on the
+        first stage only. 0: none."""
+        return 0
 
     @abstractmethod
     def router_stats(self) -> RouterStats | None:

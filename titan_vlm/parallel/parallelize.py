@@ -48,6 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from titan_vlm.models.common.decoder import Decoder
 from titan_vlm.models.common.moe import Experts, MoE
 
 if TYPE_CHECKING:
@@ -74,39 +75,52 @@ def _shard(
     module.set_force_sum_reduction_for_comms(True)
 
 
-def pipeline_units(decoder: nn.Module) -> list[nn.Module]:
-    """A pipeline stage's FSDP units of `decoder` (parallel/pipeline.py: the stages call its
-    parts, never its own forward, so it cannot be a unit itself): each decoder layer it holds,
-    then each other part that holds parameters (the token embeddings on the first stage, the
-    final norm and the head on the last), each run as a module of its own."""
-    layers = decoder.get_submodule("layers")
-    assert isinstance(layers, nn.ModuleList)
-    units = [m for m in layers if any(True for _ in m.parameters())]
-    units += [
-        m
-        for name, m in decoder.named_children()
-        if name != "layers" and any(True for _ in m.parameters())
-    ]
-    return units
+def decoder_units(decoder: Decoder, mesh: Mesh) -> list[nn.Module]:
+    """The FSDP units of a family's `decoder`, innermost first: each decoder layer, then the
+    decoder (its embeddings, final norm and head). Under pipeline parallelism (parallel/
+    pipeline.py: the stages call the decoder's parts, never its own forward, so it cannot be a
+    unit itself) each layer this rank's stages hold, then each other part they run: the token
+    embeddings on the first stage, the final norm and the head on the last (whose tied weight
+    the embeddings there only name: StagePlan.prune)."""
+    if mesh.pp.size() == 1:
+        return [*decoder.layers, decoder]
+    units = [m for m in decoder.layers if _holds_parameters(m)]
+    embeddings = (
+        decoder.tok_embeddings if isinstance(decoder.tok_embeddings, nn.Embedding) else None
+    )
+    return units + [m for m in (embeddings, decoder.norm, decoder.output) if m is not None]
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    """Whether `module` has parameters (a pipeline stage's placeholder for another stage's
+    layer has none: parallel/pipeline.py StagePlan.prune)."""
+    return any(True for _ in module.parameters())
 
 
 def apply_fsdp(
     vision: list[nn.Module],
-    decoder: list[nn.Module],
+    decoder: Decoder,
     mesh: Mesh,
     mixed_precision: str = "fp32",
     cp_vision: str = "shard",
-    reshard: bool | None = None,
 ) -> None:
     """FSDP2 on a family's units, innermost first (its blocks, then the modules holding them):
-    `vision`, the modules encode_images runs (vision tower and projector), on the mesh and with
-    the divisor the module docstring gives for cp_vision; `decoder` on mesh.fsdp, summed. With
-    expert parallelism, the decoder's experts (models/common/moe.py Experts) are first split
-    over mesh.ep (parallel/expert_parallel.py apply_ep) and made FSDP units of their own on
+    `vision`, the modules encode_images runs (vision tower and projector; none off a pipeline's
+    first stage), on the mesh and with the divisor the module docstring gives for cp_vision;
+    the `decoder`'s (`decoder_units`) on mesh.fsdp, summed. With expert parallelism, the
+    decoder's experts (models/common/moe.py Experts) are first split over mesh.ep
+    (parallel/expert_parallel.py apply_ep) and made FSDP units of their own on
     mesh.expert_fsdp, summed (the ranks there hold the same experts for other tokens).
-    `reshard`: every unit's parameters freed after its forward (pipeline stages: each unit is
-    a root of its own there, which torch would otherwise keep whole from a microbatch's forward
-    to its backward); None: torch's choice."""
+    Under pipeline parallelism every unit's parameters are freed after its forward (each unit
+    is a root of its own there, which torch would otherwise keep whole from a microbatch's
+    forward to its backward), and there is no FSDP without dp or cp ranks to shard over (a
+    zero-bubble schedule's split backward needs the parameters themselves:
+    parallel/pipeline.py)."""
+    reshard: bool | None = None  # torch's choice: roots stay unsharded after the forward
+    if mesh.pp.size() > 1:
+        if mesh.fsdp.size() == 1:
+            return
+        reshard = True
     if mixed_precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
@@ -115,16 +129,19 @@ def apply_fsdp(
     vision_divide = mesh.cp.size() if cp_vision == "replicate" else 1
     for module in vision:
         _shard(module, vision_mesh, mp, vision_divide, reshard)
+    units = decoder_units(decoder, mesh)
     if mesh.ep is not None:  # the experts first: split over ep, their own FSDP units
         assert mesh.expert_fsdp is not None
         experts = list(
-            dict.fromkeys(m for d in decoder for m in d.modules() if isinstance(m, Experts))
+            dict.fromkeys(m for d in units for m in d.modules() if isinstance(m, Experts))
         )
         apply_ep(experts, mesh.ep)
         for module in experts:
             _shard(module, mesh.expert_fsdp, mp)
-    for module in decoder:
+    for module in units:
         _shard(module, mesh.fsdp, mp, reshard=reshard)
+    # a pipeline's last stage: the head's weight is now FSDP's, the embeddings' name for it too
+    decoder.tie_weights()
 
 
 def apply_ep(experts: list[Experts], ep: DeviceMesh) -> None:
@@ -151,7 +168,8 @@ def apply_ac(stacks: list[nn.ModuleList], mode: str) -> None:
     every = 1 if mode == "full" else 2
     for layers in stacks:
         for i in range(0, len(layers), every):
-            layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
+            if _holds_parameters(layers[i]):  # not another pipeline stage's placeholder
+                layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
 
 
 _first_symbol_proxy_installed = False
@@ -229,6 +247,8 @@ def apply_compile(
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     for layers in stacks:
         for block in layers:
+            if not _holds_parameters(block):  # another pipeline stage's placeholder
+                continue
             if expert_parallel and any(isinstance(m, MoE) for m in block.modules()):
                 # its experts become an FSDP unit of their own (apply_fsdp: their mesh is not
                 # the block's), whose hooks no compiled graph can hold: the block's other

@@ -31,15 +31,24 @@ gradient norm is each stage's squares summed over the pipeline (optim.clip_grad_
 `stages`) and a checkpoint holds the one model's names.
 
 With data parallelism, each stage's units are FSDP-sharded over its dp ranks by the family's
-parallelize (parallel/parallelize.py pipeline_units: what a stage calls as a module), and each
+parallelize (parallel/parallelize.py decoder_units: what a stage calls as a module), and each
 dp rank reads its own rows (not with a zero-bubble schedule: its split backward computes the
 weights' gradients on the module's own parameters, which FSDP swaps for unsharded ones). With
 context parallelism, the stage's units are FSDP-sharded over dp x cp (mesh.fsdp), which sums the
 cp ranks' gradients as without pp (the ViT and projector as without pp too: over dp alone
-with cp_vision = "broadcast"). Not yet (refused where it is asked for): tensor or expert
-parallelism with it,
-mixture-of-experts decoders, tied embeddings, a family other than LLaVA's, Hugging Face weights
-and initial_load_path, bf16, validation, compile and activation checkpointing of a stage.
+with cp_vision = "broadcast").
+
+Every family runs through its VisionLanguageModel.decode_stage (the first stage builds the
+first block's input as `decode` does; M-RoPE positions come from each microbatch's layout on
+every stage); a family that adds image features after some decoder layers (Qwen3-VL's
+DeepStack) has them on the first stage, which holds those layers (first_stage_layers: the split
+and the config's validation keep them there). With tied embeddings the first stage holds the
+weight for the lookups and the last for the head, under the one name
+(decoder.tok_embeddings.weight, `StagePlan.prune`); after each step's backward the two copies
+exchange gradients and each holds the sum (`sum_tied_grads`), counted once in the norm
+(`Pipeline.copies`), so both take the same step. Compile and activation checkpointing wrap each
+block a stage holds, as without stages. Not yet (refused where it is asked for): tensor or
+expert parallelism with it, mixture-of-experts decoders, bf16, validation.
 """
 
 from __future__ import annotations
@@ -56,9 +65,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_vlm.config import JobConfig, PPSchedule
 from titan_vlm.data.batch import IGNORE_INDEX
-from titan_vlm.distributed import dist_sum
+from titan_vlm.distributed import dist_sum, local_tensor
 from titan_vlm.layout import LayoutCost
-from titan_vlm.models.common.decoder import Decoder
 from titan_vlm.models.common.text_args import DecoderArgs
 from titan_vlm.models.spec import VisionLanguageModel
 from titan_vlm.parallel.context_parallel import CPContext, sync_broadcast_vision_grads
@@ -96,14 +104,19 @@ def ranges_of(sizes: Sequence[int]) -> list[range]:
     return [range(starts[k], starts[k + 1]) for k in range(len(sizes))]
 
 
-def balanced_split(n_layers: int, stages: int, first: float, last: float) -> list[range]:
-    """The decoder layers of each of `stages` stages, in order and at least one each, that make
-    the costliest stage cheapest, a decoder layer costing 1 and the first stage `first` more (the
-    ViT, projector and token embeddings) and the last `last` more (the norm, head and loss);
-    among those the most even (the least sum of squared stage costs), then the lightest first
-    stages. With first = last = 0 it is `split_layers`."""
-    if stages < 1 or n_layers < stages:
-        raise ValueError(f"{n_layers} decoder layers cannot make {stages} pipeline stages")
+def balanced_split(
+    n_layers: int, stages: int, first: float, last: float, min_first: int = 1
+) -> list[range]:
+    """The decoder layers of each of `stages` stages, in order and at least one each (the first
+    at least `min_first`: VisionLanguageModel.first_stage_layers), that make the costliest stage
+    cheapest, a decoder layer costing 1 and the first stage `first` more (the ViT, projector and
+    token embeddings) and the last `last` more (the norm, head and loss); among those the most
+    even (the least sum of squared stage costs), then the lightest first stages. With first =
+    last = 0 and min_first = 1 it is `split_layers`."""
+    min_first = max(min_first, 1)
+    if stages < 1 or n_layers < stages - 1 + min_first:
+        need = f" (the first holding {min_first})" if min_first > 1 else ""
+        raise ValueError(f"{n_layers} decoder layers cannot make {stages} pipeline stages{need}")
     extra = [0.0] * stages
     extra[0] += first
     extra[-1] += last
@@ -116,7 +129,7 @@ def balanced_split(n_layers: int, stages: int, first: float, last: float) -> lis
             return cost, cost * cost, (n_layers - start,)
         if (k, start) not in best:
             options = []
-            for j in range(1, n_layers - start - (stages - 1 - k) + 1):
+            for j in range(min_first if k == 0 else 1, n_layers - start - (stages - 1 - k) + 1):
                 worst, squares, rest = solve(k + 1, start + j)
                 cost = j + extra[k]
                 options.append((max(cost, worst), cost * cost + squares, (j, *rest)))
@@ -141,10 +154,13 @@ def stage_costs(
     return cost.image * images / layer, head_per_token * rows * seq_len / layer
 
 
-def parse_stage_layers(text: str, stages: int, n_layers: int) -> list[range] | None:
+def parse_stage_layers(
+    text: str, stages: int, n_layers: int, min_first: int = 1
+) -> list[range] | None:
     """parallelism.pipeline_parallel_stage_layers ("1,2": each stage's decoder layers, in
     order) as the stages' layers; None where it is empty. ValueError (one line) where it does
-    not give `stages` counts of at least one summing to `n_layers`."""
+    not give `stages` counts of at least one summing to `n_layers`, the first at least
+    `min_first` (VisionLanguageModel.first_stage_layers)."""
     if not text.strip():
         return None
     key = f"parallelism.pipeline_parallel_stage_layers={text!r}"
@@ -157,6 +173,11 @@ def parse_stage_layers(text: str, stages: int, n_layers: int) -> list[range] | N
             f"{key}: needs {stages} counts (one a stage: degree x stages_per_rank) of at least "
             f"1 layer, summing to the decoder's {n_layers} layers"
         )
+    if sizes[0] < min_first:
+        raise ValueError(
+            f"{key}: the first stage must hold the decoder's first {min_first} layers (the "
+            "model adds image features after them: DeepStack)"
+        )
     return ranges_of(sizes)
 
 
@@ -167,13 +188,6 @@ def stage_holds(stage: int, layers: range, num_stages: int) -> str:
     what += [f"layers {layers.start}-{layers.stop - 1}"] if len(layers) else []
     what += ["norm, head"] if stage == num_stages - 1 else []
     return ", ".join(what)
-
-
-def decoder_of(model: VisionLanguageModel) -> Decoder:
-    """The model's decoder (every family holds one as `decoder`: models/common/decoder.py)."""
-    decoder = model.get_submodule("decoder")
-    assert isinstance(decoder, Decoder)
-    return decoder
 
 
 @dataclass(frozen=True)
@@ -216,31 +230,40 @@ class StagePlan:
         its parameters are allocated) what this rank's stages do not run: every module but the
         decoder (the ViT, projector) and the token embeddings off stage 0, the final norm and
         head off the last stage, the decoder layers of other stages (left as parameter-free
-        placeholders, so the kept ones keep their one-process names)."""
-        decoder = decoder_of(model)
-        if decoder.args.tie_embeddings:
-            raise ValueError("pipeline parallelism: tied input and output embeddings (not yet)")
+        placeholders, so the kept ones keep their one-process names). With tied embeddings the
+        last stage's head owns the weight, and the token embeddings there become an empty
+        module that Decoder.tie_weights gives it to, so it keeps the one-process name
+        (decoder.tok_embeddings.weight: the same checkpoint keys, optimizer state and Hugging
+        Face tensor as without stages); the first and last stages each hold a copy, whose
+        gradients `Pipeline.step` sums."""
+        decoder = model.decoder
         if decoder.args.moe is not None:
             raise ValueError("pipeline parallelism: a mixture-of-experts decoder (not yet)")
         kept = {i for s in self.stages for i in self.layers[s]}
+        last = self.holds(self.num_stages - 1)
         if not self.holds(0):
             for name, _ in list(model.named_children()):
                 if name != "decoder":
                     setattr(model, name, None)
-            decoder.tok_embeddings = None  # type: ignore[assignment]
-        if not self.holds(self.num_stages - 1):
+            tied = decoder.args.tie_embeddings and last
+            decoder.tok_embeddings = nn.Module() if tied else None  # type: ignore[assignment]
+        if not last:
             decoder.norm = None  # type: ignore[assignment]
             decoder.output = None  # type: ignore[assignment]
         for i in range(len(decoder.layers)):
             if i not in kept:
                 decoder.layers[i] = nn.Identity()
+        decoder.tie_weights()
 
 
-def stage_split(cfg: JobConfig, degree: int, cost: LayoutCost, decoder: DecoderArgs) -> list[range]:
+def stage_split(
+    cfg: JobConfig, degree: int, cost: LayoutCost, decoder: DecoderArgs, min_first: int = 1
+) -> list[range]:
     """Each stage's decoder layers for the trainer (`split_stages`) for a microbatch of the
     config's rows: pipeline_parallel_microbatch_size rows of training.seq_len slots,
     data.images_per_sample images each (the planner prices the same rows). `cost`: the family's
-    cost model (ModelSpec.layout_cost)."""
+    cost model (ModelSpec.layout_cost); `min_first`: the layers the first stage must hold
+    (VisionLanguageModel.first_stage_layers)."""
     p = cfg.parallelism
     rows = p.pipeline_parallel_microbatch_size
     return split_stages(
@@ -252,6 +275,7 @@ def stage_split(cfg: JobConfig, degree: int, cost: LayoutCost, decoder: DecoderA
         rows,
         cfg.training.seq_len,
         rows * cfg.data.images_per_sample,
+        min_first,
     )
 
 
@@ -264,17 +288,19 @@ def split_stages(
     rows: int,
     seq_len: int,
     images: int,
+    min_first: int = 1,
 ) -> list[range]:
     """Each of `stages` stages' decoder layers: `stage_layers`
     (parallelism.pipeline_parallel_stage_layers) where it is set, else `balanced_split` by
-    `stage_costs` of a microbatch of `rows` rows of `seq_len` slots holding `images` images.
-    The one rule the trainer (`stage_split`) and the planner (plan/pipeline.py) split by.
-    ValueError (one line) for a split that does not fit."""
-    given = parse_stage_layers(stage_layers, stages, n_layers)
+    `stage_costs` of a microbatch of `rows` rows of `seq_len` slots holding `images` images,
+    the first stage holding at least `min_first` layers. The one rule the trainer
+    (`stage_split`) and the planner (plan/pipeline.py) split by. ValueError (one line) for a
+    split that does not fit."""
+    given = parse_stage_layers(stage_layers, stages, n_layers, min_first)
     if given is not None:
         return given
     first, last = stage_costs(cost, head_per_token, n_layers, rows, seq_len, images)
-    return balanced_split(n_layers, stages, first, last)
+    return balanced_split(n_layers, stages, first, last, min_first)
 
 
 def head_flops_per_token(dim: int, vocab_size: int) -> float:
@@ -289,8 +315,8 @@ def stage_plan(
     (`stage_split`; `cost`: the family's cost model); None without pipeline parallelism."""
     if pp.size() == 1:
         return None
-    decoder = decoder_of(model).args
-    split = stage_split(cfg, pp.size(), cost, decoder)
+    decoder = model.decoder.args
+    split = stage_split(cfg, pp.size(), cost, decoder, model.first_stage_layers)
     return StagePlan(
         pp.get_local_rank(),
         pp.size(),
@@ -411,7 +437,7 @@ class StageModule(nn.Module):
         self.first, self.last = stage == 0, stage == num_stages - 1
         self.layers, self.slots, self.ctx = layers, slots, ctx
         self.model = [model]  # not a submodule: the stage's own modules are registered below
-        decoder = decoder_of(model)
+        decoder = model.decoder
         own: dict[str, nn.Module] = {f"layer_{i}": decoder.layers[i] for i in layers}
         if self.first:
             own |= {name: m for name, m in model.named_children() if name != "decoder"}
@@ -421,30 +447,40 @@ class StageModule(nn.Module):
         self.own = nn.ModuleDict(own)  # what this stage's backward and optimizer see
         self.table: list[Microbatch] = []
 
-    @property
-    def decoder(self) -> Decoder:
-        return decoder_of(self.model[0])
-
     def forward(self, x: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
-        m = self.table[int(mb[0])]
+        m, model = self.table[int(mb[0])], self.model[0]
         if self.first:
-            embeds = self.ctx.encode_images(self.model[0], m.images)
-            layout = m.layout
-            h, _ = self.decoder.local_sequence(
-                m.tokens, layout.place_images(embeds), layout, layout.inline_embeds(embeds)
-            )
+            embeds = self.ctx.encode_images(model, m.images)
+            h = model.decode_stage(m.tokens, embeds, m.layout, None, self.layers, self.last)
         else:
             h = x[: m.slots].view(m.tokens.shape[0], m.length, -1)
-        h = self.decoder.run_layers(h, m.layout, layers=self.layers)
+            h = model.decode_stage(m.tokens, None, m.layout, h, self.layers, self.last)
         if not self.last:
             return F.pad(h.reshape(m.slots, -1), (0, 0, 0, self.slots - m.slots))
-        logits = self.decoder.output(self.decoder.norm(h[:, m.layout.num_image_tokens :]))
         return F.cross_entropy(
-            logits.float().flatten(0, 1),
+            h.float().flatten(0, 1),
             m.labels.flatten(),
             ignore_index=IGNORE_INDEX,
             reduction="sum",
         ) / m.ntokens.clamp(min=1)
+
+
+def sum_tied_grads(weight: torch.Tensor, group: dist.ProcessGroup, peer: int) -> None:
+    """Tied embeddings under pipeline parallelism: the first stage's copy of the weight got the
+    embedding lookups' gradient, the last stage's the head's; each gets their sum, exchanged
+    between the two (pipeline rank `peer` of `group` is the other; the same shards of it under
+    FSDP, whose meshes are alike on every pipeline rank). a + b on one, b + a on the other: the
+    same bits, so the two copies take the same optimizer step and stay one weight. A frozen
+    decoder has no gradient on either."""
+    if weight.grad is None:
+        return
+    mine = local_tensor(weight.grad)
+    theirs = torch.empty_like(mine)
+    other = dist.get_global_rank(group, peer)
+    ops = [dist.P2POp(dist.isend, mine, other, group), dist.P2POp(dist.irecv, theirs, other, group)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    mine.add_(theirs)
 
 
 def _loss(output: torch.Tensor, target: object) -> torch.Tensor:
@@ -480,7 +516,7 @@ class Pipeline:
         self.bidirectional = model.bidirectional_images
         cp = ctx.cp_mesh.size() if ctx.cp_mesh is not None else 1
         self.slots = wire_slots(rows, seq_len, cp)
-        dim, last = decoder_of(model).args.dim, plan.num_stages - 1
+        dim, last = model.decoder.args.dim, plan.num_stages - 1
         self.modules: list[StageModule] = []
         stages = []
         for s in plan.stages:
@@ -510,6 +546,16 @@ class Pipeline:
         )
         self.n_microbatches = n_microbatches
         self.layouts: list[SeqLayout] = []  # the last step's microbatches' layouts
+        # tied embeddings: the copy of the weight this rank holds (first or last stage, never
+        # both: pp > 1), whose gradient is half the one-process one (`sum_tied_grads`)
+        tied = model.decoder.args.tie_embeddings and self.first != self.last
+        self.tied = model.decoder.tok_embeddings.weight if tied else None
+
+    def copies(self) -> list[torch.Tensor]:
+        """This rank's parameters that another pipeline rank holds too, whose gradient the
+        step's norm counts there (optim.clip_grad_norm_'s `copies`): the last stage's copy of
+        a tied embedding (the first stage's counts it once)."""
+        return [self.tied] if self.tied is not None and self.last else []
 
     def step(self, parts: list[Batch], ntokens: torch.Tensor) -> torch.Tensor:
         """Forward and backward of the microbatches `parts`, each normalised by `ntokens` (the
@@ -539,5 +585,7 @@ class Pipeline:
         cp = self.ctx.cp_mesh
         if self.first and cp is not None and self.ctx.options.vision == "broadcast":
             sync_broadcast_vision_grads(self.model, cp)  # cp rank 0 ran the ViT: its gradients
+        if self.tied is not None:
+            sum_tied_grads(self.tied, self.group, self.plan.degree - 1 if self.first else 0)
         total = torch.stack([x.detach() for x in losses]).sum() if losses else index.new_zeros(())
         return dist_sum(total.float(), self.group)

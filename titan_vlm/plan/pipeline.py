@@ -113,14 +113,19 @@ def peak_alive(actions: list[Action], stage_bytes: list[int]) -> tuple[int, list
     return best, at
 
 
-def stage_of(p: Param, layers: list[range]) -> int:
-    """The stage that holds parameter `p` (its one-process name; StagePlan.prune)."""
-    if p.group != "decoder" or p.name.startswith("decoder.tok_embeddings."):
-        return 0
+def stages_of(p: Param, layers: list[range], tied: bool) -> tuple[int, ...]:
+    """The stages that hold parameter `p` (its one-process name; StagePlan.prune): one, but a
+    tied embedding's weight, which the first stage holds for the lookups and the last for the
+    head."""
+    last = len(layers) - 1
+    if p.name.startswith("decoder.tok_embeddings."):
+        return (0, last) if tied else (0,)
+    if p.group != "decoder":
+        return (0,)
     if p.name.startswith("decoder.layers."):
         i = int(p.name.split(".")[2])
-        return next(s for s, r in enumerate(layers) if i in r)
-    return len(layers) - 1  # the final norm and the head
+        return (next(s for s, r in enumerate(layers) if i in r),)
+    return (last,)  # the final norm and the head
 
 
 @dataclass(frozen=True)
@@ -188,6 +193,7 @@ def layer_split(shapes: ModelShapes, layout: Layout, mb: Workload) -> list[range
         mb.rows,
         mb.seq_len,
         mb.num_images,
+        shapes.first_stage_layers,
     )
 
 
@@ -213,7 +219,11 @@ def rank_plans(shapes: ModelShapes, layout: Layout, work: Workload) -> list[Rank
     for rank in range(layout.pp):
         plan = StagePlan(rank, layout.pp, layout.pp_stages_per_rank, n_layers, split)
         layers, last = plan.layers, plan.num_stages - 1
-        params = tuple(p for p in shapes.params if plan.holds(stage_of(p, layers)))
+        params = tuple(
+            p
+            for p in shapes.params
+            if any(plan.holds(s) for s in stages_of(p, layers, shapes.decoder.tie_embeddings))
+        )
         own = [layers[s] for s in plan.stages]
         decoder = dataclasses.replace(shapes.decoder, n_layers=sum(map(len, own)))
         rank_shapes = dataclasses.replace(shapes, params=params, decoder=decoder)

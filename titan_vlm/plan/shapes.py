@@ -40,6 +40,7 @@ class DecoderShape:
     vocab_size: int
     qk_norm: bool = False  # an RMSNorm on every query and key head (Qwen3)
     moe: MoEShape | None = None
+    tie_embeddings: bool = False  # the head's weight is the embeddings' (one parameter)
 
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.layers
@@ -59,6 +60,7 @@ def decoder_shape(d: DecoderArgs) -> DecoderShape:
         d.vocab_size,
         d.qk_norm,
         moe,
+        d.tie_embeddings,
     )
 
 
@@ -131,6 +133,8 @@ class ModelShapes:
     train_flops: Callable[[int, int, float], float]
     image_hw: tuple[int, int]
     image_work: float = 1.0
+    # the decoder layers a first pipeline stage must hold (VisionLanguageModel.first_stage_layers)
+    first_stage_layers: int = 0
 
     @property
     def tokens_per_image(self) -> int:

@@ -203,9 +203,16 @@ class Decoder(nn.Module):
     def tie_weights(self) -> None:
         """With tie_embeddings, make the output head's weight the embedding's Parameter again.
         Anything that replaces parameters module by module (`to_empty`, `to` across devices)
-        gives the two modules separate copies: call this after it (init_weights does)."""
-        if self.args.tie_embeddings:
+        gives the two modules separate copies: call this after it (init_weights does). On a
+        pipeline's last stage (parallel/pipeline.py StagePlan.prune) the head owns the weight
+        and `tok_embeddings`, an empty module there, holds it under the embedding's name; off
+        it, one of the two is gone and there is nothing to tie."""
+        if not self.args.tie_embeddings or self.output is None or self.tok_embeddings is None:
+            return
+        if isinstance(self.tok_embeddings, nn.Embedding):
             self.output.weight = self.tok_embeddings.weight
+        else:
+            self.tok_embeddings.weight = self.output.weight
 
     def _init_rope(self) -> None:
         a = self.args

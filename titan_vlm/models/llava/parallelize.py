@@ -72,18 +72,22 @@ def apply_tp(model: VLM, tp_mesh: DeviceMesh, options: TPOptions = TPOptions()) 
     )
 
 
+def block_stacks(model: VLM) -> list[nn.ModuleList]:
+    """The ViT's and the decoder's blocks (no ViT off a pipeline's first stage)."""
+    vision = [model.vision.layers] if model.vision is not None else []
+    return [*vision, model.decoder.layers]
+
+
 def apply_ac(model: VLM, mode: str) -> None:
     """Activation checkpointing of the ViT and decoder blocks (parallel/parallelize.py apply_ac)."""
-    shared.apply_ac([model.vision.layers, model.decoder.layers], mode)
+    shared.apply_ac(block_stacks(model), mode)
 
 
 def apply_compile(
     model: VLM, fullgraph: bool = True, backend: str = "inductor", expert_parallel: bool = False
 ) -> None:
     """torch.compile of each ViT and decoder block (parallel/parallelize.py apply_compile)."""
-    shared.apply_compile(
-        [model.vision.layers, model.decoder.layers], fullgraph, backend, expert_parallel
-    )
+    shared.apply_compile(block_stacks(model), fullgraph, backend, expert_parallel)
 
 
 def parallelize_vlm(
@@ -100,27 +104,14 @@ def parallelize_vlm(
     """Everything the trainer applies to the model: tensor parallelism (`apply_tp`), then
     torch.compile of each block, activation checkpointing around the compiled blocks and FSDP
     (why in this order: parallel/parallelize.py). Under pipeline parallelism the model is this
-    rank's stages (parallel/pipeline.py StagePlan.prune: the rest removed) and only FSDP
-    applies (the other degrees are 1), on what its stages hold (shared.pipeline_units), and
-    only with dp ranks to shard over (a zero-bubble schedule's split backward needs the
-    parameters themselves: parallel/pipeline.py)."""
-    if mesh.pp.size() > 1:
-        if mesh.fsdp.size() > 1:
-            vision = [*model.vision.layers, model.vision, model.projector] if model.vision else []
-            units = shared.pipeline_units(model.decoder)
-            shared.apply_fsdp(vision, units, mesh, mixed_precision, cp_vision, reshard=True)
-        return model
+    rank's stages (parallel/pipeline.py StagePlan.prune: the rest removed): each applies to what
+    they hold (shared.decoder_units)."""
     apply_tp(model, mesh.tp, tp)
     if compile_blocks:
         apply_compile(model, fullgraph, compile_backend, mesh.ep is not None)
     apply_ac(model, ac_mode)
-    shared.apply_fsdp(
-        [*model.vision.layers, model.vision, model.projector],
-        [*model.decoder.layers, model.decoder],
-        mesh,
-        mixed_precision,
-        cp_vision,
-    )
+    vision = [*model.vision.layers, model.vision, model.projector] if model.vision else []
+    shared.apply_fsdp(vision, model.decoder, mesh, mixed_precision, cp_vision)
     return model
 
 

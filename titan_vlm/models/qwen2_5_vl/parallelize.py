@@ -86,15 +86,21 @@ def apply_tp(model: Qwen25VL, tp_mesh: DeviceMesh, options: TPOptions = TPOption
     apply_decoder_tp(model.decoder, tp_mesh, sp)
 
 
+def block_stacks(model: Qwen25VL) -> list[nn.ModuleList]:
+    """The tower's and the decoder's blocks (no tower off a pipeline's first stage)."""
+    vision = [model.vision.layers] if model.vision is not None else []
+    return [*vision, model.decoder.layers]
+
+
 def apply_ac(model: Qwen25VL, mode: str) -> None:
     """Activation checkpointing of the vision and decoder blocks (parallel/parallelize.py
     apply_ac)."""
-    shared.apply_ac([model.vision.layers, model.decoder.layers], mode)
+    shared.apply_ac(block_stacks(model), mode)
 
 
 def apply_compile(model: Qwen25VL, fullgraph: bool = True, backend: str = "inductor") -> None:
     """torch.compile of each vision and decoder block (parallel/parallelize.py apply_compile)."""
-    shared.apply_compile([model.vision.layers, model.decoder.layers], fullgraph, backend)
+    shared.apply_compile(block_stacks(model), fullgraph, backend)
 
 
 def parallelize_qwen(
@@ -112,18 +118,14 @@ def parallelize_qwen(
     torch.compile of each block, activation checkpointing around the compiled
     blocks, then FSDP with the vision units (each block, then
     the tower: patch embedding and merger) on cp_vision's mesh and the decoder units (each block,
-    then the decoder: embeddings, final norm, head) on mesh.fsdp."""
+    then the decoder: embeddings, final norm, head) on mesh.fsdp. Under pipeline parallelism,
+    on what this rank's stages hold (parallel/pipeline.py StagePlan.prune)."""
     apply_tp(model, mesh.tp, tp)
     if compile_blocks:
         apply_compile(model, fullgraph, compile_backend)
     apply_ac(model, ac_mode)
-    shared.apply_fsdp(
-        [*model.vision.layers, model.vision],
-        [*model.decoder.layers, model.decoder],
-        mesh,
-        mixed_precision,
-        cp_vision,
-    )
+    vision = [*model.vision.layers, model.vision] if model.vision is not None else []
+    shared.apply_fsdp(vision, model.decoder, mesh, mixed_precision, cp_vision)
     return model
 
 

@@ -94,6 +94,7 @@ class Qwen3VL(QwenVLModel):
 
     args: Qwen3VLArgs
     vision: VisionTower
+    decoder: Qwen3Decoder
 
     def __init__(self, args: Qwen3VLArgs):
         super().__init__(args, VisionTower(args.tower, args.attention_kernel), Qwen3Decoder(args))
@@ -106,12 +107,59 @@ class Qwen3VL(QwenVLModel):
     def decode(self, tokens: torch.Tensor, embeds: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
         """tokens [B, T] (the layout's text section), embeds [image slots, (1 + k) * dim] in
         image-id order -> logits [B, T, vocab] of the text section."""
+        prefix, inline, deepstack = self.split_embeds(embeds, layout)
+        return self.decoder(tokens, prefix, layout, inline, deepstack)
+
+    def split_embeds(
+        self, embeds: torch.Tensor, layout: SeqLayout
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[Features]]:
+        """embeds [image slots, (1 + k) * dim] placed by the layout and split: the main
+        embeddings of the image prefix [B, N, dim] and of the inline image slots [M, dim] (or
+        None), and the k DeepStack features of both."""
         dim = self.args.decoder.dim
         prefix = layout.place_images(embeds).split(dim, dim=-1)  # [B, N, dim] each
         inline = layout.inline_embeds(embeds)
         inlines = inline.split(dim, dim=-1) if inline is not None else (None,) * len(prefix)
-        deepstack = list(zip(prefix[1:], inlines[1:], strict=True))
-        return self.decoder(tokens, prefix[0], layout, inlines[0], deepstack)
+        return prefix[0], inlines[0], list(zip(prefix[1:], inlines[1:], strict=True))
+
+    def decode_stage(
+        self,
+        tokens: torch.Tensor,
+        embeds: torch.Tensor | None,
+        layout: SeqLayout,
+        h: torch.Tensor | None,
+        layers: range,
+        head: bool,
+    ) -> torch.Tensor:
+        """VisionLanguageModel.decode_stage with DeepStack: feature j added after layer j, which
+        the first stage holds (`first_stage_layers`: the features exist there only)."""
+        decoder = self.decoder
+        features: list[Features] = []
+        if h is None:
+            assert embeds is not None
+            prefix, inline, features = self.split_embeds(embeds, layout)
+            h, _ = decoder.local_sequence(tokens, prefix, layout, inline)
+        elif layers and layers.start < self.first_stage_layers:
+            raise ValueError(
+                f"decoder layer {layers.start} adds DeepStack features, which only the first "
+                f"pipeline stage has (it must hold layers 0-{self.first_stage_layers - 1})"
+            )
+        n_img = layout.num_image_tokens
+
+        def after(i: int, h: torch.Tensor) -> torch.Tensor:
+            if i < len(features):
+                return decoder.add_at_image_slots(h, n_img, features[i], layout)
+            return h
+
+        h = decoder.run_layers(h, layout, after, layers)
+        if not head:
+            return h
+        return decoder.output(decoder.norm(h[:, n_img:]))
+
+    @property
+    def first_stage_layers(self) -> int:
+        """The layers DeepStack adds after (0..k-1)."""
+        return self.args.deepstack
 
 
 def from_hf_folder(folder: Path) -> Qwen3VL:

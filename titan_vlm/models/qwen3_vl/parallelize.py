@@ -67,15 +67,16 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: JobConfig) -> None:
         raise TypeError(f"the qwen3_vl family parallelizes its Qwen3VL, got {type(model).__name__}")
     assert not TPOptions.from_config(cfg.parallelism).sequence_parallel  # validate.py
     apply_tp(model, mesh.tp)
-    stacks = [model.vision.layers, model.decoder.layers]
+    vision = model.vision  # None off a pipeline's first stage (parallel/pipeline.py)
+    stacks = [*([vision.layers] if vision is not None else []), model.decoder.layers]
     if cfg.compile.enable:
         shared.apply_compile(
             stacks, cfg.compile.fullgraph, cfg.compile.backend, mesh.ep is not None
         )
     shared.apply_ac(stacks, cfg.activation_checkpoint.mode)
     shared.apply_fsdp(
-        [*model.vision.layers, model.vision],
-        [*model.decoder.layers, model.decoder],
+        [*vision.layers, vision] if vision is not None else [],
+        model.decoder,
         mesh,
         cfg.training.mixed_precision,
         cfg.parallelism.cp_vision,

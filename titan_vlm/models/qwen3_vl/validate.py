@@ -2,7 +2,8 @@
 (common/qwen_vl/validate.py: causal image slots, its own image sizing, heads, tensor-parallel
 divisibility, the all-to-all's heads, the tokenizer's vocabulary, experts), and of tensor
 parallelism no sequence parallelism and no image embeddings sharded over tp yet
-(parallelize.py). One line each."""
+(parallelize.py), and of pipeline parallelism a first stage holding the layers DeepStack adds
+after (model.py). One line each."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from titan_vlm.errors import ConfigError
 from titan_vlm.models.common.qwen_vl.validate import validate as qwen2_5_vl_validate
 from titan_vlm.models.qwen3_vl.args import Qwen3VLArgs
 from titan_vlm.models.qwen3_vl.video import qwen3_inputs
+from titan_vlm.parallel.pipeline import parse_stage_layers
 from titan_vlm.parallel_dims import ParallelDims
 
 
@@ -28,4 +30,16 @@ def validate(args: Qwen3VLArgs, dims: ParallelDims, cfg: JobConfig) -> None:
             "parallelism.image_embed_tp_shard: a Qwen3-VL image slot's row holds its embedding "
             "and its DeepStack features, kept whole over tp; set it to false"
         )
+    if dims.pp > 1:  # DeepStack's layers on the first stage (model.py Qwen3VL.decode_stage)
+        stages = dims.pp * p.pipeline_parallel_stages_per_rank
+        k, n = args.deepstack, args.decoder.n_layers
+        try:
+            if n < stages - 1 + k:
+                raise ValueError(
+                    f"{n} decoder layers cannot make {stages} pipeline stages whose first holds "
+                    f"the {k} layers DeepStack adds after"
+                )
+            parse_stage_layers(p.pipeline_parallel_stage_layers, stages, n, k)
+        except ValueError as e:
+            raise ConfigError(f"parallelism.pipeline_parallel_degree={dims.pp}: {e}") from None
     qwen2_5_vl_validate(args, dims, cfg, qwen3_inputs)

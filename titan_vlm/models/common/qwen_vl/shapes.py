@@ -25,6 +25,7 @@ from titan_vlm.models.common.qwen_vl.flops import (
 )
 from titan_vlm.models.common.qwen_vl.mrope import Grid
 from titan_vlm.models.common.qwen_vl.vision_cost import image_train_flops, vision_patch_flops
+from titan_vlm.models.spec import VisionLanguageModel
 from titan_vlm.parallel.tensor_parallel import TP_COLWISE, TP_EMBEDDING, TP_ROWWISE
 from titan_vlm.plan.shapes import (
     MergerShape,
@@ -79,7 +80,7 @@ def train_flops(
 def qwen_plan_shapes(
     args: Qwen25VLArgs,
     image_hw: tuple[int, int] | None,
-    build: Callable[[Any], torch.nn.Module],
+    build: Callable[[Any], VisionLanguageModel],
     tower: Tower,
 ) -> ModelShapes:
     """ModelShapes of a Qwen-VL family's model (`build(args)`, made on the meta device) on
@@ -114,4 +115,5 @@ def qwen_plan_shapes(
         (grid[1] * p, grid[2] * p),
         # what images.py QwenVisuals.work reports of such an image
         image_train_flops(args, grid) / vision_patch_flops(v),
+        model.first_stage_layers,
     )
