@@ -1582,6 +1582,7 @@ def pp_parity(
     image_grads_not_summed: bool = False,
     tie: bool = False,
     tied_grads_not_summed: bool = False,
+    mixed_precision: str = "fp32",
 ) -> dict:
     """`steps` optimizer steps of the debug model (`n_layers` decoder layers; `tie`: its head
     tied to its embeddings) cut into `pp` x
@@ -1596,7 +1597,8 @@ def pp_parity(
     the steps, per group (vision, projector, decoder), with the names this rank holds.
     `loss_over_each_microbatch`: the negative control (_loss_over_each_microbatch);
     `image_grads_not_summed`: CP's (_image_grads_not_summed_over_cp); `tied_grads_not_summed`:
-    the tied embedding's (each stage's copy steps with its own half of the gradient)."""
+    the tied embedding's (each stage's copy steps with its own half of the gradient);
+    `mixed_precision` "bf16": the stages' (against the fp32 process)."""
     from titan_vlm.models.llava.parallelize import parallelize_vlm
     from titan_vlm.optim import clip_grad_norm_
     from titan_vlm.parallel.pipeline import Pipeline, StagePlan
@@ -1632,7 +1634,7 @@ def pp_parity(
     plan = StagePlan(dist.get_rank(group), pp, virtual, n_layers)
     plan.prune(model)
     # FSDP over the dp x cp ranks, as build_model applies it
-    parallelize_vlm(model, mesh, cp_vision=options.vision)
+    parallelize_vlm(model, mesh, mixed_precision, cp_vision=options.vision)
     pipe = Pipeline(
         model,
         plan,
@@ -1643,6 +1645,7 @@ def pp_parity(
         seq_len,
         torch.device("cpu"),
         CPContext(mesh.cp, options),
+        torch.bfloat16 if mixed_precision == "bf16" else torch.float32,
     )
     opt = build_optimizer(model, t)
     losses, norms = [], []

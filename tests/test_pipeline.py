@@ -218,6 +218,29 @@ def test_tied_embeddings_across_the_first_and_last_stages_train_as_one_process(p
         assert o["grad_err"]["decoder"] > 1e-2
 
 
+@pytest.mark.parametrize("dp_shard", [1, 2])
+def test_bf16_stages_stay_within_bf16_rounding(pool, dp_shard):
+    """bf16 mixed precision at pp = 2 (alone: FSDP's policy on one rank; and x dp_shard = 2):
+    bf16 parameters, compute and hidden states between stages, fp32 gradients, against the fp32
+    process, within test_parity.py's bf16 bounds (measured: loss 3e-5, gradients 1.6e-2)."""
+    out = pool.run("pp_parity", pp=2, dp_shard=dp_shard, steps=1, mixed_precision="bf16")
+    for o in out:
+        assert abs(o["losses"][0] - o["ref_losses"][0]) / o["ref_losses"][0] < 1e-3, o
+        assert max(o["grad_err"].values()) < 3e-2, o["grad_err"]
+        assert max(o["grad_err"].values()) > 1e-5  # it did compute in bf16
+
+
+def test_the_trainer_in_bf16_at_pp_2_follows_its_curve_without_stages(pool, tmp_path):
+    """The real loop in bf16 (the hidden states between stages bf16): the losses of the bf16
+    run without stages, to bf16's rounding (measured 8e-4 at step 4)."""
+    run = dict(RUN, training__mixed_precision="bf16")
+    one = losses(pool.run("train_run", dp_shard=1, cp=1, job__dump_folder=str(tmp_path), **run)[0])
+    staged = pool.run(
+        "train_run", dp_shard=1, cp=1, pp=2, job__dump_folder=str(tmp_path / "pp"), **run
+    )
+    assert losses(staged[0]) == pytest.approx(one, rel=3e-3)
+
+
 def test_a_mean_of_microbatch_means_fails_the_parity(pool):
     out = pool.run("pp_parity", pp=2, loss_over_each_microbatch=True)
     for o in out:
@@ -455,6 +478,14 @@ def test_initial_weights_load_into_the_stages(pool, tmp_path):
             ],
             4,
             "'InterleavedZeroBubble' with data or context parallelism: not yet",
+        ),
+        (
+            [
+                "--parallelism.pipeline_parallel_schedule=InterleavedZeroBubble",
+                "--training.mixed_precision=bf16",
+            ],
+            2,
+            "'InterleavedZeroBubble' with training.mixed_precision='bf16': not yet",
         ),
         (["--model.flavor=debug_moe"], 2, "a mixture-of-experts decoder: not yet"),
         (

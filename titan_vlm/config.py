@@ -257,8 +257,8 @@ class Parallelism:
     family (Qwen3-VL's DeepStack layers on the first stage), tied embeddings (a copy on the
     first and last stages, their gradients summed), Hugging Face weights and
     checkpoint.initial_load_path (each rank reads its stages'), compile and activation
-    checkpointing of each stage's blocks; a checkpoint resumes at any pipeline layout. Not
-    yet with tensor or expert parallelism, a mixture-of-experts decoder, bf16 or validation
+    checkpointing of each stage's blocks, bf16; a checkpoint resumes at any pipeline layout.
+    Not yet with tensor or expert parallelism, a mixture-of-experts decoder or validation
     (one-line errors)."""
     pipeline_parallel_schedule: PPSchedule = "1F1B"
     """torch.distributed.pipelining's schedule: "GPipe" (every forward, then every backward),
@@ -266,7 +266,7 @@ class Parallelism:
     at least `degree` microbatches), "Interleaved1F1B" (pipeline_parallel_stages_per_rank >= 2
     stages a rank, a smaller bubble), "InterleavedZeroBubble" (ZB-1P: each backward split into
     the inputs' gradients and the weights', which fill the bubble; one or more stages a rank;
-    not yet with data or context parallelism)."""
+    not yet with data or context parallelism or bf16)."""
     pipeline_parallel_microbatch_size: int = 1
     """Rows a pipeline microbatch: a step's rows on a dp rank (training.local_batch_size x the
     accumulation steps) are split into microbatches of this many, each crossing the stages in

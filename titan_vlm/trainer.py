@@ -566,6 +566,7 @@ class Trainer(Stateful):
             t.seq_len,
             self.device,
             CPContext(self.mesh.cp, self.cp),
+            torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32,
         )
         logger.info(
             "pipeline parallel: %d ranks x %d stage(s), %s over %d microbatches of %d row(s) a "

@@ -147,23 +147,19 @@ def _validate_pipeline(cfg: JobConfig, dims: ParallelDims, args: object) -> None
                 "and context parallelism (FSDP, HSDP, CP) so far, not yet with tensor or expert "
                 "parallelism"
             )
-    for wrong, name in (
-        (cfg.validation.enable, "validation.enable"),
-        (cfg.training.mixed_precision != "fp32", "training.mixed_precision (fp32 only)"),
-    ):
-        if wrong:
-            raise ConfigError(f"{what} with {name}: not yet")
+    if cfg.validation.enable:
+        raise ConfigError(f"{what} with validation.enable: not yet")
     decoder = getattr(args, "decoder")  # noqa: B009 - every family's args hold its DecoderArgs
     if decoder.moe is not None:
         raise ConfigError(f"{what} with a mixture-of-experts decoder: not yet")
-    if (
-        p.pipeline_parallel_schedule in ZERO_BUBBLE
-        and dims.dp_replicate * dims.dp_shard * dims.cp > 1
+    sharded = dims.dp_replicate * dims.dp_shard * dims.cp > 1
+    if p.pipeline_parallel_schedule in ZERO_BUBBLE and (
+        sharded or cfg.training.mixed_precision != "fp32"
     ):
+        what = "data or context parallelism" if sharded else "training.mixed_precision='bf16'"
         raise ConfigError(
-            f"{key}_schedule={p.pipeline_parallel_schedule!r} with data or context parallelism: "
-            "not yet (its split backward computes the weights' gradients on the parameters FSDP "
-            "shards over dp x cp)"
+            f"{key}_schedule={p.pipeline_parallel_schedule!r} with {what}: not yet (its split "
+            "backward computes the weights' gradients on the parameters FSDP replaces)"
         )
     t = cfg.training
     rows = t.local_batch_size * accumulation_steps(t, dims.dp_replicate * dims.dp_shard)

@@ -47,8 +47,10 @@ weight for the lookups and the last for the head, under the one name
 (decoder.tok_embeddings.weight, `StagePlan.prune`); after each step's backward the two copies
 exchange gradients and each holds the sum (`sum_tied_grads`), counted once in the norm
 (`Pipeline.copies`), so both take the same step. Compile and activation checkpointing wrap each
-block a stage holds, as without stages. Not yet (refused where it is asked for): tensor or
-expert parallelism with it, mixture-of-experts decoders, bf16, validation.
+block a stage holds, as without stages; with bf16 mixed precision the stages compute and send
+bf16 (FSDP's policy, applied under pp even without dp or cp ranks), the loss in fp32. Not yet
+(refused where it is asked for): tensor or expert parallelism with it, mixture-of-experts
+decoders, validation.
 """
 
 from __future__ import annotations
@@ -495,7 +497,8 @@ class Pipeline:
     optimizer step's forward and backward over the microbatches `parts` (each of `rows` rows of
     `seq_len` slots) and returns the step's loss (the sum of the microbatches', on every pipeline
     rank). `group`: the pipeline ranks, in stage order; `device`: this rank's; `ctx`: this rank's
-    cp group and choices (CPContext(): no context parallelism)."""
+    cp group and choices (CPContext(): no context parallelism); `dtype`: the hidden states'
+    between stages (the compute's: bfloat16 with training.mixed_precision = "bf16")."""
 
     def __init__(
         self,
@@ -508,6 +511,7 @@ class Pipeline:
         seq_len: int,
         device: torch.device,
         ctx: CPContext = CPContext(),
+        dtype: torch.dtype = torch.float32,
     ):
         from torch.distributed.pipelining import PipelineStage, schedules
 
@@ -521,7 +525,7 @@ class Pipeline:
         stages = []
         for s in plan.stages:
             module = StageModule(model, s, plan.num_stages, plan.layers[s], self.slots, ctx)
-            hidden = torch.empty(self.slots, dim, device="meta", requires_grad=True)
+            hidden = torch.empty(self.slots, dim, dtype=dtype, device="meta", requires_grad=True)
             index = torch.empty(1, dtype=torch.long, device="meta")
             stages.append(
                 PipelineStage(
