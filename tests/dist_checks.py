@@ -1583,6 +1583,8 @@ def pp_parity(
     tie: bool = False,
     tied_grads_not_summed: bool = False,
     mixed_precision: str = "fp32",
+    tp: int = 1,
+    sp: bool = False,
 ) -> dict:
     """`steps` optimizer steps of the debug model (`n_layers` decoder layers; `tie`: its head
     tied to its embeddings) cut into `pp` x
@@ -1598,7 +1600,8 @@ def pp_parity(
     `loss_over_each_microbatch`: the negative control (_loss_over_each_microbatch);
     `image_grads_not_summed`: CP's (_image_grads_not_summed_over_cp); `tied_grads_not_summed`:
     the tied embedding's (each stage's copy steps with its own half of the gradient);
-    `mixed_precision` "bf16": the stages' (against the fp32 process)."""
+    `mixed_precision` "bf16": the stages' (against the fp32 process); `tp`, `sp`: each stage's
+    blocks, embeddings and head split over tp ranks (sequence parallelism within a stage)."""
     from titan_vlm.models.llava.parallelize import parallelize_vlm
     from titan_vlm.optim import clip_grad_norm_
     from titan_vlm.parallel.pipeline import Pipeline, StagePlan
@@ -1612,9 +1615,10 @@ def pp_parity(
         args.vision.image_size, args.tokens_per_image, seq_len, seed, 2, packing=True
     )
     batches = [data.batch(step, 0, 1, rows * dp_shard) for step in range(steps)]  # global
-    mesh = make_mesh(dp_shard=dp_shard, cp=cp, pp=pp)
+    mesh = make_mesh(dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
     group, dp_rank = mesh.pp.get_group(), mesh.dp.get_local_rank()
     options = CPOptions(**(cp_options or {}))
+    tp_options = TPOptions(sequence_parallel=sp)
 
     torch.manual_seed(seed)
     ref = VLM(args)
@@ -1634,7 +1638,7 @@ def pp_parity(
     plan = StagePlan(dist.get_rank(group), pp, virtual, n_layers)
     plan.prune(model)
     # FSDP over the dp x cp ranks, as build_model applies it
-    parallelize_vlm(model, mesh, mixed_precision, cp_vision=options.vision)
+    parallelize_vlm(model, mesh, mixed_precision, cp_vision=options.vision, tp=tp_options)
     pipe = Pipeline(
         model,
         plan,
@@ -1644,7 +1648,7 @@ def pp_parity(
         rows_per_microbatch,
         seq_len,
         torch.device("cpu"),
-        CPContext(mesh.cp, options),
+        CPContext(mesh.cp, options, mesh.tp, tp_options),
         torch.bfloat16 if mixed_precision == "bf16" else torch.float32,
     )
     opt = build_optimizer(model, t)

@@ -515,20 +515,21 @@ def test_pipeline_activations_per_rank_are_what_autograd_holds_at_once(pool, sch
 
 
 @pytest.mark.parametrize(
-    "dp_shard, cp, tie", [(1, 1, False), (1, 2, False), (2, 1, False), (2, 1, True)]
+    "dp_shard, cp, tie, tp",
+    [(1, 1, False, 1), (1, 2, False, 1), (2, 1, False, 1), (2, 1, True, 1), (1, 1, True, 2)],
 )
-def test_each_pipeline_ranks_model_state_is_the_trainers_exactly(pool, dp_shard, cp, tie):
+def test_each_pipeline_ranks_model_state_is_the_trainers_exactly(pool, dp_shard, cp, tie, tp):
     """pp = 2 (the debug model's 3 layers: stage 0 the tower, projector, embeddings and layers
     0-1; stage 1 layer 2, the norm and head; with `tie`, the head's weight the embeddings', on
-    both stages), each stage sharded over dp x cp: every rank's model state is its pipeline
-    rank's in the plan; the trainer's line (rank 0's) is the plan's."""
+    both stages), each stage sharded over dp x cp (and split over tp): every rank's model state
+    is its pipeline rank's in the plan; the trainer's line (rank 0's) is the plan's."""
     from titan_vlm.plan.pipeline import rank_plans
 
-    per_rank = pool.run("model_state_bytes", dp_shard=dp_shard, cp=cp, pp=2, tie=tie)
+    per_rank = pool.run("model_state_bytes", dp_shard=dp_shard, cp=cp, pp=2, tie=tie, tp=tp)
     args = dataclasses.replace(
         DEBUG, decoder=dataclasses.replace(DEBUG.decoder, tie_embeddings=tie)
     )
-    layout = Layout(dp_shard=dp_shard, cp=cp, pp=2, pp_microbatch_size=1)
+    layout = Layout(dp_shard=dp_shard, cp=cp, tp=tp, pp=2, pp_microbatch_size=1)
     cfg = JobConfig()  # the rows the trainer's split is balanced for (stage_split)
     work = Workload.uniform(
         cfg.training.seq_len,
@@ -539,7 +540,7 @@ def test_each_pipeline_ranks_model_state_is_the_trainers_exactly(pool, dp_shard,
         bidirectional_images=False,
     )
     ranks = rank_plans(plan_shapes(args), layout, work)
-    inner = dp_shard * cp  # the mesh's pp dim is the outermost: ranks [0, inner) are stage 0
+    inner = dp_shard * cp * tp  # the mesh's pp dim is the outermost: ranks [0, inner) stage 0
     for rank, state in enumerate(per_rank):
         fsdp_rank_0 = rank % inner == 0  # the largest FSDP shard, as the plan prices
         if fsdp_rank_0:

@@ -253,20 +253,21 @@ class Parallelism:
     holding its stages' parameters only, trained over microbatches by
     pipeline_parallel_schedule; the loss and every gradient are one process's
     (parallel/pipeline.py). With data or context parallelism each stage is FSDP-sharded over
-    its dp x cp ranks, and with CP each stage's attention is exact over its cp ranks; every
-    family (Qwen3-VL's DeepStack layers on the first stage), tied embeddings (a copy on the
-    first and last stages, their gradients summed), Hugging Face weights and
+    its dp x cp ranks, with CP each stage's attention is exact over its cp ranks, with tensor
+    (and sequence) parallelism each stage's blocks, embeddings and head are split over its tp
+    ranks; every family (Qwen3-VL's DeepStack layers on the first stage), tied embeddings (a
+    copy on the first and last stages, their gradients summed), Hugging Face weights and
     checkpoint.initial_load_path (each rank reads its stages'), compile and activation
     checkpointing of each stage's blocks, bf16; a checkpoint resumes at any pipeline layout.
-    Not yet with tensor or expert parallelism, a mixture-of-experts decoder or validation
-    (one-line errors)."""
+    Not yet with expert parallelism, a mixture-of-experts decoder or validation (one-line
+    errors)."""
     pipeline_parallel_schedule: PPSchedule = "1F1B"
     """torch.distributed.pipelining's schedule: "GPipe" (every forward, then every backward),
     "1F1B" (one forward, one backward: at most `degree` microbatches' activations alive; needs
     at least `degree` microbatches), "Interleaved1F1B" (pipeline_parallel_stages_per_rank >= 2
     stages a rank, a smaller bubble), "InterleavedZeroBubble" (ZB-1P: each backward split into
     the inputs' gradients and the weights', which fill the bubble; one or more stages a rank;
-    not yet with data or context parallelism or bf16)."""
+    not yet with data, context or tensor parallelism or bf16)."""
     pipeline_parallel_microbatch_size: int = 1
     """Rows a pipeline microbatch: a step's rows on a dp rank (training.local_batch_size x the
     accumulation steps) are split into microbatches of this many, each crossing the stages in

@@ -565,7 +565,7 @@ class Trainer(Stateful):
             size,
             t.seq_len,
             self.device,
-            CPContext(self.mesh.cp, self.cp),
+            CPContext(self.mesh.cp, self.cp, self.mesh.tp, self.tp),
             torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32,
         )
         logger.info(
@@ -614,7 +614,11 @@ class Trainer(Stateful):
     def log_model(self) -> None:
         """Parameter counts, and the model state this rank holds."""
         mesh = self.mesh
-        counts = param_counts(self.model)
+        counts, active = param_counts(self.model), active_params(self.model)
+        if self.pipeline is not None:  # a tied embedding's last-stage copy: the first counts it
+            held_twice = sum(p.numel() for p in self.pipeline.copies())
+            counts["decoder"] -= held_twice
+            active -= held_twice
         if mesh.pp.size() > 1:  # each rank holds its stages' parameters: the model's are summed
             every: list[dict[str, int] | None] = [None] * mesh.pp.size()
             dist.all_gather_object(every, counts, group=mesh.pp.get_group())
@@ -622,7 +626,7 @@ class Trainer(Stateful):
             for theirs in every:
                 for part, n in (theirs or {}).items():
                     counts[part] = counts.get(part, 0) + n
-        total, active = sum(counts.values()), active_params(self.model)
+        total = sum(counts.values())
         if mesh.pp.size() > 1:
             active = int(dist_sum(torch.tensor(active, device=self.device), mesh.pp.get_group()))
         logger.info(

@@ -139,24 +139,24 @@ def _validate_pipeline(cfg: JobConfig, dims: ParallelDims, args: object) -> None
             )
         return
     what = f"{key}_degree={dims.pp}"
-    others = {"tensor_parallel_degree": dims.tp, "expert_parallel_degree": dims.ep}
-    for name, degree in others.items():
-        if degree > 1:
-            raise ConfigError(
-                f"{what} with parallelism.{name}={degree}: pipeline parallelism runs with data "
-                "and context parallelism (FSDP, HSDP, CP) so far, not yet with tensor or expert "
-                "parallelism"
-            )
+    if dims.ep > 1:
+        raise ConfigError(
+            f"{what} with parallelism.expert_parallel_degree={dims.ep}: pipeline parallelism runs "
+            "with data, context and tensor parallelism (FSDP, HSDP, CP, TP) so far, not yet with "
+            "expert parallelism"
+        )
     if cfg.validation.enable:
         raise ConfigError(f"{what} with validation.enable: not yet")
     decoder = getattr(args, "decoder")  # noqa: B009 - every family's args hold its DecoderArgs
     if decoder.moe is not None:
         raise ConfigError(f"{what} with a mixture-of-experts decoder: not yet")
-    sharded = dims.dp_replicate * dims.dp_shard * dims.cp > 1
+    sharded = dims.dp_replicate * dims.dp_shard * dims.cp * dims.tp > 1
     if p.pipeline_parallel_schedule in ZERO_BUBBLE and (
         sharded or cfg.training.mixed_precision != "fp32"
     ):
-        what = "data or context parallelism" if sharded else "training.mixed_precision='bf16'"
+        what = (
+            "data, context or tensor parallelism" if sharded else "training.mixed_precision='bf16'"
+        )
         raise ConfigError(
             f"{key}_schedule={p.pipeline_parallel_schedule!r} with {what}: not yet (its split "
             "backward computes the weights' gradients on the parameters FSDP replaces)"

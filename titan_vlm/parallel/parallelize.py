@@ -115,10 +115,12 @@ def apply_fsdp(
     is a root of its own there, which torch would otherwise keep whole from a microbatch's
     forward to its backward), and there is no FSDP without dp or cp ranks to shard over (a
     zero-bubble schedule's split backward needs the parameters themselves:
-    parallel/pipeline.py) but for bf16 mixed precision, which FSDP's policy applies."""
+    parallel/pipeline.py) but for bf16 mixed precision, which FSDP's policy applies, and tensor
+    parallelism (FSDP on one rank makes every parameter a DTensor, as the optimizer's fused
+    step needs where TP made some)."""
     reshard: bool | None = None  # torch's choice: roots stay unsharded after the forward
     if mesh.pp.size() > 1:
-        if mesh.fsdp.size() == 1 and mixed_precision == "fp32":
+        if mesh.fsdp.size() == 1 and mesh.tp.size() == 1 and mixed_precision == "fp32":
             return
         reshard = True
     if mixed_precision == "bf16":

@@ -26,9 +26,9 @@ the loss on the last.
 Invariants: the loss of the step is the one process's (each microbatch's summed loss over N,
 the whole step's loss tokens: `loss_tokens`; the schedule scales nothing, scale_grads=False), so
 every pipeline degree, schedule and microbatch count computes the same gradients; a parameter
-lives on one stage, under its one-process name (the model is built whole, then `prune`d), so the
-gradient norm is each stage's squares summed over the pipeline (optim.clip_grad_norm_'s
-`stages`) and a checkpoint holds the one model's names.
+lives on one stage (a tied embedding on two: below), under its one-process name (the model is
+built whole, then `prune`d), so the gradient norm is each stage's squares summed over the
+pipeline (optim.clip_grad_norm_'s `stages`) and a checkpoint holds the one model's names.
 
 With data parallelism, each stage's units are FSDP-sharded over its dp ranks by the family's
 parallelize (parallel/parallelize.py decoder_units: what a stage calls as a module), and each
@@ -48,9 +48,13 @@ weight for the lookups and the last for the head, under the one name
 exchange gradients and each holds the sum (`sum_tied_grads`), counted once in the norm
 (`Pipeline.copies`), so both take the same step. Compile and activation checkpointing wrap each
 block a stage holds, as without stages; with bf16 mixed precision the stages compute and send
-bf16 (FSDP's policy, applied under pp even without dp or cp ranks), the loss in fp32. Not yet
-(refused where it is asked for): tensor or expert parallelism with it, mixture-of-experts
-decoders, validation.
+bf16 (FSDP's policy, applied under pp even without dp or cp ranks), the loss in fp32. With
+tensor parallelism each stage's blocks, embeddings and head are split over its tp ranks as
+without stages, each (stage, tp rank) sending its (whole, replicated) hidden states to the next
+stage's rank of the same tp rank; with sequence parallelism each stage's run of blocks cuts
+the sequence at its first block and gathers it after its last (tensor_parallel.py
+apply_decoder_tp), so what crosses stages is whole. Not yet (refused where it is asked for):
+expert parallelism with it, mixture-of-experts decoders, validation.
 """
 
 from __future__ import annotations
@@ -404,7 +408,7 @@ def microbatches(
     return out
 
 
-def wire_slots(rows: int, seq_len: int, cp: int) -> int:
+def wire_slots(rows: int, seq_len: int, cp: int, multiple: int = 1) -> int:
     """The most hidden-state slots a cp rank's microbatch of `rows` rows of `seq_len` slots can
     have, rows x local length (what crosses stages is padded to it). The image prefix is the
     longest row's replicated images (at most seq_len) and the text section the longest row's
@@ -412,10 +416,12 @@ def wire_slots(rows: int, seq_len: int, cp: int) -> int:
     (a one-token sample is padded to 2 cp slots, 2 on each rank). So one row holds at most
     seq_len without cp and 2 seq_len with it; several rows at most 2 seq_len a row without cp,
     3 seq_len with it (the prefix of one row, the text of another; cp_sample_placement = "auto"
-    joins the rows into one, within that)."""
+    joins the rows into one, within that). `multiple`: the local length is padded to a
+    multiple of it (sequence parallelism's tp), up to multiple - 1 slots more a row."""
+    pad = rows * (multiple - 1)
     if cp == 1:
-        return rows * seq_len * min(rows, 2)
-    return rows * seq_len * (2 if rows == 1 else 3)
+        return rows * seq_len * min(rows, 2) + pad
+    return rows * seq_len * (2 if rows == 1 else 3) + pad
 
 
 class StageModule(nn.Module):
@@ -519,7 +525,8 @@ class Pipeline:
         self.group, self.model, self.plan, self.ctx = group, model, plan, ctx
         self.bidirectional = model.bidirectional_images
         cp = ctx.cp_mesh.size() if ctx.cp_mesh is not None else 1
-        self.slots = wire_slots(rows, seq_len, cp)
+        multiple = ctx.tp_mesh.size() if ctx.tp_mesh is not None and ctx.tp.sequence_parallel else 1
+        self.slots = wire_slots(rows, seq_len, cp, multiple)
         dim, last = model.decoder.args.dim, plan.num_stages - 1
         self.modules: list[StageModule] = []
         stages = []

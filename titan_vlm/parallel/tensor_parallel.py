@@ -196,23 +196,45 @@ def apply_decoder_tp(decoder: Decoder, tp_mesh: DeviceMesh, sp: bool) -> None:
     # rank (each computes them on the same tokens: the gradients are complete and equal, as a
     # replicated norm's), not under SP (validate: the experts would need the whole sequence)
     sparse_plan = {k: v for k, v in plan.items() if not k.startswith(("feed_forward", "ffn_norm"))}
-    for i, block in enumerate(decoder.layers):
-        parallelize_module(block, tp_mesh, sparse_plan if i in decoder.args.sparse else plan)
+    # under pipeline parallelism only this rank's stages' blocks (the others are parameter-free
+    # placeholders), each stage's run of consecutive blocks a stack of its own (the sequence
+    # cut at its first block, gathered after its last, so the hidden states cross stages whole)
+    held = [i for i, block in enumerate(decoder.layers) if any(True for _ in block.parameters())]
+    for i in held:
+        parallelize_module(
+            decoder.layers[i], tp_mesh, sparse_plan if i in decoder.args.sparse else plan
+        )
     if sp:
-        sp_stack_boundaries(decoder.layers, tp_mesh, 4, "decoder")  # block(x, cos, sin, layout)
-    parallelize_module(
-        decoder,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(
-                input_layouts=Replicate(), output_layouts=Replicate()
-            ),
-            "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        },
-    )
+        for run in consecutive_runs(held):  # block(x, cos, sin, layout)
+            sp_stack_boundaries(
+                nn.ModuleList(decoder.layers[i] for i in run), tp_mesh, 4, "decoder"
+            )
+    # the embedding rows and head columns, where this rank's stages hold them (a pipeline's
+    # last stage names its tied head's weight with an empty module: StagePlan.prune)
+    styles = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    }
+    parts = {"tok_embeddings": decoder.tok_embeddings, "output": decoder.output}
+    held_parts = {
+        k: v for k, v in styles.items() if isinstance(parts[k], (nn.Embedding, nn.Linear))
+    }
+    if held_parts:
+        parallelize_module(decoder, tp_mesh, held_parts)
     # Tied embeddings: each style distributed its own copy of the one weight; both are [vocab,
     # dim] split Shard(0) over tp, so the head can take the embedding's DTensor back, exactly.
     decoder.tie_weights()
+
+
+def consecutive_runs(indices: list[int]) -> list[list[int]]:
+    """`indices` (ascending) in runs of consecutive values: [0, 1, 4, 5] -> [[0, 1], [4, 5]]."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 def gather_image_embeds_over_tp(embeds: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:

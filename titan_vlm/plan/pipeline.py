@@ -211,7 +211,9 @@ def rank_plans(shapes: ModelShapes, layout: Layout, work: Workload) -> list[Rank
     m = work.rows // layout.pp_microbatch_size
     mb = rows_of(work, layout.pp_microbatch_size)
     g = mb.placed(layout)
-    wire = wire_slots(mb.rows, mb.seq_len, layout.cp) * shapes.decoder.dim * layout.act_bytes
+    multiple = layout.tp if layout.sequence_parallel else 1
+    wire = wire_slots(mb.rows, mb.seq_len, layout.cp, multiple) * shapes.decoder.dim
+    wire *= layout.act_bytes
     fp32 = layout.act_bytes == 4
     viewed = g.rows * g.local_slots * 4 * shapes.decoder.dim if fp32 else 0
     split = tuple(layer_split(shapes, layout, mb))
@@ -271,10 +273,11 @@ def rank_plans(shapes: ModelShapes, layout: Layout, work: Workload) -> list[Rank
 
 def pipeline_gathered(shapes: ModelShapes, layout: Layout) -> int:
     """FSDP's gathered parameters in use at once on a pipeline rank holding `shapes.params`:
-    none without dp or cp ranks (no FSDP: parallelize_vlm); else every unit is an FSDP root
-    freed after each forward, so two units (the largest: a block, or the roots counted as one)
-    with their unsharded fp32 gradients."""
-    if layout.dp_replicate * layout.dp_shard * layout.cp == 1:
+    none without FSDP (fp32 without dp, cp or tp ranks: parallel/parallelize.py apply_fsdp);
+    else every unit is an FSDP root freed after each forward, so two units (the largest: a
+    block, or the roots counted as one) with their unsharded fp32 gradients."""
+    sharded = layout.dp_replicate * layout.dp_shard * layout.cp * layout.tp > 1
+    if not sharded and layout.act_bytes == 4:
         return 0
     roots, blocks = unit_sizes(shapes, layout)
     return 2 * max([roots, *blocks]) * (layout.act_bytes + 4)

@@ -50,13 +50,15 @@ def apply_tp(model: VLM, tp_mesh: DeviceMesh, options: TPOptions = TPOptions()) 
         n_attn_args=2,
         sp=sp,
     )  # attn(x, plan)
+    apply_decoder_tp(model.decoder, tp_mesh, sp)
+    if model.vision is None:  # off a pipeline's first stage (parallel/pipeline.py)
+        return
     for block in model.vision.layers:
         parallelize_module(block, tp_mesh, vit_plan)
     if sp:
         sp_stack_boundaries(model.vision.layers, tp_mesh, 2, "ViT")  # block(x, plan)
         # images of different sizes: their packed sequence padded to whole tp slices
         model.vision.sequence_multiple = tp_mesh.size()
-    apply_decoder_tp(model.decoder, tp_mesh, sp)
     # Projector: column- then row-wise. With image_embed_tp_shard its partial sums are
     # reduce-scattered along the hidden dim instead of all-reduced: the embeddings stay sharded
     # (and travel the CP group at 1/tp size) until gather_image_embeds_over_tp.

@@ -72,17 +72,19 @@ def apply_tp(model: Qwen25VL, tp_mesh: DeviceMesh, options: TPOptions = TPOption
         n_attn_args=4,
         sp=sp,
     )  # attn(x, cos, sin, plan)
-    for block in model.vision.layers:
-        parallelize_module(block, tp_mesh, vision_plan)
-    if sp:
-        sp_stack_boundaries(model.vision.layers, tp_mesh, 4, "vision")  # block(x, cos, sin, plan)
-        model.vision.sequence_multiple = tp_mesh.size()
-    merged = Shard(-1) if options.image_embed_shard else Replicate()
-    parallelize_module(
-        model.vision.merger,
-        tp_mesh,
-        {"fc1": ColwiseParallel(), "fc2": RowwiseParallel(output_layouts=merged)},
-    )
+    vision = model.vision  # None off a pipeline's first stage (parallel/pipeline.py)
+    if vision is not None:
+        for block in vision.layers:
+            parallelize_module(block, tp_mesh, vision_plan)
+        if sp:
+            sp_stack_boundaries(vision.layers, tp_mesh, 4, "vision")  # block(x, cos, sin, plan)
+            vision.sequence_multiple = tp_mesh.size()
+        merged = Shard(-1) if options.image_embed_shard else Replicate()
+        parallelize_module(
+            vision.merger,
+            tp_mesh,
+            {"fc1": ColwiseParallel(), "fc2": RowwiseParallel(output_layouts=merged)},
+        )
     apply_decoder_tp(model.decoder, tp_mesh, sp)
 
 

@@ -50,11 +50,13 @@ def apply_tp(model: Qwen3VL, tp_mesh: DeviceMesh) -> None:
         n_attn_args=4,
         sp=False,
     )  # attn(x, cos, sin, plan)
-    for block in model.vision.layers:
-        parallelize_module(block, tp_mesh, vision_plan)
-    merger_plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
-    for merger in [model.vision.merger, *model.vision.deepstack_mergers]:
-        parallelize_module(merger, tp_mesh, merger_plan)
+    vision = model.vision  # None off a pipeline's first stage (parallel/pipeline.py)
+    if vision is not None:
+        for block in vision.layers:
+            parallelize_module(block, tp_mesh, vision_plan)
+        merger_plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+        for merger in [vision.merger, *vision.deepstack_mergers]:
+            parallelize_module(merger, tp_mesh, merger_plan)
     apply_decoder_tp(model.decoder, tp_mesh, sp=False)
 
 
