@@ -1713,6 +1713,61 @@ def pp_parity(
     }
 
 
+def pp_eval(
+    schedule: str, virtual: int, n_layers: int, pp: int = 2, seq_len: int = 61, seed: int = 5
+) -> dict:
+    """Pipeline.evaluate (the schedule forward only) of the debug model (`n_layers` layers) cut
+    into `pp` x `virtual` stages, before and after a training step, and the training step between
+    them, against one process on the same 4 one-row microbatches: {"evals", "ref_evals"} (the
+    summed loss over the loss tokens, before and after), {"loss", "ref_loss"} (the step's)."""
+    from titan_vlm.optim import clip_grad_norm_
+    from titan_vlm.parallel.pipeline import Pipeline, StagePlan
+
+    base = get_flavor("debug")
+    args = dataclasses.replace(base, decoder=dataclasses.replace(base.decoder, n_layers=n_layers))
+    t = Training(lr=1e-3, warmup_steps=0, steps=10, max_norm=1.0, seq_len=seq_len)
+    data = SyntheticCaptions(
+        args.vision.image_size, args.tokens_per_image, seq_len, seed, 2, packing=True
+    )
+    batch = data.batch(0, 0, 1, 4)
+    parts = [batch.rows(k, k + 1) for k in range(4)]
+    ntokens = (batch.labels != IGNORE_INDEX).sum()
+    mesh = make_mesh(dp_shard=1, cp=1, pp=pp)
+    group = mesh.pp.get_group()
+
+    torch.manual_seed(seed)
+    ref = VLM(args)
+    ref_opt = build_optimizer(ref, t)
+
+    def ref_sum() -> float:
+        with torch.no_grad():
+            logits, labels, _ = ref.forward_local(batch, CPContext())
+        return F.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        ).item()
+
+    ref_evals = [ref_sum()]
+    logits, labels, _ = ref.forward_local(batch, CPContext())
+    ref_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    ref_loss.backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), t.max_norm)
+    ref_opt.step()
+    ref_evals.append(ref_sum())
+
+    torch.manual_seed(seed)
+    model = VLM(args)
+    plan = StagePlan(dist.get_rank(group), pp, virtual, n_layers)
+    plan.prune(model)
+    pipe = Pipeline(model, plan, group, schedule, 4, 1, seq_len, torch.device("cpu"))
+    opt = build_optimizer(model, t)
+    evals = [pipe.evaluate(parts).item()]
+    loss = pipe.step(parts, ntokens).item()
+    clip_grad_norm_(list(model.parameters()), t.max_norm, group)
+    opt.step()
+    evals.append(pipe.evaluate(parts).item())
+    return {"evals": evals, "ref_evals": ref_evals, "loss": loss, "ref_loss": ref_loss.item()}
+
+
 def pipeline_saved_peak(
     schedule: str,
     virtual: int = 1,

@@ -36,6 +36,16 @@ TOL = 1e-5
 CP_PARAM_TOL = 1e-4
 
 
+# every schedule, with the stages a rank it runs and enough debug-model layers for the stages
+EVERY_SCHEDULE = [
+    ("1F1B", 1, 3),
+    ("GPipe", 1, 3),
+    ("Interleaved1F1B", 2, 4),
+    ("InterleavedZeroBubble", 1, 3),
+    ("InterleavedZeroBubble", 2, 4),
+]
+
+
 def assert_one_process(out: list[dict], param_tol: float = TOL, grad_tol: float = TOL) -> None:
     for o in out:
         assert o["losses"] == pytest.approx(o["ref_losses"], rel=TOL, abs=1e-6), o
@@ -103,16 +113,7 @@ def test_schedules_that_cannot_run_are_one_line(args, message):
     check_schedule("GPipe", 4, 1, 2)  # GPipe runs any count
 
 
-@pytest.mark.parametrize(
-    "schedule, virtual, n_layers",
-    [
-        ("1F1B", 1, 3),
-        ("GPipe", 1, 3),
-        ("Interleaved1F1B", 2, 4),
-        ("InterleavedZeroBubble", 1, 3),
-        ("InterleavedZeroBubble", 2, 4),
-    ],
-)
+@pytest.mark.parametrize("schedule, virtual, n_layers", EVERY_SCHEDULE)
 def test_two_stage_ranks_train_as_one_process(pool, schedule, virtual, n_layers):
     out = pool.run("pp_parity", pp=2, schedule=schedule, virtual=virtual, n_layers=n_layers)
     assert_one_process(out)
@@ -349,6 +350,36 @@ def test_the_trainer_at_pp_2_x_tp_2_follows_tp_2_and_resumes_at_pp_1(pool, tmp_p
     assert resumed == pytest.approx({k: one[k] for k in (3, 4)}, rel=TOL)
 
 
+@pytest.mark.parametrize("schedule, virtual, n_layers", EVERY_SCHEDULE)
+def test_every_schedule_evaluates_forward_only_between_steps(pool, schedule, virtual, n_layers):
+    """Pipeline.evaluate (torch's schedule.eval) before and after a training step, and the step
+    between them: one process's summed loss each time (the schedule switches to forward only
+    and back)."""
+    for o in pool.run("pp_eval", schedule=schedule, virtual=virtual, n_layers=n_layers):
+        assert o["evals"] == pytest.approx(o["ref_evals"], rel=TOL)
+        assert o["loss"] == pytest.approx(o["ref_loss"], rel=TOL)
+        assert o["evals"][1] < o["evals"][0]  # the step between them counted
+
+
+@pytest.mark.parametrize("schedule, cp", [("1F1B", 1), ("GPipe", 1), ("1F1B", 2)])
+def test_validation_runs_the_stages_forward_only(pool, tmp_path, schedule, cp):
+    """validation.enable at pp = 2 (the schedule's forward alone, torch's schedule.eval, between
+    training steps; with cp = 2 each stage's attention over its cp ranks): the validation losses
+    and the training losses after them are those of the run without stages, on every rank."""
+    plain = dict(RUN, validation__enable=True, validation__freq=2, validation__steps=2)
+    run = dict(plain, parallelism__pipeline_parallel_schedule=schedule)
+    one = pool.run("train_run", dp_shard=1, cp=cp, job__dump_folder=str(tmp_path / "a"), **plain)[0]
+    staged = pool.run(
+        "train_run", dp_shard=1, cp=cp, pp=2, job__dump_folder=str(tmp_path / "b"), **run
+    )
+    want = {h["step"]: h["validation_loss"] for h in one if "validation_loss" in h}
+    assert sorted(want) == [2, 4]
+    for out in staged:
+        got = {h["step"]: h["validation_loss"] for h in out if "validation_loss" in h}
+        assert got == pytest.approx(want, rel=TOL)
+        assert losses(out) == pytest.approx(losses(one), rel=TOL)
+
+
 def test_a_checkpoint_resumes_at_another_pipeline_layout(pool, tmp_path):
     """A pp = 2 run's step-2 checkpoint resumed at pp = 2 and at pp = 2 x dp_shard = 2 (each
     stage sharded), and a one-process checkpoint resumed at pp = 2: each continues the
@@ -512,7 +543,11 @@ def test_initial_weights_load_into_the_stages(pool, tmp_path):
 @pytest.mark.parametrize(
     "keys, world, message",
     [
-        (["--validation.enable=true"], 2, "with validation.enable: not yet"),
+        (
+            ["--validation.enable=true", "--training.global_batch_size=8"],
+            2,
+            "with validation.enable and 2 accumulation steps: not yet",
+        ),
         (
             [
                 "--parallelism.pipeline_parallel_schedule=InterleavedZeroBubble",

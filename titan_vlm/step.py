@@ -218,12 +218,19 @@ def validation_sums(
     mesh: Mesh,
     cp: CPOptions = CPOptions(),
     tp: TPOptions = TPOptions(),
+    pipeline: Pipeline | None = None,
 ) -> torch.Tensor:
     """The forward of one validation batch (no gradients, the training's layout): [summed loss
     of the job's loss tokens in it, their number], float64, the same on every rank. The mean
-    over several batches is the ratio of their sums (validation_loss)."""
-    logits, labels, _ = model.forward_local(batch, CPContext(mesh.cp, cp, mesh.tp, tp))
-    loss = summed_loss(logits, labels)
+    over several batches is the ratio of their sums (validation_loss). Under pipeline
+    parallelism the stages' schedule runs it forward only, in its microbatches."""
+    if pipeline is not None:
+        rows = batch.num_rows // pipeline.n_microbatches
+        parts = [batch.rows(k * rows, (k + 1) * rows) for k in range(pipeline.n_microbatches)]
+        loss = pipeline.evaluate(parts)  # summed over the pipeline: every stage rank has it
+    else:
+        logits, labels, _ = model.forward_local(batch, CPContext(mesh.cp, cp, mesh.tp, tp))
+        loss = summed_loss(logits, labels)
     # the summed loss over this rank's text tokens (dp and cp; not tp: its ranks hold the same
     # tokens), the count over the whole rows each dp rank reads (loss_tokens)
     total = dist_sum(loss.double(), mesh.job.get_group())

@@ -317,7 +317,7 @@ class Trainer(Stateful):
         for k in range(v.steps):
             batch = data.batch(k, self.dp_rank, self.dp, rows).to(self.device)
             check_same_batch(batch, self.mesh.rows, step)
-            sums += validation_sums(self.model, batch, self.mesh, self.cp, self.tp)
+            sums += validation_sums(self.model, batch, self.mesh, self.cp, self.tp, self.pipeline)
         # no loss token in the held-out rows: no loss to report (NaN), not a perfect 0
         loss = float(sums[0] / sums[1]) if sums[1] else float("nan")
         logger.info(

@@ -145,8 +145,14 @@ def _validate_pipeline(cfg: JobConfig, dims: ParallelDims, args: object) -> None
             "with data, context and tensor parallelism (FSDP, HSDP, CP, TP) so far, not yet with "
             "expert parallelism"
         )
-    if cfg.validation.enable:
-        raise ConfigError(f"{what} with validation.enable: not yet")
+    t = cfg.training
+    steps = accumulation_steps(t, dims.dp_replicate * dims.dp_shard)
+    if cfg.validation.enable and steps > 1:
+        raise ConfigError(
+            f"{what} with validation.enable and {steps} accumulation steps: not yet (a "
+            "validation batch of training.local_batch_size rows runs the training's schedule, "
+            "whose microbatches are a step's rows)"
+        )
     decoder = getattr(args, "decoder")  # noqa: B009 - every family's args hold its DecoderArgs
     if decoder.moe is not None:
         raise ConfigError(f"{what} with a mixture-of-experts decoder: not yet")
@@ -161,8 +167,7 @@ def _validate_pipeline(cfg: JobConfig, dims: ParallelDims, args: object) -> None
             f"{key}_schedule={p.pipeline_parallel_schedule!r} with {what}: not yet (its split "
             "backward computes the weights' gradients on the parameters FSDP replaces)"
         )
-    t = cfg.training
-    rows = t.local_batch_size * accumulation_steps(t, dims.dp_replicate * dims.dp_shard)
+    rows = t.local_batch_size * steps
     size = p.pipeline_parallel_microbatch_size
     if rows % size:
         raise ConfigError(

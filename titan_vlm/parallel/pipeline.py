@@ -54,7 +54,8 @@ without stages, each (stage, tp rank) sending its (whole, replicated) hidden sta
 stage's rank of the same tp rank; with sequence parallelism each stage's run of blocks cuts
 the sequence at its first block and gathers it after its last (tensor_parallel.py
 apply_decoder_tp), so what crosses stages is whole. Not yet (refused where it is asked for):
-expert parallelism with it, mixture-of-experts decoders, validation.
+expert parallelism with it, mixture-of-experts decoders. Validation runs the same schedule
+forward only (`evaluate`: torch's schedule.eval) over a validation batch's microbatches.
 """
 
 from __future__ import annotations
@@ -568,9 +569,20 @@ class Pipeline:
         a tied embedding (the first stage's counts it once)."""
         return [self.tied] if self.tied is not None and self.last else []
 
+    def evaluate(self, parts: list[Batch]) -> torch.Tensor:
+        """The forward alone (torch's schedule.eval, no gradients) of the microbatches `parts`:
+        their summed loss over this cp rank's loss tokens, summed over the pipeline (every
+        rank has it; step.py validation_sums sums it over dp x cp as without stages)."""
+        with torch.no_grad():
+            return self._run(parts, torch.ones((), dtype=torch.long), train=False)
+
     def step(self, parts: list[Batch], ntokens: torch.Tensor) -> torch.Tensor:
         """Forward and backward of the microbatches `parts`, each normalised by `ntokens` (the
         step's loss tokens); the step's loss, summed over the pipeline (every rank has it)."""
+        return self._run(parts, ntokens, train=True)
+
+    def _run(self, parts: list[Batch], ntokens: torch.Tensor, train: bool) -> torch.Tensor:
+        """`step` (train) or `evaluate`: the schedule over the microbatches `parts`."""
         if len(parts) != self.n_microbatches:
             raise ValueError(f"{len(parts)} microbatches, the schedule runs {self.n_microbatches}")
         table = microbatches(parts, ntokens, self.bidirectional, self.ctx)
@@ -588,15 +600,18 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (index,) if self.first else ()
         target = index if self.last else None  # the last stage's loss_fn takes one (unused)
+        run = self.schedule.step if train else self.schedule.eval
         try:
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False, mb=index)
+            run(*args, target=target, losses=losses, return_outputs=False, mb=index)
         finally:
             for module in self.modules:  # the microbatches' tensors are not kept past the step
                 module.table = []
+        total = torch.stack([x.detach() for x in losses]).sum() if losses else index.new_zeros(())
+        if not train:
+            return dist_sum(total.float(), self.group)
         cp = self.ctx.cp_mesh
         if self.first and cp is not None and self.ctx.options.vision == "broadcast":
             sync_broadcast_vision_grads(self.model, cp)  # cp rank 0 ran the ViT: its gradients
         if self.tied is not None:
             sum_tied_grads(self.tied, self.group, self.plan.degree - 1 if self.first else 0)
-        total = torch.stack([x.detach() for x in losses]).sum() if losses else index.new_zeros(())
         return dist_sum(total.float(), self.group)
