@@ -493,6 +493,7 @@ def train_run(
     slow_write_s: float = 0.0,
     uncopied_async_state: bool = False,
     pp: int = 1,
+    ep: int = 1,
     **overrides,
 ) -> list[dict]:
     """The real training loop (Trainer) on a test mesh; overrides are section__key=value.
@@ -502,12 +503,13 @@ def train_run(
     nothing commits them). `slow_write_s`: each checkpoint write starts that much later (the
     steps after an async save go on meanwhile). `uncopied_async_state` (negative control): an
     async save writes the live tensors instead of their copy at the step. `pp`: pipeline stages'
-    ranks (the outermost dim)."""
+    ranks (the outermost dim); `ep`: expert parallelism over dp_shard x cp."""
     cfg = _job_config(steps, **overrides)
     cfg.job.dump_folder = (
         f"{cfg.job.dump_folder}/copy{dist.get_rank() // (pp * dp_replicate * dp_shard * cp * tp)}"
     )
-    mesh = make_mesh(dp_shard, cp, dp_replicate, tp, pp=pp)
+    cfg.parallelism.expert_parallel_degree = ep
+    mesh = make_mesh(dp_shard, cp, dp_replicate, tp, ep, pp)
     trainer = Trainer(cfg, mesh, torch.device("cpu"))
     write = _FileSystemWriter.write_data
 
@@ -1585,9 +1587,13 @@ def pp_parity(
     mixed_precision: str = "fp32",
     tp: int = 1,
     sp: bool = False,
+    moe: bool = False,
+    carrier_detached: bool = False,
 ) -> dict:
     """`steps` optimizer steps of the debug model (`n_layers` decoder layers; `tie`: its head
-    tied to its embeddings) cut into `pp` x
+    tied to its embeddings; `moe`: debug_moe's decoder, layers 1 and 2 sparse, against one
+    process adding each microbatch's load-balancing loss over the step's microbatches, as the
+    trainer's accumulation does; one dp rank) cut into `pp` x
     `virtual` pipeline stages (parallel/pipeline.py), each stage's units sharded over `dp_shard`
     x `cp` ranks (FSDP: the llava family's parallelize, as the trainer builds it); the dp ranks
     read their own rows of the global batch, the cp ranks of one their CP shares of it
@@ -1600,14 +1606,21 @@ def pp_parity(
     `loss_over_each_microbatch`: the negative control (_loss_over_each_microbatch);
     `image_grads_not_summed`: CP's (_image_grads_not_summed_over_cp); `tied_grads_not_summed`:
     the tied embedding's (each stage's copy steps with its own half of the gradient);
+    `carrier_detached`: the negative control of `moe` (the router statistics reach the last
+    stage without their graph: no balance gradient for the earlier stages' routers);
     `mixed_precision` "bf16": the stages' (against the fp32 process); `tp`, `sp`: each stage's
     blocks, embeddings and head split over tp ranks (sequence parallelism within a stage)."""
+    from titan_vlm.models.common.moe import aux_loss
     from titan_vlm.models.llava.parallelize import parallelize_vlm
     from titan_vlm.optim import clip_grad_norm_
     from titan_vlm.parallel.pipeline import Pipeline, StagePlan
 
-    base = get_flavor("debug")
+    base = get_flavor("debug_moe" if moe else "debug")
     decoder = dataclasses.replace(base.decoder, n_layers=n_layers, tie_embeddings=tie)
+    if decoder.moe is not None:  # a balance loss that weighs in the routers' gradients
+        decoder = dataclasses.replace(
+            decoder, moe=dataclasses.replace(decoder.moe, aux_loss_coef=1.0)
+        )
     args = dataclasses.replace(base, decoder=decoder)
     t = Training(lr=1e-3, warmup_steps=0, steps=10, max_norm=1.0, seq_len=seq_len)
     rows = microbatches * rows_per_microbatch  # a dp rank's, a step
@@ -1626,8 +1639,27 @@ def pp_parity(
     ref_losses, ref_norms = [], []
     for batch in batches:
         ref_opt.zero_grad(set_to_none=True)
-        logits, labels, _ = ref.forward_local(batch, CPContext())
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+        if moe:  # each microbatch's cross-entropy over the step's tokens, its balance over m
+            assert dp_shard == 1 and cp == 1
+            ntokens = (batch.labels != IGNORE_INDEX).sum()
+            loss = torch.zeros(())
+            for k in range(microbatches):
+                part = batch.rows(k * rows_per_microbatch, (k + 1) * rows_per_microbatch)
+                logits, labels, _ = ref.forward_local(part, CPContext())
+                ce = F.cross_entropy(
+                    logits.flatten(0, 1),
+                    labels.flatten(),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="sum",
+                )
+                router = ref.router_stats()
+                assert router is not None
+                loss = loss + ce / ntokens + aux_loss(router, None)[0] / microbatches
+        else:
+            logits, labels, _ = ref.forward_local(batch, CPContext())
+            loss = F.cross_entropy(
+                logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
+            )
         loss.backward()
         ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), t.max_norm).item())
         ref_losses.append(loss.item())
@@ -1650,6 +1682,7 @@ def pp_parity(
         torch.device("cpu"),
         CPContext(mesh.cp, options, mesh.tp, tp_options),
         torch.bfloat16 if mixed_precision == "bf16" else torch.float32,
+        mesh.job.get_group(),
     )
     opt = build_optimizer(model, t)
     losses, norms = [], []
@@ -1669,6 +1702,7 @@ def pp_parity(
             mock.patch("titan_vlm.parallel.pipeline.sum_tied_grads")
             if tied_grads_not_summed
             else contextlib.nullcontext(),
+            _carrier_detached() if carrier_detached else contextlib.nullcontext(),
         ):
             losses.append(dist_sum(pipe.step(parts, ntokens), mesh.job.get_group()).item())
         params = list(model.parameters())
@@ -1711,6 +1745,18 @@ def pp_parity(
             for k in range(microbatches)
         ],
     }
+
+
+@contextlib.contextmanager
+def _carrier_detached() -> Iterator[None]:
+    """Balance.add taking the carrier it received without its graph."""
+    from titan_vlm.parallel.pipeline import Balance
+
+    real = Balance.add
+    with mock.patch.object(
+        Balance, "add", lambda self, carrier, *a: real(self, carrier.detach(), *a)
+    ):
+        yield
 
 
 def pp_eval(

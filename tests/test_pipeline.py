@@ -205,6 +205,22 @@ def test_stages_split_over_two_tp_ranks_train_as_one_process(
     assert_one_process(out, CP_PARAM_TOL)
 
 
+@pytest.mark.parametrize("schedule, virtual, n_layers", EVERY_SCHEDULE)
+def test_a_mixture_of_experts_decoder_trains_as_one_process(pool, schedule, virtual, n_layers):
+    """debug_moe's decoder (4 layers, 1 and 2 sparse, on different stages) at pp = 2: each stage
+    adds its routers' statistics to the carrier that crosses stages with the hidden states, and
+    the last stage's load-balancing loss sends its gradient back to every router: the loss,
+    grad norm and every gradient of one process adding each microbatch's balance loss."""
+    del n_layers  # 4: layers 0-1 and 2-3 a rank (one stage each), or one a stage
+    out = pool.run("pp_parity", pp=2, moe=True, schedule=schedule, virtual=virtual, n_layers=4)
+    assert_one_process(out)
+    for o in out:  # a sparse layer on each rank
+        assert sum(n.endswith("router.weight") for n in o["names"]) == 1
+    if schedule == "1F1B":  # control: the first stage's router misses the balance gradient
+        wrong = pool.run("pp_parity", pp=2, moe=True, n_layers=4, steps=1, carrier_detached=True)
+        assert wrong[0]["grad_err"]["decoder"] > 100 * TOL
+
+
 def test_image_grads_not_summed_over_cp_fail_the_pipeline_parity(pool):
     out = pool.run("pp_parity", pp=2, cp=2, image_grads_not_summed=True)
     first_stage = [o for o in out if any(n.startswith("vision.") for n in o["names"])]
@@ -378,6 +394,56 @@ def test_validation_runs_the_stages_forward_only(pool, tmp_path, schedule, cp):
         got = {h["step"]: h["validation_loss"] for h in out if "validation_loss" in h}
         assert got == pytest.approx(want, rel=TOL)
         assert losses(out) == pytest.approx(losses(one), rel=TOL)
+
+
+@pytest.mark.parametrize("dp, cp, ep", [(1, 1, 1), (1, 2, 1), (2, 1, 2)])
+def test_the_trainer_with_experts_at_pp_2_follows_its_accumulation_without_stages(
+    pool, tmp_path, dp, cp, ep
+):
+    """debug_moe at pp = 2 (4 microbatches of 1 row a step a dp rank; with cp = 2 the balance
+    loss over both cp ranks' tokens; with dp_shard = 2 x ep = 2 each stage's experts split over
+    its 2 dp ranks, their tokens exchanged within the stage): the losses, grad norms and expert
+    load metrics (moe_aux_loss, moe_load_max) of the same layout without stages accumulating
+    the same rows one at a time (each microstep's balance loss as each microbatch's), on every
+    rank."""
+    run = dict(
+        RUN,
+        model__flavor="debug_moe",
+        training__local_batch_size=1,
+        training__global_batch_size=4 * dp,
+    )
+    mesh = dict(dp_shard=dp, cp=cp, ep=ep)
+    one = pool.run("train_run", job__dump_folder=str(tmp_path / "a"), **mesh, **run)[0]
+    staged = pool.run("train_run", pp=2, job__dump_folder=str(tmp_path / "b"), **mesh, **run)
+    keys = ("loss", "grad_norm", "moe_aux_loss", "moe_load_max")
+    for out in staged:
+        for got, want in zip(out, one, strict=True):
+            for key in keys:
+                assert got[key] == pytest.approx(want[key], rel=TOL), (key, got[key], want[key])
+
+
+def test_the_trainer_at_pp_2_x_hsdp_follows_hsdp_without_stages(pool, tmp_path):
+    """pp = 2 x dp_replicate = 2 (HSDP: each stage's units replicated over the 2 replicas, their
+    gradients all-reduced; 4 ranks): the losses and grad norms of dp_replicate = 2 without
+    stages, on every rank."""
+    rows = dict(RUN, training__local_batch_size=2)
+    one = pool.run(
+        "train_run", dp_shard=1, cp=1, dp_replicate=2, job__dump_folder=str(tmp_path), **rows
+    )[0]
+    staged = pool.run(
+        "train_run",
+        dp_shard=1,
+        cp=1,
+        dp_replicate=2,
+        pp=2,
+        job__dump_folder=str(tmp_path / "pp"),
+        **rows,
+    )
+    assert len(staged) == 4
+    for out in staged:
+        for got, want in zip(out, one, strict=True):
+            assert got["loss"] == pytest.approx(want["loss"], rel=TOL)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL)
 
 
 def test_a_checkpoint_resumes_at_another_pipeline_layout(pool, tmp_path):
@@ -572,7 +638,6 @@ def test_initial_weights_load_into_the_stages(pool, tmp_path):
             2,
             "'InterleavedZeroBubble' with training.mixed_precision='bf16': not yet",
         ),
-        (["--model.flavor=debug_moe"], 2, "a mixture-of-experts decoder: not yet"),
         (
             ["--model.name=qwen3_vl", "--parallelism.pipeline_parallel_stage_layers=1,2"],
             2,
@@ -641,3 +706,9 @@ def test_a_pipeline_config_validates():
     ]
     for name in ("llava", "qwen2_5_vl", "qwen3_vl"):
         assert validate_job(load_config([*every_family, f"--model.name={name}"]), 2).pp == 2
+    experts = [
+        "--model.flavor=debug_moe",
+        "--parallelism.data_parallel_shard_degree=2",
+        "--parallelism.expert_parallel_degree=2",
+    ]
+    assert validate_job(load_config([*every_family, *experts]), 4).ep == 2

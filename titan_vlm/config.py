@@ -258,9 +258,10 @@ class Parallelism:
     ranks; every family (Qwen3-VL's DeepStack layers on the first stage), tied embeddings (a
     copy on the first and last stages, their gradients summed), Hugging Face weights and
     checkpoint.initial_load_path (each rank reads its stages'), compile and activation
-    checkpointing of each stage's blocks, bf16, validation (the schedule forward only); a
-    checkpoint resumes at any pipeline layout. Not yet with expert parallelism, a
-    mixture-of-experts decoder, or validation with gradient accumulation (one-line errors)."""
+    checkpointing of each stage's blocks, bf16, validation (the schedule forward only), a
+    mixture-of-experts decoder (its load-balancing loss over every stage's routers) with expert
+    parallelism within each stage; a checkpoint resumes at any pipeline layout. Not yet with
+    validation and gradient accumulation together (a one-line error)."""
     pipeline_parallel_schedule: PPSchedule = "1F1B"
     """torch.distributed.pipelining's schedule: "GPipe" (every forward, then every backward),
     "1F1B" (one forward, one backward: at most `degree` microbatches' activations alive; needs

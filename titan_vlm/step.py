@@ -165,9 +165,10 @@ def train_step(
     loss = torch.zeros((), device=batch.tokens.device)
     layouts: list[SeqLayout] = []
     loads: list[ExpertLoad] = []
-    if pipeline is not None:  # the stages' schedule runs every microbatch (no MoE yet)
+    if pipeline is not None:  # the stages' schedule runs every microbatch
         loss = dist_sum(pipeline.step(parts, ntokens), mesh.job.get_group())
         layouts = pipeline.layouts
+        loads = [ExpertLoad(float(aux), counts) for aux, counts in pipeline.loads]
     else:
         for k, part in enumerate(parts):
             last = k == microbatches - 1

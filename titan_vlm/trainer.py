@@ -567,6 +567,7 @@ class Trainer(Stateful):
             self.device,
             CPContext(self.mesh.cp, self.cp, self.mesh.tp, self.tp),
             torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32,
+            self.mesh.job.get_group(),
         )
         logger.info(
             "pipeline parallel: %d ranks x %d stage(s), %s over %d microbatches of %d row(s) a "

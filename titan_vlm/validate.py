@@ -139,12 +139,6 @@ def _validate_pipeline(cfg: JobConfig, dims: ParallelDims, args: object) -> None
             )
         return
     what = f"{key}_degree={dims.pp}"
-    if dims.ep > 1:
-        raise ConfigError(
-            f"{what} with parallelism.expert_parallel_degree={dims.ep}: pipeline parallelism runs "
-            "with data, context and tensor parallelism (FSDP, HSDP, CP, TP) so far, not yet with "
-            "expert parallelism"
-        )
     t = cfg.training
     steps = accumulation_steps(t, dims.dp_replicate * dims.dp_shard)
     if cfg.validation.enable and steps > 1:
@@ -154,8 +148,6 @@ def _validate_pipeline(cfg: JobConfig, dims: ParallelDims, args: object) -> None
             "whose microbatches are a step's rows)"
         )
     decoder = getattr(args, "decoder")  # noqa: B009 - every family's args hold its DecoderArgs
-    if decoder.moe is not None:
-        raise ConfigError(f"{what} with a mixture-of-experts decoder: not yet")
     sharded = dims.dp_replicate * dims.dp_shard * dims.cp * dims.tp > 1
     if p.pipeline_parallel_schedule in ZERO_BUBBLE and (
         sharded or cfg.training.mixed_precision != "fp32"

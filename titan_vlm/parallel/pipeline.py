@@ -53,9 +53,12 @@ tensor parallelism each stage's blocks, embeddings and head are split over its t
 without stages, each (stage, tp rank) sending its (whole, replicated) hidden states to the next
 stage's rank of the same tp rank; with sequence parallelism each stage's run of blocks cuts
 the sequence at its first block and gathers it after its last (tensor_parallel.py
-apply_decoder_tp), so what crosses stages is whole. Not yet (refused where it is asked for):
-expert parallelism with it, mixture-of-experts decoders. Validation runs the same schedule
-forward only (`evaluate`: torch's schedule.eval) over a validation batch's microbatches.
+apply_decoder_tp), so what crosses stages is whole. A mixture-of-experts decoder's
+load-balancing loss couples every sparse layer, so each stage adds its routers' statistics to a
+carrier that crosses stages with the hidden states and the last stage computes the loss
+(`Balance`); with expert parallelism each stage's experts are split over its dp x cp ranks as
+without stages. Validation runs the same schedule forward only (`evaluate`: torch's
+schedule.eval) over a validation batch's microbatches.
 """
 
 from __future__ import annotations
@@ -74,7 +77,8 @@ from titan_vlm.config import JobConfig, PPSchedule
 from titan_vlm.data.batch import IGNORE_INDEX
 from titan_vlm.distributed import dist_sum, local_tensor
 from titan_vlm.layout import LayoutCost
-from titan_vlm.models.common.text_args import DecoderArgs
+from titan_vlm.models.common.moe import RouterStats, balance_loss
+from titan_vlm.models.common.text_args import DecoderArgs, MoEArgs
 from titan_vlm.models.spec import VisionLanguageModel
 from titan_vlm.parallel.context_parallel import CPContext, sync_broadcast_vision_grads
 
@@ -244,8 +248,6 @@ class StagePlan:
         Face tensor as without stages); the first and last stages each hold a copy, whose
         gradients `Pipeline.step` sums."""
         decoder = model.decoder
-        if decoder.args.moe is not None:
-            raise ValueError("pipeline parallelism: a mixture-of-experts decoder (not yet)")
         kept = {i for s in self.stages for i in self.layers[s]}
         last = self.holds(self.num_stages - 1)
         if not self.holds(0):
@@ -425,13 +427,53 @@ def wire_slots(rows: int, seq_len: int, cp: int, multiple: int = 1) -> int:
     return rows * seq_len * (2 if rows == 1 else 3) + pad
 
 
+@dataclass(frozen=True)
+class Balance:
+    """A mixture-of-experts decoder's load-balancing loss (models/common/moe.py aux_loss) across
+    stages. It couples every sparse layer (each expert's picks and router probabilities summed
+    over all of them), so each stage adds its layers' statistics to a carrier that crosses
+    stages with the hidden states, [1 + sparse layers, E] fp32: row 0 the probabilities' sums
+    (with their graph: the last stage's loss sends their gradient back through the stages to
+    each router), row 1 + j the picks of sparse layer j (detached). The last stage computes
+    each microbatch's loss from it (moe.py balance_loss over `group`, dp x cp: the global
+    microbatch's tokens), over `microbatches` as the trainer's accumulation does per microstep:
+    the loss is a pipeline microbatch's, as without stages a microstep's of the same rows."""
+
+    args: MoEArgs
+    sparse: tuple[int, ...]  # the decoder's sparse layers in order: rows 1.. of the carrier
+    microbatches: int
+    group: dist.ProcessGroup | None
+
+    def empty(self, device: torch.device | str) -> torch.Tensor:
+        return torch.zeros(1 + len(self.sparse), self.args.num_experts, device=device)
+
+    def add(self, carrier: torch.Tensor, router: RouterStats | None, layers: range) -> torch.Tensor:
+        """`carrier` with the statistics of a stage's forward over `layers` added."""
+        if router is None:  # no sparse layer among them
+            return carrier.clone()
+        rows = [1 + self.sparse.index(i) for i in layers if i in self.sparse]
+        picks = torch.zeros_like(carrier[1:]).index_copy(
+            0, torch.tensor(rows, device=carrier.device) - 1, router.stats[:, 0].detach()
+        )
+        return carrier + torch.cat([router.stats[:, 1].sum(dim=0, keepdim=True), picks])
+
+    def loss(self, carrier: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The microbatch's share of the loss over the step (over `microbatches`), the
+        microbatch's aux (detached, global) and its global picks [sparse layers, E]."""
+        share, aux, counts = balance_loss(carrier[0], carrier[1:].detach(), self.args, self.group)
+        return share / self.microbatches, aux, counts
+
+
 class StageModule(nn.Module):
     """Stage `stage` of `num_stages` of `model` (pruned: `prune`), as a PipelineStage runs it:
-    `forward(x, mb)` with `mb` the microbatch's number [1] (every stage's keyword input) and `x`
-    stage 0's copy of it, or the hidden states [slots, dim] the stage before sent (flattened
-    [rows, length, dim], padded); returns the hidden states so, or on the last stage the
-    microbatch's summed loss over N. `table`: this step's microbatches (set before each schedule
-    step); `ctx`: the cp rank's groups and choices (stage 0 encodes the images through it)."""
+    `forward(x, *carrier, mb)` with `mb` the microbatch's number [1] (every stage's keyword
+    input) and `x` stage 0's copy of it, or the hidden states [slots, dim] the stage before sent
+    (flattened [rows, length, dim], padded); returns the hidden states so, or on the last stage
+    the microbatch's summed loss over N. With a mixture-of-experts decoder (`balance`) the
+    router statistics' carrier comes after the hidden states, in and out (`Balance`), and the
+    last stage adds the load-balancing loss and keeps each microbatch's (`loads`). `table`:
+    this step's microbatches (set before each schedule step); `ctx`: the cp rank's groups and
+    choices (stage 0 encodes the images through it)."""
 
     def __init__(
         self,
@@ -441,10 +483,13 @@ class StageModule(nn.Module):
         layers: range,
         slots: int,
         ctx: CPContext,
+        balance: Balance | None = None,
     ):
         super().__init__()
         self.first, self.last = stage == 0, stage == num_stages - 1
-        self.layers, self.slots, self.ctx = layers, slots, ctx
+        self.layers, self.slots, self.ctx, self.balance = layers, slots, ctx, balance
+        # the last stage's (aux, global picks) of each microbatch of the step, by number
+        self.loads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.model = [model]  # not a submodule: the stage's own modules are registered below
         decoder = model.decoder
         own: dict[str, nn.Module] = {f"layer_{i}": decoder.layers[i] for i in layers}
@@ -456,22 +501,36 @@ class StageModule(nn.Module):
         self.own = nn.ModuleDict(own)  # what this stage's backward and optimizer see
         self.table: list[Microbatch] = []
 
-    def forward(self, x: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
-        m, model = self.table[int(mb[0])], self.model[0]
+    def forward(
+        self, x: torch.Tensor, *carried: torch.Tensor, mb: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        k = int(mb[0])
+        m, model = self.table[k], self.model[0]
         if self.first:
             embeds = self.ctx.encode_images(model, m.images)
             h = model.decode_stage(m.tokens, embeds, m.layout, None, self.layers, self.last)
         else:
             h = x[: m.slots].view(m.tokens.shape[0], m.length, -1)
             h = model.decode_stage(m.tokens, None, m.layout, h, self.layers, self.last)
+        carrier = None
+        if self.balance is not None:
+            before = carried[0] if carried else self.balance.empty(h.device)
+            carrier = self.balance.add(before, model.router_stats(), self.layers)
         if not self.last:
-            return F.pad(h.reshape(m.slots, -1), (0, 0, 0, self.slots - m.slots))
-        return F.cross_entropy(
+            h = F.pad(h.reshape(m.slots, -1), (0, 0, 0, self.slots - m.slots))
+            return h if carrier is None else (h, carrier)
+        loss = F.cross_entropy(
             h.float().flatten(0, 1),
             m.labels.flatten(),
             ignore_index=IGNORE_INDEX,
             reduction="sum",
         ) / m.ntokens.clamp(min=1)
+        if self.balance is not None and carrier is not None and torch.is_grad_enabled():
+            # training (validation's forward adds no load-balancing loss: Pipeline.evaluate)
+            share, aux, counts = self.balance.loss(carrier)
+            loss = loss + share
+            self.loads[k] = (aux, counts)
+        return loss
 
 
 def sum_tied_grads(weight: torch.Tensor, group: dist.ProcessGroup, peer: int) -> None:
@@ -519,6 +578,7 @@ class Pipeline:
         device: torch.device,
         ctx: CPContext = CPContext(),
         dtype: torch.dtype = torch.float32,
+        batch_group: dist.ProcessGroup | None = None,
     ):
         from torch.distributed.pipelining import PipelineStage, schedules
 
@@ -528,12 +588,25 @@ class Pipeline:
         cp = ctx.cp_mesh.size() if ctx.cp_mesh is not None else 1
         multiple = ctx.tp_mesh.size() if ctx.tp_mesh is not None and ctx.tp.sequence_parallel else 1
         self.slots = wire_slots(rows, seq_len, cp, multiple)
-        dim, last = model.decoder.args.dim, plan.num_stages - 1
+        decoder, last = model.decoder.args, plan.num_stages - 1
+        moe = decoder.moe
+        self.balance = (
+            Balance(moe, tuple(sorted(decoder.sparse)), n_microbatches, batch_group)
+            if moe is not None
+            else None
+        )
         self.modules: list[StageModule] = []
         stages = []
         for s in plan.stages:
-            module = StageModule(model, s, plan.num_stages, plan.layers[s], self.slots, ctx)
-            hidden = torch.empty(self.slots, dim, dtype=dtype, device="meta", requires_grad=True)
+            module = StageModule(
+                model, s, plan.num_stages, plan.layers[s], self.slots, ctx, self.balance
+            )
+            hidden = torch.empty(
+                self.slots, decoder.dim, dtype=dtype, device="meta", requires_grad=True
+            )
+            wire: tuple[torch.Tensor, ...] = (hidden,)
+            if self.balance is not None:  # the router statistics' carrier
+                wire += (self.balance.empty("meta").requires_grad_(),)
             index = torch.empty(1, dtype=torch.long, device="meta")
             stages.append(
                 PipelineStage(
@@ -541,8 +614,8 @@ class Pipeline:
                     s,
                     plan.num_stages,
                     device,
-                    input_args=(index if s == 0 else hidden,),
-                    output_args=(torch.empty((), device="meta") if s == last else hidden),
+                    input_args=(index,) if s == 0 else wire,
+                    output_args=torch.empty((), device="meta") if s == last else wire,
                     group=group,
                 )
             )
@@ -558,6 +631,9 @@ class Pipeline:
         )
         self.n_microbatches = n_microbatches
         self.layouts: list[SeqLayout] = []  # the last step's microbatches' layouts
+        # the last step's (aux, global picks [sparse layers, E]) of each microbatch, on every
+        # pipeline rank (a mixture-of-experts decoder's: `Balance`)
+        self.loads: list[tuple[torch.Tensor, torch.Tensor]] = []
         # tied embeddings: the copy of the weight this rank holds (first or last stage, never
         # both: pp > 1), whose gradient is half the one-process one (`sum_tied_grads`)
         tied = model.decoder.args.tie_embeddings and self.first != self.last
@@ -614,4 +690,19 @@ class Pipeline:
             sync_broadcast_vision_grads(self.model, cp)  # cp rank 0 ran the ViT: its gradients
         if self.tied is not None:
             sum_tied_grads(self.tied, self.group, self.plan.degree - 1 if self.first else 0)
+        if self.balance is not None:
+            self.loads = self._gather_loads(index.device)
         return dist_sum(total.float(), self.group)
+
+    def _gather_loads(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each microbatch's (aux, global picks) the last stage kept, on every pipeline rank
+        (summed over the pipeline, the others adding zeros)."""
+        assert self.balance is not None
+        shape = (len(self.balance.sparse), self.balance.args.num_experts)
+        packed = torch.zeros(self.n_microbatches, 1 + shape[0] * shape[1], device=device)
+        for module in self.modules:
+            for k, (aux, counts) in module.loads.items():
+                packed[k] = torch.cat([aux.reshape(1), counts.flatten()])
+            module.loads = {}
+        packed = dist_sum(packed, self.group)
+        return [(row[0], row[1:].view(shape)) for row in packed]

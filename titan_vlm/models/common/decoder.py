@@ -292,7 +292,8 @@ class Decoder(nn.Module):
                 h = layer(h, cos, sin, layout)
             if after is not None:
                 h = after(i, h)
-        if self.args.moe is not None:  # MoEArgs has a sparse layer: stats holds its statistics
+        # MoEArgs has a sparse layer, but a pipeline stage's `layers` may hold none
+        if self.args.moe is not None and stats:
             self.router_stats = RouterStats(torch.stack(stats), self.args.moe)
         return h
 

@@ -119,11 +119,21 @@ def aux_loss(
     sum over the group to coef x aux, and each one's gradient is this rank's part of aux's), aux
     itself (detached, the same on every rank) and the global per-layer counts [layers, E] (the
     expert load). `group` None: this process holds the whole batch."""
-    stats, m = router.stats, router.args
-    counts = _sum(stats[:, 0].detach().clone(), group)  # [layers, E]
+    stats = router.stats
+    return balance_loss(stats[:, 1].sum(dim=0), stats[:, 0].detach(), router.args, group)
+
+
+def balance_loss(
+    probs: torch.Tensor, counts: torch.Tensor, m: MoEArgs, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`aux_loss` of P (`probs` [E]: each expert's router probabilities summed over this rank's
+    tokens and the sparse layers, with their graph) and this rank's picks `counts` [layers, E]
+    (detached): what a pipeline's last stage computes from the statistics every stage added
+    (parallel/pipeline.py). Returns aux_loss's three."""
+    counts = _sum(counts.clone(), group)  # [layers, E]
     total = counts.sum() / m.top_k  # N: each token's picks count k times
     c = counts.sum(dim=0)
-    share = m.num_experts * (c * stats[:, 1].sum(dim=0)).sum() / total.clamp(min=1) ** 2
+    share = m.num_experts * (c * probs).sum() / total.clamp(min=1) ** 2
     aux = _sum(share.detach().clone(), group)
     return m.aux_loss_coef * share, aux, counts
 
