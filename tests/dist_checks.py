@@ -944,10 +944,10 @@ def train_run_keeping_a_new_key(dp_shard: int, cp: int, steps: int, **kwargs) ->
         return train_run(dp_shard, cp, steps, **kwargs)
 
 
-def train_run_warnings(dp_shard: int, cp: int, steps: int, **kwargs) -> dict:
+def train_run_warnings(dp_shard: int, cp: int, steps: int, pp: int = 1, **kwargs) -> dict:
     """train_run, also returning the warnings it logged: {"history": ..., "warnings": [...]}."""
     with _captured_warnings() as records:
-        history = train_run(dp_shard, cp, steps, **kwargs)
+        history = train_run(dp_shard, cp, steps, pp=pp, **kwargs)
     return {"history": history, "warnings": records}
 
 

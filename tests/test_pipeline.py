@@ -422,6 +422,29 @@ def test_the_trainer_with_experts_at_pp_2_follows_its_accumulation_without_stage
                 assert got[key] == pytest.approx(want[key], rel=TOL), (key, got[key], want[key])
 
 
+def test_experts_in_microbatches_smaller_than_a_microstep_are_warned_of(pool, tmp_path):
+    """debug_moe at pp = 2 in microbatches of 1 row, 2 rows a microstep: the load-balancing loss
+    is each microbatch's, which the run without stages computes over 2 rows: a warning says so
+    and what to set; microbatches of 2 rows: none."""
+    run = dict(RUN, model__flavor="debug_moe", steps=1, training__local_batch_size=2)
+    for size, warned in ((1, True), (2, False)):
+        out = pool.run(
+            "train_run_warnings",
+            dp_shard=1,
+            cp=1,
+            pp=2,
+            parallelism__pipeline_parallel_schedule="GPipe",
+            parallelism__pipeline_parallel_microbatch_size=size,
+            job__dump_folder=str(tmp_path / str(size)),
+            **run,
+        )
+        for o in out:
+            said = [w for w in o["warnings"] if "load-balancing loss is each microbatch's" in w]
+            assert bool(said) == warned, o["warnings"]
+            if warned:
+                assert "parallelism.pipeline_parallel_microbatch_size=2" in said[0]
+
+
 def test_the_trainer_at_pp_2_x_hsdp_follows_hsdp_without_stages(pool, tmp_path):
     """pp = 2 x dp_replicate = 2 (HSDP: each stage's units replicated over the 2 replicas, their
     gradients all-reduced; 4 ranks): the losses and grad norms of dp_replicate = 2 without

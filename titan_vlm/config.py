@@ -272,7 +272,8 @@ class Parallelism:
     pipeline_parallel_microbatch_size: int = 1
     """Rows a pipeline microbatch: a step's rows on a dp rank (training.local_batch_size x the
     accumulation steps) are split into microbatches of this many, each crossing the stages in
-    turn."""
+    turn. A mixture-of-experts decoder's load-balancing loss is a microbatch's: set it to
+    training.local_batch_size for the objective of the run without stages (a warning else)."""
     pipeline_parallel_stages_per_rank: int = 1
     """Stages each pipeline rank holds (Interleaved1F1B: >= 2; stage s on rank s mod degree)."""
     pipeline_parallel_stage_layers: str = ""

@@ -226,7 +226,12 @@ def validation_sums(
     over several batches is the ratio of their sums (validation_loss). Under pipeline
     parallelism the stages' schedule runs it forward only, in its microbatches."""
     if pipeline is not None:
-        rows = batch.num_rows // pipeline.n_microbatches
+        rows, rest = divmod(batch.num_rows, pipeline.n_microbatches)
+        if rest:  # validate.py keeps them whole (no accumulation with validation under pp)
+            raise ValueError(
+                f"a validation batch's {batch.num_rows} rows do not split into the pipeline's "
+                f"{pipeline.n_microbatches} microbatches"
+            )
         parts = [batch.rows(k * rows, (k + 1) * rows) for k in range(pipeline.n_microbatches)]
         loss = pipeline.evaluate(parts)  # summed over the pipeline: every stage rank has it
     else:

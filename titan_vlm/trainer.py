@@ -584,6 +584,16 @@ class Trainer(Stateful):
             else "split by the cost model",
             plan.describe(),
         )
+        if self.model.decoder.args.moe is not None and size != t.local_batch_size:
+            logger.warning(
+                "pipeline parallel: the load-balancing loss is each microbatch's (%d row(s)), "
+                "without stages each microstep's (training.local_batch_size=%d rows): set "
+                "parallelism.pipeline_parallel_microbatch_size=%d for the objective of the run "
+                "without stages (parallel/pipeline.py Balance)",
+                size,
+                t.local_batch_size,
+                t.local_batch_size,
+            )
         return pipeline
 
     def log_parallelism(self) -> None:

@@ -25,7 +25,8 @@ the loss on the last.
 
 Invariants: the loss of the step is the one process's (each microbatch's summed loss over N,
 the whole step's loss tokens: `loss_tokens`; the schedule scales nothing, scale_grads=False), so
-every pipeline degree, schedule and microbatch count computes the same gradients; a parameter
+every pipeline degree, schedule and microbatch count computes the same gradients (but for a
+mixture-of-experts decoder's load-balancing loss, which is a microbatch's: `Balance`); a parameter
 lives on one stage (a tied embedding on two: below), under its one-process name (the model is
 built whole, then `prune`d), so the gradient norm is each stage's squares summed over the
 pipeline (optim.clip_grad_norm_'s `stages`) and a checkpoint holds the one model's names.
@@ -437,7 +438,11 @@ class Balance:
     each router), row 1 + j the picks of sparse layer j (detached). The last stage computes
     each microbatch's loss from it (moe.py balance_loss over `group`, dp x cp: the global
     microbatch's tokens), over `microbatches` as the trainer's accumulation does per microstep:
-    the loss is a pipeline microbatch's, as without stages a microstep's of the same rows."""
+    the loss is a pipeline microbatch's, as without stages a microstep's of the same rows. It is
+    not linear in the picks, so it is the run's without stages only where a microbatch holds a
+    microstep's rows (pipeline_parallel_microbatch_size = training.local_batch_size; the
+    trainer warns otherwise): 1F1B's backward starts before a step's later microbatches have
+    picked, so no stage could use the step's totals."""
 
     args: MoEArgs
     sparse: tuple[int, ...]  # the decoder's sparse layers in order: rows 1.. of the carrier
