@@ -70,9 +70,15 @@ def shut_down() -> None:
     (SIGABRT; tests/test_launcher.py saw it on a loaded machine after Ctrl-C). So the groups
     go here, and `main` joins the watching thread before returning: the interpreter finalizes
     with one Python thread (test_a_worker_exits_with_only_its_main_thread), so a group freed
-    then (torch itself keeps one alive past destroy_process_group once the model is built;
-    a UserError's way out leaves them all) is freed by the finalizing thread, which may take the
-    GIL back."""
+    then (torch itself keeps one alive past destroy_process_group once the model is built) is
+    freed by the finalizing thread, which may take the GIL back. A UserError's way out (or a
+    dead loader worker's) comes here too: left to the teardown, its groups aborted a worker
+    about 1 run in 6 (test_a_user_error_inside_the_workers_is_one_line, 'terminate called
+    without an active exception' after the one-line error). The rank raised outside any
+    collective, so it has no operation in flight to wait for. Without a process group
+    (an error before init_distributed) there is nothing to free."""
+    if not dist.is_initialized():
+        return
     dist.destroy_process_group()  # shuts the groups down and forgets them
     gc.collect()  # the cycles that still hold them: the groups' last references go here
 
@@ -90,9 +96,12 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(sys.argv[1:] if argv is None else argv)
         train(cfg)
     except UserError as e:
-        sys.exit(report_user_error(e))
+        code = report_user_error(e)
+        shut_down()  # the groups freed here too, not by the interpreter's teardown
+        sys.exit(code)
     except LoaderWorkerDied as e:  # not the user's: one line, exit 1, torchrun may restart
         print(f"error: {e}", file=sys.stderr)
+        shut_down()
         sys.exit(1)
     finally:  # whichever way the worker ends, no Python thread but this one outlives it
         if watch is not None:
