@@ -149,23 +149,40 @@ class VisionLanguageModel(nn.Module, ABC):
         head: bool,
     ) -> torch.Tensor:
         """A pipeline stage's part of `decode` (parallel/pipeline.py StageModule): the first
-        stage (`h` None) builds the first block's input from `tokens` and the image `embeds` as
-        `decode` does; every stage runs the decoder blocks in `layers` on it (h [B, L, dim]); with
-        `head`, the final norm and head on the text section give the logits [B, T, vocab], else
-        h is returned. It calls the decoder's parts, each an FSDP unit of its own under pipeline
-        parallelism (parallel/parallelize.py decoder_units), never the decoder's forward. A
-        family that adds image features after decoder layers (Qwen3-VL's DeepStack) overrides
-        it; those layers are on the first stage (`first_stage_layers`)."""
+        stage (`h` None) builds the first block's input from `tokens` and the image `embeds`
+        (`stage_input`); every stage runs the decoder blocks in `layers` on it (h [B, L, dim]);
+        with `head`, the final norm and head on the text section give the logits [B, T, vocab],
+        else h is returned. It calls the decoder's parts, each an FSDP unit of its own under
+        pipeline parallelism (parallel/parallelize.py decoder_units), never the decoder's
+        forward."""
         decoder = self.decoder
+        after = None
         if h is None:
             assert embeds is not None
-            h, _ = decoder.local_sequence(
-                tokens, layout.place_images(embeds), layout, layout.inline_embeds(embeds)
+            h, after = self.stage_input(tokens, embeds, layout)
+        elif layers and layers.start < self.first_stage_layers:
+            raise ValueError(
+                f"decoder layer {layers.start} is one the family adds image features after, "
+                f"which only the first pipeline stage has (it must hold layers 0-"
+                f"{self.first_stage_layers - 1})"
             )
-        h = decoder.run_layers(h, layout, layers=layers)
+        h = decoder.run_layers(h, layout, after, layers)
         if not head:
             return h
         return decoder.output(decoder.norm(h[:, layout.num_image_tokens :]))
+
+    def stage_input(
+        self, tokens: torch.Tensor, embeds: torch.Tensor, layout: SeqLayout
+    ) -> tuple[torch.Tensor, Callable[[int, torch.Tensor], torch.Tensor] | None]:
+        """The first pipeline stage's start of `decode`: the first block's input [B, L, dim]
+        (the embeddings placed as `decode` places them) and what the family adds after a block
+        (run_layers' `after`; None: nothing). A family that adds image features after decoder
+        layers (Qwen3-VL's DeepStack) overrides it; those layers are on the first stage
+        (`first_stage_layers`)."""
+        h, _ = self.decoder.local_sequence(
+            tokens, layout.place_images(embeds), layout, layout.inline_embeds(embeds)
+        )
+        return h, None
 
     @property
     def first_stage_layers(self) -> int:

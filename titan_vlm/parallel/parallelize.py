@@ -48,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from titan_vlm.models.common.decoder import Decoder
+from titan_vlm.models.common.decoder import Decoder, holds_parameters
 from titan_vlm.models.common.moe import Experts, MoE
 
 if TYPE_CHECKING:
@@ -84,17 +84,11 @@ def decoder_units(decoder: Decoder, mesh: Mesh) -> list[nn.Module]:
     the embeddings there only name: StagePlan.prune)."""
     if mesh.pp.size() == 1:
         return [*decoder.layers, decoder]
-    units = [m for m in decoder.layers if _holds_parameters(m)]
+    units = [m for m in decoder.layers if holds_parameters(m)]
     embeddings = (
         decoder.tok_embeddings if isinstance(decoder.tok_embeddings, nn.Embedding) else None
     )
     return units + [m for m in (embeddings, decoder.norm, decoder.output) if m is not None]
-
-
-def _holds_parameters(module: nn.Module) -> bool:
-    """Whether `module` has parameters (a pipeline stage's placeholder for another stage's
-    layer has none: parallel/pipeline.py StagePlan.prune)."""
-    return any(True for _ in module.parameters())
 
 
 def apply_fsdp(
@@ -170,7 +164,7 @@ def apply_ac(stacks: list[nn.ModuleList], mode: str) -> None:
     every = 1 if mode == "full" else 2
     for layers in stacks:
         for i in range(0, len(layers), every):
-            if _holds_parameters(layers[i]):  # not another pipeline stage's placeholder
+            if holds_parameters(layers[i]):  # not another pipeline stage's placeholder
                 layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
 
 
@@ -249,7 +243,7 @@ def apply_compile(
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     for layers in stacks:
         for block in layers:
-            if not _holds_parameters(block):  # another pipeline stage's placeholder
+            if not holds_parameters(block):  # another pipeline stage's placeholder
                 continue
             if expert_parallel and any(isinstance(m, MoE) for m in block.modules()):
                 # its experts become an FSDP unit of their own (apply_fsdp: their mesh is not

@@ -68,6 +68,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titan_vlm.config import Parallelism
+from titan_vlm.models.common.decoder import holds_parameters
 
 if TYPE_CHECKING:
     from titan_vlm.models.common.decoder import Decoder
@@ -199,7 +200,7 @@ def apply_decoder_tp(decoder: Decoder, tp_mesh: DeviceMesh, sp: bool) -> None:
     # under pipeline parallelism only this rank's stages' blocks (the others are parameter-free
     # placeholders), each stage's run of consecutive blocks a stack of its own (the sequence
     # cut at its first block, gathered after its last, so the hidden states cross stages whole)
-    held = [i for i, block in enumerate(decoder.layers) if any(True for _ in block.parameters())]
+    held = [i for i, block in enumerate(decoder.layers) if holds_parameters(block)]
     for i in held:
         parallelize_module(
             decoder.layers[i], tp_mesh, sparse_plan if i in decoder.args.sparse else plan

@@ -331,6 +331,12 @@ class Decoder(nn.Module):
         return cos, sin
 
 
+def holds_parameters(block: nn.Module) -> bool:
+    """Whether `block` has parameters: a decoder layer of this rank's, not another pipeline
+    stage's parameter-free placeholder (parallel/pipeline.py StagePlan.prune)."""
+    return any(True for _ in block.parameters())
+
+
 def decoder_weight_init(d: DecoderArgs, name: str) -> Init:
     """How a weight of the decoder (held as `decoder`; its biases and norms aside) starts from
     scratch in every family: its head at dim^-0.5, its residual outputs (wo, w2) at

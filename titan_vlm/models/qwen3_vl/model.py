@@ -20,6 +20,7 @@ single-process reference that tests compare with transformers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,15 +61,20 @@ class Qwen3Decoder(MRopeDecoder):
         """Decoder.forward, and after layer j the j-th `deepstack` features added at the image
         slots (the image prefix, then the inline ones; `add_at_image_slots`)."""
         h, n_img = self.local_sequence(tokens, image_embeds, layout, inline_embeds)
-        features = deepstack or []
+        h = self.run_layers(h, layout, self.deepstack_after(deepstack or [], n_img, layout))
+        return self.output(self.norm(h[:, n_img:]))
+
+    def deepstack_after(
+        self, features: list[Features], n_img: int, layout: SeqLayout
+    ) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """run_layers' `after`: the j-th `features` added at the image slots after layer j."""
 
         def after(i: int, h: torch.Tensor) -> torch.Tensor:
             if i < len(features):
                 return self.add_at_image_slots(h, n_img, features[i], layout)
             return h
 
-        h = self.run_layers(h, layout, after)
-        return self.output(self.norm(h[:, n_img:]))
+        return after
 
     @staticmethod
     def add_at_image_slots(
@@ -122,39 +128,14 @@ class Qwen3VL(QwenVLModel):
         inlines = inline.split(dim, dim=-1) if inline is not None else (None,) * len(prefix)
         return prefix[0], inlines[0], list(zip(prefix[1:], inlines[1:], strict=True))
 
-    def decode_stage(
-        self,
-        tokens: torch.Tensor,
-        embeds: torch.Tensor | None,
-        layout: SeqLayout,
-        h: torch.Tensor | None,
-        layers: range,
-        head: bool,
-    ) -> torch.Tensor:
-        """VisionLanguageModel.decode_stage with DeepStack: feature j added after layer j, which
+    def stage_input(
+        self, tokens: torch.Tensor, embeds: torch.Tensor, layout: SeqLayout
+    ) -> tuple[torch.Tensor, Callable[[int, torch.Tensor], torch.Tensor] | None]:
+        """VisionLanguageModel.stage_input with DeepStack: feature j added after layer j, which
         the first stage holds (`first_stage_layers`: the features exist there only)."""
-        decoder = self.decoder
-        features: list[Features] = []
-        if h is None:
-            assert embeds is not None
-            prefix, inline, features = self.split_embeds(embeds, layout)
-            h, _ = decoder.local_sequence(tokens, prefix, layout, inline)
-        elif layers and layers.start < self.first_stage_layers:
-            raise ValueError(
-                f"decoder layer {layers.start} adds DeepStack features, which only the first "
-                f"pipeline stage has (it must hold layers 0-{self.first_stage_layers - 1})"
-            )
-        n_img = layout.num_image_tokens
-
-        def after(i: int, h: torch.Tensor) -> torch.Tensor:
-            if i < len(features):
-                return decoder.add_at_image_slots(h, n_img, features[i], layout)
-            return h
-
-        h = decoder.run_layers(h, layout, after, layers)
-        if not head:
-            return h
-        return decoder.output(decoder.norm(h[:, n_img:]))
+        prefix, inline, features = self.split_embeds(embeds, layout)
+        h, n_img = self.decoder.local_sequence(tokens, prefix, layout, inline)
+        return h, self.decoder.deepstack_after(features, n_img, layout)
 
     @property
     def first_stage_layers(self) -> int:

@@ -12,7 +12,7 @@ from titan_vlm.errors import ConfigError
 from titan_vlm.models.common.qwen_vl.validate import validate as qwen2_5_vl_validate
 from titan_vlm.models.qwen3_vl.args import Qwen3VLArgs
 from titan_vlm.models.qwen3_vl.video import qwen3_inputs
-from titan_vlm.parallel.pipeline import parse_stage_layers
+from titan_vlm.parallel.pipeline import balanced_split, parse_stage_layers
 from titan_vlm.parallel_dims import ParallelDims
 
 
@@ -33,12 +33,8 @@ def validate(args: Qwen3VLArgs, dims: ParallelDims, cfg: JobConfig) -> None:
     if dims.pp > 1:  # DeepStack's layers on the first stage (model.py Qwen3VL.decode_stage)
         stages = dims.pp * p.pipeline_parallel_stages_per_rank
         k, n = args.deepstack, args.decoder.n_layers
-        try:
-            if n < stages - 1 + k:
-                raise ValueError(
-                    f"{n} decoder layers cannot make {stages} pipeline stages whose first holds "
-                    f"the {k} layers DeepStack adds after"
-                )
+        try:  # the split's own checks (parallel/pipeline.py), the first stage holding k
+            balanced_split(n, stages, 0.0, 0.0, k)
             parse_stage_layers(p.pipeline_parallel_stage_layers, stages, n, k)
         except ValueError as e:
             raise ConfigError(f"parallelism.pipeline_parallel_degree={dims.pp}: {e}") from None
