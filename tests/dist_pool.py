@@ -14,6 +14,12 @@ half-finished collective cannot poison the next check.
 
 `spawn_group` and `init_gloo` are the one way this repository starts a local gloo group: the
 pool uses them, and so does benchmarks/_group.py (its one-shot groups).
+
+The pools' workers are forked from a multiprocessing fork server that has imported what the
+checks import (torch, titan_vlm, torch._dynamo) once (`PRELOAD`): a spawned worker spent about 6 s
+of a core importing them, paid again by every process of every pool started, restarted after a
+failing check, or closed to free memory, dozens of times a session. The server imports and
+runs nothing else (one thread, no process group), so what each worker inherits is fork-safe.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from typing import Any
@@ -46,6 +53,10 @@ RELEASE_ABOVE_BYTES = 2**30  # a pool process's resident memory that `_release_m
 POOLS_MEMORY_BYTES = 6 * 2**30
 CLOSE_GRACE_S = 3.0  # how long the session's end waits for the workers to leave their groups
 MESH_DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the checks' mesh keywords
+# what the pools' fork server imports once for every worker it forks (module docstring): what the
+# checks import (their own module is not on the server's path: Python 3.11's fork server drops
+# sys.path), their first optimizer (torch._dynamo) and their first aot_eager compile
+PRELOAD = ("titan_vlm.trainer", "torch._dynamo", "torch._inductor.pattern_matcher")
 
 
 def _free_port() -> int:
@@ -69,13 +80,19 @@ def init_gloo(rank: int, world: int, port: int, threads: int, timeout_s: float |
 
 
 def spawn_group(
-    target: Callable[..., None], world: int, *args: Any, daemon: bool = True
+    target: Callable[..., None],
+    world: int,
+    *args: Any,
+    daemon: bool = True,
+    ctx: BaseContext | None = None,
 ) -> list[BaseProcess]:
-    """Start `world` spawned processes running `target(rank, world, port, *args)` (the port is a
-    free one for init_gloo's rendezvous); returns them started. `daemon=False` for processes
-    that run a trainer, which forks its loader workers (data.num_workers; a daemonic process may
-    not): the caller then joins them (DistPools.close, also at exit)."""
-    ctx = mp.get_context("spawn")
+    """Start `world` processes running `target(rank, world, port, *args)` (the port is a free one
+    for init_gloo's rendezvous); returns them started. `ctx`: the multiprocessing context that
+    starts them (spawned by default; the pools' fork server, `preloaded_context`), the one any
+    queue in `args` comes from. `daemon=False` for processes that run a trainer, which forks its
+    loader workers (data.num_workers; a daemonic process may not): the caller then joins them
+    (DistPools.close, also at exit)."""
+    ctx = ctx or mp.get_context("spawn")
     port = _free_port()
     procs = [
         ctx.Process(target=target, args=(r, world, port, *args), daemon=daemon)
@@ -84,6 +101,14 @@ def spawn_group(
     for p in procs:
         p.start()
     return procs
+
+
+def preloaded_context() -> BaseContext:
+    """The multiprocessing context of the pools' workers: forked from this process's fork server,
+    which imports PRELOAD when it starts (the first worker's start; one server a process)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
 
 
 def _worker(rank: int, world: int, port: int, tasks: list[Queue], results: Queue) -> None:
@@ -139,10 +164,12 @@ class DistPool:
 
     def _start(self) -> None:
         self.asked = False  # ask_to_stop has been sent
-        ctx = mp.get_context("spawn")
+        ctx = preloaded_context()
         self.tasks = [ctx.Queue() for _ in range(self.world_size)]
         self.results = ctx.Queue()
-        self.procs = spawn_group(_worker, self.world_size, self.tasks, self.results, daemon=False)
+        self.procs = spawn_group(
+            _worker, self.world_size, self.tasks, self.results, daemon=False, ctx=ctx
+        )
 
     def signal(self, sig: signal.Signals) -> None:
         """Send `sig` to every worker still there."""

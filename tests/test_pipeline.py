@@ -34,6 +34,10 @@ TOL = 1e-5
 # (tests/test_parity.py PARAM_TOL); CP orders the sums differently (measured 1.6e-5 for the ViT at
 # pp = 2 x cp = 2)
 CP_PARAM_TOL = 1e-4
+# under CP, each parameter's gradient: the suite's CP bound (tests/test_parity.py GRAD_TOL). The
+# ring's partial sums round differently with each CPU's kernels: the decoder's measured 1.24e-5 at
+# pp = 2 x cp = 2 (Interleaved1F1B, p2p) on a Xeon with AVX512-FP16, under 1e-5 on others
+CP_GRAD_TOL = 1e-4
 
 
 # every schedule, with the stages a rank it runs and enough debug-model layers for the stages
@@ -173,7 +177,7 @@ def test_stages_over_two_cp_ranks_train_as_one_process(
         rows_per_microbatch=rows,
     )
     assert len(out) == 4
-    assert_one_process(out, CP_PARAM_TOL)
+    assert_one_process(out, CP_PARAM_TOL, CP_GRAD_TOL)
 
 
 @pytest.mark.parametrize(
@@ -202,7 +206,7 @@ def test_stages_split_over_two_tp_ranks_train_as_one_process(
     # TP sums each row-wise product over its ranks in another order: AdamW's first step turns
     # that rounding into whole-lr differences of near-zero gradient elements (1.3e-5 of the
     # ViT's weights measured; the gradients themselves within 2e-6)
-    assert_one_process(out, CP_PARAM_TOL)
+    assert_one_process(out, CP_PARAM_TOL, CP_GRAD_TOL)
 
 
 @pytest.mark.parametrize("schedule, virtual, n_layers", EVERY_SCHEDULE)
