@@ -1,7 +1,7 @@
 """Run a benchmark worker on a fresh gloo group of `size` local processes and collect what rank 0
-reports (shared by the benchmarks in this folder). The group is started the way the test pool
-starts its own (tests/dist_pool.py: spawn_group, init_gloo), the repository's one process-group
-spawner."""
+reports (shared by the benchmarks in this folder). The group is started by the repository's one
+process-group spawner (tests/dist_pool.py: spawn_group, init_gloo), spawned: a fresh interpreter
+per rank (the test pool forks its workers from a preloaded fork server instead)."""
 
 from __future__ import annotations
 

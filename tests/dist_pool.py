@@ -15,11 +15,13 @@ half-finished collective cannot poison the next check.
 `spawn_group` and `init_gloo` are the one way this repository starts a local gloo group: the
 pool uses them, and so does benchmarks/_group.py (its one-shot groups).
 
-The pools' workers are forked from a multiprocessing fork server that has imported what the
-checks import (torch, titan_vlm, torch._dynamo) once (`PRELOAD`): a spawned worker spent about 6 s
-of a core importing them, paid again by every process of every pool started, restarted after a
-failing check, or closed to free memory, dozens of times a session. The server imports and
-runs nothing else (one thread, no process group), so what each worker inherits is fork-safe.
+The pools' workers are forked from a multiprocessing fork server that has imported the checks
+(and with them torch, titan_vlm, torch._dynamo) once (`PRELOAD`): a spawned worker spent about
+5 s of a core importing them, paid again by every process of every pool started, restarted after
+a failing check, or closed to free memory (27 pool starts a session). The server runs nothing
+else (one thread, no process group), so what each worker inherits is fork-safe. It is started
+with this process's sys.path (`preloaded_context`), so it loads the same titan_vlm and checks as
+the test process does.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ import os
 import queue
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
@@ -53,10 +57,9 @@ RELEASE_ABOVE_BYTES = 2**30  # a pool process's resident memory that `_release_m
 POOLS_MEMORY_BYTES = 6 * 2**30
 CLOSE_GRACE_S = 3.0  # how long the session's end waits for the workers to leave their groups
 MESH_DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the checks' mesh keywords
-# what the pools' fork server imports once for every worker it forks (module docstring): what the
-# checks import (their own module is not on the server's path: Python 3.11's fork server drops
-# sys.path), their first optimizer (torch._dynamo) and their first aot_eager compile
-PRELOAD = ("titan_vlm.trainer", "torch._dynamo", "torch._inductor.pattern_matcher")
+# what the pools' fork server imports once for every worker it forks (module docstring): the
+# checks, what their first optimizer imports (torch._dynamo) and their first aot_eager compile
+PRELOAD = (CHECKS_MODULE, "torch._dynamo", "torch._inductor.pattern_matcher")
 
 
 def _free_port() -> int:
@@ -104,10 +107,22 @@ def spawn_group(
 
 
 def preloaded_context() -> BaseContext:
-    """The multiprocessing context of the pools' workers: forked from this process's fork server,
-    which imports PRELOAD when it starts (the first worker's start; one server a process)."""
+    """The multiprocessing context of the pools' workers: forked from this process's fork server
+    (one a process), started here if it is not running, having imported PRELOAD. Python 3.11
+    starts the server as `python -c ...` and drops the sys.path it is sent: it gets this
+    process's path through PYTHONPATH (only while it starts), or it would import titan_vlm from
+    wherever the working directory or the installed package points, and not find the checks."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
     return ctx
 
 

@@ -9,7 +9,6 @@ comes from the `SeqLayout`, so the same code runs unsharded and context-parallel
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
@@ -73,25 +72,11 @@ def inv_frequencies(head_dim: int, theta: float, rope: Rope) -> torch.Tensor:
 def rope_tables(
     head_dim: int, max_len: int, theta: float, rope: Rope
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [max_len, head_dim] (fp32, computed in float64) for each position: tensors of
-    the caller's own (copies of `_rope_tables`, so no two models share a buffer)."""
-    cos, sin = _rope_tables(head_dim, max_len, theta, rope)
-    return cos.clone(), sin.clone()
-
-
-@functools.lru_cache(maxsize=4)
-def _rope_tables(
-    head_dim: int, max_len: int, theta: float, rope: Rope
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """rope_tables' values, computed once a process for each shape: float64 cos and sin of
-    max_len x head_dim angles take ~30 ms (65536 x 32), and every model build (and to_empty)
-    asks again. On the CPU whatever the default device (a model built under
-    `torch.device("meta")` asks too): what is cached is real."""
-    with torch.device("cpu"):
-        inv_freq = inv_frequencies(head_dim, theta, rope)
-        angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos().float(), angles.sin().float()
+    """cos and sin [max_len, head_dim] (fp32, computed in float64) for each position."""
+    inv_freq = inv_frequencies(head_dim, theta, rope)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
