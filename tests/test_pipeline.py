@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 from hf_folders import save_qwen, save_qwen3
+from test_parity import GRAD_TOL, PARAM_TOL
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 
 from titan_vlm.checkpoint import main as export_main
@@ -29,15 +30,13 @@ from titan_vlm.parallel.pipeline import (
 from titan_vlm.validate import validate_job
 
 TOL = 1e-5
-# under CP, the parameters after the AdamW steps: its first step is about lr * sign(g), so
-# gradient elements near zero turn their rounding into whole-lr differences
-# (tests/test_parity.py PARAM_TOL); CP orders the sums differently (measured 1.6e-5 for the ViT at
-# pp = 2 x cp = 2)
-CP_PARAM_TOL = 1e-4
-# under CP, each parameter's gradient: the suite's CP bound (tests/test_parity.py GRAD_TOL). The
-# ring's partial sums round differently with each CPU's kernels: the decoder's measured 1.24e-5 at
-# pp = 2 x cp = 2 (Interleaved1F1B, p2p) on a Xeon with AVX512-FP16, under 1e-5 on others
-CP_GRAD_TOL = 1e-4
+# Under CP, the suite's CP bounds (tests/test_parity.py), the same ones:
+# - PARAM_TOL, the parameters after the AdamW steps: its first step is about lr * sign(g), so
+#   gradient elements near zero turn their rounding into whole-lr differences; CP orders the sums
+#   differently (measured 1.6e-5 for the ViT at pp = 2 x cp = 2);
+# - GRAD_TOL, each parameter's gradient: the ring's partial sums round differently with each CPU's
+#   kernels (the decoder's measured 1.24e-5 at pp = 2 x cp = 2, Interleaved1F1B, p2p, on a Xeon
+#   with AVX512-FP16; under 1e-5 on others).
 
 
 # every schedule, with the stages a rank it runs and enough debug-model layers for the stages
@@ -177,7 +176,7 @@ def test_stages_over_two_cp_ranks_train_as_one_process(
         rows_per_microbatch=rows,
     )
     assert len(out) == 4
-    assert_one_process(out, CP_PARAM_TOL, CP_GRAD_TOL)
+    assert_one_process(out, PARAM_TOL, GRAD_TOL)
 
 
 @pytest.mark.parametrize(
@@ -206,7 +205,7 @@ def test_stages_split_over_two_tp_ranks_train_as_one_process(
     # TP sums each row-wise product over its ranks in another order: AdamW's first step turns
     # that rounding into whole-lr differences of near-zero gradient elements (1.3e-5 of the
     # ViT's weights measured; the gradients themselves within 2e-6)
-    assert_one_process(out, CP_PARAM_TOL)
+    assert_one_process(out, PARAM_TOL)
 
 
 @pytest.mark.parametrize("schedule, virtual, n_layers", EVERY_SCHEDULE)
@@ -258,7 +257,7 @@ def test_tied_embeddings_across_the_first_and_last_stages_train_as_one_process(p
     # one process's to 2e-7, but AdamW's first step (about lr * sign(g)) turns the rounding of
     # its near-zero elements into whole-lr differences (2.7e-5 of the weight), which the second
     # step's gradients carry (1.6e-5, measured); the control misses by over 1e-2
-    tol = CP_PARAM_TOL if dp_shard > 1 else TOL
+    tol = PARAM_TOL if dp_shard > 1 else TOL
     assert_one_process(out, tol, tol)
     for o in out:
         assert "decoder.tok_embeddings.weight" in o["names"]
@@ -554,7 +553,7 @@ def test_qwen_folders_at_pp_2_train_the_curve_without_stages_and_export(
     assert exported["pp"].keys() == exported["one"].keys()
     for key, theirs in exported["pp"].items():
         want = exported["one"][key]
-        assert (theirs - want).norm() <= CP_PARAM_TOL * want.norm(), key
+        assert (theirs - want).norm() <= PARAM_TOL * want.norm(), key
     trained = [k for k in source if not torch.equal(source[k], exported["pp"][k])]
     assert len(trained) > len(source) // 2  # it trained
     if tie:  # one weight, as the source's
