@@ -9,9 +9,10 @@
    died (the kernel dropped its flock, the file still names it) is taken over with a note. A job
    that ends empties the file. (flock: one machine, or a file
    system that supports it.)
-3. Starts torchrun in its own session, so a Ctrl-C reaches only this process, and so that it
-   dies with it (PR_SET_PDEATHSIG); each worker in turn exits when torchrun is gone
-   (`die_with_parent`). Nothing of the job outlives the launcher.
+3. Starts torchrun (forked from this process, which has imported torch: `start_torchrun`) in
+   its own session, so a Ctrl-C reaches only this process, and so that it dies with it
+   (PR_SET_PDEATHSIG); each worker in turn exits when torchrun is gone (`die_with_parent`).
+   Nothing of the job outlives the launcher.
 4. SIGINT / SIGTERM: forwarded to the workers, which stop at the next step boundary (saving a
    checkpoint when checkpoint.enable), and exit 0 so that torchrun neither restarts them nor
    prints a traceback; the launcher then exits 128 + the signal. A second signal stops the workers
@@ -26,18 +27,19 @@ Workers started without the launcher (plain torchrun) print the line from rank 0
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import json
 import os
 import shlex
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+import traceback
+from collections.abc import Mapping
 from pathlib import Path
 
 from titan_vlm.config import (
@@ -48,7 +50,7 @@ from titan_vlm.config import (
     validate_failure_keys,
 )
 from titan_vlm.errors import ConfigError, UserError
-from titan_vlm.process_tree import killed_with_parent
+from titan_vlm.process_tree import exit_without_teardown, killed_with_parent
 
 LOCK_FILE = "job.lock"
 ERROR_FILE_ENV = "TITAN_VLM_ERROR_FILE"
@@ -196,15 +198,44 @@ def report_user_error(e: UserError) -> int:
     return 2
 
 
-def _die_with_launcher(launcher: int) -> Callable[[], None]:
-    """preexec_fn of torchrun: SIGKILL when the launcher dies (or has died already)."""
+def start_torchrun(args: list[str], env: dict[str, str]) -> int:
+    """torchrun (`torch.distributed.run.main(args)`) in a forked child of this launcher; its pid.
 
-    def preexec() -> None:
+    Forked, not started: the child has torch imported already (validate_launch), which a new
+    `python -m torch.distributed.run` spends 1.5 s of a core on, and it exits without the
+    interpreter's teardown (exit_without_teardown), another half second. The child leads its own
+    session, so a Ctrl-C at the terminal reaches the launcher alone (which forwards it to the
+    workers); it is killed when the launcher dies (or has died already); its environment is
+    `env`; it holds every descriptor the launcher holds, the dump folder's lock among them, and
+    its workers (torchrun starts them with close_fds) none. It ends as the torchrun command
+    would: 0 once every worker has, 1 with torchrun's traceback of the failed workers on stderr.
+    The launcher itself is one thread until here, so the child inherits no lock held mid-use."""
+    launcher = os.getpid()
+    sys.stdout.flush()  # what the launcher printed must not be printed again by the child
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    # The launcher's exit handlers are not the child's: weakref.finalize's would delete the
+    # launcher's temporary directory (and with it the workers' error file) when torchrun ends.
+    atexit._clear()
+    code: int | str | None = 1
+    try:
+        os.setsid()
         killed_with_parent()
-        if os.getppid() != launcher:
+        if os.getppid() != launcher:  # the launcher died before the line above
             os._exit(1)
+        os.environ.clear()
+        os.environ.update(env)
+        from torch.distributed.run import main as torchrun
 
-    return preexec
+        torchrun(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    except BaseException:
+        traceback.print_exc()
+    exit_without_teardown(code)
 
 
 def validate_launch(argv: list[str], env: dict[str, str]) -> tuple[JobConfig, int, int]:
@@ -291,11 +322,8 @@ def main() -> None:
             ERROR_FILE_ENV: str(error_file),
             LAUNCHER_PID_ENV: str(os.getpid()),
         }
-        agent = subprocess.Popen(
+        agent = start_torchrun(
             [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
                 *rendezvous_args(nnodes, os.environ),
                 f"--nproc_per_node={nproc}",
                 f"--max-restarts={cfg.job.max_restarts}",
@@ -303,27 +331,24 @@ def main() -> None:
                 "titan_vlm.train",
                 *argv,
             ],
-            env=env,
-            pass_fds=() if lock is None else (lock,),  # torchrun holds the lock too
-            start_new_session=True,
-            preexec_fn=_die_with_launcher(os.getpid()),
+            env,
         )
         received: list[int] = []
 
         def forward(signum: int, frame: object) -> None:
             received.append(signum)
-            workers = children(agent.pid)
+            workers = children(agent)
             for pid in workers:
                 try:
                     os.kill(pid, signum)
                 except ProcessLookupError:
                     pass
             if not workers:  # torchrun has not started them yet: stop torchrun itself
-                agent.send_signal(signal.SIGTERM)
+                os.kill(agent, signal.SIGTERM)
 
         signal.signal(signal.SIGINT, forward)
         signal.signal(signal.SIGTERM, forward)
-        rc = agent.wait()
+        rc = os.waitstatus_to_exitcode(os.waitpid(agent, 0)[1])
         if lock is not None:  # a job that ended leaves no holder: what a later job finds is stale
             os.ftruncate(lock, 0)
         if error_file.exists():
@@ -334,4 +359,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+        exit_code: int | str | None = 0
+    except SystemExit as e:
+        exit_code = e.code
+    exit_without_teardown(exit_code)  # with torch imported, the teardown is most of a second
