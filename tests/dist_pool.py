@@ -55,6 +55,14 @@ RELEASE_ABOVE_BYTES = 2**30  # a pool process's resident memory that `_release_m
 # test files), memory the torchrun tests and the CI machine need too. (It was not what made
 # those tests slow in the suite: idle workers' threads were, which DistPool.run stops.)
 POOLS_MEMORY_BYTES = 6 * 2**30
+# the threads of a pool's process above which DistPools replaces the pool (`_recycle`). Each
+# gloo process group a check makes (a mesh's dims and flattened dims, a dozen a new layout;
+# cached, so they are never freed) keeps 3 threads, one of which, gloo's tcp loop, wakes every
+# 10 ms: idle, 100 groups cost a process 9% of a core and 300 groups 24% (2 ranks, 5 s idle,
+# 2026-12-06), and by the middle of the suite a 4-rank pool's ranks held 80 to 300 groups each,
+# so every check ran 2 to 2.5 times slower than in a fresh pool. A new pool (forked from the
+# fork server, the world group only) costs about a second, and recompiles what it compiles.
+POOL_THREADS_LIMIT = 120
 CLOSE_GRACE_S = 3.0  # how long the session's end waits for the workers to leave their groups
 MESH_DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the checks' mesh keywords
 # what the pools' fork server imports once for every worker it forks (module docstring): the
@@ -142,6 +150,14 @@ def _worker(rank: int, world: int, port: int, tasks: list[Queue], results: Queue
             results.put((rank, False, traceback.format_exc()))
         _release_memory()
     dist.destroy_process_group()
+
+
+def threads(proc: BaseProcess) -> int:
+    """The threads of process `proc` (0 where it is gone)."""
+    try:
+        return len(os.listdir(f"/proc/{proc.pid}/task"))
+    except OSError:
+        return 0
 
 
 def resident_bytes(pid: int) -> int:
@@ -277,7 +293,17 @@ class DistPools:
         self._make_room(world)
         if world not in self.pools:
             self.pools[world] = DistPool(world, self.timeout_s, self.defaults)
-        return self.pools[world].run(check, **kwargs)
+        try:
+            return self.pools[world].run(check, **kwargs)
+        finally:
+            self._recycle(world)
+
+    def _recycle(self, world: int) -> None:
+        """The pool of `world` closed (killed: nothing of it is needed) once a process of it holds
+        more than POOL_THREADS_LIMIT threads; the next check of that world starts a new one."""
+        pool = self.pools.get(world)
+        if pool is not None and max(map(threads, pool.procs), default=0) > POOL_THREADS_LIMIT:
+            self.pools.pop(world).close(graceful=False)
 
     def memory(self) -> int:
         return sum(

@@ -39,14 +39,15 @@ LAYOUTS = {
         seq_len=128,
         image_attention="bidirectional",
     ),
-    # 1 K/V head per tp rank does not split over cp = 2: all-to-all expands it
-    "a2a_cp2xtp2_sp": dict(comm="a2a", cp=2, tp=2, sp=True),
+    # 1 K/V head per tp rank does not split over cp = 2: all-to-all expands it; TP blocks with SP
+    # inside the checkpoint wrapper (compiled first, then wrapped: parallelize_vlm), the tower
+    # replicated. (Two layouts until 2026-12: a2a with SP, and p2p with SP, selective AC and the
+    # tower replicated, 13 and 16 s; p2p's exchange compiled with TP is p2p_cp2xtp2_one_image.)
+    "a2a_cp2xtp2_sp_selective_ac_replicate": dict(
+        comm="a2a", cp=2, tp=2, sp=True, ac="selective", vision="replicate"
+    ),
     # no CP: the local attention op, with TP and SP
     "local_tp2_sp": dict(cp=1, tp=2, sp=True, seq_len=80),
-    # TP blocks inside the checkpoint wrapper (compiled first, then wrapped: parallelize_vlm)
-    "p2p_cp2xtp2_sp_selective_ac_replicate": dict(
-        comm="p2p", cp=2, tp=2, sp=True, ac="selective", vision="replicate"
-    ),
     "allgather_cp2xtp2_full_ac": dict(comm="allgather", cp=2, tp=2, ac="full"),
     # a rank whose TP ViT gets no image: cp rank 1 of one one-image row, and a text-only batch
     # (context_parallel.encode_images_never_empty)
