@@ -209,7 +209,8 @@ def start_torchrun(args: list[str], env: dict[str, str]) -> int:
     `env`; it holds every descriptor the launcher holds, the dump folder's lock among them, and
     its workers (torchrun starts them with close_fds) none. It ends as the torchrun command
     would: 0 once every worker has, 1 with torchrun's traceback of the failed workers on stderr.
-    The launcher itself is one thread until here, so the child inherits no lock held mid-use."""
+    The launcher itself is one thread until here, so the child inherits no lock held mid-use;
+    the child computes nothing with torch (a CUDA context the launcher's checks made is unused)."""
     launcher = os.getpid()
     sys.stdout.flush()  # what the launcher printed must not be printed again by the child
     sys.stderr.flush()
