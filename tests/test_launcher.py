@@ -86,15 +86,15 @@ def test_sigint_stops_at_a_step_boundary_with_a_checkpoint(tmp_path):
 
 
 # A worker (TORCHELASTIC_RUN_ID set: the parent watch and the signal handler are on) in one
-# process; at exit (atexit: after threading's shutdown, before the interpreter finalizes) it
-# writes the Python threads still alive.
+# process, run as `python -m titan_vlm.train` runs it (its exit_without_teardown included); at
+# exit (atexit: after threading's shutdown) it writes the Python threads still alive.
 WORKER_AT_EXIT = """
-import atexit, sys, threading
+import atexit, runpy, sys, threading
 from pathlib import Path
-atexit.register(lambda: Path(sys.argv[1]).write_text(
+atexit.register(lambda out=sys.argv[1]: Path(out).write_text(
     " ".join(sorted(t.name for t in threading.enumerate()))))
-from titan_vlm.train import main
-main(sys.argv[2:])
+sys.argv = [sys.argv[0], *sys.argv[2:]]
+runpy.run_module("titan_vlm.train", run_name="__main__", alter_sys=True)
 """
 
 

@@ -23,18 +23,19 @@ def killed_with_parent() -> None:
 def exit_without_teardown(code: int | str | None) -> NoReturn:
     """End this process as the interpreter's own exit would, less its teardown of every module.
 
-    Kept, in the interpreter's order: the other non-daemon threads are joined, the atexit
-    handlers run (multiprocessing's, the logging module's), stdout and stderr are flushed, and
-    `code` means what `sys.exit(code)` means (None: 0; a string: printed to stderr, 1).
+    Kept, in the interpreter's order: threading's exit hooks run and the other non-daemon
+    threads are joined, the atexit handlers run (multiprocessing's, the logging module's),
+    stdout and stderr are flushed, and `code` means what `sys.exit(code)` means (None: 0; a
+    string: printed to stderr, 1).
     Skipped: freeing each module and object one by one, which in a process that imported torch
     is most of a second of a core (0.5 to 0.8 s, Python 3.11 on a 2-core Xeon, 2026-12-06),
     paid by the launcher, torchrun and every worker at each job's end and restart. Only for a
     process's own entry point, once the entry has closed what it opened: a file that only a
     finalizer would flush is not flushed."""
-    main = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main and not thread.daemon:
-            thread.join()
+    # What Py_FinalizeEx calls first: threading's own exit hooks (concurrent.futures' ends the
+    # idle threads of executors never shut down, such as inductor's compile pool; joining
+    # them without it waits forever), then a join of every non-daemon thread.
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     if code is None:
         status = 0
