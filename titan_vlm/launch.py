@@ -50,7 +50,7 @@ from titan_vlm.config import (
     validate_failure_keys,
 )
 from titan_vlm.errors import ConfigError, UserError
-from titan_vlm.process_tree import exit_without_teardown, killed_with_parent
+from titan_vlm.process_tree import exit_after, exit_without_teardown, killed_with_parent
 
 LOCK_FILE = "job.lock"
 ERROR_FILE_ENV = "TITAN_VLM_ERROR_FILE"
@@ -220,7 +220,6 @@ def start_torchrun(args: list[str], env: dict[str, str]) -> int:
     # The launcher's exit handlers are not the child's: weakref.finalize's would delete the
     # launcher's temporary directory (and with it the workers' error file) when torchrun ends.
     atexit._clear()
-    code: int | str | None = 1
     try:
         os.setsid()
         killed_with_parent()
@@ -230,13 +229,10 @@ def start_torchrun(args: list[str], env: dict[str, str]) -> int:
         os.environ.update(env)
         from torch.distributed.run import main as torchrun
 
-        torchrun(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    except BaseException:
+        exit_after(lambda: torchrun(args))
+    except BaseException:  # never back into the launcher's code: reported as torchrun would
         traceback.print_exc()
-    exit_without_teardown(code)
+        exit_without_teardown(1)
 
 
 def validate_launch(argv: list[str], env: dict[str, str]) -> tuple[JobConfig, int, int]:
@@ -360,9 +356,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-        exit_code: int | str | None = 0
-    except SystemExit as e:
-        exit_code = e.code
-    exit_without_teardown(exit_code)  # with torch imported, the teardown is most of a second
+    exit_after(main)  # with torch imported, the teardown is most of a second

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import NoReturn
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -50,3 +51,13 @@ def exit_without_teardown(code: int | str | None) -> NoReturn:
         except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said
             pass
     os._exit(status)
+
+
+def exit_after(main: Callable[[], object]) -> NoReturn:
+    """Run a process's entry point `main`, then `exit_without_teardown` with the code of the
+    SystemExit it raised (0 when it returns). Any other exception propagates as it would."""
+    try:
+        main()
+    except SystemExit as e:
+        exit_without_teardown(e.code)
+    exit_without_teardown(0)

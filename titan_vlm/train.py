@@ -21,7 +21,7 @@ from titan_vlm.data.forked import LoaderWorkerDied
 from titan_vlm.distributed import init_distributed
 from titan_vlm.errors import UserError
 from titan_vlm.launch import STOP, die_with_parent, report_user_error
-from titan_vlm.process_tree import exit_without_teardown
+from titan_vlm.process_tree import exit_after
 from titan_vlm.trainer import Trainer
 from titan_vlm.validate import validate_job
 
@@ -110,9 +110,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-        exit_code: int | str | None = 0
-    except SystemExit as e:
-        exit_code = e.code
-    exit_without_teardown(exit_code)  # a worker's teardown is most of a second of a core
+    exit_after(main)  # a worker's teardown is most of a second of a core
